@@ -1,0 +1,3 @@
+from leangrpo.cli import main
+
+main()

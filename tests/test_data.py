@@ -1,0 +1,331 @@
+"""Tests for leangrpo.data: row loading and validation, prompt rendering, prompt sampling."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import datasets
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from leangrpo.data import (
+    DataError,
+    LoadedData,
+    PromptSampler,
+    has_chat_template,
+    load_rows,
+    parse_gsm8k_answer,
+    render_prompt,
+)
+
+GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_cfg(path: str | Path, **overrides: object) -> SimpleNamespace:
+    data = {
+        "path": str(path),
+        "hub_config": None,
+        "split": "train",
+        "prompt_column": "question",
+        "answer_column": "answer",
+        "answer_format": "gsm8k",
+        "system_prompt": "Think step by step.",
+        "limit": None,
+        "on_bad_row": "skip",
+    }
+    data.update(overrides)
+    return SimpleNamespace(data=SimpleNamespace(**data))
+
+
+def write_jsonl(path: Path, lines: list[bytes | dict]) -> Path:
+    """Write dicts as JSON lines and bytes verbatim (for malformed lines)."""
+    encoded = [line if isinstance(line, bytes) else json.dumps(line).encode() for line in lines]
+    path.write_bytes(b"".join(line + b"\n" for line in encoded))
+    return path
+
+
+GOOD = {"question": "What is 2+3?", "answer": "2+3=5\n#### 5", "level": 1}
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+def test_real_gsm8k_file_with_limit():
+    path = GSM8K_DIR / "test.jsonl"
+    if not path.is_file():
+        pytest.skip(f"{path} not present")
+    loaded = load_rows(make_cfg(path, limit=5))
+    assert len(loaded.rows) == 5
+    assert loaded.skipped == []
+    assert loaded.rows[0]["answer"] == "18"
+    for row in loaded.rows:
+        assert row["answer"].isdigit()
+        system, user = row["prompt"]
+        assert system == {"role": "system", "content": "Think step by step."}
+        assert user == {"role": "user", "content": row["question"]}
+
+
+def test_good_row_shape_carries_extra_columns(tmp_path):
+    path = write_jsonl(tmp_path / "one.jsonl", [GOOD])
+    (row,) = load_rows(make_cfg(path, system_prompt=None)).rows
+    assert row == {
+        "prompt": [{"role": "user", "content": "What is 2+3?"}],
+        "question": "What is 2+3?",
+        "answer": "5",
+        "level": 1,
+    }
+
+
+@pytest.fixture
+def bad_jsonl(tmp_path) -> Path:
+    return write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            GOOD,  # line 1
+            {"question": "  ", "answer": "#### 1"},  # 2: empty question
+            {"question": "No answer?"},  # 3: missing answer
+            b'{"question": "unterminated',  # 4: invalid JSON
+            b'{"question": "\xff\xfe", "answer": "#### 2"}',  # 5: not UTF-8
+            {"question": "Q", "answer": "the answer is 3"},  # 6: no ####
+            b"[1, 2]",  # 7: not an object
+            b"   ",  # 8: blank, not a row
+            {"question": "Last?", "answer": "#### 1,000"},  # 9
+        ],
+    )
+
+
+def test_skip_reports_every_bad_row_with_its_line(bad_jsonl, caplog):
+    with caplog.at_level(logging.WARNING, logger="leangrpo.data"):
+        loaded = load_rows(make_cfg(bad_jsonl))
+    assert [row["answer"] for row in loaded.rows] == ["5", "1000"]
+    expected = [
+        (2, "empty 'question'"),
+        (3, "missing 'answer'"),
+        (4, "invalid JSON"),
+        (5, "not valid UTF-8"),
+        (6, "no '####' in 'answer'"),
+        (7, "not a JSON object"),
+    ]
+    for reason, (line, problem) in zip(loaded.skipped, expected, strict=True):
+        assert reason.startswith(f"{bad_jsonl}:{line}: {problem}")
+    assert loaded.skip_summary().startswith(f"skipped 6 bad row(s) (first: {bad_jsonl}:2:")
+    assert "skipped 6 bad row(s)" in caplog.text
+
+
+def test_error_mode_stops_at_first_bad_row(bad_jsonl):
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: empty 'question'"):
+        load_rows(make_cfg(bad_jsonl, on_bad_row="error"))
+
+
+def test_limit_counts_valid_rows(bad_jsonl):
+    loaded = load_rows(make_cfg(bad_jsonl, limit=1))
+    assert len(loaded.rows) == 1
+    assert loaded.skipped == []
+
+
+def test_missing_local_file(tmp_path):
+    for path in (tmp_path / "nope.jsonl", "./data/train", "owner/name.parquet"):
+        with pytest.raises(DataError, match="data file not found"):
+            load_rows(make_cfg(path))
+
+
+def test_unsupported_file_type(tmp_path):
+    path = tmp_path / "data.csv"
+    path.write_text("question,answer\n")
+    with pytest.raises(DataError, match="unsupported data file type '.csv'"):
+        load_rows(make_cfg(path))
+
+
+def test_column_typo_lists_columns_found(tmp_path):
+    path = write_jsonl(tmp_path / "typo.jsonl", [GOOD])
+    with pytest.raises(DataError) as info:
+        load_rows(make_cfg(path, prompt_column="questoin"))
+    message = str(info.value)
+    assert f"{path}:1:" in message
+    assert "'questoin' (data.prompt_column) not found" in message
+    assert "question, answer, level" in message
+
+
+def test_zero_usable_rows(tmp_path):
+    path = write_jsonl(tmp_path / "allbad.jsonl", [{"question": "Q", "answer": "no marker"}])
+    with pytest.raises(DataError, match=r"no usable rows in .*allbad\.jsonl; skipped 1 bad row"):
+        load_rows(make_cfg(path))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="no usable rows"):
+        load_rows(make_cfg(empty))
+
+
+def test_parquet_custom_columns_raw_answers(tmp_path):
+    path = tmp_path / "train.parquet"
+    datasets.Dataset.from_list(
+        [
+            {"problem": "Six times seven?", "solution": 42, "source": "a"},
+            {"problem": "Broken", "solution": None, "source": "b"},
+            {"problem": "One plus one?", "solution": 2, "source": "c"},
+        ]
+    ).to_parquet(str(path))
+    cfg = make_cfg(path, prompt_column="problem", answer_column="solution", answer_format="raw")
+    loaded = load_rows(cfg)
+    assert [(r["question"], r["answer"], r["source"]) for r in loaded.rows] == [
+        ("Six times seven?", "42", "a"),
+        ("One plus one?", "2", "c"),
+    ]
+    assert "problem" not in loaded.rows[0]
+    assert loaded.skipped == [f"{path} row 1: empty 'solution'"]
+
+
+def test_hub_load_failure_is_one_line_data_error(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub\n(more detail)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError) as info:
+        load_rows(make_cfg("openai/gsm8k", hub_config="main"))
+    message = str(info.value)
+    assert "\n" not in message
+    assert "'openai/gsm8k'" in message
+    assert "ConnectionError" in message
+    assert "local .jsonl" in message
+
+
+def test_hub_load_success(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def fake_load(path, name, split):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list([GOOD, {"question": "", "answer": "#### 1", "level": 2}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    loaded = load_rows(make_cfg("openai/gsm8k", hub_config="main", split="test"))
+    assert calls == [("openai/gsm8k", "main", "test")]
+    assert [r["answer"] for r in loaded.rows] == ["5"]
+    assert loaded.skipped == ["openai/gsm8k[test] row 1: empty 'question'"]
+
+
+def test_loaded_data_summary_empty_when_nothing_skipped():
+    assert LoadedData(rows=[{}]).skip_summary() == ""
+
+
+@pytest.mark.parametrize(
+    ("answer", "gold"),
+    [
+        ("She pays 500 + 500 = 1,000.\n#### 1,000", "1000"),
+        ("#### 72", "72"),
+        ("a #### 1 then #### 2 ", "2"),
+        ("no marker here", None),
+    ],
+)
+def test_parse_gsm8k_answer(answer, gold):
+    assert parse_gsm8k_answer(answer) == gold
+
+
+# --- prompt rendering ------------------------------------------------------------------------
+
+
+def tiny_tokenizer(chat_template: str | None) -> PreTrainedTokenizerFast:
+    vocab = {"[UNK]": 0, "Question": 1, "Answer": 2}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
+
+
+def test_render_prompt_with_chat_template():
+    tokenizer = tiny_tokenizer(CHATML)
+    assert has_chat_template(tokenizer)
+    text = render_prompt(tokenizer, MESSAGES, assistant_prefix="<reasoning>\n")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\n2+3?<|im_end|>\n"
+        "<|im_start|>assistant\n<reasoning>\n"
+    )
+
+
+def test_render_prompt_plain_fallback():
+    tokenizer = tiny_tokenizer(None)
+    assert not has_chat_template(tokenizer)
+    assert render_prompt(tokenizer, MESSAGES) == "Be brief.\n\nQuestion: 2+3?\nAnswer:"
+    assert render_prompt(tokenizer, MESSAGES[1:], "<reasoning>\n") == (
+        "Question: 2+3?\nAnswer: <reasoning>\n"
+    )
+    few_shot = [
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2+3?"},
+    ]
+    expected = "Question: 1+1?\nAnswer: 2\n\nQuestion: 2+3?\nAnswer:"
+    assert render_prompt(tokenizer, few_shot) == expected
+
+
+# --- sampling --------------------------------------------------------------------------------
+
+
+def stream(num_rows: int, per_step: int, world: int, steps: int, seed: int = 0) -> list[int]:
+    """Indices of all ranks over `steps` steps, in stream order."""
+    samplers = [PromptSampler(num_rows, per_step, seed, rank, world) for rank in range(world)]
+    return [i for step in range(steps) for s in samplers for i in s.indices(step)]
+
+
+def test_sampler_follows_documented_epoch_permutations():
+    expected = [
+        *torch.randperm(10, generator=torch.Generator().manual_seed(7)).tolist(),
+        *torch.randperm(10, generator=torch.Generator().manual_seed(8)).tolist(),
+    ]
+    assert stream(10, per_step=2, world=2, steps=5, seed=7) == expected
+
+
+def test_sampler_is_deterministic_and_seeded():
+    a = PromptSampler(100, 8, seed=3)
+    assert a.indices(4) == PromptSampler(100, 8, seed=3).indices(4)
+    assert a.indices(4) != PromptSampler(100, 8, seed=4).indices(4)
+    assert a.indices(4) != a.indices(5)
+
+
+def test_sampler_ranks_disjoint_and_epoch_covers_every_row_once():
+    per_step, world, num_rows = 3, 4, 36  # 3 steps per epoch
+    for step in range(3):
+        seen = [set(PromptSampler(num_rows, per_step, 0, r, world).indices(step)) for r in range(4)]
+        assert sum(len(s) for s in seen) == per_step * world
+        assert len(set().union(*seen)) == per_step * world
+    assert sorted(stream(num_rows, per_step, world, steps=3)) == list(range(num_rows))
+
+
+def test_sampler_wraps_across_epochs_when_rows_fewer_than_a_step():
+    num_rows = 3
+    indices = stream(num_rows, per_step=2, world=2, steps=3)  # 12 slots = 4 epochs
+    epochs = [indices[i : i + num_rows] for i in range(0, len(indices), num_rows)]
+    assert all(sorted(epoch) == [0, 1, 2] for epoch in epochs)
+    assert PromptSampler(1, 4, seed=0).indices(2) == [0, 0, 0, 0]
+
+
+def test_sampler_resume_matches_uninterrupted_run():
+    uninterrupted = PromptSampler(50, 4, seed=1, rank=1, world_size=2)
+    history = [uninterrupted.indices(step) for step in range(20)]
+    resumed = PromptSampler(50, 4, seed=1, rank=1, world_size=2)
+    assert resumed.indices(17) == history[17]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(0, 4, 0), (10, 0, 0), (10, 4, 0, 2, 2), (10, 4, 0, -1, 2), (10, 4, 0, 0, 0)],
+)
+def test_sampler_rejects_bad_arguments(args):
+    with pytest.raises(ValueError):
+        PromptSampler(*args)

@@ -1,0 +1,497 @@
+"""Unit tests for the pure GRPO math in leangrpo.grpo, checked against hand-computed numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from leangrpo.grpo import (
+    LossStats,
+    group_advantages,
+    grpo_loss,
+    kl_k3,
+    mask_after_eos,
+    token_logprobs,
+)
+
+LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
+
+
+def close(actual, expected, atol=1e-6, rtol=1e-6):
+    torch.testing.assert_close(
+        torch.as_tensor(actual, dtype=torch.float64),
+        torch.as_tensor(expected, dtype=torch.float64),
+        atol=atol,
+        rtol=rtol,
+    )
+
+
+# --------------------------------------------------------------------------- mask_after_eos
+
+
+def test_mask_after_eos_in_middle_keeps_eos_and_masks_rest():
+    ids = torch.tensor([[5, 6, 2, 7, 2, 8]])
+    mask, has_eos = mask_after_eos(ids, [2])
+    assert mask.tolist() == [[1, 1, 1, 0, 0, 0]]
+    assert has_eos.tolist() == [True]
+
+
+def test_mask_after_eos_without_eos_is_all_ones():
+    ids = torch.tensor([[5, 6, 7, 8], [9, 9, 9, 9]])
+    mask, has_eos = mask_after_eos(ids, [2])
+    assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    assert has_eos.tolist() == [False, False]
+
+
+def test_mask_after_eos_at_position_zero():
+    ids = torch.tensor([[2, 5, 6, 7]])
+    mask, has_eos = mask_after_eos(ids, [2])
+    assert mask.tolist() == [[1, 0, 0, 0]]
+    assert has_eos.tolist() == [True]
+
+
+def test_mask_after_eos_multiple_eos_ids_first_one_wins():
+    ids = torch.tensor(
+        [
+            [5, 3, 6, 2, 7],  # id 3 first, at position 1
+            [5, 6, 2, 3, 7],  # id 2 first, at position 2
+            [5, 6, 7, 8, 9],  # none
+            [5, 6, 7, 8, 3],  # last position
+        ]
+    )
+    mask, has_eos = mask_after_eos(ids, [2, 3])
+    assert mask.tolist() == [
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1],
+    ]
+    assert has_eos.tolist() == [True, True, False, True]
+
+
+# --------------------------------------------------------------------------- group_advantages
+
+
+def test_group_advantages_scale_group_hand_computed():
+    # Group 1: [0, 1, 2] -> mean 1, unbiased std sqrt((1 + 0 + 1) / 2) = 1.
+    # Group 2: [1, 1, 1] -> mean 1, std 0 -> all-zero advantages.
+    rewards = torch.tensor([0.0, 1.0, 2.0, 1.0, 1.0, 1.0])
+    adv, std = group_advantages(rewards, num_generations=3, scale_rewards="group")
+    a = 1.0 / (1.0 + 1e-4)  # 0.99990001
+    close(adv, [-a, 0.0, a, 0.0, 0.0, 0.0])
+    close(std, [1.0, 0.0])
+    assert adv.shape == (6,) and std.shape == (2,)
+
+
+def test_group_advantages_scale_group_uses_unbiased_std_and_eps():
+    # [1, 2]: mean 1.5, unbiased std sqrt(0.5) = 0.70710678 (biased would be 0.5).
+    rewards = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    adv, std = group_advantages(rewards, num_generations=2)
+    a = 0.7070067953  # 0.5 / (0.70710678 + 1e-4)
+    close(adv, [-a, a, -a, a])
+    close(std, [0.7071067812, 0.7071067812])
+
+
+def test_group_advantages_custom_eps():
+    rewards = torch.tensor([0.0, 2.0])  # mean 1, unbiased std sqrt(2)
+    adv, _ = group_advantages(rewards, num_generations=2, eps=0.5)
+    a = 1.0 / (math.sqrt(2.0) + 0.5)  # 0.52241
+    close(adv, [-a, a])
+
+
+def test_group_advantages_scale_batch_hand_computed():
+    # Centred by group mean, scaled by the std of the whole batch:
+    # batch [0, 1, 2, 1, 1, 1] has mean 1 and unbiased std sqrt(2 / 5) = 0.63245553.
+    rewards = torch.tensor([0.0, 1.0, 2.0, 1.0, 1.0, 1.0])
+    adv, std = group_advantages(rewards, num_generations=3, scale_rewards="batch")
+    a = 1.5808888696  # 1 / (0.63245553 + 1e-4)
+    close(adv, [-a, 0.0, a, 0.0, 0.0, 0.0])
+    close(std, [1.0, 0.0])  # the group std is still reported
+
+
+def test_group_advantages_scale_none_only_centres():
+    rewards = torch.tensor([0.0, 1.0, 2.0, 5.0, 1.0, 3.0])
+    adv, std = group_advantages(rewards, num_generations=3, scale_rewards="none")
+    # group means 1 and 3
+    close(adv, [-1.0, 0.0, 1.0, 2.0, -2.0, 0.0])
+    close(std, [1.0, 2.0])
+
+
+def test_group_advantages_equal_rewards_give_zero():
+    rewards = torch.tensor([0.7, 0.7, 0.7, 0.7, -3.0, -3.0, -3.0, -3.0])
+    for scale in ("group", "batch", "none"):
+        adv, std = group_advantages(rewards, num_generations=4, scale_rewards=scale)
+        close(adv, [0.0] * 8)
+        close(std, [0.0, 0.0])
+        assert torch.isfinite(adv).all()
+
+
+def test_group_advantages_nan_rewards_are_excluded_and_get_zero():
+    # Valid rewards of group 1 are [1, 3, 5]: mean 3, unbiased std 2 (with the NaN included as 0
+    # the mean would be 2.25). Group 2: [2, 4, 4] with a NaN.
+    nan = float("nan")
+    rewards = torch.tensor([nan, 1.0, 3.0, 5.0, 2.0, nan, 4.0, 4.0])
+    adv, std = group_advantages(rewards, num_generations=4, scale_rewards="none")
+    # group 2 valid values [2, 4, 4]: mean 10/3
+    m2 = 10.0 / 3.0
+    close(adv, [0.0, -2.0, 0.0, 2.0, 2.0 - m2, 0.0, 4.0 - m2, 4.0 - m2])
+    s2 = math.sqrt(((2 - m2) ** 2 + 2 * (4 - m2) ** 2) / 2)
+    close(std, [2.0, s2])
+
+    adv_g, _ = group_advantages(rewards, num_generations=4, scale_rewards="group")
+    assert not torch.isnan(adv_g).any()
+    assert adv_g[0] == 0.0 and adv_g[5] == 0.0
+    close(adv_g[:4], [0.0, -2.0 / 2.0001, 0.0, 2.0 / 2.0001])
+
+
+def test_group_advantages_nan_batch_std_ignores_nan():
+    nan = float("nan")
+    rewards = torch.tensor([nan, 1.0, 3.0, 5.0])  # batch std of [1, 3, 5] = 2
+    adv, _ = group_advantages(rewards, num_generations=4, scale_rewards="batch")
+    close(adv, [0.0, -2.0 / 2.0001, 0.0, 2.0 / 2.0001])
+
+
+def test_group_advantages_single_valid_or_all_nan_group():
+    nan = float("nan")
+    rewards = torch.tensor([nan, 7.0, nan, nan])
+    adv, std = group_advantages(rewards, num_generations=2)
+    close(adv, [0.0, 0.0, 0.0, 0.0])
+    close(std, [0.0, 0.0])
+
+
+# --------------------------------------------------------------------------- token_logprobs
+
+
+def test_token_logprobs_hand_computed():
+    hidden = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # [1, 2, 2]
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])  # V = 3
+    targets = torch.tensor([[0, 2]])
+    # row 0 logits [1, 0, 0] -> logp[0] = 1 - log(e + 2); row 1 logits [0, 1, 0] -> logp[2] = -log(e + 2)
+    out = token_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1)
+    close(out, [[1 - math.log(math.e + 2), -math.log(math.e + 2)]], atol=1e-6)
+    # T = 0.5 doubles the logits: logp[0] = 2 - log(e^2 + 2)
+    out = token_logprobs(hidden, weight, targets, temperature=0.5)
+    close(out, [[2 - math.log(math.e**2 + 2), -math.log(math.e**2 + 2)]], atol=1e-6)
+
+
+def _naive(hidden, weight, targets, temperature):
+    logits = hidden @ weight.T / temperature
+    return torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 1000])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_matches_naive_values_and_grads(chunk_size, temperature):
+    g = torch.Generator().manual_seed(0)
+    B, T, H, V = 2, 5, 8, 11
+    hidden = torch.randn(B, T, H, generator=g)
+    weight = torch.randn(V, H, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    upstream = torch.randn(B, T, generator=g)
+
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = token_logprobs(h1, w1, targets, temperature=temperature, chunk_size=chunk_size)
+    (out * upstream).sum().backward()
+
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = _naive(h2, w2, targets, temperature)
+    (ref * upstream).sum().backward()
+
+    assert out.shape == (B, T)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-6)
+    assert (out <= 0).all()
+
+
+def test_token_logprobs_frozen_weight_gets_no_grad():
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(3, 4, 6, generator=g, requires_grad=True)
+    weight = torch.randn(9, 6, generator=g)  # requires_grad=False
+    targets = torch.randint(0, 9, (3, 4), generator=g)
+    out = token_logprobs(hidden, weight, targets, chunk_size=5)
+    out.sum().backward()
+    assert weight.grad is None
+    assert hidden.grad is not None
+
+    h2 = hidden.detach().clone().requires_grad_()
+    _naive(h2, weight, targets, 1.0).sum().backward()
+    torch.testing.assert_close(hidden.grad, h2.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_token_logprobs_weight_only_grad():
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(2, 3, 4, generator=g)  # frozen
+    weight = torch.randn(7, 4, generator=g, requires_grad=True)
+    targets = torch.randint(0, 7, (2, 3), generator=g)
+    token_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=2).sum().backward()
+    w2 = weight.detach().clone().requires_grad_()
+    _naive(hidden, w2, targets, 0.7).sum().backward()
+    torch.testing.assert_close(weight.grad, w2.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_token_logprobs_bf16_smoke():
+    g = torch.Generator().manual_seed(3)
+    hidden32 = torch.randn(2, 6, 16, generator=g)
+    weight32 = torch.randn(32, 16, generator=g) * 0.3
+    targets = torch.randint(0, 32, (2, 6), generator=g)
+    hidden = hidden32.to(torch.bfloat16).requires_grad_()
+    weight = weight32.to(torch.bfloat16).requires_grad_()
+    out = token_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=4)
+    assert out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    ref = _naive(hidden.detach().float(), weight.detach().float(), targets, 0.7)
+    torch.testing.assert_close(out, ref, rtol=5e-2, atol=5e-2)
+    out.sum().backward()
+    assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    assert torch.isfinite(hidden.grad.float()).all() and torch.isfinite(weight.grad.float()).all()
+
+
+# --------------------------------------------------------------------------- kl_k3
+
+
+def test_kl_k3_hand_computed():
+    logp = torch.tensor([math.log(0.5), math.log(0.25), math.log(0.3)])
+    ref = torch.tensor([math.log(0.25), math.log(0.5), math.log(0.3)])
+    # d = ref - logp: -log 2 -> 0.5 + log 2 - 1; +log 2 -> 2 - log 2 - 1; 0 -> 0
+    close(kl_k3(logp, ref), [math.log(2) - 0.5, 1 - math.log(2), 0.0], atol=1e-6)
+
+
+def test_kl_k3_nonnegative_and_zero_when_equal():
+    g = torch.Generator().manual_seed(4)
+    logp = torch.randn(100, generator=g) * 3
+    ref = torch.randn(100, generator=g) * 3
+    assert (kl_k3(logp, ref) >= 0).all()
+    assert torch.equal(kl_k3(logp, logp), torch.zeros(100))
+
+
+# --------------------------------------------------------------------------- grpo_loss
+
+# Two sequences x three tokens, old_logp = 0 so ratio = exp(logp). eps = 0.2, eps_high = 0.28.
+#   seq 0 (A = +1): ratios [1.1, 1.5, 0.5]
+#       per-token -min(r, clip(r)) = [-1.1, -1.28 (clipped: r > 1.28, A > 0), -0.5]   sum -2.88
+#   seq 1 (A = -1): ratios [0.5, 1.1, 0.1 (padded)]
+#       per-token max(r, clip(r)) = [0.8 (clipped: r < 0.8, A < 0), 1.1]              sum  1.9
+# Totals: 5 active tokens, 2 clipped, sum -0.98.
+RATIOS = [[1.1, 1.5, 0.5], [0.5, 1.1, 0.1]]
+MASK = [[1, 1, 1], [1, 1, 0]]
+EPS, EPS_HIGH, MAX_LEN = 0.2, 0.28, 4
+
+EXPECTED_LOSS = {
+    "grpo": (-2.88 / 3 + 1.9 / 2) / 2,  # -0.005
+    "bnpo": -0.98 / 5,  # -0.196
+    "dapo": -0.98 / 5,
+    "dr_grpo": -0.98 / (2 * MAX_LEN),  # -0.1225
+}
+# d per_token / d logp: -A * r where the un-clipped term is the min, 0 where the clipped term wins.
+TOKEN_GRAD = [[-1.1, 0.0, -0.5], [0.0, 1.1, 0.0]]
+GRAD_SCALE = {
+    "grpo": [[1 / (3 * 2)] * 3, [1 / (2 * 2)] * 3],
+    "bnpo": [[1 / 5] * 3] * 2,
+    "dapo": [[1 / 5] * 3] * 2,
+    "dr_grpo": [[1 / 8] * 3] * 2,
+}
+
+
+def _tiny(ref_offsets=None):
+    logp = torch.tensor(RATIOS, dtype=torch.float64).log().requires_grad_()
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.tensor(MASK)
+    ref = None
+    if ref_offsets is not None:
+        ref = logp.detach() + torch.tensor(ref_offsets, dtype=torch.float64)
+    return logp, old, ref, adv, mask
+
+
+def _loss(logp, old, ref, adv, mask, loss_type, beta=0.0, num_sequences=2, num_tokens=5.0):
+    return grpo_loss(
+        logp,
+        old,
+        ref,
+        adv,
+        mask,
+        loss_type=loss_type,
+        epsilon=EPS,
+        epsilon_high=EPS_HIGH,
+        beta=beta,
+        num_sequences=num_sequences,
+        num_tokens=num_tokens,
+        max_completion_length=MAX_LEN,
+    )
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_grpo_loss_hand_computed(loss_type):
+    logp, old, ref, adv, mask = _tiny()
+    loss, stats = _loss(logp, old, ref, adv, mask, loss_type)
+    close(loss, EXPECTED_LOSS[loss_type], atol=1e-9)
+    assert stats == LossStats(kl_sum=0.0, clipped_tokens=2.0, tokens=5.0)
+    loss.backward()
+    expected_grad = torch.tensor(TOKEN_GRAD) * torch.tensor(GRAD_SCALE[loss_type])
+    close(logp.grad, expected_grad, atol=1e-9)
+
+
+def test_grpo_loss_clipping_low_side_is_eps_not_eps_high():
+    # A < 0, r = 0.75: below 1 - eps = 0.8 -> clipped to 0.8 (if eps_high were used on both sides,
+    # or eps ignored, this would differ).  A > 0, r = 1.25: inside [0.8, 1.28] -> not clipped.
+    logp = torch.tensor([[math.log(0.75)], [math.log(1.25)]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(2, 1, dtype=torch.float64)
+    adv = torch.tensor([-2.0, 3.0], dtype=torch.float64)
+    mask = torch.ones(2, 1)
+    loss, stats = _loss(logp, old, None, adv, mask, "dapo", num_tokens=2.0)
+    # per-token: max(-2*0.75, -2*0.8) negated -> 1.6 ; -3*1.25 = -3.75
+    close(loss, (1.6 - 3.75) / 2, atol=1e-9)
+    assert stats.clipped_tokens == 1.0
+    loss.backward()
+    close(logp.grad, [[0.0], [-3.0 * 1.25 / 2]], atol=1e-9)
+
+
+def test_grpo_loss_ratio_on_favourable_side_is_not_clipped():
+    # A > 0 with r < 1 - eps and A < 0 with r > 1 + eps_high: the un-clipped term is the min,
+    # so the gradient flows and the token does not count as clipped.
+    logp = torch.tensor([[math.log(0.5)], [math.log(2.0)]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(2, 1, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, stats = _loss(logp, old, None, adv, torch.ones(2, 1), "bnpo", num_tokens=2.0)
+    close(loss, (-0.5 + 2.0) / 2, atol=1e-9)
+    assert stats.clipped_tokens == 0.0
+    loss.backward()
+    close(logp.grad, [[-0.25], [1.0]], atol=1e-9)
+
+
+# ref_logp = logp + log 2 on every active token -> k3 = 2 - log 2 - 1 = 1 - log 2 per token,
+# and d k3 / d logp = 1 - exp(ref - logp) = -1. The padded token gets a different KL (log 4 offset:
+# 4 - log 4 - 1) that must not show up anywhere.
+KL_TOK = 1 - math.log(2)
+REF_OFFSETS = [[math.log(2)] * 3, [math.log(2), math.log(2), math.log(4)]]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_grpo_loss_beta_adds_k3(loss_type):
+    beta = 0.1
+    logp, old, ref, adv, mask = _tiny(REF_OFFSETS)
+    loss, stats = _loss(logp, old, ref, adv, mask, loss_type, beta=beta)
+    kl_term = {
+        "grpo": KL_TOK,  # per-sequence mean KL_TOK, averaged over sequences
+        "bnpo": 5 * KL_TOK / 5,
+        "dapo": 5 * KL_TOK / 5,
+        "dr_grpo": 5 * KL_TOK / 8,
+    }[loss_type]
+    close(loss, EXPECTED_LOSS[loss_type] + beta * kl_term, atol=1e-9)
+    close(stats.kl_sum, 5 * KL_TOK, atol=1e-9)
+    assert stats.clipped_tokens == 2.0 and stats.tokens == 5.0
+    loss.backward()
+    token_grad = torch.tensor(TOKEN_GRAD) + beta * -1.0 * torch.tensor(MASK, dtype=torch.float64)
+    expected_grad = token_grad * torch.tensor(GRAD_SCALE[loss_type]) * torch.tensor(MASK)
+    close(logp.grad, expected_grad, atol=1e-9)
+
+
+def test_grpo_loss_beta_zero_reports_kl_but_does_not_add_it():
+    logp, old, ref, adv, mask = _tiny(REF_OFFSETS)
+    loss, stats = _loss(logp, old, ref, adv, mask, "dapo", beta=0.0)
+    close(loss, EXPECTED_LOSS["dapo"], atol=1e-9)
+    close(stats.kl_sum, 5 * KL_TOK, atol=1e-9)
+
+
+def test_grpo_loss_unknown_type_raises():
+    logp, old, ref, adv, mask = _tiny()
+    with pytest.raises(ValueError, match="loss_type"):
+        _loss(logp, old, ref, adv, mask, "ppo")
+
+
+def test_loss_stats_add():
+    s = LossStats(1.0, 2.0, 3.0) + LossStats(0.5, 1.0, 4.0)
+    assert s == LossStats(kl_sum=1.5, clipped_tokens=3.0, tokens=7.0)
+
+
+# --------------------------------------------------------------------------- micro-batch equivalence
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_micro_batches_sum_to_full_batch_gradient(loss_type):
+    g = torch.Generator().manual_seed(5)
+    N, C = 8, 6
+    base = -torch.rand(N, C, generator=g, dtype=torch.float64) * 3
+    old = base + torch.randn(N, C, generator=g, dtype=torch.float64) * 0.3
+    ref = base + torch.randn(N, C, generator=g, dtype=torch.float64) * 0.3
+    adv = torch.randn(N, generator=g, dtype=torch.float64)
+    lengths = torch.tensor([6, 1, 3, 6, 2, 5, 4, 6])
+    mask = (torch.arange(C)[None, :] < lengths[:, None]).long()
+    num_tokens = float(mask.sum())
+    kwargs = dict(
+        loss_type=loss_type,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=0.04,
+        num_sequences=N,
+        num_tokens=num_tokens,
+        max_completion_length=C,
+    )
+
+    full = base.clone().requires_grad_()
+    full_loss, full_stats = grpo_loss(full, old, ref, adv, mask, **kwargs)
+    full_loss.backward()
+    assert full_stats.clipped_tokens > 0  # the example exercises clipping
+
+    micro = base.clone().requires_grad_()
+    total_loss = 0.0
+    total_stats = LossStats()
+    for rows in (slice(0, 3), slice(3, 5), slice(5, 8)):
+        loss, stats = grpo_loss(micro[rows], old[rows], ref[rows], adv[rows], mask[rows], **kwargs)
+        loss.backward()
+        total_loss += float(loss.detach())
+        total_stats = total_stats + stats
+
+    torch.testing.assert_close(micro.grad, full.grad, atol=1e-6, rtol=0)
+    assert abs(total_loss - float(full_loss.detach())) < 1e-6
+    assert total_stats.tokens == full_stats.tokens == num_tokens
+    assert total_stats.clipped_tokens == full_stats.clipped_tokens
+    assert abs(total_stats.kl_sum - full_stats.kl_sum) < 1e-6
+    # masked positions get no gradient
+    assert (full.grad[mask == 0] == 0).all()
+
+
+# --------------------------------------------------------------------------- EOS end-to-end
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_tokens_after_eos_get_exactly_zero_gradient(loss_type):
+    g = torch.Generator().manual_seed(6)
+    eos = 2
+    completion_ids = torch.tensor([[5, 6, 2, 7, 8], [3, 2, 9, 2, 4], [4, 5, 6, 7, 8]])
+    mask, has_eos = mask_after_eos(completion_ids, [eos])
+    assert has_eos.tolist() == [True, True, False]
+    N, C, H, V = 3, 5, 8, 10
+    hidden = torch.randn(N, C, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g, requires_grad=True)
+    logp = token_logprobs(hidden, weight, completion_ids, temperature=0.7, chunk_size=4)
+    logp.retain_grad()
+    old = logp.detach() + torch.randn(N, C, generator=g) * 0.2
+    ref = logp.detach() + torch.randn(N, C, generator=g) * 0.2
+    adv = torch.tensor([1.0, -0.5, 0.3])
+    loss, stats = grpo_loss(
+        logp,
+        old,
+        ref,
+        adv,
+        mask,
+        loss_type=loss_type,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=0.04,
+        num_sequences=N,
+        num_tokens=float(mask.sum()),
+        max_completion_length=C,
+    )
+    loss.backward()
+    after_eos = mask == 0
+    assert after_eos.sum() == 5
+    assert stats.tokens == 10.0
+    assert (logp.grad[after_eos] == 0).all()
+    assert (logp.grad[~after_eos] != 0).all()
+    assert (hidden.grad[after_eos] == 0).all()
+    assert (hidden.grad[~after_eos].abs().sum(-1) > 0).all()
