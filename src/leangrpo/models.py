@@ -33,6 +33,17 @@ class ModelError(UserError, RuntimeError):
     """A one-line, user-facing model loading error."""
 
 
+def _describe(e: Exception) -> str:
+    """An exception as one line (transformers' messages span several)."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def _check_local(path: str) -> None:
+    """A path-like name that does not exist is a missing directory, not a hub id."""
+    if path.startswith((".", "/", "~")) and not Path(path).expanduser().exists():
+        raise ModelError(f"model directory not found: {path}")
+
+
 def cache_root() -> Path:
     """Where converted GGUF models live: $LEANGRPO_CACHE, else ~/.cache/leangrpo."""
     return Path(os.environ.get("LEANGRPO_CACHE", Path.home() / ".cache" / "leangrpo"))
@@ -81,7 +92,7 @@ def gguf_to_safetensors(gguf_path: str | Path) -> Path:
             gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
         )
     except Exception as e:  # noqa: BLE001 - gguf/transformers raise many kinds; report one line
-        raise ModelError(f"cannot read GGUF file {gguf_path}: {type(e).__name__}: {e}") from None
+        raise ModelError(f"cannot read GGUF file {gguf_path}: {_describe(e)}") from None
     # Drop the GGUF quantization flag: the weights are plain float tensors now.
     del model.config.quantization_config
     model.hf_quantizer = None
@@ -114,7 +125,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001
-        raise ModelError(f"cannot load tokenizer from {path!r}: {type(e).__name__}: {e}") from None
+        raise ModelError(f"cannot load tokenizer from {path!r}: {_describe(e)}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -127,13 +138,14 @@ def load_model_and_tokenizer(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrai
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(cfg.name_or_path)
+    _check_local(path)
     tokenizer = load_tokenizer(path, cfg.trust_remote_code)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
         )
     except Exception as e:  # noqa: BLE001
-        raise ModelError(f"cannot load model from {path!r}: {type(e).__name__}: {e}") from None
+        raise ModelError(f"cannot load model from {path!r}: {_describe(e)}") from None
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.gradient_checkpointing:
@@ -165,7 +177,7 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
     try:
         return get_peft_model(model, peft_cfg)
     except ValueError as e:
-        raise ModelError(f"model.lora.target_modules: {e}") from None
+        raise ModelError(f"model.lora.target_modules: {' '.join(str(e).split())}") from None
 
 
 def is_peft(model: nn.Module) -> bool:

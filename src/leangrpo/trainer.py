@@ -236,7 +236,7 @@ class Trainer:
                         max_completion_length=g.max_completion_length,
                     )
                     self.acc.backward(loss)
-                loss_total += float(loss) / g.num_iterations
+                loss_total += loss.item() / g.num_iterations
                 totals += st
             grad_norm = float(
                 torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.optim.max_grad_norm)
