@@ -33,9 +33,10 @@ class ModelError(UserError, RuntimeError):
     """A one-line, user-facing model loading error."""
 
 
-def _describe(e: Exception) -> str:
-    """An exception as one line (transformers' messages span several)."""
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+def _describe(e: Exception, with_type: bool = True) -> str:
+    """An exception as one line (transformers' and peft's messages span several)."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if with_type else text
 
 
 def _check_local(path: str) -> None:
@@ -177,7 +178,7 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
     try:
         return get_peft_model(model, peft_cfg)
     except ValueError as e:
-        raise ModelError(f"model.lora.target_modules: {' '.join(str(e).split())}") from None
+        raise ModelError(f"model.lora.target_modules: {_describe(e, with_type=False)}") from None
 
 
 def is_peft(model: nn.Module) -> bool:
