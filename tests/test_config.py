@@ -333,3 +333,9 @@ def test_cli_help_lists_train():
     r = _run([*cmd, "--help"])
     assert r.returncode == 0, r.stderr
     assert "train" in r.stdout
+
+
+@pytest.mark.parametrize("override", ["sft.steps=5", "data.max_solution_steps=2"])
+def test_worked_solution_features_need_gsm8k_answers(minimal_yaml, override):
+    msg = config_error(minimal_yaml, [override, "data.answer_format=raw"])
+    assert override.split("=")[0] in msg and "data.answer_format: gsm8k" in msg

@@ -21,6 +21,7 @@ from leangrpo.data import (
     load_rows,
     parse_gsm8k_answer,
     render_prompt,
+    solution_steps,
 )
 
 GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -40,6 +41,7 @@ def make_cfg(path: str | Path, **overrides: object) -> SimpleNamespace:
         "answer_format": "gsm8k",
         "system_prompt": "Think step by step.",
         "limit": None,
+        "max_solution_steps": None,
         "on_bad_row": "skip",
     }
     data.update(overrides)
@@ -81,6 +83,7 @@ def test_good_row_shape_carries_extra_columns(tmp_path):
         "prompt": [{"role": "user", "content": "What is 2+3?"}],
         "question": "What is 2+3?",
         "answer": "5",
+        "solution": "2+3=5\n#### 5",
         "level": 1,
     }
 
@@ -329,3 +332,26 @@ def test_sampler_resume_matches_uninterrupted_run():
 def test_sampler_rejects_bad_arguments(args):
     with pytest.raises(ValueError):
         PromptSampler(*args)
+
+
+# --- easier problems first -----------------------------------------------------------------
+
+
+def test_solution_steps_counts_reasoning_lines():
+    assert solution_steps("a = 1\nb = 2\n\n#### 3") == 2
+    assert solution_steps("#### 3") == 0
+
+
+def test_max_solution_steps_keeps_short_solutions_and_limit_counts_kept_rows(tmp_path, caplog):
+    long = {"question": "Long?", "answer": "1\n2\n3\n#### 3"}
+    path = write_jsonl(tmp_path / "mix.jsonl", [long, GOOD, long, GOOD, GOOD])
+    with caplog.at_level(logging.INFO, logger="leangrpo.data"):
+        rows = load_rows(make_cfg(path, max_solution_steps=2, limit=2)).rows
+    assert [r["question"] for r in rows] == ["What is 2+3?"] * 2
+    assert "left out 2 problems with more than 2 solution steps" in caplog.text
+
+
+def test_max_solution_steps_leaving_nothing_says_why(tmp_path):
+    path = write_jsonl(tmp_path / "long.jsonl", [{"question": "Q", "answer": "1\n2\n#### 3"}])
+    with pytest.raises(DataError, match="1 left out by data.max_solution_steps=1"):
+        load_rows(make_cfg(path, max_solution_steps=1))

@@ -58,6 +58,9 @@ class DataConfig(_Section):
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
     assistant_prefix: str = ""
     limit: int | None = Field(None, ge=1)
+    max_solution_steps: int | None = Field(
+        None, ge=1, description="gsm8k: keep problems whose worked solution has at most this many lines"
+    )
     on_bad_row: Literal["skip", "error"] = "skip"
 
 
@@ -110,6 +113,14 @@ class OptimConfig(_Section):
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
 
+class SFTConfig(_Section):
+    """Supervised cold start before GRPO, on the dataset's worked solutions in the reward format."""
+
+    steps: int = Field(0, ge=0, description="0 = no cold start")
+    learning_rate: float = Field(1e-4, gt=0)
+    batch_size: int = Field(8, ge=1, description="examples per step on each process")
+
+
 class LoggingConfig(_Section):
     logging_steps: int = Field(1, ge=1)
     save_steps: int = Field(0, ge=0, description="0 saves only the final model")
@@ -123,6 +134,7 @@ class Config(_Section):
     rewards: RewardsConfig
     grpo: GRPOSection = GRPOSection()
     optim: OptimConfig = OptimConfig()
+    sft: SFTConfig = SFTConfig()
     logging: LoggingConfig = LoggingConfig()
     output_dir: str = "runs/leangrpo"
     seed: int = 42
@@ -139,6 +151,13 @@ class Config(_Section):
             raise ValueError(
                 f"grpo.epsilon_high={self.grpo.epsilon_high} is below grpo.epsilon={self.grpo.epsilon}"
             )
+        needs_solutions = {
+            "sft.steps": self.sft.steps,
+            "data.max_solution_steps": self.data.max_solution_steps,
+        }
+        for key, value in needs_solutions.items():
+            if value and self.data.answer_format != "gsm8k":
+                raise ValueError(f"{key} needs worked solutions: set data.answer_format: gsm8k")
         return self
 
     @property

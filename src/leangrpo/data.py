@@ -80,6 +80,7 @@ def load_rows(cfg: Any) -> LoadedData:
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     columns_checked = False
+    too_hard = 0
     for where, raw in raw_rows:
         if data.limit is not None and len(rows) >= data.limit:
             break
@@ -88,7 +89,11 @@ def load_rows(cfg: Any) -> LoadedData:
             if not columns_checked:
                 _check_columns(record, data, where)
                 columns_checked = True
-            rows.append(_make_row(record, data))
+            row = _make_row(record, data)
+            if data.max_solution_steps and solution_steps(row["solution"]) > data.max_solution_steps:
+                too_hard += 1
+                continue
+            rows.append(row)
         except _BadRow as bad:
             reason = f"{where}: {bad}"
             if data.on_bad_row == "error":
@@ -98,9 +103,16 @@ def load_rows(cfg: Any) -> LoadedData:
     loaded = LoadedData(rows, skipped)
     if not rows:
         detail = f"; {loaded.skip_summary()}" if skipped else ""
+        if too_hard:
+            detail += f"; {too_hard} left out by data.max_solution_steps={data.max_solution_steps}"
         raise DataError(f"no usable rows in {source}{detail}")
     if skipped:
         logger.warning("%s: %s", source, loaded.skip_summary())
+    if too_hard:
+        logger.info(
+            "%s: left out %d problems with more than %d solution steps (data.max_solution_steps)",
+            source, too_hard, data.max_solution_steps,
+        )  # fmt: skip
     return loaded
 
 
@@ -187,20 +199,26 @@ def _make_row(record: dict[str, Any], data: Any) -> dict[str, Any]:
     """Turn one record into a training row, or raise _BadRow saying what is wrong."""
     question = _required_text(record, data.prompt_column)
     answer = _required_text(record, data.answer_column)
+    extra = {k: v for k, v in record.items() if k not in (data.prompt_column, data.answer_column)}
     if data.answer_format == "gsm8k":
         gold = parse_gsm8k_answer(answer)
         if gold is None:
             raise _BadRow(f"no '####' in {data.answer_column!r}")
         if not gold:
             raise _BadRow(f"nothing after '####' in {data.answer_column!r}")
+        extra["solution"] = answer  # the worked solution, for the supervised cold start
         answer = gold
-    extra = {k: v for k, v in record.items() if k not in (data.prompt_column, data.answer_column)}
     return {
         **extra,
         "prompt": _messages(question, data.system_prompt),
         "question": question,
         "answer": answer,
     }
+
+
+def solution_steps(solution: str) -> int:
+    """Number of reasoning lines in a GSM8K worked solution (the lines before '####')."""
+    return len([line for line in solution.rpartition("####")[0].splitlines() if line.strip()])
 
 
 def _required_text(record: dict[str, Any], column: str) -> str:

@@ -204,8 +204,15 @@ class Policy(nn.Module):
     def base(self) -> PreTrainedModel:
         return self.lm.get_base_model() if is_peft(self.lm) else self.lm
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, num_completion_tokens: int) -> Tensor:
-        """Log-probs [B, C] of the last C tokens of `input_ids`, each given everything before it."""
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        num_completion_tokens: int,
+        temperature: float | None = None,
+    ) -> Tensor:
+        """Log-probs [B, C] of the last C tokens of `input_ids`, each given everything before it,
+        at the sampling temperature unless `temperature` is given (1.0 for supervised targets)."""
         # Positions count real tokens only, exactly as generate() numbers a left-padded prompt.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         decoder = self.base.get_decoder()
@@ -217,7 +224,8 @@ class Policy(nn.Module):
         ).last_hidden_state[:, -num_completion_tokens:]
         weight = self.base.get_output_embeddings().weight
         targets = input_ids[:, -num_completion_tokens:]
-        return token_logprobs(hidden, weight, targets, self.temperature, self.chunk_size)
+        temperature = self.temperature if temperature is None else temperature
+        return token_logprobs(hidden, weight, targets, temperature, self.chunk_size)
 
 
 def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:

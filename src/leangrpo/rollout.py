@@ -40,6 +40,10 @@ class RolloutBatch:
     def lengths(self) -> Tensor:
         return self.completion_mask.sum(dim=1)
 
+    def to(self, device: torch.device) -> RolloutBatch:
+        ids = (self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask, self.truncated)
+        return RolloutBatch(*(t.to(device) for t in ids), self.completion_texts)
+
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
     """Every token that ends a completion: the tokenizer's EOS and the model's generation EOS ids."""

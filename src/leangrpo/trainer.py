@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import grpo
+from . import grpo, sft
 from .config import Config, save_config
 from .data import PromptSampler, has_chat_template, load_rows, render_prompt
 from .errors import UserError
@@ -39,7 +39,7 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
 
 
 def _micro_batch_logprobs(
-    policy: torch.nn.Module, rollout: RolloutBatch, rows: slice
+    policy: torch.nn.Module, rollout: RolloutBatch, rows: slice, temperature: float | None = None
 ) -> tuple[Tensor, Tensor]:
     """Log-probs of one micro-batch, cropped to its own real extent (no all-pad columns), and its mask."""
     prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]
@@ -53,7 +53,8 @@ def _micro_batch_logprobs(
         1,
     )
     attention_mask = torch.cat([prompt_mask[:, first_prompt_col:], completion_mask[:, :num_completion]], 1)
-    return policy(input_ids, attention_mask, num_completion), completion_mask[:, :num_completion]
+    logp = policy(input_ids, attention_mask, num_completion, temperature)
+    return logp, completion_mask[:, :num_completion]
 
 
 def batch_logprobs(policy: torch.nn.Module, rollout: RolloutBatch, micro_batch: int) -> Tensor:
@@ -145,6 +146,8 @@ class Trainer:
             disable=not (self.is_main and cfg.logging.progress_bar),
             dynamic_ncols=True,
         )
+        if cfg.sft.steps:
+            self.cold_start()
         for step in range(1, cfg.optim.max_steps + 1):
             metrics = self.step(step)
             bar.update(1)
@@ -157,6 +160,35 @@ class Trainer:
         final = self.run_dir / "model"
         self.save(final, merge=True)
         return final
+
+    def cold_start(self) -> None:
+        """`sft.steps` supervised steps on tagged worked solutions, before the first GRPO step."""
+        from tqdm import trange
+
+        cfg, s = self.cfg, self.cfg.sft
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=s.learning_rate, weight_decay=cfg.optim.weight_decay)
+        order = PromptSampler(
+            len(self.rows), s.batch_size, cfg.seed + 1, self.acc.process_index, self.acc.num_processes
+        )
+        self.policy.train()
+        show = self.is_main and cfg.logging.progress_bar
+        for step in trange(s.steps, desc="SFT cold start", disable=not show, dynamic_ncols=True):
+            batch = sft.sft_batch(
+                self.tokenizer,
+                [self.rows[i] for i in order.indices(step)],
+                assistant_prefix=cfg.data.assistant_prefix,
+                max_prompt_length=cfg.grpo.max_prompt_length,
+                max_completion_length=cfg.grpo.max_completion_length,
+            ).to(self.acc.device)
+            logp, mask = _micro_batch_logprobs(self.policy, batch, slice(None), temperature=1.0)
+            loss = sft.nll_loss(logp, mask)
+            self.acc.backward(loss)
+            torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if (step + 1) % cfg.logging.logging_steps == 0 or step + 1 == s.steps:
+                self._write(f"sft step {step + 1:>4} | loss={loss.item():.4g}")
 
     def save(self, out_dir: Path, merge: bool) -> None:
         self.acc.wait_for_everyone()

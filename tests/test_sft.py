@@ -1,0 +1,89 @@
+"""The supervised cold start: targets in the reward format, the batch layout, and that it learns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leangrpo.models import load_tokenizer
+from leangrpo.rewards import correctness_reward, strict_format_reward, xmlcount_reward
+from leangrpo.sft import nll_loss, sft_batch, tagged_solution
+
+SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 in all.\n#### 72"
+ROW = {
+    "prompt": [{"role": "user", "content": "How many clips?"}],
+    "question": "How many clips?",
+    "answer": "72",
+    "solution": SOLUTION,
+}
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer(real_tokenizer_dir):
+    return load_tokenizer(str(real_tokenizer_dir))
+
+
+def test_tagged_solution_drops_calculator_notes_and_earns_every_reward():
+    text = tagged_solution(SOLUTION, "72")
+    assert "<<" not in text and "####" not in text
+    assert text.startswith("<reasoning>\nNatalia sold 48/2 = 24 clips in May.\n")
+    assert strict_format_reward(None, [text]) == [0.5]
+    assert correctness_reward(None, [text], answer=["72"]) == [2.0]
+    assert xmlcount_reward(None, [text]) == [0.5]
+
+
+def test_sft_batch_trains_only_what_the_prefix_does_not_prefill(real_tokenizer):
+    tok = real_tokenizer
+    short = {**ROW, "solution": "1+1=2\n#### 2", "answer": "2"}
+    batch = sft_batch(
+        tok, [ROW, short], assistant_prefix="<reasoning>\n", max_prompt_length=64, max_completion_length=200
+    )
+    assert tok.padding_side == "left"  # restored
+    assert batch.prompt_mask[:, -1].all()  # prompts left-padded: every prompt ends at the last column
+    lengths = batch.completion_mask.sum(dim=1).tolist()
+    assert lengths[0] > lengths[1] and not batch.truncated.any()
+    text = tok.decode(batch.completion_ids[1, : lengths[1]])
+    assert text == "1+1=2\n</reasoning>\n<answer>\n2\n</answer>\n" + tok.eos_token
+    assert tok.decode(batch.prompt_ids[1][batch.prompt_mask[1].bool()]).endswith("<reasoning>\n")
+
+
+def test_sft_batch_flags_targets_longer_than_the_completion_budget(real_tokenizer):
+    batch = sft_batch(
+        real_tokenizer, [ROW], assistant_prefix="", max_prompt_length=64, max_completion_length=5
+    )
+    assert batch.completion_ids.shape[1] == 5 and batch.truncated.tolist() == [True]
+
+
+def test_nll_loss_is_the_mean_over_real_tokens():
+    logp = torch.tensor([[-1.0, -3.0, -9.0], [-2.0, -9.0, -9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert nll_loss(logp, mask).item() == 2.0
+
+
+def test_cold_start_raises_the_likelihood_of_tagged_solutions(tmp_path, tiny_model_dir, gsm8k_dir):
+    from leangrpo.config import validate_config
+    from leangrpo.trainer import Trainer, _micro_batch_logprobs
+
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "gradient_checkpointing": False},
+            "data": {"path": str(gsm8k_dir / "train.jsonl"), "limit": 8, "max_solution_steps": 2},
+            "rewards": {"functions": [{"name": "correctness"}]},
+            "grpo": {"num_generations": 2, "max_completion_length": 64, "max_prompt_length": 128},
+            "sft": {"steps": 6, "learning_rate": 3e-3, "batch_size": 4},
+            "logging": {"progress_bar": False},
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
+    trainer = Trainer(cfg)
+    batch = sft_batch(
+        trainer.tokenizer, trainer.rows, assistant_prefix="", max_prompt_length=128, max_completion_length=64
+    )
+
+    def nll() -> float:
+        with torch.no_grad():
+            return float(nll_loss(*_micro_batch_logprobs(trainer.policy, batch, slice(None), 1.0)))
+
+    before = nll()
+    trainer.cold_start()
+    assert nll() < before - 0.5
