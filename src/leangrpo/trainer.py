@@ -140,14 +140,14 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.yaml")
             if self.skipped:
                 self._write(f"data: skipped {len(self.skipped)} bad rows (first: {self.skipped[0]})")
+        if cfg.sft.steps:
+            self.cold_start()
         bar = tqdm(
             total=cfg.optim.max_steps,
             desc="GRPO",
             disable=not (self.is_main and cfg.logging.progress_bar),
             dynamic_ncols=True,
         )
-        if cfg.sft.steps:
-            self.cold_start()
         for step in range(1, cfg.optim.max_steps + 1):
             metrics = self.step(step)
             bar.update(1)
