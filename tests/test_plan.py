@@ -1,0 +1,310 @@
+"""`leangrpo plan`: the memory formulas against exact counts from real (tiny) models, and the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from leangrpo import plan
+from leangrpo.cli import main
+from leangrpo.config import LoraConfig, validate_config
+from leangrpo.models import Policy, apply_lora
+
+KNOWN_TOTALS = {
+    "Qwen/Qwen2.5-0.5B": 494_032_768,
+    "Qwen/Qwen2.5-1.5B": 1_543_714_304,
+    "Qwen/Qwen2.5-3B": 3_085_938_688,
+    "Qwen/Qwen2.5-7B": 7_615_616_512,
+    "meta-llama/Llama-3.2-1B": 1_235_814_400,
+    "meta-llama/Llama-3.2-3B": 3_212_749_824,
+    "meta-llama/Llama-3.1-8B": 8_030_261_248,
+    "HuggingFaceTB/SmolLM2-135M": 134_515_008,
+    "HuggingFaceTB/SmolLM2-360M": 361_821_120,
+    "HuggingFaceTB/SmolLM2-1.7B": 1_711_376_384,
+}
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+@pytest.mark.parametrize("name", list(KNOWN_TOTALS))
+def test_builtin_shapes_match_published_parameter_totals(name):
+    assert plan.resolve_shape(name).num_params() == KNOWN_TOTALS[name]
+
+
+def tiny(kind: str, tied: bool = True, dtype=torch.float32, layers: int = 3):
+    """A tiny random model of each modelled family (GQA, with/without biases and q/k norms)."""
+    import transformers
+
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[kind]
+    torch.manual_seed(0)
+    cfg = cfg_cls(
+        vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, head_dim=16,
+    )  # fmt: skip
+    model = model_cls(cfg).to(dtype)
+    return model, plan.ModelShape.from_config(cfg.to_dict(), kind)
+
+
+@pytest.mark.parametrize(
+    ("kind", "tied"), [("llama", True), ("llama", False), ("qwen2", True), ("qwen3", False)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_param_count_and_weight_bytes_equal_a_real_model(kind, tied, dtype):
+    model, shape = tiny(kind, tied, dtype)
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
+    knobs = plan.Knobs(dtype=DTYPES[dtype])
+    assert plan.weight_bytes(shape, knobs) == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("targets", "r"), [("all-linear", 8), (["q_proj", "v_proj"], 4), (["down_proj"], 16)]
+)
+def test_lora_counts_and_dtype_equal_peft(targets, r):
+    model, shape = tiny("qwen2", dtype=torch.bfloat16)
+    peft_model = apply_lora(model, LoraConfig(enabled=True, r=r, target_modules=targets))
+    trainable, total = peft_model.get_nb_trainable_parameters()
+    knobs = plan.Knobs(method="lora", lora_r=r, lora_targets=plan.parse_targets(targets), dtype="bfloat16")
+    assert plan.lora_params(shape, knobs) == trainable
+    assert total == shape.num_params() + trainable
+    adapter_bytes = sum(p.numel() * p.element_size() for p in peft_model.parameters() if p.requires_grad)
+    assert trainable * plan.trainable_bytes_per_param(knobs) == adapter_bytes  # peft keeps adapters fp32
+
+
+@pytest.mark.parametrize(
+    ("method", "dtype"), [("full", torch.float32), ("full", torch.bfloat16), ("lora", torch.bfloat16)]
+)
+def test_adamw_state_bytes_equal_torch(method, dtype):
+    model, shape = tiny("llama", tied=False, dtype=dtype)
+    knobs = plan.Knobs(method=method, lora_r=4, dtype=DTYPES[dtype])
+    if method == "lora":
+        model = apply_lora(model, LoraConfig(enabled=True, r=4))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    state = sum(
+        s[k].numel() * s[k].element_size() for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")
+    )
+    tensors = plan.trainable_tensors(shape, knobs)
+    assert plan.optimizer_bytes(tensors, plan.trainable_bytes_per_param(knobs), "adamw") == state
+    assert plan.estimate(shape, knobs).components["gradients"] == sum(
+        p.numel() * p.element_size() for p in params
+    )
+
+
+def test_adamw_8bit_state_follows_bitsandbytes_layout():
+    # bitsandbytes: fp32 states under 4096 values; else uint8 states + one fp32 absmax per 256 (rounded up).
+    tensors = [("small", 1000), ("linear", 5000), ("linear", 4096)]
+    expected = 1000 * 2 * 4 + 2 * (5000 + 4 * 20) + 2 * (4096 + 4 * 16)
+    assert plan.optimizer_bytes(tensors, 2, "adamw_8bit") == expected
+
+
+def test_kv_cache_equals_a_real_dynamic_cache():
+    model, shape = tiny("llama", dtype=torch.bfloat16)
+    prompts, prompt_len, new = 3, 7, 5
+    ids = torch.randint(0, 1000, (prompts, prompt_len))
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+        return_dict_in_generate=True, pad_token_id=0,
+    )  # fmt: skip
+    cache = out.past_key_values
+    real = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert plan.kv_cache_bytes(shape, prompts, prompt_len + new - 1, 2) == real
+
+
+def saved_tensor_bytes(model, batch: int, seq: int, completion: int) -> int:
+    """Bytes autograd keeps for backward through Policy's forward (distinct storages, weights excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    ids = torch.randint(0, 1000, (batch, seq + 1))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding, as in a rollout batch
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        Policy(model.train(), 1.0, 1024)(ids, mask, completion)
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("method", "dropout"), [("full", 0.0), ("lora", 0.05), ("lora", 0.0)])
+def test_activation_formula_matches_tensors_saved_for_backward(dtype, method, dropout):
+    model, shape = tiny("qwen2", dtype=dtype, layers=4)
+    if method == "lora":
+        model = apply_lora(model, LoraConfig(enabled=True, r=4, dropout=dropout))
+    batch, seq, completion = 3, 11, 5
+    knobs = plan.Knobs(method=method, lora_r=4, lora_dropout=dropout, dtype=DTYPES[dtype],
+                       gradient_checkpointing=False, device="cpu")  # fmt: skip
+    predicted = plan.decoder_activation_bytes(shape, knobs, batch, seq, completion)
+    assert predicted == pytest.approx(saved_tensor_bytes(model, batch, seq, completion), rel=0.02)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("24GB", 24 * 2**30), ("16 GiB", 16 * 2**30), ("8000MB", 8000 * 2**20), ("1.5g", int(1.5 * 2**30)),
+     ("512", 512)],
+)  # fmt: skip
+def test_parse_memory(text, expected):
+    assert plan.parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "24XB", "-3GB", "0GB", ""])
+def test_parse_memory_rejects_garbage(text):
+    with pytest.raises(plan.PlanError, match="cannot parse memory size"):
+        plan.parse_memory(text)
+
+
+def test_checkpointing_and_chunking_shrink_the_update_peak():
+    shape = plan.resolve_shape("Qwen/Qwen2.5-0.5B")
+    base = plan.Knobs(method="lora", gradient_checkpointing=True)
+    on, off = (
+        plan.estimate(shape, base),
+        plan.estimate(shape, plan.replace(base, gradient_checkpointing=False)),
+    )
+    assert on.components["activations"] < off.components["activations"] / 5
+    small_chunks = plan.estimate(shape, plan.replace(base, logprob_chunk_size=128))
+    assert small_chunks.components["log-prob workspace"] < on.components["log-prob workspace"] / 4
+    # the reference copy appears only for full fine-tuning with beta > 0
+    assert plan.estimate(shape, plan.replace(base, beta=0.04)).components["reference model"] == 0
+    full_kl = plan.estimate(shape, plan.replace(base, method="full", beta=0.04))
+    assert full_kl.components["reference model"] == full_kl.components["weights"]
+
+
+def test_fit_searches_g_then_completion_then_batch():
+    shape = plan.resolve_shape("Qwen/Qwen2.5-1.5B")
+    wanted = plan.Knobs(method="full", num_generations=16, per_device_train_batch_size=16,
+                        max_completion_length=1024)  # fmt: skip
+    memory = 24 * 2**30
+    result = plan.search_fit(shape, wanted, memory, 0.1)
+    k = result.knobs
+    assert k is not None and plan.fits(result.estimate, memory, 0.1)
+    assert k.generation_batch % k.num_generations == 0
+
+    # every step of the search order is tight: one notch more no longer fits
+    def too_big(**changes):
+        return not plan.fits(plan.estimate(shape, plan.replace(k, **changes)), memory, 0.1)
+
+    if k.num_generations < 16:
+        assert too_big(
+            num_generations=k.num_generations * 2,
+            max_completion_length=32,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=k.num_generations * 2,
+        )
+    if k.max_completion_length < 1024:
+        assert too_big(
+            max_completion_length=k.max_completion_length * 2,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=k.generation_batch,
+        )
+    bigger = [b for b in range(k.per_device_train_batch_size + 1, 17) if k.generation_batch % b == 0]
+    if bigger:
+        assert too_big(
+            per_device_train_batch_size=bigger[0], gradient_accumulation_steps=k.generation_batch // bigger[0]
+        )
+
+
+def run_plan(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "leangrpo", "plan", *args],
+        capture_output=True, text=True, env={**os.environ, **env}, timeout=120,
+    )  # fmt: skip
+
+
+def test_cli_fit_prints_a_yaml_snippet_that_validates(gsm8k_dir):
+    res = CliRunner().invoke(
+        main, ["plan", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--gpu-memory", "16GB", "--method", "lora",
+               "-G", "16", "--completion-length", "1024", "--fit"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "predicted peak:" in res.output and "phase" in res.output
+    for part in ("weights", "gradients", "optimizer state", "activations", "log-prob workspace", "KV cache"):
+        assert part in res.output
+    snippet = yaml.safe_load(res.output.split("that fits", 1)[1].split(":\n", 1)[1])
+    snippet.update(data={"path": str(gsm8k_dir / "train.jsonl")}, rewards={"functions": [{"name": "x"}]})
+    cfg = validate_config(snippet)  # pastes into a config as is
+    assert cfg.model.lora.enabled and cfg.grpo.num_generations <= 16
+
+
+def test_cli_takes_knobs_from_a_yaml_config(tmp_path, tiny_model_dir):
+    cfg = {
+        "model": {"name_or_path": str(tiny_model_dir), "lora": {"enabled": True, "r": 8}},
+        "data": {"path": "x.jsonl"},
+        "rewards": {"functions": [{"name": "x"}]},
+        "grpo": {"num_generations": 4, "max_completion_length": 48},
+        "optim": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    res = CliRunner().invoke(main, ["plan", "--model", str(path), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "method lora, float32" in res.output and "G=4, micro-batch 4 x 2" in res.output
+    assert "completion 48 tokens" in res.output
+
+
+def test_plan_does_not_import_torch():
+    code = (
+        "import sys; from leangrpo.cli import main\n"
+        "try: main(['plan', '--model', 'HuggingFaceTB/SmolLM2-135M', '--gpu-memory', '8GB'])\n"
+        "except SystemExit as e: assert e.code == 0, e.code\n"
+        "assert 'torch' not in sys.modules"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_cli_unknown_model_offline_lists_builtin_shapes():
+    proc = run_plan("--model", "nobody/no-such-model-xyz", "--gpu-memory", "24GB", HF_HUB_OFFLINE="1")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot read the config of model")
+    assert "Qwen/Qwen2.5-1.5B" in lines[0] and "HuggingFaceTB/SmolLM2-135M" in lines[0]
+
+
+def test_cli_bad_memory_string_is_one_line():
+    proc = run_plan("--model", "Qwen/Qwen2.5-0.5B", "--gpu-memory", "twentyfour")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: cannot parse memory size 'twentyfour'; "
+                                                "write it like 24GB, 16GiB or 8000MB"]  # fmt: skip
+
+
+def test_cli_nothing_fits_says_what_dominates():
+    res = CliRunner().invoke(
+        main,
+        ["plan", "--model", "meta-llama/Llama-3.1-8B", "--gpu-memory", "4GB", "--method", "full", "--fit"],
+    )
+    assert res.exit_code == 2
+    assert "error: nothing fits in 4.00 GiB: even qlora-4bit with G=2" in res.output
+    assert "dominated by weights" in res.output
+
+
+def test_train_warns_when_the_plan_says_the_gpu_is_too_small(monkeypatch, tiny_model_dir):
+    cfg = validate_config({
+        "model": {"name_or_path": "Qwen/Qwen2.5-7B", "dtype": "bfloat16"},
+        "data": {"path": "x.jsonl"}, "rewards": {"functions": [{"name": "x"}]},
+    })  # fmt: skip
+    assert plan.cuda_startup_warning(cfg) is None  # no CUDA here: silent
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class Props:
+        total_memory = 24 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: Props)
+    warning = plan.cuda_startup_warning(cfg)
+    assert warning and "predicted to need" in warning and "24.00 GiB" in warning
+    Props.total_memory = 1024 * 2**30
+    assert plan.cuda_startup_warning(cfg) is None
