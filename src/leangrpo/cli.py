@@ -126,12 +126,7 @@ def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: 
     result = planner.search_fit(shape, k, memory, margin)
     click.echo("")
     if result.knobs is None:
-        e = result.estimate
-        raise planner.PlanError(
-            f"nothing fits in {planner.fmt_bytes(memory)}: even {e.knobs.method} with G=2, "
-            f"completion {e.knobs.max_completion_length}, micro-batch 1 needs {planner.fmt_bytes(e.total)} "
-            f"({e.phase} phase), dominated by {e.dominant()} ({planner.fmt_bytes(e.components[e.dominant()])})"
-        )
+        raise planner.PlanError(planner.no_fit_message(result.estimate, memory))
     click.echo(f"largest configuration that fits ({planner.fmt_bytes(result.estimate.total)} predicted, "
                f"{result.estimate.phase} phase):")  # fmt: skip
     click.echo(planner.yaml_snippet(result.knobs, name))

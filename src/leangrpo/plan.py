@@ -453,8 +453,8 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     B, P, C = k.per_device_train_batch_size, k.max_prompt_length, k.max_completion_length
     N, S = k.generation_batch, P + C - 1  # Policy feeds input_ids[:, :-1]
     acts = decoder_activation_bytes(shape, k, B, S, C)
-    acts_other = decoder_activation_bytes(shape, replace(k, gradient_checkpointing=not k.gradient_checkpointing),
-                                          B, S, C)  # fmt: skip
+    flipped = replace(k, gradient_checkpointing=not k.gradient_checkpointing)
+    acts_other = decoder_activation_bytes(shape, flipped, B, S, C)
     lp_fwd = logprob_workspace(shape, k, B * C, backward=False)
     lp_bwd = logprob_workspace(shape, k, B * C, backward=True)
     micro = k.gradient_accumulation_steps
@@ -564,6 +564,16 @@ def search_fit(
         return FitResult(best, plan_for(shape, best, memory))
     assert smallest is not None
     return FitResult(None, smallest)
+
+
+def no_fit_message(smallest: Estimate, memory: int) -> str:
+    """Why nothing fits: the smallest setting tried, its need, and the part that dominates it."""
+    k, part = smallest.knobs, smallest.dominant()
+    return (
+        f"nothing fits in {fmt_bytes(memory)}: even {k.method} with G=2, completion "
+        f"{k.max_completion_length}, micro-batch 1 needs {fmt_bytes(smallest.total)} ({smallest.phase} phase), "
+        f"dominated by {part} ({fmt_bytes(smallest.components[part])})"
+    )
 
 
 def _divisors_desc(n: int, upper: int) -> list[int]:
@@ -679,7 +689,8 @@ def render(est: Estimate, memory: int | None, margin: float) -> str:
     lines = [
         f"model {s.name}: {s.model_type}, {est.params / 1e6:,.1f}M params, {s.num_hidden_layers} layers, "
         f"hidden {s.hidden_size}, vocab {s.vocab_size}",
-        f"method {k.method}, {k.dtype}, trainable {est.trainable_params / 1e6:,.2f}M params, G={k.num_generations}, "
+        f"method {k.method}, {k.dtype}, trainable {est.trainable_params / 1e6:,.2f}M params, "
+        f"G={k.num_generations}, "
         f"micro-batch {k.per_device_train_batch_size} x {k.gradient_accumulation_steps}, prompt "
         f"{k.max_prompt_length} + completion {k.max_completion_length} tokens, beta={k.beta}, "
         f"optimizer {k.optimizer}, rollout {k.rollout}, device {k.device}",
