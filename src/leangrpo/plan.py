@@ -571,7 +571,8 @@ def no_fit_message(smallest: Estimate, memory: int) -> str:
     k, part = smallest.knobs, smallest.dominant()
     return (
         f"nothing fits in {fmt_bytes(memory)}: even {k.method} with G=2, completion "
-        f"{k.max_completion_length}, micro-batch 1 needs {fmt_bytes(smallest.total)} ({smallest.phase} phase), "
+        f"{k.max_completion_length}, micro-batch 1 needs {fmt_bytes(smallest.total)} "
+        f"({smallest.phase} phase), "
         f"dominated by {part} ({fmt_bytes(smallest.components[part])})"
     )
 
