@@ -308,3 +308,9 @@ def test_train_warns_when_the_plan_says_the_gpu_is_too_small(monkeypatch, tiny_m
     assert warning and "predicted to need" in warning and "24.00 GiB" in warning
     Props.total_memory = 1024 * 2**30
     assert plan.cuda_startup_warning(cfg) is None
+
+
+def test_knobs_follow_the_config_rule_for_g():
+    assert plan.make_knobs(num_generations=16, per_device_train_batch_size=8).gradient_accumulation_steps == 2
+    with pytest.raises(plan.PlanError, match="must divide the generation batch"):
+        plan.make_knobs(num_generations=6, per_device_train_batch_size=4, gradient_accumulation_steps=1)

@@ -117,7 +117,7 @@ def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: 
         cfg = load_config(model)
         name, k = cfg.model.name_or_path, planner.knobs_from_config(cfg, **knobs)
     else:
-        name, k = model, planner.Knobs(**{key: v for key, v in knobs.items() if v is not None})
+        name, k = model, planner.make_knobs(**knobs)
     shape = planner.resolve_shape(name)
     est = planner.plan_for(shape, k, memory)
     click.echo(planner.render(est, memory, margin))

