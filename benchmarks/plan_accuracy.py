@@ -7,9 +7,10 @@ G × completion length × LoRA/full × gradient checkpointing.
 - CPU: the measured figure is the peak RSS (VmHWM) during the steps. The peak-RSS mark is reset
   after the model is loaded (so loading transients do not count; /proc/self/clear_refs). RSS also
   holds what the plan does not model: the Python/torch/transformers runtime, the tokenizer and data.
-  That baseline is MEASURED in the same process (RSS after the imports, before the model loads) and
-  added to the plan's tensor peak: predicted RSS = baseline + plan peak. The table also shows the
-  stricter view, the growth during the steps against the plan's growth (peak minus what exists at load).
+  That baseline is MEASURED in the same process: RSS once the Trainer is built, less the tensors the
+  plan itself counts at that point (weights, LoRA adapters, reference copy). Predicted RSS = baseline +
+  plan peak. The table also shows the stricter view: the growth during the steps against the plan's
+  growth (its peak less what exists at load), where the baseline cancels out.
 - GPU: the measured figure is torch.cuda.max_memory_allocated over the steps (peak stats reset after
   loading), compared with the plan's tensor peak (no CUDA context or allocator slack, which
   max_memory_allocated does not see either).
@@ -66,6 +67,12 @@ def worker(config_path: str, result_path: str) -> None:
     imported = rss_kib()
     cfg = load_config(config_path)
     trainer = Trainer(cfg, overwrite=True)
+    # transformers may map the safetensors file lazily: touch every weight so that it is resident
+    # (as it is after the first step anyway) before the at-load RSS is read
+    models = [trainer.policy] + ([trainer.ref_policy] if trainer.ref_policy is not None else [])
+    with torch.no_grad():
+        for t in (t for m in models for t in [*m.parameters(), *m.buffers()]):
+            t.sum()
     gc.collect()
     cuda = torch.cuda.is_available()
     loaded = rss_kib()
@@ -101,6 +108,8 @@ def build_model(out: Path, arch: str, dims: dict, tokenizer_dir: Path, dtype: st
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]  # fmt: skip
     vocab = dims.pop("vocab_size", len(tok))
+    if vocab > len(tok):  # a random Qwen-sized vocab samples any id: give every id a token to decode to
+        tok.add_tokens([f"<extra_{i}>" for i in range(len(tok), vocab)])
     cfg = cls[0](vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=4096,
                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                  **dims)  # fmt: skip
@@ -123,24 +132,30 @@ def tokenizer_dir(work: Path) -> Path:
     return out
 
 
-def grid(device: str, quick: bool) -> list[dict]:
-    if device == "cpu":
-        models = [("tiny", "llama", TINY), ("smollm2-135m", "llama", SMOLLM2_135M)]
-        gs, cs, dtype = (4, 8), (32, 128), "float32"
-    else:
-        qwen = dict(vocab_size=151936, num_attention_heads=14, num_key_value_heads=2)
-        models = [("qwen2.5-0.5b", "qwen2", {**qwen, "hidden_size": 896, "intermediate_size": 4864,
-                                             "num_hidden_layers": 24}),
-                  ("qwen2.5-1.5b", "qwen2", {**qwen, "hidden_size": 1536, "intermediate_size": 8960,
-                                             "num_hidden_layers": 28, "num_attention_heads": 12})]  # fmt: skip
-        gs, cs, dtype = (8, 16), (128, 512), "bfloat16"
+MODELS = {
+    "cpu": {"tiny": ("llama", TINY), "smollm2-135m": ("llama", SMOLLM2_135M)},
+    "cuda": {
+        "qwen2.5-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                       num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2)),
+        "qwen2.5-1.5b": ("qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                                       num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2)),
+    },
+}  # fmt: skip
+GRID = {"cpu": ((4, 8), (32, 128), "float32"), "cuda": ((8, 16), (128, 512), "bfloat16")}
+
+
+def grid(device: str, only: list[str] | None) -> list[dict]:
+    """Every model × G × completion × method × checkpointing point, or those named in `only`
+    (as model/G/C/method/ckpt, e.g. smollm2-135m/8/128/lora/off)."""
+    gs, cs, dtype = GRID[device]
     points = []
-    for (name, arch, dims), g, c, method, ckpt in itertools.product(
-        models, gs, cs, ("full", "lora"), (True, False)
+    for (name, (arch, dims)), g, c, method, ckpt in itertools.product(
+        MODELS[device].items(), gs, cs, ("full", "lora"), ("on", "off")
     ):
-        if quick and not (g == gs[0] and c == cs[0]):
-            continue
-        points.append(dict(model=name, arch=arch, dims=dims, G=g, C=c, method=method, ckpt=ckpt, dtype=dtype))
+        key = f"{name}/{g}/{c}/{method}/{ckpt}"
+        if only is None or key in only:
+            points.append(dict(key=key, model=name, arch=arch, dims=dims, G=g, C=c, method=method,
+                               ckpt=ckpt == "on", dtype=dtype))  # fmt: skip
     return points
 
 
@@ -171,11 +186,58 @@ def predict(config_path: Path, device: str) -> dict:
     return {"peak": est.peak, "phase": est.phase, "at_load": at_load}
 
 
+def measure(point: dict, work: Path, tok: Path) -> Path:
+    """Run one grid point in its own process; returns the result file."""
+    stem = work / point["key"].replace("/", "_")
+    model_dir = work / f"{point['model']}-{point['dtype']}"
+    build_model(model_dir, point["arch"], dict(point["dims"]), tok, point["dtype"])
+    cfg_path, result_path = stem.with_suffix(".yaml"), stem.with_suffix(".json")
+    cfg_path.write_text(yaml.safe_dump(run_config(point, model_dir, work / "runs" / stem.name)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, __file__, "--worker", str(cfg_path), str(result_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"point {point['key']} failed:\n{proc.stderr[-3000:]}")
+    return result_path
+
+
+def table_row(point: dict, work: Path, device: str) -> tuple[str, float] | None:
+    stem = work / point["key"].replace("/", "_")
+    if not stem.with_suffix(".json").is_file():
+        return None
+    r = json.loads(stem.with_suffix(".json").read_text())
+    pred = predict(stem.with_suffix(".yaml"), device)
+    if device == "cpu":
+        # measured: RSS after loading, less the tensors the plan models at that point
+        base = r["rss_loaded_kib"] * 1024 - pred["at_load"]
+        predicted, measured = base + pred["peak"], r["rss_peak_kib"] * 1024
+        growth_m = (r["rss_peak_kib"] - r["rss_loaded_kib"]) * 1024
+    else:
+        base, predicted, measured = 0, pred["peak"], r["gpu_peak"]
+        growth_m = r["gpu_peak"] - r["gpu_loaded"]
+    growth_p = pred["peak"] - pred["at_load"]
+    err = predicted / measured - 1
+    mib = 2**20
+    cells = [point["model"], point["G"], point["C"], point["method"], "on" if point["ckpt"] else "off",
+             f"{base / mib:,.0f}", f"{pred['peak'] / mib:,.0f}", f"{predicted / mib:,.0f}",
+             f"{measured / mib:,.0f}",
+             f"{err:+.1%}", f"{growth_p / mib:,.0f}", f"{growth_m / mib:,.0f}", pred["phase"],
+             "/".join(f"{s:.0f}" for s in r["step_seconds"])]  # fmt: skip
+    return "| " + " | ".join(str(c) for c in cells) + " |", err
+
+
+HEADER = (
+    "| model | G | completion | method | ckpt | baseline MiB | plan peak MiB | predicted MiB | measured MiB "
+    "| error | predicted growth MiB | measured growth MiB | phase | step s |"
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--quick", action="store_true", help="only the smallest G and completion length")
+    ap.add_argument("--only", help="comma-separated points model/G/C/method/ckpt (default: the whole grid)")
+    ap.add_argument("--report-only", action="store_true", help="tabulate the results already measured")
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "leangrpo-plan-accuracy"))
     ap.add_argument("--markdown", help="also write the table to this file")
     args = ap.parse_args()
@@ -184,54 +246,21 @@ def main() -> None:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    tok = tokenizer_dir(work)
-    lines = [
-        f"| model | G | completion | method | ckpt | predicted RSS/alloc MiB | measured MiB | error | "
-        f"predicted growth MiB | measured growth MiB | phase |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    if args.device == "cuda":
-        lines[0] = lines[0].replace("RSS/alloc", "alloc")
-    print(lines[0], flush=True)
-    worst = 0.0
-    for i, point in enumerate(grid(args.device, args.quick)):
-        model_dir = build_model(work / f"{point['model']}-{point['dtype']}", point["arch"], dict(point["dims"]),
-                                tok, point["dtype"])  # fmt: skip
-        cfg_path = work / f"point{i}.yaml"
-        cfg_path.write_text(yaml.safe_dump(run_config(point, model_dir, work / f"run{i}")))
-        result_path = work / f"point{i}.json"
-        start = time.time()
-        proc = subprocess.run([sys.executable, __file__, "--worker", str(cfg_path), str(result_path)],
-                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
-        if proc.returncode:
-            print(f"point {point} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-            continue
-        r = json.loads(result_path.read_text())
-        pred = predict(cfg_path, args.device)
-        mib = 2**20
-        if args.device == "cpu":
-            base = r["rss_imported_kib"] * 1024  # measured: the runtime before any model loads
-            predicted, measured = base + pred["peak"], r["rss_peak_kib"] * 1024
-            growth_m = (r["rss_peak_kib"] - r["rss_loaded_kib"]) * 1024
-        else:
-            predicted, measured = pred["peak"], r["gpu_peak"]
-            growth_m = r["gpu_peak"] - r["gpu_loaded"]
-        growth_p = pred["peak"] - pred["at_load"]
-        err = predicted / measured - 1
-        worst = max(worst, abs(err))
-        row = (
-            f"| {point['model']} | {point['G']} | {point['C']} | {point['method']} | "
-            f"{'on' if point['ckpt'] else 'off'} | {predicted / mib:,.0f} | {measured / mib:,.0f} | {err:+.1%} | "
-            f"{growth_p / mib:,.0f} | {growth_m / mib:,.0f} | {pred['phase']} |"
-        )
-        lines.append(row)
-        print(
-            row, f"({time.time() - start:.0f}s, completion lengths {r['completion_length_mean']})", flush=True
-        )
-    summary = f"worst error {worst:.1%} over {len(lines) - 2} points (target ±15%)"
-    print(summary)
+    points = grid(args.device, args.only.split(",") if args.only else None)
+    if not args.report_only:
+        tok = tokenizer_dir(work)
+        for point in points:
+            start = time.time()
+            measure(point, work, tok)
+            print(f"measured {point['key']} in {time.time() - start:.0f}s", flush=True)
+    rows = [row for p in grid(args.device, None) if (row := table_row(p, work, args.device))]
+    lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
+    lines += [r for r, _ in rows]
+    worst = max((abs(e) for _, e in rows), default=float("nan"))
+    lines += ["", f"worst error {worst:.1%} over {len(rows)} points (target ±15%)"]
+    print("\n".join(lines))
     if args.markdown:
-        Path(args.markdown).write_text("\n".join([*lines, "", summary]) + "\n")
+        Path(args.markdown).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

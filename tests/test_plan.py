@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -239,9 +240,12 @@ def test_cli_fit_prints_a_yaml_snippet_that_validates(gsm8k_dir):
     assert cfg.model.lora.enabled and cfg.grpo.num_generations <= 16
 
 
-def test_cli_takes_knobs_from_a_yaml_config(tmp_path, tiny_model_dir):
+def test_cli_takes_knobs_from_a_yaml_config(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(plan.BUILTIN_SHAPES["HuggingFaceTB/SmolLM2-135M"]))
     cfg = {
-        "model": {"name_or_path": str(tiny_model_dir), "lora": {"enabled": True, "r": 8}},
+        "model": {"name_or_path": str(model_dir), "lora": {"enabled": True, "r": 8}},
         "data": {"path": "x.jsonl"},
         "rewards": {"functions": [{"name": "x"}]},
         "grpo": {"num_generations": 4, "max_completion_length": 48},
@@ -252,7 +256,7 @@ def test_cli_takes_knobs_from_a_yaml_config(tmp_path, tiny_model_dir):
     res = CliRunner().invoke(main, ["plan", "--model", str(path), "--device", "cpu"])
     assert res.exit_code == 0, res.output
     assert "method lora, float32" in res.output and "G=4, micro-batch 4 x 2" in res.output
-    assert "completion 48 tokens" in res.output
+    assert "completion 48 tokens" in res.output and "134.5M params" in res.output
 
 
 def test_plan_does_not_import_torch():
@@ -291,7 +295,7 @@ def test_cli_nothing_fits_says_what_dominates():
     assert "dominated by weights" in res.output
 
 
-def test_train_warns_when_the_plan_says_the_gpu_is_too_small(monkeypatch, tiny_model_dir):
+def test_train_warns_when_the_plan_says_the_gpu_is_too_small(monkeypatch):
     cfg = validate_config({
         "model": {"name_or_path": "Qwen/Qwen2.5-7B", "dtype": "bfloat16"},
         "data": {"path": "x.jsonl"}, "rewards": {"functions": [{"name": "x"}]},

@@ -643,17 +643,19 @@ def yaml_snippet(k: Knobs, model: str) -> str:
         "optim": {"per_device_train_batch_size": k.per_device_train_batch_size,
                   "gradient_accumulation_steps": k.gradient_accumulation_steps},
     }  # fmt: skip
-    text = yaml.safe_dump(doc, sort_keys=False)
     notes = []
     if k.optimizer != "adamw":
-        notes.append(
-            f"# planned with optimizer {k.optimizer}: set it where your leangrpo version has the key"
-        )
+        from .config import OptimConfig
+
+        if "optimizer" in OptimConfig.model_fields:
+            doc["optim"]["optimizer"] = k.optimizer
+        else:
+            notes.append(f"# planned with optimizer {k.optimizer}, which this leangrpo config cannot set yet")
     if k.method == "qlora-4bit":
         notes.append("# planned as QLoRA (4-bit base): leangrpo train loads the base in `dtype`, not 4-bit")
     if k.rollout == "vllm":
         notes.append("# planned with a colocated vLLM rollout: leangrpo train generates with HF generate")
-    return "\n".join([*notes, text.rstrip()])
+    return "\n".join([*notes, yaml.safe_dump(doc, sort_keys=False).rstrip()])
 
 
 def startup_warning(cfg: Any, total_memory: int) -> str | None:
@@ -683,41 +685,44 @@ def cuda_startup_warning(cfg: Any) -> str | None:
 
 # ---------------------------------------------------------------- the printed plan
 
-_ROWS = (
-    ("weights", "base weights on the device"),
-    ("trainable params", "LoRA adapters (fp32)"),
-    ("gradients", "one per trainable parameter"),
-    ("optimizer state", "AdamW exp_avg + exp_avg_sq"),
-    ("reference model", "frozen copy (full fine-tuning, beta > 0)"),
-    ("activations", "saved for backward, one micro-batch"),
-    ("log-prob workspace", "chunked logits (+ lm_head grad when it trains)"),
-    ("KV cache", "DynamicCache, whole generation batch"),
-    ("generation workspace", "prefill / sampling temporaries"),
-    ("vllm reservation", "gpu_memory_utilization share"),
-)
+_NOTES = {
+    "weights": "base weights on the device",
+    "trainable params": "LoRA adapters (fp32)",
+    "gradients": "one per trainable parameter",
+    "optimizer state": "",
+    "reference model": "frozen copy of the weights (full fine-tuning with beta > 0)",
+    "activations": "saved for backward, one micro-batch",
+    "log-prob workspace": "chunked logits (+ fp32 lm_head grad when it trains)",
+    "KV cache": "DynamicCache, whole generation batch",
+    "generation workspace": "prefill / sampling temporaries",
+    "vllm reservation": "gpu_memory_utilization share of the card",
+}
+_OPTIMIZER_NOTES = {"adamw": "AdamW exp_avg + exp_avg_sq", "adamw_8bit": "8-bit AdamW: uint8 states + absmax"}
 
 
 def render(est: Estimate, memory: int | None, margin: float) -> str:
     """The breakdown table, the peak and its phase, and the verdict against `memory`."""
     k, s = est.knobs, est.shape
     other = "off" if k.gradient_checkpointing else "on"
-    notes = dict(_ROWS)
-    notes["optimizer state"] = f"{k.optimizer}: exp_avg + exp_avg_sq"
+    notes = {**_NOTES, "optimizer state": _OPTIMIZER_NOTES[k.optimizer]}
     notes["activations"] += f" (checkpointing {'on' if k.gradient_checkpointing else 'off'})"
     lines = [
         f"model {s.name}: {s.model_type}, {est.params / 1e6:,.1f}M params, {s.num_hidden_layers} layers, "
         f"hidden {s.hidden_size}, vocab {s.vocab_size}",
         f"method {k.method}, {k.dtype}, trainable {est.trainable_params / 1e6:,.2f}M params, "
-        f"G={k.num_generations}, "
-        f"micro-batch {k.per_device_train_batch_size} x {k.gradient_accumulation_steps}, prompt "
-        f"{k.max_prompt_length} + completion {k.max_completion_length} tokens, beta={k.beta}, "
-        f"optimizer {k.optimizer}, rollout {k.rollout}, device {k.device}",
+        f"G={k.num_generations}, micro-batch {k.per_device_train_batch_size} x "
+        f"{k.gradient_accumulation_steps} accumulation, prompt {k.max_prompt_length} + completion "
+        f"{k.max_completion_length} tokens, beta={k.beta}, optimizer {k.optimizer}, rollout {k.rollout}, "
+        f"device {k.device}",
         "",
         f"{'component':<22} {'bytes':>12}  note",
     ]
     for name, note in notes.items():
-        if name in est.components and (est.components[name] or name in PHASE_PARTS["update"]):
+        if est.components.get(name):
             lines.append(f"{name:<22} {fmt_bytes(est.components[name]):>12}  {note}")
+    if not est.components["reference model"]:
+        why = "beta = 0" if k.beta == 0 else "the adapter is disabled for reference log-probs"
+        lines.append(f"{'reference model':<22} {'none':>12}  {why}")
     lines.append(
         f"{'  (checkpointing ' + other + ')':<22} {fmt_bytes(est.activations_other):>12}  for comparison"
     )
