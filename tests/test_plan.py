@@ -318,3 +318,22 @@ def test_knobs_follow_the_config_rule_for_g():
     assert plan.make_knobs(num_generations=16, per_device_train_batch_size=8).gradient_accumulation_steps == 2
     with pytest.raises(plan.PlanError, match="must divide the generation batch"):
         plan.make_knobs(num_generations=6, per_device_train_batch_size=4, gradient_accumulation_steps=1)
+
+
+def test_qlora_weights_are_nf4_linears_plus_dtype_rest():
+    shape = plan.resolve_shape("meta-llama/Llama-3.1-8B")
+    linear = sum(n for kind, n in shape.param_tensors() if kind == "linear")
+    rest = shape.num_params() - linear  # embeddings, untied lm_head, norms stay in bf16
+    expected = linear * (0.5 + 1 / 64) + rest * 2
+    assert plan.weight_bytes(shape, plan.Knobs(method="qlora-4bit")) == pytest.approx(expected, rel=1e-3)
+
+
+def test_vllm_rollout_reserves_its_share_instead_of_a_kv_cache():
+    shape = plan.resolve_shape("Qwen/Qwen2.5-0.5B")
+    memory = 24 * 2**30
+    est = plan.plan_for(
+        shape, plan.Knobs(method="lora", rollout="vllm", vllm_gpu_memory_utilization=0.3), memory
+    )
+    assert est.components["vllm reservation"] == int(0.3 * memory) and est.components["KV cache"] == 0
+    assert "generation" not in est.phases
+    assert est.total == est.peak + est.overhead + int(0.3 * memory)
