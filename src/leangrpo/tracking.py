@@ -4,6 +4,8 @@ completions."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import json
 import math
@@ -73,17 +75,14 @@ class TensorBoardTracker:
         self.writer.close()
 
 
-class _WandbLike:
-    """W&B and trackio share one API: init(project, name, config), log(metrics, step), finish()."""
+class WandbLikeTracker:
+    """W&B or trackio (same API: init, log, finish). W&B writes to `RUN/wandb/` (WANDB_MODE=offline
+    needs no account); trackio to its local database ($TRACKIO_DIR)."""
 
-    module = ""
-
-    def __init__(self, run_dir: Path, config: dict[str, Any], project: str, run_name: str) -> None:
-        self.lib = importlib.import_module(self.module)
-        self.run = self.lib.init(project=project, name=run_name, config=config, **self.init_kwargs(run_dir))
-
-    def init_kwargs(self, run_dir: Path) -> dict[str, Any]:
-        return {}
+    def __init__(self, module: str, run_dir: Path, config: dict[str, Any], project: str, run_name: str):
+        self.lib = importlib.import_module(module)
+        where = {"dir": str(run_dir)} if module == "wandb" else {}
+        self.lib.init(project=project, name=run_name, config=config, **where)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.lib.log(_scalars(metrics), step=step)
@@ -92,22 +91,11 @@ class _WandbLike:
         self.lib.finish()
 
 
-class WandbTracker(_WandbLike):
-    """Weights & Biases; its files go to `RUN/wandb/` (WANDB_MODE=offline works without an account)."""
-
-    module = "wandb"
-
-    def init_kwargs(self, run_dir: Path) -> dict[str, Any]:
-        return {"dir": str(run_dir)}
-
-
-class TrackioTracker(_WandbLike):
-    """trackio: local-first, W&B-compatible."""
-
-    module = "trackio"
-
-
-TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "trackio": TrackioTracker}
+TRACKERS = {
+    "tensorboard": TensorBoardTracker,
+    "wandb": functools.partial(WandbLikeTracker, "wandb"),
+    "trackio": functools.partial(WandbLikeTracker, "trackio"),
+}
 
 
 def open_trackers(
