@@ -117,8 +117,10 @@ def wandb_history(path: Path) -> list[tuple[int, dict]]:
     return out
 
 
-def test_missing_tracker_package_is_one_line(monkeypatch, tmp_path):
+def test_missing_tracker_package_is_one_line(monkeypatch, tmp_path, gsm8k_dir):
     import importlib.util
+
+    from test_e2e import write_config
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -127,8 +129,15 @@ def test_missing_tracker_package_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(TrackerError, match="the wandb package is not installed: pip install wandb"):
         check_trackers(["tensorboard", "wandb"])
     check_trackers(["tensorboard"])
-    result = CliRunner().invoke(main, ["train", "-c", str(tmp_path / "none.yaml")])
-    assert result.exit_code == 2  # (the CLI path for config errors is covered in test_e2e)
+    # From the CLI: one line, before any model loads (the model path does not even exist).
+    cfg = write_config(tmp_path / "c.yaml", tmp_path / "no-model", gsm8k_dir / "train.jsonl", tmp_path / "r")
+    result = CliRunner().invoke(main, ["train", "-c", str(cfg), "logging.report_to=[tensorboard, wandb]"])
+    assert result.exit_code == 2
+    assert result.output.strip() == (
+        "error: logging.report_to includes wandb, but the wandb package is not installed: pip install wandb"
+    )
+    result = CliRunner().invoke(main, ["train", "-c", str(cfg), "logging.report_to=tensorbord"])
+    assert result.exit_code == 2 and "logging.report_to.0" in result.output and "tensorboard" in result.output
 
 
 def make_run(run_dir: Path, steps: int = 12) -> Path:

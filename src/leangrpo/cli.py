@@ -87,20 +87,16 @@ def demo(max_steps: int, full_finetune: bool, data_path: str, output_dir: str) -
     "--reward", "rewards", multiple=True, help="Reward to report (repeatable); default: the config's."
 )
 @click.option("--seed", default=0, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Default: the config's.")
 @click.option("--out", help="Output JSON (records go to the .jsonl beside it).")
 @_user_errors
-def eval_cmd(
-    model, adapter, data, split, limit, pass_k, max_new_tokens, batch_size, config, rewards, seed, out
-):
+def eval_cmd(model: str, pass_k: int, **options: Any) -> None:
     """Evaluate a model on held-out questions: accuracy, pass@k, format rates, rewards, lengths."""
-    from .compare import format_table
+    from .compare import fmt_value, format_table
     from .evaluate import run_eval
 
-    result, path = run_eval(
-        model, adapter=adapter, data=data, split=split, limit=limit, num_samples=pass_k, out=out,
-        config=config, rewards=rewards, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-    )  # fmt: skip
-    rows = [[k, f"{v:.4g}" if isinstance(v, float) else str(v)] for k, v in result.metrics.items()]
+    result, path = run_eval(model, num_samples=pass_k, **options)
+    rows = [[k, fmt_value(v)] for k, v in result.metrics.items()]
     click.echo(format_table(["metric", "value"], rows))
     click.echo(f"wrote {path} and {path.with_suffix('.jsonl')}")
 

@@ -72,7 +72,8 @@ def load_side(source: str) -> Side:
     return side
 
 
-def _fmt(value: Any) -> str:
+def fmt_value(value: Any) -> str:
+    """A metric for a table: 4 significant digits, '-' for none."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -101,7 +102,7 @@ def metrics_table(a: Side, b: Side) -> str:
         va, vb = a.metrics.get(key), b.metrics.get(key)
         numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb))
         delta = f"{vb - va:+.4g}" if numeric else ""
-        rows.append([key, _fmt(va), _fmt(vb), delta])
+        rows.append([key, fmt_value(va), fmt_value(vb), delta])
     return format_table(["metric", "A", "B", "B - A"], rows)
 
 

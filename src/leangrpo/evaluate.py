@@ -264,8 +264,8 @@ def resolve_model(name_or_path: str) -> str:
 def load_eval_model(
     name_or_path: str, adapter: str | None = None, dtype: str = "float32"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a model (hub id, directory, .gguf, run directory) for inference, with an optional peft
-    adapter merged in. An adapter that does not fit the model is a one-line error."""
+    """Load a model (hub id, directory, .gguf, run directory) for inference, on the GPU when there is
+    one, with an optional peft adapter merged in. An adapter that does not fit is a one-line error."""
     from .config import ModelConfig
     from .models import _describe, load_model_and_tokenizer
 
@@ -282,7 +282,9 @@ def load_eval_model(
             detail = _describe(e)
             detail = detail if len(detail) <= 300 else detail[:300] + "..."
             raise EvalError(f"adapter {adapter} does not fit model {cfg.name_or_path}: {detail}") from None
-    return model.eval(), tokenizer
+    import torch
+
+    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval(), tokenizer
 
 
 # ---- evaluation during training -----------------------------------------------------------------
@@ -345,6 +347,7 @@ def run_eval(
     max_new_tokens: int | None = None,
     batch_size: int = 16,
     seed: int = 0,
+    dtype: str | None = None,
 ) -> tuple[EvalResult, Path]:
     """`leangrpo eval`: prompt format, rewards and lengths come from `config` (a run config YAML or run
     directory; by default the run's own when `model` is a run directory), else the defaults. Every
@@ -373,7 +376,7 @@ def run_eval(
     source = resolve_data_path(data, split)
     rows = load_eval_rows(data_cfg, source, split, limit)
 
-    lm, tokenizer = load_eval_model(model, adapter, cfg.model.dtype if cfg else "float32")
+    lm, tokenizer = load_eval_model(model, adapter, dtype or (cfg.model.dtype if cfg else "float32"))
     result = evaluate(
         lm,
         tokenizer,
