@@ -155,6 +155,7 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.yaml")
             if self.skipped:
                 self._write(f"data: skipped {len(self.skipped)} bad rows (first: {self.skipped[0]})")
+        self.maybe_evaluate(0)  # the starting model, before any training (SFT included)
         if cfg.sft.steps:
             self.cold_start()
         bar = tqdm(
@@ -163,7 +164,6 @@ class Trainer:
             disable=not (self.is_main and cfg.logging.progress_bar),
             dynamic_ncols=True,
         )
-        self.maybe_evaluate(0)
         for step in range(1, cfg.optim.max_steps + 1):
             metrics = self.step(step)
             bar.update(1)
