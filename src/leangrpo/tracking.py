@@ -29,9 +29,6 @@ CONSOLE_COLUMNS = (
     ("step_seconds", "s/step"),
 )
 HEADER_EVERY = 20  # rows between repeated headers
-# report_to name → (module to import, pip package).
-TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
-                    "trackio": ("trackio", "trackio")}  # fmt: skip
 
 
 class TrackerError(UserError, RuntimeError):
@@ -39,13 +36,13 @@ class TrackerError(UserError, RuntimeError):
 
 
 def check_trackers(names: list[str]) -> None:
-    """Fail early, in one line, when a tracker's package is missing (without importing it)."""
+    """Fail early, in one line, when a tracker's package (named like the tracker) is missing; without
+    importing it."""
     for name in names:
-        module, package = TRACKER_PACKAGES[name]
-        if importlib.util.find_spec(module) is None:
+        if importlib.util.find_spec(name) is None:
             raise TrackerError(
-                f"logging.report_to includes {name}, but the {package} package is not installed: "
-                f"pip install {package}"
+                f"logging.report_to includes {name}, but the {name} package is not installed: "
+                f"pip install {name}"
             )
 
 
