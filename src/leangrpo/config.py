@@ -19,6 +19,9 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
+_LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
 class ConfigError(UserError, ValueError):
     """A one-line, user-facing configuration error that names the offending key."""
 
@@ -126,6 +129,39 @@ class LoggingConfig(_Section):
     save_steps: int = Field(0, ge=0, description="0 saves only the final model")
     log_completions_steps: int = Field(10, ge=0, description="0 disables sample logging")
     progress_bar: bool = True
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
+        default_factory=list, description="experiment trackers: none, one name, or a list"
+    )
+    project: str = Field("leangrpo", min_length=1, description="W&B / trackio project")
+    run_name: str | None = None
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, v: Any) -> Any:
+        # TRL style: "none", "wandb", "tensorboard,wandb" or a list.
+        if v is None or v == "none":
+            return []
+        return [s.strip() for s in v.split(",")] if isinstance(v, str) else v
+
+
+class EvalConfig(_Section):
+    """Evaluation during training: before step 1, every `eval_steps`, and after the last step, on the
+    first `limit` rows of a held-out split (the same rows each time)."""
+
+    enabled: bool = False
+    path: str | None = Field(
+        None,
+        description="held-out .jsonl/.parquet, a directory with {split}.jsonl, "
+        "or a hub id; default: data.path (hub datasets only)",
+    )
+    split: str = "test"
+    limit: int = Field(64, ge=1)
+    eval_steps: int = Field(0, ge=0, description="0: only before training and at the end")
+    max_new_tokens: int | None = Field(None, ge=1, description="default: grpo.max_completion_length")
+    batch_size: int = Field(16, ge=1, description="prompts per generate call")
+    num_samples: int = Field(
+        0, ge=0, description="k for pass@k (sampled at grpo.temperature); 0: greedy only"
+    )
 
 
 class Config(_Section):
@@ -136,6 +172,7 @@ class Config(_Section):
     optim: OptimConfig = OptimConfig()
     sft: SFTConfig = SFTConfig()
     logging: LoggingConfig = LoggingConfig()
+    eval: EvalConfig = EvalConfig()
     output_dir: str = "runs/leangrpo"
     seed: int = 42
 
@@ -158,6 +195,11 @@ class Config(_Section):
         for key, value in needs_solutions.items():
             if value and self.data.answer_format != "gsm8k":
                 raise ValueError(f"{key} needs worked solutions: set data.answer_format: gsm8k")
+        if self.eval.enabled and self.eval.path is None and Path(self.data.path).suffix in _LOCAL_SUFFIXES:
+            raise ValueError(
+                "eval.enabled needs eval.path (a held-out file, or a directory holding "
+                f"{self.eval.split}.jsonl): data.path is a local file, the training data itself"
+            )
         return self
 
     @property

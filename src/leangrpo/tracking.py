@@ -1,7 +1,12 @@
-"""Where metrics go: metrics.jsonl in the run directory, a compact console line, and sample completions."""
+"""Where metrics go: metrics.jsonl in the run directory, the experiment trackers of `logging.report_to`
+(TensorBoard, W&B, trackio; each imported only when asked for), a compact console table, and sample
+completions."""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import json
 import math
 import resource
@@ -11,7 +16,90 @@ from typing import Any
 
 import torch
 
-CONSOLE_KEYS = ("reward", "reward_std", "loss", "kl", "clip_ratio", "completion_length/mean")
+from .errors import UserError
+
+# Console table columns: (metrics key, header).
+CONSOLE_COLUMNS = (
+    ("reward", "reward"),
+    ("reward_std", "reward_std"),
+    ("loss", "loss"),
+    ("kl", "kl"),
+    ("clip_ratio", "clip"),
+    ("completion_length/mean", "length"),
+    ("step_seconds", "s/step"),
+)
+HEADER_EVERY = 20  # rows between repeated headers
+
+
+class TrackerError(UserError, RuntimeError):
+    """An experiment tracker in logging.report_to cannot be used."""
+
+
+def check_trackers(names: list[str]) -> None:
+    """Fail early, in one line, when a tracker's package (named like the tracker) is missing; without
+    importing it."""
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            raise TrackerError(
+                f"logging.report_to includes {name}, but the {name} package is not installed: "
+                f"pip install {name}"
+            )
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
+
+
+class TensorBoardTracker:
+    """Scalars into `RUN/tensorboard/` (event files), one tag per metric key."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], project: str, run_name: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```")
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        for key, value in _scalars(metrics).items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLikeTracker:
+    """W&B or trackio (same API: init, log, finish). W&B writes to `RUN/wandb/` (WANDB_MODE=offline
+    needs no account); trackio to its local database ($TRACKIO_DIR)."""
+
+    def __init__(self, module: str, run_dir: Path, config: dict[str, Any], project: str, run_name: str):
+        self.lib = importlib.import_module(module)
+        where = {"dir": str(run_dir)} if module == "wandb" else {}
+        self.lib.init(project=project, name=run_name, config=config, **where)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.lib.log(_scalars(metrics), step=step)
+
+    def close(self) -> None:
+        self.lib.finish()
+
+
+TRACKERS = {
+    "tensorboard": TensorBoardTracker,
+    "wandb": functools.partial(WandbLikeTracker, "wandb"),
+    "trackio": functools.partial(WandbLikeTracker, "trackio"),
+}
+
+
+def open_trackers(
+    names: list[str], run_dir: Path, config: dict[str, Any], project: str, run_name: str
+) -> list[Any]:
+    check_trackers(names)
+    return [TRACKERS[name](run_dir, config, project, run_name) for name in names]
 
 
 def peak_memory_mb() -> float:
@@ -30,20 +118,45 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsLogger:
-    """Appends one JSON object per logged step to metrics.jsonl, and samples to completions.jsonl."""
+    """Appends one JSON object per logged step to metrics.jsonl (and to each tracker), prints it as a
+    row of a compact console table, and appends samples to completions.jsonl."""
 
-    def __init__(self, run_dir: Path, write: Any = print):
+    def __init__(self, run_dir: Path, write: Any = print, trackers: list[Any] | None = None):
         self.metrics_path = run_dir / "metrics.jsonl"
         self.samples_path = run_dir / "completions.jsonl"
         self.write = write
+        self.trackers = trackers or []
+        self.rows_printed = 0
 
     def log(self, metrics: dict[str, Any]) -> None:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps({k: _clean(v) for k, v in metrics.items()}) + "\n")
-        shown = " ".join(
-            f"{k.split('/')[0]}={metrics[k]:.4g}" for k in CONSOLE_KEYS if isinstance(metrics.get(k), float)
-        )
-        self.write(f"step {metrics['step']:>5} | {shown}")
+        for tracker in self.trackers:
+            tracker.log(metrics, metrics["step"])
+        if any(k.startswith("eval/") for k in metrics):
+            shown = "  ".join(
+                f"{k[5:]}={v:.4g}" for k, v in _scalars(metrics).items() if k.startswith("eval/")
+            )
+            self.write(f"eval at step {metrics['step']}: {shown}")
+        else:
+            self.write(self._table_row(metrics))
+
+    def _table_row(self, metrics: dict[str, Any]) -> str:
+        cells = [f"{metrics['step']:>6}"]
+        for key, header in CONSOLE_COLUMNS:
+            value = metrics.get(key)
+            text = f"{value:.4g}" if isinstance(value, float) and math.isfinite(value) else "-"
+            cells.append(text.rjust(max(len(header), 8)))
+        row = " ".join(cells)
+        if self.rows_printed % HEADER_EVERY == 0:
+            header = " ".join(["  step", *(h.rjust(max(len(h), 8)) for _, h in CONSOLE_COLUMNS)])
+            row = f"{header}\n{row}"
+        self.rows_printed += 1
+        return row
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
 
     def log_sample(self, sample: dict[str, Any]) -> None:
         with self.samples_path.open("a") as f:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -18,7 +19,7 @@ from .errors import UserError
 from .models import Policy, frozen_copy, is_peft, load_model_and_tokenizer, save_model
 from .rewards import extract_xml_answer, load_reward, score_completions
 from .rollout import RolloutBatch, as_reward_inputs, generate
-from .tracking import MetricsLogger, peak_memory_mb
+from .tracking import MetricsLogger, check_trackers, open_trackers, peak_memory_mb
 
 
 class RunDirError(UserError, RuntimeError):
@@ -35,6 +36,8 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
             )
         for name in ("metrics.jsonl", "completions.jsonl"):
             (run_dir / name).unlink(missing_ok=True)
+        for name in ("eval", "tensorboard"):  # an earlier run's evaluations and events
+            shutil.rmtree(run_dir / name, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
@@ -89,6 +92,12 @@ class Trainer:
         self.reward_funcs = [(s.name, load_reward(s.name), s.weight) for s in cfg.rewards.functions]
         loaded = load_rows(cfg)
         self.rows, self.skipped = loaded.rows, loaded.skipped
+        check_trackers(cfg.logging.report_to)
+        self.evaluator = None
+        if cfg.eval.enabled:
+            from .evaluate import TrainingEvaluator
+
+            self.evaluator = TrainingEvaluator(cfg, self.run_dir, self.reward_funcs)
 
         model, self.tokenizer = load_model_and_tokenizer(cfg.model)
         self.conversational = has_chat_template(self.tokenizer)
@@ -119,7 +128,13 @@ class Trainer:
             len(self.rows), cfg.prompts_per_step, cfg.seed, self.acc.process_index,
             self.acc.num_processes,
         )  # fmt: skip
-        self.logger = MetricsLogger(self.run_dir, write=self._write)
+        trackers = []
+        if self.is_main:
+            name = cfg.logging.run_name or self.run_dir.name
+            trackers = open_trackers(
+                cfg.logging.report_to, self.run_dir, cfg.model_dump(mode="json"), cfg.logging.project, name
+            )
+        self.logger = MetricsLogger(self.run_dir, write=self._write, trackers=trackers)
 
     @property
     def unwrapped(self) -> Policy:
@@ -140,6 +155,7 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.yaml")
             if self.skipped:
                 self._write(f"data: skipped {len(self.skipped)} bad rows (first: {self.skipped[0]})")
+        self.maybe_evaluate(0)  # the starting model, before any training (SFT included)
         if cfg.sft.steps:
             self.cold_start()
         bar = tqdm(
@@ -154,11 +170,17 @@ class Trainer:
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
             if self.is_main and (step % cfg.logging.logging_steps == 0 or step == 1):
                 self.logger.log(metrics)
+            self.maybe_evaluate(step)
             if cfg.logging.save_steps and step % cfg.logging.save_steps == 0:
                 self.save(self.run_dir / f"checkpoint-{step}", merge=False)
         bar.close()
         final = self.run_dir / "model"
         self.save(final, merge=True)
+        if self.is_main:
+            self.logger.close()
+            from .report import write_report_after_training
+
+            write_report_after_training(self.run_dir, self._write)
         return final
 
     def cold_start(self) -> None:
@@ -189,6 +211,14 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
             if (step + 1) % cfg.logging.logging_steps == 0 or step + 1 == s.steps:
                 self._write(f"sft step {step + 1:>4} | loss={loss.item():.4g}")
+
+    def maybe_evaluate(self, step: int) -> None:
+        """Evaluate on the held-out subset when `eval` says so (step 0 = before training); main process."""
+        if self.evaluator is None or not self.evaluator.due(step):
+            return
+        if self.is_main:
+            self.logger.log(self.evaluator(self.unwrapped.lm, self.tokenizer, step))
+        self.acc.wait_for_everyone()
 
     def save(self, out_dir: Path, merge: bool) -> None:
         self.acc.wait_for_everyone()

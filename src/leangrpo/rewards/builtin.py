@@ -164,10 +164,12 @@ def math_verify_reward(prompts: list, completions: list, answer: list[str], **kw
     no answer), otherwise the whole completion, so it also works without the XML format.
     """
     return [
-        2.0 if answers_match(_prediction(text), str(gold)) else 0.0
+        2.0 if answers_match(predicted_answer(text), str(gold)) else 0.0
         for text, gold in zip(_texts(completions), answer, strict=True)
     ]
 
 
-def _prediction(text: str) -> str:
+def predicted_answer(text: str) -> str:
+    """What ``math_verify`` compares with the gold answer (and what evaluation reports): the
+    ``<answer>`` block when there is an answer tag, else the whole completion."""
     return extract_xml_answer(text) if ANSWER_OPEN in text else text

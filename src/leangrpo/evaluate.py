@@ -1,0 +1,397 @@
+"""Evaluation on held-out questions: greedy accuracy, pass@k, format rates, reward means, and one record
+per question.
+
+A completion is correct when math-verify finds its answer equal to the gold one, exactly as the
+`math_verify` reward decides (the `<answer>` block, or the whole completion when there is no answer tag):
+evaluation and training share one answer parser, so `1,000` = `1000` and `$18` = `18`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Literal
+
+from .errors import UserError
+from .rewards import (
+    answers_match,
+    extract_xml_answer,
+    predicted_answer,
+    soft_format_reward,
+    strict_format_reward,
+)
+from .rundir import is_run_dir, run_model_dir
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from .config import Config, DataConfig
+
+RewardSpec = tuple[str, Callable[..., list[Any]], float]
+FORMAT_REWARDS = (strict_format_reward, soft_format_reward)
+"""Rewards that check the output format: their rate of non-zero scores is reported as `format/<name>`."""
+DATA_SUFFIXES = (".jsonl", ".parquet", ".json")
+
+
+class EvalError(UserError, ValueError):
+    """Evaluation cannot run as asked (model, adapter or data)."""
+
+
+@dataclass
+class EvalResult:
+    """Aggregate metrics and one record per question (in the order of the rows given)."""
+
+    metrics: dict[str, Any]
+    records: list[dict[str, Any]]
+
+    def save(self, path: str | Path, **meta: Any) -> Path:
+        """Write `path` (JSON: `meta`, the metrics, and the records file's name) and the records as JSON
+        Lines beside it (same name, `.jsonl`). Returns the JSON path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        records_path = path.with_suffix(".jsonl")
+        with records_path.open("w") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records)
+        doc = {**meta, "metrics": self.metrics, "records_file": records_path.name}
+        path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+        return path
+
+
+def evaluate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
+    reward_funcs: list[RewardSpec],
+    *,
+    assistant_prefix: str = "",
+    max_new_tokens: int = 256,
+    max_prompt_length: int = 512,
+    batch_size: int = 16,
+    num_samples: int = 0,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    on_error: Literal["raise", "missing"] = "missing",
+    progress: bool = True,
+) -> EvalResult:
+    """Greedy-decode one completion per row (rows as `data.load_rows` makes them), score it with
+    `reward_funcs` and math-verify, and with `num_samples = k > 0` also sample k completions per row
+    for pass@k. Batched (`batch_size` prompts per call, left-padded, shortest padding first) under
+    `inference_mode`; sampling uses its own seeded RNG stream, so a training run's randomness is
+    untouched."""
+    import torch
+    from tqdm import tqdm
+
+    from .data import has_chat_template, render_prompt
+
+    if not rows:
+        raise EvalError("no rows to evaluate")
+    texts = [render_prompt(tokenizer, r["prompt"], assistant_prefix) for r in rows]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+    order = sorted(range(len(rows)), key=lambda i: lengths[i])  # similar lengths share a batch
+    gen = dict(
+        model=model,
+        tokenizer=tokenizer,
+        texts=texts,
+        order=order,
+        max_prompt_length=max_prompt_length,
+        max_completion_length=max_new_tokens,
+        assistant_prefix=assistant_prefix,
+    )
+    bar = tqdm(total=len(rows) * (1 + num_samples), desc="eval", unit="completion", disable=not progress)
+    sides = (tokenizer.padding_side, tokenizer.truncation_side)
+    tokenizer.padding_side = tokenizer.truncation_side = "left"
+    try:
+        with torch.inference_mode():
+            greedy = _generate_all(**gen, per_prompt=1, prompts_per_call=batch_size, bar=bar, do_sample=False)
+            sampled = None
+            if num_samples:
+                with torch.random.fork_rng(devices=[] if model.device.type == "cpu" else [model.device]):
+                    torch.manual_seed(seed)
+                    sampled = _generate_all(
+                        **gen,
+                        per_prompt=num_samples,
+                        prompts_per_call=max(1, batch_size // num_samples),
+                        bar=bar,
+                        do_sample=True,
+                        temperature=temperature,
+                        top_p=top_p,
+                    )
+    finally:
+        tokenizer.padding_side, tokenizer.truncation_side = sides
+        bar.close()
+
+    records = score(rows, [g[0][0] for g in greedy], reward_funcs, has_chat_template(tokenizer), on_error)
+    for record, [(_, length, truncated)] in zip(records, greedy, strict=True):
+        record.update(length=length, truncated=truncated)
+    if sampled is not None:
+        for record, row, samples in zip(records, rows, sampled, strict=True):
+            record["samples_correct"] = sum(is_correct(text, row["answer"]) for text, _, _ in samples)
+    return EvalResult(summarize(records, reward_funcs, num_samples), records)
+
+
+def _generate_all(
+    *,
+    model: Any,
+    tokenizer: Any,
+    texts: list[str],
+    order: list[int],
+    per_prompt: int,
+    prompts_per_call: int,
+    bar: Any,
+    **kwargs: Any,
+) -> list[list[tuple[str, int, bool]]]:
+    """(text, token length, truncated) of `per_prompt` completions for each prompt, in `texts` order."""
+    from .rollout import generate
+
+    out: list[list[tuple[str, int, bool]]] = [[] for _ in texts]
+    for start in range(0, len(order), prompts_per_call):
+        idx = order[start : start + prompts_per_call]
+        batch = generate(model, tokenizer, [texts[i] for i in idx], num_generations=per_prompt, **kwargs)
+        lengths, truncated = batch.lengths().tolist(), batch.truncated.tolist()
+        for j, i in enumerate(idx):
+            group = range(j * per_prompt, (j + 1) * per_prompt)
+            out[i] = [(batch.completion_texts[c], int(lengths[c]), bool(truncated[c])) for c in group]
+        bar.update(len(idx) * per_prompt)
+    return out
+
+
+def is_correct(completion: str, gold: Any) -> bool:
+    """The `math_verify` reward's criterion: its answer is mathematically equal to the gold one."""
+    return answers_match(predicted_answer(completion), str(gold))
+
+
+def score(
+    rows: list[dict[str, Any]],
+    completions: list[str],
+    reward_funcs: list[RewardSpec],
+    conversational: bool,
+    on_error: Literal["raise", "missing"] = "missing",
+) -> list[dict[str, Any]]:
+    """One record per (row, completion): question, gold, completion, extracted answer, correct, each
+    reward (None where not applicable or failed) and their weighted total."""
+    from .rewards import score_completions
+    from .rollout import as_reward_inputs
+
+    prompts, comps = as_reward_inputs([r["prompt"] for r in rows], completions, conversational)
+    columns = {k: [r.get(k) for r in rows] for k in rows[0] if k != "prompt"}
+    scores = score_completions(reward_funcs, prompts, comps, columns, on_error)
+    records = []
+    for i, (row, text) in enumerate(zip(rows, completions, strict=True)):
+        rewards = {name: _finite(scores.per_func[i, f]) for f, name in enumerate(scores.names)}
+        records.append(
+            {
+                "question": row["question"],
+                "gold": row["answer"],
+                "completion": text,
+                "extracted": extract_xml_answer(text),
+                "correct": is_correct(text, row["answer"]),
+                "reward": _finite(scores.total[i]),
+                "rewards": rewards,
+            }
+        )
+    return records
+
+
+def _finite(x: Any) -> float | None:
+    value = float(x)
+    return value if math.isfinite(value) else None
+
+
+def _mean(values: list[Any]) -> float | None:
+    kept = [float(v) for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+def summarize(
+    records: list[dict[str, Any]], reward_funcs: list[RewardSpec], num_samples: int
+) -> dict[str, Any]:
+    """Aggregate metrics over records (see README: Evaluation)."""
+    metrics: dict[str, Any] = {
+        "n": len(records),
+        "accuracy": _mean([r["correct"] for r in records]),
+        "completion_length/mean": _mean([r.get("length") for r in records]),
+        "truncated_frac": _mean([r.get("truncated") for r in records]),
+        "reward": _mean([r["reward"] for r in records]),
+    }
+    for name, func, _ in reward_funcs:
+        values = [r["rewards"][name] for r in records]
+        metrics[f"rewards/{name}/mean"] = _mean(values)
+        if func in FORMAT_REWARDS:
+            metrics[f"format/{name}"] = _mean([None if v is None else v > 0 for v in values])
+    if num_samples:
+        metrics[f"pass@{num_samples}"] = _mean([r["samples_correct"] > 0 for r in records])
+        metrics["pass@1/sampled"] = _mean([r["samples_correct"] / num_samples for r in records])
+    return metrics
+
+
+# ---- data and model for evaluation -------------------------------------------------------------
+
+
+def resolve_data_path(path: str, split: str) -> str:
+    """A directory holding `{split}.jsonl` (or .parquet/.json) resolves to that file; a file or hub id
+    passes through."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        return path
+    for suffix in DATA_SUFFIXES:
+        if (p / f"{split}{suffix}").is_file():
+            return str(p / f"{split}{suffix}")
+    raise EvalError(
+        f"data directory {path} has no {split!r} split (expected {split}.jsonl or {split}.parquet)"
+    )
+
+
+def load_eval_rows(data: DataConfig, path: str, split: str, limit: int | None) -> list[dict[str, Any]]:
+    """The first `limit` rows of a split, read with the training data's columns and prompt settings."""
+    from .data import load_rows
+
+    resolved = resolve_data_path(path, split)
+    eval_data = data.model_copy(update={"path": resolved, "split": split, "limit": limit})
+    return load_rows(SimpleNamespace(data=eval_data)).rows
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A run directory means its final model (`RUN/model`); anything else passes through."""
+    p = Path(name_or_path).expanduser()
+    return str(run_model_dir(p)) if is_run_dir(p) else name_or_path
+
+
+def load_eval_model(
+    name_or_path: str, adapter: str | None = None, dtype: str = "float32"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a model (hub id, directory, .gguf, run directory) for inference, on the GPU when there is
+    one, with an optional peft adapter merged in. An adapter that does not fit is a one-line error."""
+    from .config import ModelConfig
+    from .models import _describe, load_model_and_tokenizer
+
+    cfg = ModelConfig(name_or_path=resolve_model(name_or_path), dtype=dtype, gradient_checkpointing=False)
+    model, tokenizer = load_model_and_tokenizer(cfg)
+    if adapter:
+        if not (Path(adapter) / "adapter_config.json").is_file():
+            raise EvalError(f"--adapter {adapter} is not a peft adapter directory (no adapter_config.json)")
+        from peft import PeftModel
+
+        try:
+            model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        except Exception as e:  # noqa: BLE001 - peft/torch raise many kinds on a mismatch
+            detail = _describe(e)
+            detail = detail if len(detail) <= 300 else detail[:300] + "..."
+            raise EvalError(f"adapter {adapter} does not fit model {cfg.name_or_path}: {detail}") from None
+    import torch
+
+    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval(), tokenizer
+
+
+# ---- evaluation during training -----------------------------------------------------------------
+
+
+class TrainingEvaluator:
+    """Evaluates the policy on a fixed held-out subset before step 1, every `eval.eval_steps`, and at
+    the end; writes `RUN/eval/step-N.json(l)` and returns the `eval/...` metrics for metrics.jsonl."""
+
+    def __init__(self, cfg: Config, run_dir: Path, reward_funcs: list[RewardSpec]):
+        ev = cfg.eval
+        self.cfg, self.run_dir, self.reward_funcs = cfg, run_dir, reward_funcs
+        self.source = resolve_data_path(ev.path or cfg.data.path, ev.split)
+        self.rows = load_eval_rows(cfg.data, self.source, ev.split, ev.limit)
+
+    def due(self, step: int) -> bool:
+        """Before training (step 0), every eval_steps, and at the last step."""
+        every = self.cfg.eval.eval_steps
+        return step in (0, self.cfg.optim.max_steps) or bool(every and step % every == 0)
+
+    def __call__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int
+    ) -> dict[str, Any]:
+        cfg, ev = self.cfg, self.cfg.eval
+        result = evaluate(
+            model,
+            tokenizer,
+            self.rows,
+            self.reward_funcs,
+            assistant_prefix=cfg.data.assistant_prefix,
+            max_new_tokens=ev.max_new_tokens or cfg.grpo.max_completion_length,
+            max_prompt_length=cfg.grpo.max_prompt_length,
+            batch_size=ev.batch_size,
+            num_samples=ev.num_samples,
+            temperature=cfg.grpo.temperature,
+            top_p=cfg.grpo.top_p,
+            seed=cfg.seed,
+            progress=False,
+        )
+        result.save(self.run_dir / "eval" / f"step-{step}.json", step=step, data=self.source, split=ev.split)
+        return {"step": step, **{f"eval/{k}": v for k, v in result.metrics.items()}}
+
+
+# ---- `leangrpo eval` ----------------------------------------------------------------------------
+
+DEFAULT_REWARDS = ("xmlcount", "soft_format", "strict_format", "int", "correctness", "math_verify")
+
+
+def run_eval(
+    model: str,
+    *,
+    adapter: str | None = None,
+    data: str | None = None,
+    split: str = "test",
+    limit: int | None = None,
+    num_samples: int = 0,
+    out: str | None = None,
+    config: str | None = None,
+    rewards: tuple[str, ...] = (),
+    max_new_tokens: int | None = None,
+    batch_size: int = 16,
+    seed: int = 0,
+    dtype: str | None = None,
+) -> tuple[EvalResult, Path]:
+    """`leangrpo eval`: prompt format, rewards and lengths come from `config` (a run config YAML or run
+    directory; by default the run's own when `model` is a run directory), else the defaults. Every
+    input is checked before the model loads."""
+    from .config import DataConfig, load_config
+    from .rewards import load_reward
+
+    run_dir = Path(model).expanduser() if is_run_dir(Path(model).expanduser()) else None
+    if run_dir is not None:
+        run_model_dir(run_dir)  # fail now, not after loading data
+    cfg_path = config or (
+        str(run_dir / "config.yaml") if run_dir and (run_dir / "config.yaml").is_file() else None
+    )
+    if cfg_path and Path(cfg_path).is_dir():
+        cfg_path = str(Path(cfg_path) / "config.yaml")
+    cfg = load_config(cfg_path) if cfg_path else None
+    data = data or (cfg.eval.path if cfg else None)
+    if not data:
+        raise EvalError(
+            "give the evaluation data with --data (a .jsonl/.parquet file, a directory, or a hub id)"
+        )
+    data_cfg = cfg.data if cfg else DataConfig(path=data)
+    names = rewards or (tuple(s.name for s in cfg.rewards.functions) if cfg else DEFAULT_REWARDS)
+    weights = {s.name: s.weight for s in cfg.rewards.functions} if cfg and not rewards else {}
+    reward_funcs = [(n, load_reward(n), weights.get(n, 1.0)) for n in names]
+    source = resolve_data_path(data, split)
+    rows = load_eval_rows(data_cfg, source, split, limit)
+
+    lm, tokenizer = load_eval_model(model, adapter, dtype or (cfg.model.dtype if cfg else "float32"))
+    result = evaluate(
+        lm,
+        tokenizer,
+        rows,
+        reward_funcs,
+        assistant_prefix=data_cfg.assistant_prefix,
+        max_new_tokens=max_new_tokens or (cfg.grpo.max_completion_length if cfg else 256),
+        max_prompt_length=cfg.grpo.max_prompt_length if cfg else 512,
+        batch_size=batch_size,
+        num_samples=num_samples,
+        temperature=cfg.grpo.temperature if cfg else 1.0,
+        top_p=cfg.grpo.top_p if cfg else 1.0,
+        seed=seed,
+    )
+    if out is None:
+        out = str(run_dir / "eval" / f"eval-{split}.json") if run_dir else f"eval-{split}.json"
+    meta = {"model": model, "adapter": adapter, "data": source, "split": split, "num_samples": num_samples}
+    return result, result.save(out, **meta)

@@ -1,0 +1,186 @@
+"""Evaluation: scoring through the reward code, batched greedy/pass@k generation, `leangrpo eval` and its
+one-line errors, `leangrpo compare`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from leangrpo.cli import main
+from leangrpo.compare import compare
+from leangrpo.evaluate import EvalResult, evaluate, score, summarize
+from leangrpo.rewards import load_reward
+
+REWARDS = [(n, load_reward(n), 1.0) for n in ("strict_format", "soft_format", "correctness", "math_verify")]
+
+
+def row(question: str, answer: str) -> dict:
+    return {"prompt": [{"role": "user", "content": question}], "question": question, "answer": answer}
+
+
+def xml(answer: str) -> str:
+    return f"<reasoning>\nadd them\n</reasoning>\n<answer>\n{answer}\n</answer>\n"
+
+
+def test_score_uses_math_verify_for_gsm8k_answers():
+    rows = [row("a", "1000"), row("b", "18"), row("c", "7"), row("d", "5"), row("e", "3")]
+    completions = [xml("1,000"), "<answer>$18</answer>", xml("8"), "so the total is 5", "<answer>3"]
+    records = score(rows, completions, REWARDS, conversational=False)
+    assert [r["correct"] for r in records] == [True, True, False, True, False]  # an unclosed tag: no answer
+    assert [r["extracted"] for r in records] == ["1,000", "$18", "8", "", ""]
+    assert records[0]["rewards"] == {
+        "strict_format": 0.5,
+        "soft_format": 0.5,
+        "correctness": 0.0,
+        "math_verify": 2.0,
+    }
+
+    metrics = summarize(records, REWARDS, num_samples=0)
+    assert metrics["n"] == 5 and metrics["accuracy"] == pytest.approx(3 / 5)
+    assert metrics["format/strict_format"] == pytest.approx(2 / 5)  # rows a and c
+    assert metrics["format/soft_format"] == pytest.approx(2 / 5)
+    assert "format/math_verify" not in metrics
+    assert metrics["rewards/math_verify/mean"] == pytest.approx(3 * 2.0 / 5)
+    assert metrics["reward"] == pytest.approx((3.0 + 2.0 + 1.0 + 2.0 + 0.0) / 5)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    from leangrpo.evaluate import load_eval_model
+
+    return load_eval_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def test_rows(gsm8k_dir):
+    from leangrpo.config import DataConfig
+    from leangrpo.evaluate import load_eval_rows
+
+    return load_eval_rows(DataConfig(path="unused"), str(gsm8k_dir), "test", 4)
+
+
+def test_evaluate_batched_greedy_and_pass_at_k(tiny, test_rows):
+    import torch
+
+    model, tok = tiny
+    rng = torch.get_rng_state()
+    kwargs = dict(max_new_tokens=6, max_prompt_length=256, progress=False)
+    res = evaluate(model, tok, test_rows, REWARDS, batch_size=2, num_samples=3, seed=1, **kwargs)
+    assert torch.equal(torch.get_rng_state(), rng)  # sampling ran on its own RNG stream
+    assert tok.padding_side == "left"
+    assert [r["question"] for r in res.records] == [r["question"] for r in test_rows]
+    assert res.metrics["n"] == 4
+    assert {"accuracy", "pass@3", "pass@1/sampled", "completion_length/mean", "format/strict_format"} <= set(
+        res.metrics
+    )
+    assert all(0 <= r["samples_correct"] <= 3 and 1 <= r["length"] <= 6 for r in res.records)
+
+    # Left padding: a prompt's greedy completion does not depend on what it is batched with.
+    alone = evaluate(model, tok, test_rows, REWARDS, batch_size=1, **kwargs)
+    assert [r["completion"] for r in alone.records] == [r["completion"] for r in res.records]
+    again = evaluate(model, tok, test_rows, REWARDS, batch_size=2, num_samples=3, seed=1, **kwargs)
+    assert [r["samples_correct"] for r in again.records] == [r["samples_correct"] for r in res.records]
+
+
+def test_eval_cli_writes_metrics_and_records(tmp_path, tiny_model_dir, gsm8k_dir):
+    out = tmp_path / "e" / "base.json"
+    result = CliRunner().invoke(main, [
+        "eval", "--model", str(tiny_model_dir), "--data", str(gsm8k_dir), "--split", "test", "--limit", "3",
+        "--max-new-tokens", "5", "--pass-k", "2", "--out", str(out),
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert (
+        doc["split"] == "test" and doc["data"].endswith("test.jsonl") and doc["records_file"] == "base.jsonl"
+    )
+    assert (
+        doc["metrics"]["n"] == 3 and "pass@2" in doc["metrics"] and "format/strict_format" in doc["metrics"]
+    )
+    records = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert len(records) == 3
+    assert {"question", "completion", "extracted", "gold", "correct", "rewards"} <= records[0].keys()
+    assert "accuracy" in result.output and str(out) in result.output
+
+
+def one_line_error(result, needle: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    # transformers' own "Loading weights" progress bar may come first; the error is one line.
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0] and result.output.endswith(errors[0] + "\n"), (
+        result.output
+    )
+
+
+def test_eval_bad_input_is_one_line(tmp_path, tiny_model_dir, gsm8k_dir, real_tokenizer_dir):
+    runner = CliRunner()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
+    one_line_error(
+        runner.invoke(main, ["eval", "--model", str(run), "--data", str(gsm8k_dir)]), "has no model"
+    )
+
+    empty = tmp_path / "data"
+    empty.mkdir()
+    (empty / "test.jsonl").write_text("")
+    args = ["eval", "--model", str(tiny_model_dir), "--data"]
+    one_line_error(runner.invoke(main, [*args, str(empty)]), "no usable rows")
+    one_line_error(runner.invoke(main, [*args, str(empty), "--split", "dev"]), "has no 'dev' split")
+
+    # An adapter trained on a model of another shape.
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    other = LlamaForCausalLM(
+        LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                    num_attention_heads=2, num_key_value_heads=1)
+    )  # fmt: skip
+    get_peft_model(other, LoraConfig(r=2, target_modules="all-linear")).save_pretrained(tmp_path / "adapter")
+    result = runner.invoke(
+        main, [*args, str(gsm8k_dir), "--adapter", str(tmp_path / "adapter"), "--limit", "1"]
+    )
+    one_line_error(result, "does not fit model")
+    result = runner.invoke(main, [*args, str(gsm8k_dir), "--adapter", str(empty)])
+    one_line_error(result, "not a peft adapter")
+
+
+def write_eval(path: Path, correct: list[bool], accuracy: float) -> Path:
+    records = [
+        {"question": f"q{i}", "gold": str(i), "completion": f"answer {i if c else -1}",
+         "extracted": str(i if c else -1), "correct": c, "rewards": {}}
+        for i, c in enumerate(correct)
+    ]  # fmt: skip
+    return EvalResult({"n": len(correct), "accuracy": accuracy}, records).save(path, model="m")
+
+
+def test_compare_eval_files_and_run_dir_with_torn_metrics(tmp_path):
+    a = write_eval(tmp_path / "a.json", [False, True, False], 1 / 3)
+    b = write_eval(tmp_path / "b.json", [True, False, True], 2 / 3)
+    text = compare(str(a), str(b))
+    assert "+0.3333" in text
+    assert "wrong → right: 2 question(s)" in text and "right → wrong: 1 question(s)" in text
+    assert "answer 0" in text and "answer -1" in text  # both completions of a flipped question
+
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    write_eval(run / "eval" / "step-3.json", [True, True, True], 1.0)
+    (run / "metrics.jsonl").write_text(
+        '{"step": 1, "reward": 0.25}\n{"step": 2, "reward": 0.75}\n{"step": 3, "rew'
+    )
+    result = CliRunner().invoke(main, ["compare", str(a), str(run)])
+    assert result.exit_code == 0, result.output
+    assert "skipped the truncated last line 3" in result.output
+    assert "train/reward (last step)" in result.output and "0.75" in result.output
+    assert "wrong → right: 2 question(s)" in result.output
+
+    (run / "metrics.jsonl").write_text('{"step": 1, "rew\n{"step": 2, "reward": 0.75}\n')
+    one_line_error(
+        CliRunner().invoke(main, ["compare", str(a), str(run)]), "metrics.jsonl:1 is not valid JSON"
+    )
+    one_line_error(CliRunner().invoke(main, ["compare", str(a), str(tmp_path / "nope")]), "neither")
