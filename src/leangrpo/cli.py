@@ -122,4 +122,5 @@ def demo(max_steps: int, full_finetune: bool, data_path: str, output_dir: str) -
 
     cfg = demo_config(max_steps, full_finetune, data_path, output_dir)
     final = run_training(cfg, overwrite=True)
-    click.echo(f"done: final model in {final}")
+    if final is not None:  # None: stopped by a signal, after saying how to resume
+        click.echo(f"done: final model in {final}")
