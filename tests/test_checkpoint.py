@@ -22,6 +22,7 @@ from leangrpo.checkpoint import (
     resume_config,
     rng_state,
     save_checkpoint,
+    save_final_model,
     set_rng_state,
     truncate_log,
 )
@@ -104,6 +105,16 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert "\n" not in message
     assert [p.name for p in checkpoint_dirs(tmp_path, complete=False)] == ["checkpoint-2"]
     assert is_complete(tmp_path / "checkpoint-2") and not list(tmp_path.glob(".*"))
+
+
+def test_disk_full_on_final_model_is_one_line_and_leaves_no_partial(tmp_path):
+    class FullDisk:
+        def save_pretrained(self, out):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(CheckpointError, match=r"final model to .*/model: No space left on device"):
+        save_final_model(FullDisk(), FullDisk(), tmp_path / "model")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_rng_state_round_trip():

@@ -269,6 +269,8 @@ def test_export_and_chat(tmp_path, tiny_model_dir, gsm8k_dir):
     assert result.exit_code == 0 and result.output.strip(), result.output
     result = cli.invoke(main, ["chat", str(merged_dir), "--max-new-tokens", "4"], input="One?\n\nTwo?\n")
     assert result.exit_code == 0, result.output
+    result = cli.invoke(main, ["chat", str(tmp_path / "adapter"), "Hi?", "--max-new-tokens", "2"])
+    assert result.exit_code == 0, result.output
 
 
 def test_output_dir_that_is_not_a_run_is_refused(tmp_path, tiny_model_dir, gsm8k_dir):
