@@ -16,7 +16,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from test_e2e import TESTS, read_metrics, run_cli, write_config
+from test_e2e import TESTS, read_metrics, write_config
 
 from leangrpo import grpo
 from leangrpo.checkpoint import checkpoint_dirs, is_complete
@@ -31,7 +31,7 @@ TIMING_KEYS = {"tokens_per_s", "step_seconds", "peak_memory_mb"}
 def make_config(tmp_path, tiny_model_dir, gsm8k_dir, name: str, **sections) -> Path:
     defaults = {
         "grpo": {"num_generations": 4},
-        "optim": {"max_steps": 4, "lr_scheduler_type": "linear", "warmup_ratio": 0.5,
+        "optim": {"max_steps": 3, "lr_scheduler_type": "linear", "warmup_ratio": 0.5,
                   "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
         "logging": {"save_steps": 2, "log_completions_steps": 1, "progress_bar": False},
     }  # fmt: skip
@@ -86,11 +86,11 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_model_d
 
     monkeypatch.setenv("LEANGRPO_TEST_OUT", str(tmp_path / "resumed"))
     with monkeypatch.context() as m:
-        interrupt_after(m, 3)
+        interrupt_after(m, 2)
         assert Trainer(runs["resumed"], overwrite=True).train() is None  # stopped by the signal
-    assert [p.name for p in checkpoint_dirs(tmp_path / "resumed")] == ["checkpoint-2", "checkpoint-3"]
+    assert [p.name for p in checkpoint_dirs(tmp_path / "resumed")] == ["checkpoint-2"]
     trainer = Trainer(runs["resumed"], resume=True)
-    assert trainer.start_step == 3
+    assert trainer.start_step == 2
     assert trainer.train() == tmp_path / "resumed" / "model"
 
     straight, resumed = (
@@ -103,7 +103,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_model_d
         torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=1e-6)
 
     rows = {n: read_metrics(tmp_path / n) for n in runs}
-    assert [r["step"] for r in rows["resumed"]] == [1, 2, 3, 4]  # appended, nothing duplicated
+    assert [r["step"] for r in rows["resumed"]] == [1, 2, 3]  # appended, nothing duplicated
     for a, b in zip(rows["straight"], rows["resumed"], strict=True):
         assert {k: v for k, v in a.items() if k not in TIMING_KEYS} == pytest.approx(
             {k: v for k, v in b.items() if k not in TIMING_KEYS}, abs=1e-6
@@ -147,7 +147,7 @@ def test_sigkill_during_checkpoint_write_then_sigterm_then_finish(tmp_path, tiny
             time.sleep(0.05)
 
     # 1. SIGKILL while checkpoint-4 is half written (the test hook sleeps inside the save).
-    proc = start("-c", str(cfg_path), LEANGRPO_TEST_SAVE_DELAY="3")
+    proc = start("-c", str(cfg_path), LEANGRPO_TEST_SAVE_DELAY="2")
     partial = run / ".checkpoint-4.tmp"
     wait_for(lambda: (partial / "optimizer.pt").is_file(), proc)
     proc.kill()
@@ -166,9 +166,9 @@ def test_sigkill_during_checkpoint_write_then_sigterm_then_finish(tmp_path, tiny
     assert 5 <= stopped < 8 and is_complete(run / f"checkpoint-{stopped}")
     assert not partial.exists()
 
-    # 3. Resume to the end: every step logged exactly once, every checkpoint complete.
-    proc = run_cli("train", "--resume", str(run))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # 3. Resume to the end (in this process): every step logged exactly once, every checkpoint complete.
+    result = CliRunner().invoke(main, ["train", "--resume", str(run)])
+    assert result.exit_code == 0, result.output
     assert [r["step"] for r in read_metrics(run)] == list(range(1, 9))
     assert all(is_complete(c) for c in checkpoint_dirs(run, complete=False))
     assert (run / "model" / "model.safetensors").is_file()

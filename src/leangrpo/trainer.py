@@ -190,15 +190,9 @@ class Trainer:
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
                 if self.is_main and (step % cfg.logging.logging_steps == 0 or step == 1):
                     self.logger.log(metrics)
-                flag = torch.tensor(float(signals.requested), device=self.acc.device)
-                stop = bool(self.acc.reduce(flag, "sum") > 0)
+                stop = self._any_process(signals.requested)
                 diverged = self.nonfinite_in_a_row >= cfg.optim.max_nonfinite_steps
-                save_steps = cfg.logging.save_steps
-                if (
-                    stop
-                    or diverged
-                    or (save_steps and (step % save_steps == 0 or step == cfg.optim.max_steps))
-                ):
+                if stop or diverged or self._checkpoint_due(step):
                     ckpt = self.save_checkpoint(step)
                 if diverged:
                     raise TrainingError(
@@ -247,6 +241,14 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
             if (step + 1) % cfg.logging.logging_steps == 0 or step + 1 == s.steps:
                 self._write(f"sft step {step + 1:>4} | loss={loss.item():.4g}")
+
+    def _any_process(self, flag: bool) -> bool:
+        """True on every process when `flag` is true on any (so that all stop at the same step)."""
+        return bool(self.acc.reduce(torch.tensor(float(flag), device=self.acc.device), "sum") > 0)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.logging.save_steps
+        return bool(every) and (step % every == 0 or step == self.cfg.optim.max_steps)
 
     def save_checkpoint(self, step: int) -> Path:
         state = {
@@ -341,11 +343,8 @@ class Trainer:
                 torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.optim.max_grad_norm)
             )
             lr = self.scheduler.get_last_lr()[0]
-            # Every process takes the same decision: a NaN/inf loss or gradient anywhere skips the update.
-            checked = self.acc.reduce(
-                torch.tensor([iteration_loss, grad_norm], device=self.acc.device), "sum"
-            )
-            skipped = not bool(torch.isfinite(checked).all())
+            # A NaN/inf loss or gradient on any process skips the update on every process.
+            skipped = self._any_process(not (math.isfinite(iteration_loss) and math.isfinite(grad_norm)))
             if not skipped:
                 self.optimizer.step()
                 self.scheduler.step()
