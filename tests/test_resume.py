@@ -113,9 +113,12 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_model_d
 
 
 def test_resume_refuses_a_changed_config_and_a_finished_run(tmp_path, tiny_model_dir, gsm8k_dir):
-    cfg_path = make_config(tmp_path, tiny_model_dir, gsm8k_dir, "run", optim={"max_steps": 2})
+    cfg_path = make_config(
+        tmp_path, tiny_model_dir, gsm8k_dir, "run", optim={"max_steps": 2}, sft={"steps": 1, "batch_size": 2}
+    )
     run, cli = tmp_path / "run", CliRunner()
-    assert cli.invoke(main, ["train", "-c", str(cfg_path)]).exit_code == 0
+    result = cli.invoke(main, ["train", "-c", str(cfg_path)])
+    assert result.exit_code == 0 and "sft step" in result.output
     result = cli.invoke(main, ["train", "--resume", str(run), "optim.learning_rate=0.5", "grpo.beta=0.1"])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
     assert "differs in grpo.beta (0.0 → 0.1); optim.learning_rate (0.001 → 0.5)" in result.output
@@ -123,6 +126,7 @@ def test_resume_refuses_a_changed_config_and_a_finished_run(tmp_path, tiny_model
     assert result.exit_code == 2 and "raise optim.max_steps" in result.output
     result = cli.invoke(main, ["train", "--resume", str(run), "optim.max_steps=3"])  # extend a finished run
     assert result.exit_code == 0, result.output
+    assert "sft step" not in result.output  # the cold start belongs to the start of the run only
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
 
 
