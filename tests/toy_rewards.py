@@ -20,3 +20,12 @@ def record_prompts(prompts, completions, **kwargs):
     with out.open("a") as f:
         f.writelines(q + "\n" for q in kwargs["question"])
     return [0.0] * len(completions)
+
+
+def flaky(prompts, completions, **kwargs):
+    """Misbehaves on purpose: the wrong length for a batch; for one completion, by its length:
+    NaN, None (not applicable: fine), a string, inf, or a number."""
+    if len(completions) > 1:
+        return [0.0] * (len(completions) + 1)
+    text = completions[0][0]["content"] if isinstance(completions[0], list) else completions[0]
+    return [[float("nan"), None, "oops", float("inf"), 1.0][len(text) % 5]]

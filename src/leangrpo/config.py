@@ -104,6 +104,7 @@ class OptimConfig(_Section):
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.99, ge=0, lt=1)
     max_grad_norm: float = Field(1.0, gt=0)
+    max_nonfinite_steps: int = Field(3, ge=1, description="stop after this many skipped steps in a row")
     per_device_train_batch_size: int = Field(8, ge=1)
     gradient_accumulation_steps: int = Field(1, ge=1)
     warmup_ratio: float = Field(0.0, ge=0, le=1)
@@ -127,6 +128,7 @@ class SFTConfig(_Section):
 class LoggingConfig(_Section):
     logging_steps: int = Field(1, ge=1)
     save_steps: int = Field(0, ge=0, description="0 saves only the final model")
+    save_total_limit: int | None = Field(None, ge=1, description="keep the newest N checkpoints")
     log_completions_steps: int = Field(10, ge=0, description="0 disables sample logging")
     progress_bar: bool = True
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(

@@ -87,7 +87,7 @@ def plot_curve(rows: list[dict[str, Any]], curve: Curve, out: Path) -> Path | No
 def load_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """The run's metrics rows and notes about skipped lines; one-line errors for a non-run."""
     if not is_run_dir(run_dir):
-        raise RunDirError(f"{run_dir} is not a run directory (no metrics.jsonl or config.yaml)")
+        raise RunDirError(f"{run_dir} is not a run directory (no leangrpo config.yaml)")
     if not (run_dir / "metrics.jsonl").is_file():
         raise RunDirError(f"run directory {run_dir} has no metrics.jsonl yet")
     loaded = read_jsonl(run_dir / "metrics.jsonl")

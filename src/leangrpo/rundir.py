@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+import yaml
 
-RUN_MARKERS = ("metrics.jsonl", "config.yaml")
+from .errors import UserError
 
 
 class RunDirError(UserError, RuntimeError):
@@ -48,12 +48,12 @@ def read_jsonl(path: Path) -> JsonlRows:
 
 
 def is_run_dir(path: Path) -> bool:
-    """A training run's directory (not a model directory that happens to sit in one)."""
-    return (
-        path.is_dir()
-        and any((path / m).is_file() for m in RUN_MARKERS)
-        and not (path / "config.json").is_file()
-    )
+    """True when `path` holds a leangrpo run: a config.yaml with the sections leangrpo writes."""
+    try:
+        data = yaml.safe_load((path / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and {"model", "data", "rewards", "grpo"} <= data.keys()
 
 
 def run_model_dir(run_dir: Path) -> Path:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -13,32 +12,34 @@ import torch
 from torch import Tensor
 
 from . import grpo, sft
+from .checkpoint import (
+    RunDirError,
+    check_resumable,
+    load_rank_state,
+    load_trainable,
+    prepare_run_dir,
+    read_state,
+    remove_partial,
+    resume_checkpoint,
+    save_checkpoint,
+    save_final_model,
+    set_rng_state,
+    truncate_log,
+)
 from .config import Config, save_config
 from .data import PromptSampler, has_chat_template, load_rows, render_prompt
 from .errors import UserError
-from .models import Policy, frozen_copy, is_peft, load_model_and_tokenizer, save_model
+from .models import Policy, frozen_copy, is_peft, load_model_and_tokenizer
 from .rewards import extract_xml_answer, load_reward, score_completions
 from .rollout import RolloutBatch, as_reward_inputs, generate
+from .signals import StopSignals
 from .tracking import MetricsLogger, check_trackers, open_trackers, peak_memory_mb
 
-
-class RunDirError(UserError, RuntimeError):
-    """The output directory cannot be used for this run."""
+__all__ = ["RunDirError", "Trainer", "TrainingError", "train"]
 
 
-def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """Create the run directory; refuse to clobber an earlier run's metrics unless asked to."""
-    if (run_dir / "metrics.jsonl").exists():
-        if not overwrite:
-            raise RunDirError(
-                f"output_dir {run_dir} already holds a run (metrics.jsonl); "
-                "pass --overwrite or choose another output_dir"
-            )
-        for name in ("metrics.jsonl", "completions.jsonl"):
-            (run_dir / name).unlink(missing_ok=True)
-        for name in ("eval", "tensorboard"):  # an earlier run's evaluations and events
-            shutil.rmtree(run_dir / name, ignore_errors=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
+class TrainingError(UserError, RuntimeError):
+    """The run cannot go on (too many non-finite steps in a row)."""
 
 
 def _micro_batch_logprobs(
@@ -74,7 +75,8 @@ def batch_logprobs(policy: torch.nn.Module, rollout: RolloutBatch, micro_batch: 
 class Trainer:
     """Holds what the loop needs across steps; `train()` runs it."""
 
-    def __init__(self, cfg: Config, overwrite: bool = False):
+    def __init__(self, cfg: Config, overwrite: bool = False, resume: bool = False):
+        """`resume`: continue the run in `cfg.output_dir` from its last complete checkpoint."""
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
@@ -83,7 +85,10 @@ class Trainer:
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
         self.is_main = self.acc.is_main_process
         self.run_dir = Path(cfg.output_dir)
-        if self.is_main:
+        self.resume_from = resume_checkpoint(self.run_dir) if resume else None
+        if self.resume_from:
+            check_resumable(self.resume_from, cfg, self.acc.num_processes)
+        elif self.is_main:
             prepare_run_dir(self.run_dir, overwrite)
         self.acc.wait_for_everyone()
         set_seed(cfg.seed)  # identical initial weights (and LoRA init) on every rank
@@ -135,6 +140,31 @@ class Trainer:
                 cfg.logging.report_to, self.run_dir, cfg.model_dump(mode="json"), cfg.logging.project, name
             )
         self.logger = MetricsLogger(self.run_dir, write=self._write, trackers=trackers)
+        self.start_step, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0
+        if self.resume_from:
+            self._restore(self.resume_from)
+
+    def _restore(self, ckpt: Path) -> None:
+        """Weights, optimizer, scheduler, RNG and counters as they were right after the checkpoint's step;
+        log rows after that step are dropped, since those steps run again."""
+        state = read_state(ckpt)
+        if state["step"] >= self.cfg.optim.max_steps:
+            raise TrainingError(
+                f"{ckpt} is at step {state['step']} and optim.max_steps={self.cfg.optim.max_steps}: "
+                f"nothing left to train; raise optim.max_steps to continue"
+            )
+        load_trainable(self.unwrapped.lm, ckpt)
+        rank_state = load_rank_state(ckpt, self.acc.process_index)
+        self.optimizer.load_state_dict(rank_state["optimizer"])
+        self.scheduler.load_state_dict(rank_state["scheduler"])
+        self.start_step = state["step"]
+        self.skipped_steps, self.nonfinite_in_a_row = state["skipped_steps"], state["nonfinite_in_a_row"]
+        if self.is_main:
+            remove_partial(self.run_dir)
+            for log in (self.logger.metrics_path, self.logger.samples_path):
+                truncate_log(log, self.start_step)
+            self._write(f"resuming from {ckpt} at step {self.start_step}")
+        set_rng_state(rank_state["rng"])  # last: nothing may draw random numbers after this
 
     @property
     def unwrapped(self) -> Policy:
@@ -146,8 +176,9 @@ class Trainer:
         if self.is_main:
             tqdm.write(text)
 
-    def train(self) -> Path:
-        """Run every step, save the final model, and return its directory."""
+    def train(self) -> Path | None:
+        """Run every step and save the final model; returns its directory, or None when a signal stopped
+        the run (after saving a checkpoint and printing how to resume)."""
         from tqdm import tqdm
 
         cfg = self.cfg
@@ -155,28 +186,48 @@ class Trainer:
             save_config(cfg, self.run_dir / "config.yaml")
             if self.skipped:
                 self._write(f"data: skipped {len(self.skipped)} bad rows (first: {self.skipped[0]})")
-        self.maybe_evaluate(0)  # the starting model, before any training (SFT included)
-        if cfg.sft.steps:
+        if not self.resume_from:  # a resumed run went through these already
+            self.maybe_evaluate(0)  # the starting model, before any training (SFT included)
+        if cfg.sft.steps and not self.resume_from:
             self.cold_start()
         bar = tqdm(
             total=cfg.optim.max_steps,
+            initial=self.start_step,
             desc="GRPO",
             disable=not (self.is_main and cfg.logging.progress_bar),
             dynamic_ncols=True,
         )
-        for step in range(1, cfg.optim.max_steps + 1):
-            metrics = self.step(step)
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
-            if self.is_main and (step % cfg.logging.logging_steps == 0 or step == 1):
-                self.logger.log(metrics)
-            self.maybe_evaluate(step)
-            if cfg.logging.save_steps and step % cfg.logging.save_steps == 0:
-                self.save(self.run_dir / f"checkpoint-{step}", merge=False)
+        with StopSignals() as signals:
+            for step in range(self.start_step + 1, cfg.optim.max_steps + 1):
+                metrics = self.step(step)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
+                if self.is_main and (step % cfg.logging.logging_steps == 0 or step == 1):
+                    self.logger.log(metrics)
+                self.maybe_evaluate(step)
+                stop = self._any_process(signals.requested)
+                diverged = self.nonfinite_in_a_row >= cfg.optim.max_nonfinite_steps
+                if stop or diverged or self._checkpoint_due(step):
+                    ckpt = self.save_checkpoint(step)
+                if diverged:
+                    raise TrainingError(
+                        f"stopped at step {step}: {self.nonfinite_in_a_row} steps in a row had a non-finite "
+                        f"loss or gradient (optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps}); "
+                        f"{ckpt} holds the last good weights"
+                    )
+                if stop:
+                    bar.close()
+                    if self.is_main:
+                        self.logger.close()
+                    self._write(
+                        f"stopped at step {step}; resume with: leangrpo train --resume {self.run_dir}"
+                    )
+                    return None
         bar.close()
         final = self.run_dir / "model"
-        self.save(final, merge=True)
+        self.acc.wait_for_everyone()
         if self.is_main:
+            save_final_model(self.unwrapped.lm, self.tokenizer, final)
             self.logger.close()
             from .report import write_report_after_training
 
@@ -220,10 +271,25 @@ class Trainer:
             self.logger.log(self.evaluator(self.unwrapped.lm, self.tokenizer, step))
         self.acc.wait_for_everyone()
 
-    def save(self, out_dir: Path, merge: bool) -> None:
-        self.acc.wait_for_everyone()
-        if self.is_main:
-            save_model(self.unwrapped.lm, self.tokenizer, out_dir, merge=merge)
+    def _any_process(self, flag: bool) -> bool:
+        """True on every process when `flag` is true on any (so that all stop at the same step)."""
+        return bool(self.acc.reduce(torch.tensor(float(flag), device=self.acc.device), "sum") > 0)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.logging.save_steps
+        return bool(every) and (step % every == 0 or step == self.cfg.optim.max_steps)
+
+    def save_checkpoint(self, step: int) -> Path:
+        state = {
+            "world_size": self.acc.num_processes,
+            "skipped_steps": self.skipped_steps,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+        }
+        return save_checkpoint(
+            self.run_dir, step, model=self.unwrapped.lm, tokenizer=self.tokenizer, optimizer=self.optimizer,
+            scheduler=self.scheduler, cfg=self.cfg, state=state, rank=self.acc.process_index,
+            barrier=self.acc.wait_for_everyone,
+        )  # fmt: skip
 
     def rollout(self, step: int) -> tuple[list[dict[str, Any]], RolloutBatch]:
         cfg = self.cfg
@@ -275,8 +341,9 @@ class Trainer:
             num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
 
         self.policy.train()
-        loss_total, totals = 0.0, grpo.LossStats()
+        loss_total, totals, skipped = 0.0, grpo.LossStats(), False
         for _ in range(g.num_iterations):
+            iteration_loss = 0.0
             for mb_start in range(0, len(rollout), micro):
                 rows_mb = slice(mb_start, mb_start + micro)
                 last = mb_start + micro >= len(rollout)
@@ -298,15 +365,25 @@ class Trainer:
                         max_completion_length=g.max_completion_length,
                     )
                     self.acc.backward(loss)
-                loss_total += loss.item() / g.num_iterations
+                iteration_loss += loss.item()
                 totals += st
+            loss_total += iteration_loss / g.num_iterations
             grad_norm = float(
                 torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.optim.max_grad_norm)
             )
             lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
-            self.scheduler.step()
+            # A NaN/inf loss or gradient on any process skips the update on every process.
+            skipped = self._any_process(not (math.isfinite(iteration_loss) and math.isfinite(grad_norm)))
+            if not skipped:
+                self.optimizer.step()
+                self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if skipped:  # the step's later iterations would build on the same bad batch
+                break
+        self.skipped_steps += skipped
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
+        if skipped:
+            self._write(f"step {step}: non-finite loss or gradient; update skipped")
 
         seconds = time.perf_counter() - start
         metrics = self._metrics(step, scores, group_std, rollout, totals, seconds)
@@ -343,6 +420,7 @@ class Trainer:
             "truncated_frac": float(truncated.mean()),
             "zero_std_frac": float((stds < 1e-6).float().mean()),
             "reward_failures": int(failures.sum()),
+            "skipped_steps": self.skipped_steps,
             "tokens_per_s": float(lengths.sum()) / seconds,
             "step_seconds": seconds,
             "peak_memory_mb": peak_memory_mb(),
@@ -364,6 +442,7 @@ class Trainer:
         )
 
 
-def train(cfg: Config, overwrite: bool = False) -> Path:
-    """Train as configured; returns the directory of the final model."""
-    return Trainer(cfg, overwrite).train()
+def train(cfg: Config, overwrite: bool = False, resume: bool = False) -> Path | None:
+    """Train as configured (or resume the run in `cfg.output_dir`); returns the final model's directory,
+    or None when a signal stopped the run after saving a checkpoint."""
+    return Trainer(cfg, overwrite, resume).train()

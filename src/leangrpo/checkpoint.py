@@ -1,0 +1,364 @@
+"""The run directory and its crash-safe checkpoints: atomic save, rotation, finding the last complete
+checkpoint, and the state a resume restores.
+
+A checkpoint is written into `.checkpoint-N.tmp/`, every file and the directory are fsynced, and only then
+is it renamed to `checkpoint-N/`; `trainer_state.json` inside lists every file with its size. A crash at
+any point leaves either the complete new checkpoint or none, and the previous ones untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from .errors import UserError
+from .rundir import RunDirError, is_run_dir
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import Config
+
+STATE_FILE = "trainer_state.json"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_PARTIAL = re.compile(r"^\.(checkpoint-\d+|model)\.(tmp|old)$")
+# Files a run writes (other than checkpoints); --overwrite removes exactly these, nothing else.
+RUN_FILES = (
+    "config.yaml", "metrics.jsonl", "completions.jsonl", "model",
+    "eval", "tensorboard", "wandb", "report.html",
+)  # fmt: skip
+# Keys that may differ on resume: they change neither the weights nor the order of data and samples.
+RESUMABLE_KEYS = (
+    "optim.max_steps",
+    "optim.max_nonfinite_steps",
+    "output_dir",
+    "logging.",
+    "rewards.on_error",
+)
+# Test hook: seconds to sleep inside a save, after the weights are written and before the rename,
+# so that a test can kill the process in the middle of a checkpoint write.
+SAVE_DELAY_ENV = "LEANGRPO_TEST_SAVE_DELAY"
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint cannot be written, found or resumed from."""
+
+
+# ---------------------------------------------------------------------------------------------- run dir
+
+
+def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Make `run_dir` ready for a fresh run. An earlier run, or any other non-empty directory, is refused
+    unless `overwrite`; then only the files a run writes are removed, never anything else."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"output_dir {run_dir} is a file, not a directory")
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not overwrite:
+        if is_run_dir(run_dir):
+            raise RunDirError(
+                f"output_dir {run_dir} already holds a run; continue it with --resume {run_dir}, "
+                "replace it with --overwrite, or choose another output_dir"
+            )
+        raise RunDirError(
+            f"output_dir {run_dir} exists and is not a leangrpo run; choose another output_dir "
+            "or pass --overwrite to write into it"
+        )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if overwrite:
+            for path in [*(run_dir / n for n in RUN_FILES), *checkpoint_dirs(run_dir, complete=False)]:
+                _remove(path)
+            remove_partial(run_dir)
+        probe = run_dir / ".leangrpo-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise RunDirError(f"output_dir {run_dir} is not writable: {_reason(e)}") from None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _reason(e: OSError) -> str:
+    return f"{e.strerror or e} (errno {e.errno})" if e.errno else str(e)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def checkpoint_dirs(run_dir: Path, complete: bool = True) -> list[Path]:
+    """The `checkpoint-N` directories of a run, oldest first; only the complete ones by default."""
+    found = []
+    for path in run_dir.glob("checkpoint-*"):
+        match = _CHECKPOINT.match(path.name)
+        if match and path.is_dir() and (not complete or is_complete(path)):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def is_complete(ckpt: Path) -> bool:
+    """True when the checkpoint's state file is readable and every file it lists has its recorded size."""
+    try:
+        files = json.loads((ckpt / STATE_FILE).read_text())["files"]
+        return all((ckpt / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def last_checkpoint(run_dir: Path) -> Path | None:
+    found = checkpoint_dirs(run_dir)
+    return found[-1] if found else None
+
+
+def remove_partial(run_dir: Path) -> None:
+    """Remove what an interrupted save left behind (`.checkpoint-N.tmp`, `.model.old`...)."""
+    for path in run_dir.glob(".*"):
+        if _PARTIAL.match(path.name):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def read_state(ckpt: Path) -> dict[str, Any]:
+    return json.loads((ckpt / STATE_FILE).read_text())
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    cfg: Config,
+    state: dict[str, Any],
+    rank: int,
+    barrier: Callable[[], None],
+) -> Path:
+    """Write `checkpoint-{step}` atomically; every rank calls this (each saves its RNG state).
+
+    Holds the trainable weights (`save_pretrained`: the adapter only for peft models), the tokenizer,
+    the optimizer and scheduler states, every rank's RNG states, the resolved config and `state` (step
+    counters). Older checkpoints beyond `logging.save_total_limit` are deleted after the new one is
+    complete. A failed write (disk full...) removes the partial files and raises a CheckpointError.
+    """
+    import torch
+
+    from .config import save_config
+
+    target = run_dir / f"checkpoint-{step}"
+    tmp = run_dir / f".{target.name}.tmp"
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        barrier()
+        torch.save(rng_state(), tmp / f"rng_state_{rank}.pt")
+        barrier()
+        if rank == 0:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            save_config(cfg, tmp / "config.yaml")
+            time.sleep(float(os.environ.get(SAVE_DELAY_ENV, 0)))
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in tmp.rglob("*") if p.is_file()}
+            (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "files": files}, indent=1))
+            _commit(tmp, target)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = last_checkpoint(run_dir)
+        kept = f"the last complete checkpoint, {previous}, is intact" if previous else "no earlier checkpoint"
+        raise CheckpointError(f"cannot save {target}: {_reason(e)}; {kept}") from None
+    if rank == 0:
+        rotate(run_dir, cfg.logging.save_total_limit)
+    barrier()
+    return target
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(tmp: Path, target: Path) -> None:
+    """fsync every file and directory under `tmp`, then rename it to `target` (replacing it) durably."""
+    for path in sorted(tmp.rglob("*"), reverse=True):
+        _fsync(path)
+    _fsync(tmp)
+    old = target.with_name(f".{target.name}.old")
+    if target.exists():
+        target.rename(old)
+    tmp.rename(target)
+    _fsync(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_final_model(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> None:
+    """The final model (merged, plus `adapter/` for LoRA: see `models.save_model`), written atomically."""
+    from .models import save_model
+
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model(model, tokenizer, tmp, merge=True)
+        _commit(tmp, out_dir)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot save the final model to {out_dir}: {_reason(e)}") from None
+
+
+def rotate(run_dir: Path, keep: int | None) -> None:
+    """Delete the oldest complete checkpoints beyond `keep` (None keeps all)."""
+    if keep is None:
+        return
+    found = checkpoint_dirs(run_dir)
+    for old in found[: max(len(found) - keep, 0)]:
+        shutil.rmtree(old)
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator a step draws from: python, numpy, torch (and CUDA when present)."""
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_rank_state(ckpt: Path, rank: int) -> dict[str, Any]:
+    """What one rank restores: optimizer, scheduler and its own RNG states (weights: `load_trainable`)."""
+    import torch
+
+    return {
+        "optimizer": torch.load(ckpt / "optimizer.pt", weights_only=False),
+        "scheduler": torch.load(ckpt / "scheduler.pt", weights_only=False),
+        "rng": torch.load(ckpt / f"rng_state_{rank}.pt", weights_only=False),
+    }
+
+
+def load_trainable(model: torch.nn.Module, ckpt: Path) -> None:
+    """Load a checkpoint's trainable weights into `model` (the adapter into a peft model)."""
+    from safetensors.torch import load_file
+
+    from .models import is_peft
+
+    if is_peft(model):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(ckpt / "adapter_model.safetensors"))
+        problems = list(result.unexpected_keys)
+    else:
+        state: dict[str, Any] = {}
+        for path in sorted(ckpt.glob("*.safetensors")):
+            state.update(load_file(path))
+        result = model.load_state_dict(state, strict=False)
+        params = dict(model.named_parameters())  # tied weights appear once, under the name that was saved
+        problems = list(result.unexpected_keys) + [k for k in result.missing_keys if k in params]
+    if problems:
+        raise CheckpointError(f"{ckpt} does not match the model: {', '.join(problems[:3])}")
+
+
+def resume_config(config_path: str | None, overrides: list[str], resume: str) -> Config:
+    """The config of a resumed run. `--resume RUN_DIR`: the run's own config.yaml (or `-c`), with the
+    overrides on top and output_dir set to RUN_DIR. `--resume latest`: the run in the output_dir of `-c`."""
+    from .config import ConfigError, load_config
+
+    if resume == "latest":
+        if config_path is None:
+            raise ConfigError(
+                "--resume latest continues the output_dir of -c CONFIG; pass -c, or --resume RUN_DIR"
+            )
+        return load_config(config_path, overrides)
+    run_dir = Path(resume)
+    if config_path is None and not is_run_dir(run_dir):
+        raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
+    cfg = load_config(config_path or run_dir / "config.yaml", overrides)
+    cfg.output_dir = str(run_dir)
+    return cfg
+
+
+def resume_checkpoint(run_dir: Path) -> Path:
+    """The last complete checkpoint of a run, or a CheckpointError."""
+    if not is_run_dir(run_dir):
+        raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
+    ckpt = last_checkpoint(run_dir)
+    if ckpt is None:
+        raise CheckpointError(
+            f"--resume {run_dir}: the run has no complete checkpoint to resume from "
+            "(set logging.save_steps to write them); start it again with --overwrite"
+        )
+    return ckpt
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_resumable(ckpt: Path, cfg: Config, world_size: int) -> None:
+    """Refuse to resume when the new config (or process count) would change the trajectory."""
+    old = _flatten(yaml.safe_load((ckpt / "config.yaml").read_text()))
+    new = _flatten(cfg.model_dump(mode="json"))
+    differ = [
+        f"{key} ({old.get(key)!r} → {new.get(key)!r})"
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key) and not key.startswith(RESUMABLE_KEYS)
+    ]
+    saved_world = read_state(ckpt).get("world_size", 1)
+    if saved_world != world_size:
+        differ.append(f"number of processes ({saved_world} → {world_size})")
+    if differ:
+        raise CheckpointError(f"cannot resume from {ckpt}: the config differs in {'; '.join(differ)}")
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep the rows of a JSONL log up to `step`: the steps after the checkpoint are run (and logged)
+    again. A torn last line, left by a kill mid-write, is dropped too."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)

@@ -1,0 +1,42 @@
+"""Graceful stop: SIGINT/SIGTERM ask the training loop to finish its step and save, instead of dying."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import FrameType, TracebackType
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    """While active, the first SIGINT or SIGTERM sets `requested`; a second SIGINT aborts at once.
+
+    The handler only sets a flag and writes with os.write (safe inside a signal handler); the loop
+    checks the flag between steps. Outside the main thread (where handlers cannot be set) it is inert.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in _SIGNALS}
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        name = signal.Signals(signum).name
+        os.write(
+            2, f"\n{name}: finishing this step, then saving a checkpoint (Ctrl-C again aborts)\n".encode()
+        )

@@ -1,0 +1,198 @@
+"""Checkpoints on disk, without a model: atomic layout, completeness, rotation, resume checks, run dirs."""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from leangrpo.checkpoint import (
+    CheckpointError,
+    RunDirError,
+    check_resumable,
+    checkpoint_dirs,
+    is_complete,
+    last_checkpoint,
+    prepare_run_dir,
+    remove_partial,
+    resume_config,
+    rng_state,
+    save_checkpoint,
+    save_final_model,
+    set_rng_state,
+    truncate_log,
+)
+from leangrpo.config import save_config, validate_config
+
+
+def make_cfg(out: Path, **optim):
+    return validate_config(
+        {
+            "model": {"name_or_path": "m"},
+            "data": {"path": "d.jsonl"},
+            "rewards": {"functions": [{"name": "correctness"}]},
+            "optim": optim,
+            "logging": {"save_total_limit": 2},
+            "output_dir": str(out),
+        }
+    )
+
+
+class _Saves:
+    """The save_pretrained of a model or tokenizer: one file."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def save_pretrained(self, out: Path) -> None:
+        (Path(out) / self.name).write_text("weights")
+
+
+def save(run_dir: Path, step: int, cfg=None):
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([param])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return save_checkpoint(
+        run_dir, step, model=_Saves("adapter_model.safetensors"), tokenizer=_Saves("tokenizer.json"),
+        optimizer=opt, scheduler=sched, cfg=cfg or make_cfg(run_dir), state={"world_size": 1},
+        rank=0, barrier=lambda: None,
+    )  # fmt: skip
+
+
+def test_save_is_complete_and_rotates_after_the_new_one(tmp_path):
+    for step in (2, 4, 6):
+        ckpt = save(tmp_path, step)
+        assert is_complete(ckpt)
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["checkpoint-4", "checkpoint-6"]  # limit 2
+    state = json.loads((tmp_path / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["step"] == 6 and {"optimizer.pt", "scheduler.pt", "rng_state_0.pt", "config.yaml"} <= set(
+        state["files"]
+    )
+    assert not list(tmp_path.glob(".*"))  # no temp dir left behind
+
+
+def test_truncated_or_unfinished_checkpoint_is_not_complete(tmp_path):
+    save(tmp_path, 2)
+    ckpt = save(tmp_path, 4)
+    with (ckpt / "optimizer.pt").open("ab") as f:  # a file that is not the size recorded
+        f.write(b"x")
+    assert not is_complete(ckpt) and last_checkpoint(tmp_path).name == "checkpoint-2"
+    (tmp_path / "checkpoint-2" / "trainer_state.json").unlink()  # the state file is written last
+    assert last_checkpoint(tmp_path) is None
+    (tmp_path / ".checkpoint-6.tmp").mkdir()
+    remove_partial(tmp_path)
+    assert not (tmp_path / ".checkpoint-6.tmp").exists()
+
+
+def test_disk_full_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    save(tmp_path, 2)
+    real_save = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if Path(path).name == "optimizer.pt":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError) as info:
+        save(tmp_path, 4)
+    message = str(info.value)
+    assert "No space left on device" in message and "checkpoint-2" in message and "intact" in message
+    assert "\n" not in message
+    assert [p.name for p in checkpoint_dirs(tmp_path, complete=False)] == ["checkpoint-2"]
+    assert is_complete(tmp_path / "checkpoint-2") and not list(tmp_path.glob(".*"))
+
+
+def test_disk_full_on_final_model_is_one_line_and_leaves_no_partial(tmp_path):
+    class FullDisk:
+        def save_pretrained(self, out):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(CheckpointError, match=r"final model to .*/model: No space left on device"):
+        save_final_model(FullDisk(), FullDisk(), tmp_path / "model")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rng_state_round_trip():
+    import random
+
+    import numpy as np
+
+    state = rng_state()
+    first = (random.random(), np.random.rand(), torch.rand(1).item())
+    set_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+
+
+def test_check_resumable_names_the_differing_keys(tmp_path):
+    ckpt = save(tmp_path, 2, make_cfg(tmp_path, learning_rate=1e-3))
+    check_resumable(ckpt, make_cfg(tmp_path / "elsewhere", learning_rate=1e-3, max_steps=500), 1)
+    with pytest.raises(CheckpointError) as info:
+        check_resumable(ckpt, make_cfg(tmp_path, learning_rate=1e-4, weight_decay=0.1), 2)
+    message = str(info.value)
+    assert "optim.learning_rate (0.001 → 0.0001)" in message and "optim.weight_decay" in message
+    assert "number of processes (1 → 2)" in message and "max_steps" not in message
+
+
+def test_resume_config_reads_the_run_config_with_overrides(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(make_cfg(tmp_path / "moved"), run / "config.yaml")
+    cfg = resume_config(None, ["optim.max_steps=7"], str(run))
+    assert cfg.output_dir == str(run) and cfg.optim.max_steps == 7
+    with pytest.raises(CheckpointError, match="not a leangrpo run"):
+        resume_config(None, [], str(tmp_path / "nothing"))
+    with pytest.raises(Exception, match="pass -c"):
+        resume_config(None, [], "latest")
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(yaml.safe_dump(make_cfg(run).model_dump(mode="json")))
+    assert resume_config(str(cfg_file), [], "latest").output_dir == str(run)
+
+
+def test_truncate_log_drops_later_steps_and_torn_lines(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "rew')
+    truncate_log(log, 3)
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_run_dir_rules(tmp_path):
+    prepare_run_dir(tmp_path / "new", overwrite=False)  # created
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirError, match="not a leangrpo run"):
+        prepare_run_dir(other, overwrite=False)
+    prepare_run_dir(other, overwrite=True)
+    assert (other / "notes.txt").read_text() == "mine"  # --overwrite never deletes foreign files
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save(run, 2)
+    save_config(make_cfg(run), run / "config.yaml")
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirError, match="--resume"):
+        prepare_run_dir(run, overwrite=False)
+    prepare_run_dir(run, overwrite=True)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(RunDirError, match="not writable"):
+        prepare_run_dir(blocker / "run", overwrite=False)
+    with pytest.raises(RunDirError, match="is a file"):
+        prepare_run_dir(blocker, overwrite=False)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0,
+                    reason="root writes anywhere")  # fmt: skip
+def test_read_only_dir_is_not_writable(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(RunDirError, match="not writable"):
+        prepare_run_dir(locked / "run", overwrite=False)
