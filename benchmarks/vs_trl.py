@@ -159,13 +159,15 @@ def run_ours(s: Settings, out_dir: Path) -> dict:
     )
     trainer = Trainer(cfg, overwrite=True)
     after_load = peak_memory_mb()
-    seconds, lengths = [], []
+    seconds, cpu, lengths = [], [], []
     for step in range(1, s.steps + 1):
+        cpu_start = time.process_time()
         m = trainer.step(step)
+        cpu.append(time.process_time() - cpu_start)
         seconds.append(m["step_seconds"])
         lengths.append(m["completion_length/mean"])
-    return {"step_seconds": seconds, "completion_lengths": lengths, "peak_mb": peak_memory_mb(),
-            "peak_after_load_mb": after_load}  # fmt: skip
+    return {"step_seconds": seconds, "cpu_seconds": cpu, "completion_lengths": lengths,
+            "peak_mb": peak_memory_mb(), "peak_after_load_mb": after_load}  # fmt: skip
 
 
 def run_trl(s: Settings, out_dir: Path) -> dict:
@@ -216,17 +218,18 @@ def run_trl(s: Settings, out_dir: Path) -> dict:
 
         peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
                                  task_type="CAUSAL_LM")  # fmt: skip
-    record: dict = {"step_seconds": [], "completion_lengths": []}
+    record: dict = {"step_seconds": [], "cpu_seconds": [], "completion_lengths": []}
 
     class Timer(TrainerCallback):
         def on_train_begin(self, *a, **k):
             record["peak_after_load_mb"] = peak_memory_mb()
 
         def on_step_begin(self, *a, **k):
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *a, **k):
             record["step_seconds"].append(time.perf_counter() - self.start)
+            record["cpu_seconds"].append(time.process_time() - self.cpu_start)
             record["peak_mb"] = peak_memory_mb()
 
         def on_log(self, args, state, control, logs=None, **k):
@@ -266,18 +269,23 @@ def run_side(side: str, s: Settings, timeout: int) -> dict:
         if proc.returncode != 0:
             sys.exit(f"error: the {side} run of row {s.row.name} failed:\n{proc.stderr[-4000:]}")
         result = json.loads(out.read_text())
-    later = result["step_seconds"][1:] or result["step_seconds"]
-    median = statistics.median(later)
+    median = median_after_first(result["step_seconds"])
     tokens = s.prompts * s.num_generations * s.row.completion_length
     result.update(side=side, load_before=load, load_after=load_avg(), wall_s=time.perf_counter() - start,
-                  median_step_s=median, tokens_per_s=tokens / median)  # fmt: skip
+                  median_step_s=median, tokens_per_s=tokens / median,
+                  median_cpu_s=median_after_first(result["cpu_seconds"]))  # fmt: skip
     lengths = set(result["completion_lengths"])
     if lengths and lengths != {float(s.row.completion_length)}:
         sys.exit(f"error: {side} row {s.row.name} generated lengths {sorted(lengths)}, "
                  f"not {s.row.completion_length}: the runs would not compare equal work")  # fmt: skip
-    print(f"row {s.row.name} {side:4}: peak {result['peak_mb']:.0f} MB, median step {median:.2f} s, "
+    print(f"row {s.row.name} {side:4}: peak {result['peak_mb']:.0f} MB, median step {median:.2f} s "
+          f"({result['median_cpu_s']:.1f} CPU s), "
           f"{result['tokens_per_s']:.1f} tok/s, load {load:.2f}", flush=True)  # fmt: skip
     return result
+
+
+def median_after_first(values: list[float]) -> float:
+    return statistics.median(values[1:] or values)
 
 
 def ratio(a: float, b: float | None) -> str:
@@ -287,8 +295,9 @@ def ratio(a: float, b: float | None) -> str:
 def table(results: list[tuple[Row, dict, dict | None]]) -> str:
     head = (
         "| row | config | steps | peak MB ours | peak MB TRL | peak ours/TRL | step s ours | step s TRL "
-        "| step ours/TRL | tok/s ours | tok/s TRL | load before ours / TRL |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| step ours/TRL | CPU s ours | CPU s TRL | CPU ours/TRL | tok/s ours | tok/s TRL "
+        "| load before ours / TRL |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for row, ours, trl in results:
@@ -298,6 +307,8 @@ def table(results: list[tuple[Row, dict, dict | None]]) -> str:
             f"| {ours['peak_mb']:.0f} | {t.get('peak_mb', 0):.0f} "
             f"| {ratio(ours['peak_mb'], t.get('peak_mb'))} | {ours['median_step_s']:.2f} "
             f"| {t.get('median_step_s', 0):.2f} | {ratio(ours['median_step_s'], t.get('median_step_s'))} "
+            f"| {ours['median_cpu_s']:.1f} | {t.get('median_cpu_s', 0):.1f} "
+            f"| {ratio(ours['median_cpu_s'], t.get('median_cpu_s'))} "
             f"| {ours['tokens_per_s']:.1f} | {t.get('tokens_per_s', 0):.1f} "
             f"| {ours['load_before']:.2f} / {t.get('load_before', 0):.2f} |"
         )
@@ -370,7 +381,8 @@ def write_results(a: argparse.Namespace, sides: list[str], results: list, raw: l
         f"{SECTION}\n\nCommand: `python benchmarks/vs_trl.py{' ' + args if args else ''}`\n\n"
         f"Date: {now}. Machine: {platform.machine()}, {device}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, TRL {trl_version}. "
-        f"Load (1-min average) at the start of each run is in the last column.\n\n"
+        f"Load (1-min average) at the start of each run is in the last column. Step s is wall-clock; "
+        f"CPU s is the process's CPU time in the same step (all threads), steadier on a shared machine.\n\n"
         f"Settings: G={a.num_generations}, {a.prompts} prompt(s) per step, steps as in the table, "
         f"loss_type {a.loss_type}, beta {a.beta}, fp32, gradient checkpointing on, one micro-batch of "
         f"{a.prompts * a.num_generations} completions, fixed-length completions.\n\n" + table(results)
