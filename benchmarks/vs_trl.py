@@ -323,7 +323,7 @@ def write_section(path: Path, body: str) -> None:
         text = text.rstrip("\n") + "\n\n" + body
     else:
         end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + body + (text[end + 1 :] if end >= 0 else "")
+        text = text[:start] + body + ("\n" + text[end + 1 :] if end >= 0 else "")
     path.write_text(text)
 
 

@@ -27,7 +27,7 @@ def make_cfg(**sections):
         "rewards": {"functions": [{"name": "int"}]},
     }
     for section, values in sections.items():
-        data[section] = {**data.get(section, {}), **values}
+        data[section] = {**data.get(section, {}), **values} if isinstance(values, dict) else values
     return validate_config(data)
 
 
@@ -163,3 +163,33 @@ def test_activation_offload_gives_the_same_gradients_on_gpu(tiny_model_dir):
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_frees_generation_memory_before_the_update(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    """Order inside a step: generate (with grpo.ignore_eos passed through) → release → update."""
+    import leangrpo.trainer as trainer_mod
+
+    events, real_generate, real_logprobs = [], trainer_mod.generate, trainer_mod._micro_batch_logprobs
+
+    def generate(*args, **kwargs):
+        events.append(("generate", kwargs["ignore_eos"]))
+        return real_generate(*args, **kwargs)
+
+    def logprobs(policy, *args):
+        events.append(("update", torch.is_grad_enabled()))
+        return real_logprobs(policy, *args)
+
+    monkeypatch.setattr(trainer_mod, "generate", generate)
+    monkeypatch.setattr(trainer_mod, "release_generation_memory", lambda: events.append(("release", None)))
+    monkeypatch.setattr(trainer_mod, "_micro_batch_logprobs", logprobs)
+    cfg = make_cfg(
+        model={"name_or_path": str(tiny_model_dir)},
+        data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
+        grpo={"num_generations": 2, "max_completion_length": 4, "ignore_eos": True},
+        optim={"per_device_train_batch_size": 2, "max_steps": 1},
+        logging={"progress_bar": False, "log_completions_steps": 0},
+        output_dir=str(tmp_path / "run"),
+    )
+    metrics = trainer_mod.Trainer(cfg).step(1)
+    assert events == [("generate", True), ("release", None), ("update", True)]
+    assert metrics["completion_length/mean"] == 4.0
