@@ -166,7 +166,8 @@ def test_activation_offload_gives_the_same_gradients_on_gpu(tiny_model_dir):
 
 
 def test_trainer_frees_generation_memory_before_the_update(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
-    """Order inside a step: generate (with grpo.ignore_eos passed through) → release → update."""
+    """Order inside a step: generate (with grpo.ignore_eos passed through) → release → update, and nothing
+    else: at beta=0 and num_iterations=1 neither reference nor old log-probs are computed."""
     import leangrpo.trainer as trainer_mod
 
     events, real_generate, real_logprobs = [], trainer_mod.generate, trainer_mod._micro_batch_logprobs
@@ -193,3 +194,16 @@ def test_trainer_frees_generation_memory_before_the_update(tmp_path, tiny_model_
     metrics = trainer_mod.Trainer(cfg).step(1)
     assert events == [("generate", True), ("release", None), ("update", True)]
     assert metrics["completion_length/mean"] == 4.0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA, reason="the CPU refusal")
+def test_cli_refuses_gpu_options_on_cpu_in_one_line(tmp_path, tiny_model_dir, gsm8k_dir):
+    from test_e2e import run_cli, write_config
+
+    cfg = write_config(tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", tmp_path / "r")
+    proc = run_cli("train", "-c", str(cfg), "optim.optimizer=adamw_8bit", "model.activation_offload=true")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: optim.optimizer=adamw_8bit needs a CUDA GPU (bitsandbytes); on CPU use optim.optimizer=adamw"
+    ]
