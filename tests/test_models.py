@@ -234,8 +234,9 @@ def test_policy_logprobs_match_generation_logits_greedy(tiny_model_dir, tokenize
 # --------------------------------------------------------------------------- apply_lora
 
 
-def test_apply_lora_refuses_lm_head(tiny_model_dir):
-    cfg = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "lm_head"])
+@pytest.mark.parametrize("targets", [["q_proj", "lm_head"], "lm_head", ".*(q_proj|head)"])
+def test_apply_lora_refuses_lm_head(tiny_model_dir, targets):
+    cfg = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0, target_modules=targets)
     with pytest.raises(ModelError) as err:
         apply_lora(load_tiny(tiny_model_dir), cfg)
     assert "lm_head" in one_line(err)

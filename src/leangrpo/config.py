@@ -42,6 +42,7 @@ class ModelConfig(_Section):
     name_or_path: str = Field(..., min_length=1, description="hub id, local directory, or .gguf file")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     gradient_checkpointing: bool = True
+    activation_offload: bool = Field(False, description="CUDA only: saved activations in pinned CPU RAM")
     trust_remote_code: bool = False
     lora: LoraConfig = LoraConfig()
 
@@ -90,6 +91,7 @@ class GRPOSection(_Section):
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     logprob_chunk_size: int = Field(1024, ge=1, description="token rows per log-prob chunk")
+    ignore_eos: bool = Field(False, description="always generate max_completion_length tokens (benchmarks)")
 
     @field_validator("scale_rewards", mode="before")
     @classmethod
@@ -99,6 +101,7 @@ class GRPOSection(_Section):
 
 
 class OptimConfig(_Section):
+    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
     learning_rate: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     adam_beta1: float = Field(0.9, ge=0, lt=1)

@@ -162,23 +162,25 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    targets = cfg.target_modules
-    if isinstance(targets, list) and "lm_head" in targets:
-        raise ModelError(
-            "model.lora.target_modules: LoRA on lm_head is not supported (the memory-lean "
-            "log-prob path uses the lm_head weight directly); train it with full fine-tuning instead"
-        )
     peft_cfg = PeftLoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
-        target_modules=targets,
+        target_modules=cfg.target_modules,
         task_type="CAUSAL_LM",
     )
+    head = model.get_output_embeddings()
     try:
-        return get_peft_model(model, peft_cfg)
+        wrapped = get_peft_model(model, peft_cfg)
     except ValueError as e:
         raise ModelError(f"model.lora.target_modules: {_describe(e, with_type=False)}") from None
+    # Checked on the result, so a regex or suffix that happens to match the head is caught too.
+    if wrapped.get_base_model().get_output_embeddings() is not head:
+        raise ModelError(
+            f"model.lora.target_modules={cfg.target_modules!r} puts LoRA on lm_head, which is not supported "
+            "(the memory-lean log-prob path uses the lm_head weight directly); leave lm_head out of it"
+        )
+    return wrapped
 
 
 def is_peft(model: nn.Module) -> bool:

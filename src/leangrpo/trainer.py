@@ -29,6 +29,7 @@ from .checkpoint import (
 from .config import Config, save_config
 from .data import PromptSampler, has_chat_template, load_rows, render_prompt
 from .errors import UserError
+from .memory import activation_offload, build_optimizer, check_device_options, release_generation_memory
 from .models import Policy, frozen_copy, is_peft, load_model_and_tokenizer
 from .rewards import extract_xml_answer, load_reward, score_completions
 from .rollout import RolloutBatch, as_reward_inputs, generate
@@ -94,6 +95,7 @@ class Trainer:
         set_seed(cfg.seed)  # identical initial weights (and LoRA init) on every rank
 
         # Everything that can fail on user input is checked before the model loads.
+        check_device_options(cfg)
         self.reward_funcs = [(s.name, load_reward(s.name), s.weight) for s in cfg.rewards.functions]
         loaded = load_rows(cfg)
         self.rows, self.skipped = loaded.rows, loaded.skipped
@@ -111,12 +113,7 @@ class Trainer:
             ref = Policy(frozen_copy(model), cfg.grpo.temperature, cfg.grpo.logprob_chunk_size)
             self.ref_policy = ref.to(self.acc.device)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params,
-            lr=cfg.optim.learning_rate,
-            betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
-            weight_decay=cfg.optim.weight_decay,
-        )
+        self.optimizer = build_optimizer(params, cfg.optim)
         from transformers import get_scheduler
 
         total = cfg.optim.max_steps * cfg.grpo.num_iterations
@@ -305,6 +302,7 @@ class Trainer:
             temperature=cfg.grpo.temperature,
             top_p=cfg.grpo.top_p,
             assistant_prefix=cfg.data.assistant_prefix,
+            ignore_eos=cfg.grpo.ignore_eos,
         )
         return rows, batch
 
@@ -322,6 +320,7 @@ class Trainer:
         cfg, g = self.cfg, self.cfg.grpo
         start = time.perf_counter()
         rows, rollout = self.rollout(step)
+        release_generation_memory()
 
         G = g.num_generations
         prompts, completions = as_reward_inputs(
@@ -347,7 +346,10 @@ class Trainer:
             for mb_start in range(0, len(rollout), micro):
                 rows_mb = slice(mb_start, mb_start + micro)
                 last = mb_start + micro >= len(rollout)
-                with nullcontext() if last else self.acc.no_sync(self.policy):
+                with (
+                    nullcontext() if last else self.acc.no_sync(self.policy),
+                    activation_offload(cfg.model.activation_offload),
+                ):
                     logp, mb_mask = _micro_batch_logprobs(self.policy, rollout, rows_mb)
                     width = logp.shape[1]
                     loss, st = grpo.grpo_loss(

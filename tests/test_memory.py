@@ -1,0 +1,209 @@
+"""The memory options (8-bit AdamW, activation offload), their CPU refusals, and generation memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leangrpo.config import validate_config
+from leangrpo.errors import UserError
+from leangrpo.memory import (
+    DeviceOptionError,
+    activation_offload,
+    build_optimizer,
+    check_device_options,
+    release_generation_memory,
+)
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def make_cfg(**sections):
+    data = {
+        "model": {"name_or_path": "m"},
+        "data": {"path": "d.jsonl"},
+        "rewards": {"functions": [{"name": "int"}]},
+    }
+    for section, values in sections.items():
+        data[section] = {**data.get(section, {}), **values} if isinstance(values, dict) else values
+    return validate_config(data)
+
+
+def test_defaults_need_nothing_special():
+    cfg = make_cfg()
+    assert cfg.optim.optimizer == "adamw" and cfg.model.activation_offload is False
+    assert cfg.grpo.ignore_eos is False
+    check_device_options(cfg)  # no error anywhere
+
+
+def test_unknown_optimizer_is_a_config_error():
+    with pytest.raises(UserError, match="optim.optimizer"):
+        make_cfg(optim={"optimizer": "sgd"})
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU refusal")
+@pytest.mark.parametrize(
+    ("sections", "needle"),
+    [
+        ({"optim": {"optimizer": "adamw_8bit"}}, "optim.optimizer=adamw"),
+        ({"model": {"activation_offload": True}}, "model.activation_offload=false"),
+    ],
+)
+def test_gpu_options_refused_on_cpu_with_the_fix(sections, needle):
+    with pytest.raises(DeviceOptionError, match="needs a CUDA GPU") as err:
+        check_device_options(make_cfg(**sections))
+    assert needle in str(err.value) and "\n" not in str(err.value)
+    assert isinstance(err.value, UserError)
+
+
+def test_adamw_8bit_without_bitsandbytes_names_the_install(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n: None if n == "bitsandbytes" else real(n))
+    with pytest.raises(DeviceOptionError, match=r"pip install 'leangrpo\[gpu\]'"):
+        check_device_options(make_cfg(optim={"optimizer": "adamw_8bit"}))
+
+
+def test_build_optimizer_adamw_uses_the_config():
+    cfg = make_cfg(optim={"learning_rate": 3e-4, "adam_beta2": 0.95, "weight_decay": 0.1})
+    opt = build_optimizer([torch.nn.Parameter(torch.zeros(3))], cfg.optim)
+    assert type(opt) is torch.optim.AdamW
+    group = opt.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (3e-4, (0.9, 0.95), 0.1)
+
+
+def test_activation_offload_disabled_is_a_no_op():
+    x = torch.ones(3, requires_grad=True)
+    with activation_offload(False):
+        y = (x * x).sum()
+    y.backward()
+    assert torch.equal(x.grad, 2 * torch.ones(3))
+
+
+def test_release_generation_memory_collects_cycles():
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a reference cycle: only the collector frees it
+    ref = weakref.ref(a)
+    del a, b
+    gc.disable()
+    try:
+        release_generation_memory()
+    finally:
+        gc.enable()
+    assert ref() is None
+
+
+def test_generation_runs_without_grad_and_with_the_kv_cache(tiny_model_dir):
+    """Generation holds no autograd graph, and each new token is one position through the model (cache on),
+    even when the model is in train mode with gradient checkpointing (which disables the cache there)."""
+    from leangrpo.config import ModelConfig
+    from leangrpo.models import load_model_and_tokenizer
+    from leangrpo.rollout import generate
+
+    model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
+    model.train()
+    calls = []
+
+    def record(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        calls.append((ids.shape[1], torch.is_grad_enabled()))
+
+    handle = model.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        batch = generate(model, tok, ["a b c d e"], num_generations=2, max_prompt_length=32,
+                         max_completion_length=5, ignore_eos=True)  # fmt: skip
+    finally:
+        handle.remove()
+    assert batch.completion_ids.shape == (2, 5)
+    assert [grad for _, grad in calls] == [False] * len(calls)
+    assert calls[0][0] > 1 and [n for n, _ in calls[1:]] == [1] * (len(calls) - 1)
+    assert model.training  # train mode restored for the update
+
+
+@gpu
+@needs_cuda
+def test_adamw_8bit_on_gpu_steps():
+    pytest.importorskip("bitsandbytes")
+    cfg = make_cfg(optim={"optimizer": "adamw_8bit", "learning_rate": 1e-2})
+    check_device_options(cfg)
+    p = torch.nn.Parameter(torch.randn(4096, device="cuda"))
+    opt = build_optimizer([p], cfg.optim)
+    assert "8bit" in type(opt).__name__
+    before = p.detach().clone()
+    p.sum().backward()
+    opt.step()
+    assert not torch.equal(before, p.detach())
+
+
+@gpu
+@needs_cuda
+def test_activation_offload_gives_the_same_gradients_on_gpu(tiny_model_dir):
+    from leangrpo.config import ModelConfig
+    from leangrpo.models import Policy, load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
+    policy = Policy(model.cuda().train())
+    ids = torch.randint(0, 1000, (2, 12), device="cuda")
+    mask = torch.ones_like(ids)
+    grads = []
+    for offload in (False, True):
+        model.zero_grad(set_to_none=True)
+        with activation_offload(offload):
+            policy(ids, mask, 5).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_frees_generation_memory_before_the_update(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    """Order inside a step: generate (with grpo.ignore_eos passed through) → release → update, and nothing
+    else: at beta=0 and num_iterations=1 neither reference nor old log-probs are computed."""
+    import leangrpo.trainer as trainer_mod
+
+    events, real_generate, real_logprobs = [], trainer_mod.generate, trainer_mod._micro_batch_logprobs
+
+    def generate(*args, **kwargs):
+        events.append(("generate", kwargs["ignore_eos"]))
+        return real_generate(*args, **kwargs)
+
+    def logprobs(policy, *args):
+        events.append(("update", torch.is_grad_enabled()))
+        return real_logprobs(policy, *args)
+
+    monkeypatch.setattr(trainer_mod, "generate", generate)
+    monkeypatch.setattr(trainer_mod, "release_generation_memory", lambda: events.append(("release", None)))
+    monkeypatch.setattr(trainer_mod, "_micro_batch_logprobs", logprobs)
+    cfg = make_cfg(
+        model={"name_or_path": str(tiny_model_dir)},
+        data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
+        grpo={"num_generations": 2, "max_completion_length": 4, "ignore_eos": True},
+        optim={"per_device_train_batch_size": 2, "max_steps": 1},
+        logging={"progress_bar": False, "log_completions_steps": 0},
+        output_dir=str(tmp_path / "run"),
+    )
+    metrics = trainer_mod.Trainer(cfg).step(1)
+    assert events == [("generate", True), ("release", None), ("update", True)]
+    assert metrics["completion_length/mean"] == 4.0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA, reason="the CPU refusal")
+def test_cli_refuses_gpu_options_on_cpu_in_one_line(tmp_path, tiny_model_dir, gsm8k_dir):
+    from test_e2e import run_cli, write_config
+
+    cfg = write_config(tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", tmp_path / "r")
+    proc = run_cli("train", "-c", str(cfg), "optim.optimizer=adamw_8bit", "model.activation_offload=true")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: optim.optimizer=adamw_8bit needs a CUDA GPU (bitsandbytes); on CPU use optim.optimizer=adamw"
+    ]
