@@ -14,6 +14,9 @@ from leangrpo.compare import compare
 from leangrpo.evaluate import EvalResult, evaluate, score, summarize
 from leangrpo.rewards import load_reward
 
+RUN_CONFIG = (
+    "model: {name_or_path: m}\ndata: {path: d}\nrewards: {functions: [{name: int}]}\ngrpo: {beta: 0.04}\n"
+)
 REWARDS = [(n, load_reward(n), 1.0) for n in ("strict_format", "soft_format", "correctness", "math_verify")]
 
 
@@ -119,6 +122,7 @@ def test_eval_bad_input_is_one_line(tmp_path, tiny_model_dir, gsm8k_dir, real_to
     runner = CliRunner()
     run = tmp_path / "run"
     run.mkdir()
+    (run / "config.yaml").write_text(RUN_CONFIG)
     (run / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
     one_line_error(
         runner.invoke(main, ["eval", "--model", str(run), "--data", str(gsm8k_dir)]), "has no model"
@@ -169,6 +173,7 @@ def test_compare_eval_files_and_run_dir_with_torn_metrics(tmp_path):
 
     run = tmp_path / "run"
     (run / "eval").mkdir(parents=True)
+    (run / "config.yaml").write_text(RUN_CONFIG)
     write_eval(run / "eval" / "step-3.json", [True, True, True], 1.0)
     (run / "metrics.jsonl").write_text(
         '{"step": 1, "reward": 0.25}\n{"step": 2, "reward": 0.75}\n{"step": 3, "rew'

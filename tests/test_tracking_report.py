@@ -160,7 +160,9 @@ def make_run(run_dir: Path, steps: int = 12) -> Path:
         for s in (1, 5, 10, 12)
     ]  # fmt: skip
     (run_dir / "completions.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
-    (run_dir / "config.yaml").write_text("model:\n  name_or_path: tiny\ngrpo:\n  beta: 0.04\n")
+    from test_evaluate import RUN_CONFIG
+
+    (run_dir / "config.yaml").write_text(RUN_CONFIG)
     return run_dir
 
 
