@@ -184,6 +184,11 @@ def test_report_cli_writes_pngs_and_notes_torn_line(tmp_path):
     page = (run / "report.html").read_text()
     assert page.count("<img") == 7 and "http" not in page.replace("http-equiv", "")  # nothing to fetch
     assert "&lt;b&gt;not bold&lt;/b&gt;" in page  # completions are escaped, not rendered
+    # A rerun without evaluation: the eval plot of the earlier report does not linger.
+    metrics = [line for line in (run / "metrics.jsonl").read_text().splitlines() if "eval/" not in line]
+    (run / "metrics.jsonl").write_text("\n".join(metrics))
+    assert CliRunner().invoke(main, ["report", str(run)]).exit_code == 0
+    assert not (run / "eval_accuracy.png").exists() and (run / "report.html").read_text().count("<img") == 6
     one = CliRunner().invoke(main, ["report", str(tmp_path / "missing")])
     assert one.exit_code == 2 and "not a run directory" in one.output
 

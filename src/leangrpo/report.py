@@ -176,6 +176,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, list[str]]:
     for curve in CURVES:
         png = plot_curve(evals if curve.eval_rows else train, curve, run_dir / f"{curve.stem}.png")
         if png is None:
+            (run_dir / f"{curve.stem}.png").unlink(missing_ok=True)  # an earlier run's, now stale
             notes.append(f"{curve.title}: not recorded in this run")
             continue
         data = base64.b64encode(png.read_bytes()).decode()
