@@ -148,15 +148,17 @@ def grid(device: str, only: list[str] | None) -> list[dict]:
     """Every model × G × completion × method × checkpointing point, or those named in `only`
     (as model/G/C/method/ckpt, e.g. smollm2-135m/8/128/lora/off)."""
     gs, cs, dtype = GRID[device]
-    points = []
+    points = {}
     for (name, (arch, dims)), g, c, method, ckpt in itertools.product(
         MODELS[device].items(), gs, cs, ("full", "lora"), ("on", "off")
     ):
         key = f"{name}/{g}/{c}/{method}/{ckpt}"
-        if only is None or key in only:
-            points.append(dict(key=key, model=name, arch=arch, dims=dims, G=g, C=c, method=method,
-                               ckpt=ckpt == "on", dtype=dtype))  # fmt: skip
-    return points
+        points[key] = dict(key=key, model=name, arch=arch, dims=dims, G=g, C=c, method=method,
+                           ckpt=ckpt == "on", dtype=dtype)  # fmt: skip
+    unknown = set(only or ()) - set(points)
+    if unknown:
+        raise SystemExit(f"unknown grid points: {', '.join(sorted(unknown))}")
+    return [points[key] for key in only] if only else list(points.values())  # in the order asked
 
 
 def run_config(point: dict, model_dir: Path, out: Path) -> dict:

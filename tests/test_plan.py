@@ -337,3 +337,14 @@ def test_vllm_rollout_reserves_its_share_instead_of_a_kv_cache():
     assert est.components["vllm reservation"] == int(0.3 * memory) and est.components["KV cache"] == 0
     assert "generation" not in est.phases
     assert est.total == est.peak + est.overhead + int(0.3 * memory)
+
+
+def test_memory_options_of_the_config_are_planned():
+    shape = plan.resolve_shape("Qwen/Qwen2.5-1.5B")
+    base = plan.Knobs(method="full")
+    offload = plan.estimate(shape, plan.replace(base, activation_offload=True))
+    assert offload.components["activations"] == 0 < plan.estimate(shape, base).components["activations"]
+    snippet = yaml.safe_load(
+        plan.yaml_snippet(plan.replace(base, optimizer="adamw_8bit", activation_offload=True), "m")
+    )
+    assert snippet["optim"]["optimizer"] == "adamw_8bit" and snippet["model"]["activation_offload"] is True

@@ -151,7 +151,7 @@ def demo(max_steps: int, full_finetune: bool, data_path: str, output_dir: str) -
 @click.option("--logprob-chunk-size", type=int)
 @click.option("--rollout", type=click.Choice(["hf", "vllm"]), help="Generation engine (default hf).")
 @click.option("--vllm-gpu-memory-utilization", type=float)
-@click.option("--activation-offload", is_flag=True, default=None, help="Checkpointed layer inputs on CPU.")
+@click.option("--activation-offload", is_flag=True, default=None, help="Saved activations in pinned CPU RAM.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="cpu plans RAM (no CUDA overhead).")
 @click.option("--fit", is_flag=True, help="Search the largest G, completion length, batch, method that fit.")
 @click.option("--margin", default=0.1, show_default=True, help="Fraction of the memory kept free.")

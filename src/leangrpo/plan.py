@@ -369,8 +369,10 @@ def _lora_saved_per_token(shape: ModelShape, k: Knobs) -> int:
 def decoder_activation_bytes(shape: ModelShape, k: Knobs, batch: int, seq: int, completion: int) -> int:
     """Everything the update forward keeps for backward, for one micro-batch of `batch` rows."""
     n, h, e = batch * seq, shape.hidden_size, k.e
-    if k.gradient_checkpointing:  # each checkpointed layer keeps only its input (none when offloaded)
-        body = 0 if k.activation_offload else shape.num_hidden_layers * n * h * e
+    if k.activation_offload:  # memory.activation_offload: every saved tensor waits in pinned CPU RAM
+        return 0
+    if k.gradient_checkpointing:  # each checkpointed layer keeps only its input
+        body = shape.num_hidden_layers * n * h * e
     else:
         body = shape.num_hidden_layers * layer_activation_bytes(shape, k, n)
     shared = 2 * n * shape.head_dim * e + batch * seq * seq * e  # RoPE cos/sin and the 4-D mask
@@ -476,7 +478,9 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     lp_bwd = logprob_workspace(shape, k, B * C, backward=True)
     micro = k.gradient_accumulation_steps
     grads_before = grads if micro > 1 else 0  # accumulated grads live through later micro-batches
-    recompute = layer_activation_bytes(shape, k, B * S) if k.gradient_checkpointing else 0
+    # one layer's saved tensors live on the device during its backward: recomputed, or back from the CPU
+    on_device_layer = k.gradient_checkpointing or k.activation_offload
+    recompute = layer_activation_bytes(shape, k, B * S) if on_device_layer else 0
     layer_bwd = B * S * (2 * shape.intermediate_size * e + 2 * shape.hidden_size * 4)
     dequant = max(a * b for a, b in shape.linear_shapes().values()) * e if k.method == "qlora-4bit" else 0
     if k.device == "cpu":  # single-tensor AdamW: sqrt and division temporaries of the largest tensor
@@ -618,6 +622,7 @@ def knobs_from_config(cfg: Any, **overrides: Any) -> Knobs:
         max_completion_length=g.max_completion_length,
         gradient_checkpointing=m.gradient_checkpointing,
         optimizer=getattr(o, "optimizer", "adamw"),
+        activation_offload=getattr(m, "activation_offload", False),
         beta=g.beta,
         num_iterations=g.num_iterations,
         logprob_chunk_size=g.logprob_chunk_size,
@@ -644,13 +649,10 @@ def yaml_snippet(k: Knobs, model: str) -> str:
                   "gradient_accumulation_steps": k.gradient_accumulation_steps},
     }  # fmt: skip
     notes = []
+    if k.activation_offload:
+        doc["model"]["activation_offload"] = True
     if k.optimizer != "adamw":
-        from .config import OptimConfig
-
-        if "optimizer" in OptimConfig.model_fields:
-            doc["optim"]["optimizer"] = k.optimizer
-        else:
-            notes.append(f"# planned with optimizer {k.optimizer}, which this leangrpo config cannot set yet")
+        doc["optim"]["optimizer"] = k.optimizer
     if k.method == "qlora-4bit":
         notes.append("# planned as QLoRA (4-bit base): leangrpo train loads the base in `dtype`, not 4-bit")
     if k.rollout == "vllm":
