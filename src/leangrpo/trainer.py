@@ -207,6 +207,8 @@ class Trainer:
                 if stop or diverged or self._checkpoint_due(step):
                     ckpt = self.save_checkpoint(step)
                 if diverged:
+                    if self.is_main:
+                        self.logger.close()
                     raise TrainingError(
                         f"stopped at step {step}: {self.nonfinite_in_a_row} steps in a row had a non-finite "
                         f"loss or gradient (optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps}); "
