@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from .compare import fmt_value
 from .rundir import RunDirError, is_run_dir, read_jsonl
 
 SAMPLES_EACH = 3  # sample completions shown from the start and from the end
@@ -105,16 +106,9 @@ def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Pat
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>" for r in rows)
+    cells = ("".join(f"<td>{html.escape(fmt_value(c))}</td>" for c in r) for r in rows)
+    body = "".join(f"<tr>{c}</tr>" for c in cells)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> list[list[Any]]:
@@ -147,7 +141,7 @@ def _samples(samples: list[dict[str, Any]]) -> str:
     picked = samples if len(samples) <= 2 * SAMPLES_EACH else samples[:SAMPLES_EACH] + samples[-SAMPLES_EACH:]
     parts = []
     for s in picked:
-        rewards = ", ".join(f"{k}={_fmt(v)}" for k, v in (s.get("rewards") or {}).items())
+        rewards = ", ".join(f"{k}={fmt_value(v)}" for k, v in (s.get("rewards") or {}).items())
         parts.append(
             f"<div class='sample'><h3>step {html.escape(str(s.get('step')))}</h3>"
             f"<p><b>Q:</b> {html.escape(str(s.get('question', '')))}</p>"
@@ -191,7 +185,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, list[str]]:
         ["steps logged", len(train)],
         [
             "reward, first → last step",
-            f"{_fmt(train[0]['reward'])} → {_fmt(last['reward'])}" if train else "-",
+            f"{fmt_value(train[0]['reward'])} → {fmt_value(last['reward'])}" if train else "-",
         ],
         ["training time (s)", sum(r.get("step_seconds") or 0 for r in train)],
         ["peak memory (MB)", max((r.get("peak_memory_mb") or 0 for r in train), default=None)],
