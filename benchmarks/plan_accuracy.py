@@ -15,7 +15,11 @@ G × completion length × LoRA/full × gradient checkpointing.
   loading), compared with the plan's tensor peak (no CUDA context or allocator slack, which
   max_memory_allocated does not see either).
 
-Usage: python benchmarks/plan_accuracy.py [--device cpu|cuda] [--quick] [--markdown FILE]
+- `--malloc strict` runs every point with glibc's mmap threshold fixed at 64 KiB (`compact`: 1 MiB; the
+  settings are vs_trl.py's), so freed memory leaves RSS and the CPU peak follows the live tensors, which
+  is what the plan models. The small micro-batches here need the strict one.
+
+Usage: python benchmarks/plan_accuracy.py [--device cpu|cuda] [--malloc NAME] [--markdown FILE]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import time
 from pathlib import Path
 
 import yaml
+from vs_trl import MALLOC  # the allocator settings both benchmarks share
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -89,6 +94,7 @@ def worker(config_path: str, result_path: str) -> None:
         "rss_peak_kib": rss_kib("VmHWM"),
         "completion_length_mean": [r["completion_length/mean"] for r in rows],
         "step_seconds": [r["step_seconds"] for r in rows],
+        "malloc_env": {k: os.environ.get(k) for k in MALLOC["compact"]},  # what the run really had
     }
     if cuda:
         result.update(gpu_loaded=loaded_gpu, gpu_peak=torch.cuda.max_memory_allocated())
@@ -188,14 +194,14 @@ def predict(config_path: Path, device: str) -> dict:
     return {"peak": est.peak, "phase": est.phase, "at_load": at_load}
 
 
-def measure(point: dict, work: Path, tok: Path) -> Path:
+def measure(point: dict, work: Path, tok: Path, malloc: str) -> Path:
     """Run one grid point in its own process; returns the result file."""
     stem = work / point["key"].replace("/", "_")
     model_dir = work / f"{point['model']}-{point['dtype']}"
     build_model(model_dir, point["arch"], dict(point["dims"]), tok, point["dtype"])
     cfg_path, result_path = stem.with_suffix(".yaml"), stem.with_suffix(".json")
     cfg_path.write_text(yaml.safe_dump(run_config(point, model_dir, work / "runs" / stem.name)))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **MALLOC[malloc]}
     cmd = [sys.executable, __file__, "--worker", str(cfg_path), str(result_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
@@ -240,20 +246,22 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--only", help="comma-separated points model/G/C/method/ckpt (default: the whole grid)")
     ap.add_argument("--report-only", action="store_true", help="tabulate the results already measured")
-    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "leangrpo-plan-accuracy"))
+    ap.add_argument("--malloc", choices=sorted(MALLOC), default="default", help="glibc allocator (CPU)")
+    ap.add_argument("--work", help="where points are measured (default: a temp dir per allocator)")
     ap.add_argument("--markdown", help="also write the table to this file")
     args = ap.parse_args()
     if args.worker:
         return worker(*args.worker)
 
-    work = Path(args.work)
+    suffix = "" if args.malloc == "default" else f"-{args.malloc}"
+    work = Path(args.work or Path(tempfile.gettempdir()) / f"leangrpo-plan-accuracy{suffix}")
     work.mkdir(parents=True, exist_ok=True)
     points = grid(args.device, args.only.split(",") if args.only else None)
     if not args.report_only:
         tok = tokenizer_dir(work)
         for point in points:
             start = time.time()
-            measure(point, work, tok)
+            measure(point, work, tok, args.malloc)
             print(f"measured {point['key']} in {time.time() - start:.0f}s", flush=True)
     rows = [row for p in grid(args.device, None) if (row := table_row(p, work, args.device))]
     lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]

@@ -13,6 +13,10 @@ Rows run one after the other with ours and TRL interleaved, so both sides see si
 Measured per run: peak memory (peak RSS on CPU, torch.cuda.max_memory_allocated on GPU) at the end of
 the last step, before anything is saved; the median step seconds over the steps after the first; and
 completion tokens per second at that median.
+
+`--malloc compact` runs both sides with glibc's mmap threshold fixed at 1 MiB, so memory a tensor frees
+goes back to the OS and peak RSS follows the live tensors (as `max_memory_allocated` does on a GPU)
+rather than what glibc's default allocator keeps after freeing. It costs both sides step time.
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## vs TRL"
+# glibc's allocator settings, applied to every measured process alike. A fixed mmap threshold gives
+# blocks at least that large back to the OS when freed; "strict" also catches the small activations of
+# tiny micro-batches, at more cost in speed.
+MALLOC = {
+    "default": {},
+    "compact": {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
+    "strict": {"MALLOC_MMAP_THRESHOLD_": str(2**16)},
+}
 REWARDS = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
 
 # SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M config.json).
@@ -253,19 +265,21 @@ def worker(side: str, settings_json: str, result_json: str) -> None:
     s = Settings(**{**raw, "row": Row(**raw["row"])})
     with tempfile.TemporaryDirectory(prefix=f"vs_trl-{side}-") as tmp:
         result = (run_ours if side == "ours" else run_trl)(s, Path(tmp))
+    result["malloc_env"] = {k: os.environ.get(k) for k in MALLOC["compact"]}  # what the run really had
     Path(result_json).write_text(json.dumps(result))
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def run_side(side: str, s: Settings, timeout: int) -> dict:
+def run_side(side: str, s: Settings, timeout: int, malloc: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
         out = Path(tmp) / "result.json"
         load = load_avg()
         cmd = [sys.executable, __file__, "worker", side, json.dumps(asdict(s)), str(out)]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        env = {**os.environ, **MALLOC[malloc]}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         if proc.returncode != 0:
             sys.exit(f"error: the {side} run of row {s.row.name} failed:\n{proc.stderr[-4000:]}")
         result = json.loads(out.read_text())
@@ -315,14 +329,14 @@ def table(results: list[tuple[Row, dict, dict | None]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, body: str) -> None:
-    """Replace (or add) the "## vs TRL" section of the results file, keeping every other section."""
+def write_section(path: Path, section: str, body: str) -> None:
+    """Replace (or add) one "## ..." section of the results file, keeping every other section."""
     text = path.read_text() if path.is_file() else "# Benchmarks\n"
-    start = text.find(SECTION + "\n")
+    start = text.find(section + "\n")
     if start < 0:
         text = text.rstrip("\n") + "\n\n" + body
     else:
-        end = text.find("\n## ", start + len(SECTION))
+        end = text.find("\n## ", start + len(section))
         text = text[:start] + body + ("\n" + text[end + 1 :] if end >= 0 else "")
     path.write_text(text)
 
@@ -342,6 +356,12 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    p.add_argument(
+        "--malloc",
+        choices=sorted(MALLOC),
+        default="default",
+        help="glibc allocator for both sides: default, compact or strict (see MALLOC)",
+    )
     p.add_argument("--results", default=str(REPO / "benchmarks" / "RESULTS.md"))
     p.add_argument("--json", help="also write the raw per-run results here")
     a = p.parse_args()
@@ -359,7 +379,7 @@ def main() -> None:
         steps = a.long_steps if name == "c" and a.long_steps else a.steps
         s = Settings(model, data, row, steps, a.num_generations, a.prompts, a.loss_type, a.beta, 1e-6, a.seed)
         order = sides if i % 2 == 0 else sides[::-1]  # alternate who goes first
-        done = {side: run_side(side, s, a.timeout) for side in order}
+        done = {side: run_side(side, s, a.timeout, a.malloc) for side in order}
         ours = done.get("ours") or done["trl"]
         results.append((row, ours, done.get("trl") if "ours" in done else None))
         raw.append({"row": asdict(row), "steps": steps, **done})
@@ -377,17 +397,20 @@ def write_results(a: argparse.Namespace, sides: list[str], results: list, raw: l
     import transformers
 
     trl_version = importlib.metadata.version("trl") if "trl" in sides else "not run"
+    section = SECTION if a.malloc == "default" else f"{SECTION}, compact allocator"
+    allocator = ", ".join(f"{k}={v}" for k, v in MALLOC[a.malloc].items()) or "glibc's defaults"
     body = (
-        f"{SECTION}\n\nCommand: `python benchmarks/vs_trl.py{' ' + args if args else ''}`\n\n"
+        f"{section}\n\nCommand: `python benchmarks/vs_trl.py{' ' + args if args else ''}`\n\n"
         f"Date: {now}. Machine: {platform.machine()}, {device}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, TRL {trl_version}. "
         f"Load (1-min average) at the start of each run is in the last column. Step s is wall-clock; "
         f"CPU s is the process's CPU time in the same step (all threads), steadier on a shared machine.\n\n"
         f"Settings: G={a.num_generations}, {a.prompts} prompt(s) per step, steps as in the table, "
         f"loss_type {a.loss_type}, beta {a.beta}, fp32, gradient checkpointing on, one micro-batch of "
-        f"{a.prompts * a.num_generations} completions, fixed-length completions.\n\n" + table(results)
+        f"{a.prompts * a.num_generations} completions, fixed-length completions. "
+        f"Allocator (both sides): {allocator}.\n\n" + table(results)
     )
-    write_section(Path(a.results), body)
+    write_section(Path(a.results), section, body)
     print(body, flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(raw, indent=1))

