@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import yaml
-from vs_trl import MALLOC  # the allocator settings both benchmarks share
+from vs_trl import MALLOC, allocator_env  # the allocator settings both benchmarks share
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -94,7 +94,7 @@ def worker(config_path: str, result_path: str) -> None:
         "rss_peak_kib": rss_kib("VmHWM"),
         "completion_length_mean": [r["completion_length/mean"] for r in rows],
         "step_seconds": [r["step_seconds"] for r in rows],
-        "malloc_env": {k: os.environ.get(k) for k in MALLOC["compact"]},  # what the run really had
+        "malloc_env": allocator_env(),
     }
     if cuda:
         result.update(gpu_loaded=loaded_gpu, gpu_peak=torch.cuda.max_memory_allocated())

@@ -14,9 +14,10 @@ Measured per run: peak memory (peak RSS on CPU, torch.cuda.max_memory_allocated 
 the last step, before anything is saved; the median step seconds over the steps after the first; and
 completion tokens per second at that median.
 
-`--malloc compact` runs both sides with glibc's mmap threshold fixed at 1 MiB, so memory a tensor frees
-goes back to the OS and peak RSS follows the live tensors (as `max_memory_allocated` does on a GPU)
-rather than what glibc's default allocator keeps after freeing. It costs both sides step time.
+`--malloc compact` (or `strict`) runs both sides with glibc's mmap threshold fixed at 1 MiB (64 KiB), so
+memory a tensor frees goes back to the OS and peak RSS follows the live tensors (as
+`max_memory_allocated` does on a GPU) rather than what glibc's default allocator keeps after freeing.
+It costs both sides step time.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ MALLOC = {
     "compact": {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
     "strict": {"MALLOC_MMAP_THRESHOLD_": str(2**16)},
 }
+
+
+def allocator_env() -> dict[str, str | None]:
+    """The allocator variables this process really runs with (recorded with each measurement)."""
+    return {k: os.environ.get(k) for k in sorted({k for env in MALLOC.values() for k in env})}
+
+
 REWARDS = ["xmlcount", "soft_format", "strict_format", "int", "correctness"]
 
 # SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M config.json).
@@ -265,7 +273,7 @@ def worker(side: str, settings_json: str, result_json: str) -> None:
     s = Settings(**{**raw, "row": Row(**raw["row"])})
     with tempfile.TemporaryDirectory(prefix=f"vs_trl-{side}-") as tmp:
         result = (run_ours if side == "ours" else run_trl)(s, Path(tmp))
-    result["malloc_env"] = {k: os.environ.get(k) for k in MALLOC["compact"]}  # what the run really had
+    result["malloc_env"] = allocator_env()
     Path(result_json).write_text(json.dumps(result))
 
 
@@ -397,7 +405,7 @@ def write_results(a: argparse.Namespace, sides: list[str], results: list, raw: l
     import transformers
 
     trl_version = importlib.metadata.version("trl") if "trl" in sides else "not run"
-    section = SECTION if a.malloc == "default" else f"{SECTION}, compact allocator"
+    section = SECTION if a.malloc == "default" else f"{SECTION}, {a.malloc} allocator"
     allocator = ", ".join(f"{k}={v}" for k, v in MALLOC[a.malloc].items()) or "glibc's defaults"
     body = (
         f"{section}\n\nCommand: `python benchmarks/vs_trl.py{' ' + args if args else ''}`\n\n"
