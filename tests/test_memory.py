@@ -184,9 +184,9 @@ def test_trainer_frees_generation_memory_before_the_update(tmp_path, tiny_model_
         events.append(("generate", kwargs["ignore_eos"]))
         return real_generate(*args, **kwargs)
 
-    def logprobs(policy, *args):
+    def logprobs(policy, *args, **kwargs):
         events.append(("update", torch.is_grad_enabled()))
-        return real_logprobs(policy, *args)
+        return real_logprobs(policy, *args, **kwargs)
 
     monkeypatch.setattr(trainer_mod, "generate", generate)
     monkeypatch.setattr(trainer_mod, "release_generation_memory", lambda: events.append(("release", None)))

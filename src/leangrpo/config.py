@@ -91,6 +91,9 @@ class GRPOSection(_Section):
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     logprob_chunk_size: int = Field(1024, ge=1, description="token rows per log-prob chunk")
+    share_prompt: bool = Field(
+        True, description="the update reads each prompt once per micro-batch, not once per completion"
+    )
     ignore_eos: bool = Field(False, description="always generate max_completion_length tokens (benchmarks)")
 
     @field_validator("scale_rewards", mode="before")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from . import shared_prompt
 from .errors import UserError
 from .grpo import token_logprobs
 
@@ -212,20 +213,46 @@ class Policy(nn.Module):
         attention_mask: Tensor,
         num_completion_tokens: int,
         temperature: float | None = None,
+        group: int = 1,
     ) -> Tensor:
-        """Log-probs [B, C] of the last C tokens of `input_ids`, each given everything before it,
-        at the sampling temperature unless `temperature` is given (1.0 for supervised targets)."""
-        # Positions count real tokens only, exactly as generate() numbers a left-padded prompt.
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        decoder = self.base.get_decoder()
-        hidden = decoder(
-            input_ids=input_ids[:, :-1],
-            attention_mask=attention_mask[:, :-1],
-            position_ids=position_ids[:, :-1],
-            use_cache=False,
-        ).last_hidden_state[:, -num_completion_tokens:]
+        """Log-probs of the completion tokens, each given everything before it, at the sampling
+        temperature unless `temperature` is given (1.0 for supervised targets).
+
+        group = 1: `input_ids` [B, P + C] are prompt + completion rows, `attention_mask` their mask;
+        returns [B, C]. group > 1: the shared-prompt layout of `shared_prompt.pack` ([R, P + group·C])
+        with the [R, P] prompt mask; returns [R·group, C].
+        """
+        C, decoder = num_completion_tokens, self.base.get_decoder()
+        if group == 1:
+            # Positions count real tokens only, exactly as generate() numbers a left-padded prompt.
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            hidden = decoder(
+                input_ids=input_ids[:, :-1],
+                attention_mask=attention_mask[:, :-1],
+                position_ids=position_ids[:, :-1],
+                use_cache=False,
+            ).last_hidden_state[:, -C:]
+            targets = input_ids[:, -C:]
+        else:
+            position_ids, predictors = shared_prompt.positions(attention_mask, C, group)
+            shared_prompt.install()
+            before = shared_prompt.calls()
+            hidden = decoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask.bool()[:, None, None, :],
+                position_ids=position_ids,
+                use_cache=False,
+                **{shared_prompt.KWARG: group},
+            ).last_hidden_state
+            if shared_prompt.calls() == before:
+                raise ModelError(
+                    f"{type(self.base).__name__} does not route attention through transformers' sdpa "
+                    "interface, which grpo.share_prompt needs; set grpo.share_prompt: false"
+                )
+            hidden = hidden.reshape(-1, hidden.shape[-1])[predictors]
+            width = attention_mask.shape[1]
+            targets = input_ids[:, width:].reshape(-1, C)
         weight = self.base.get_output_embeddings().weight
-        targets = input_ids[:, -num_completion_tokens:]
         temperature = self.temperature if temperature is None else temperature
         return token_logprobs(hidden, weight, targets, temperature, self.chunk_size)
 

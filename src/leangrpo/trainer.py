@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import grpo, sft
+from . import grpo, sft, shared_prompt
 from .checkpoint import (
     RunDirError,
     check_resumable,
@@ -44,31 +44,45 @@ class TrainingError(UserError, RuntimeError):
 
 
 def _micro_batch_logprobs(
-    policy: torch.nn.Module, rollout: RolloutBatch, rows: slice, temperature: float | None = None
+    policy: torch.nn.Module,
+    rollout: RolloutBatch,
+    rows: slice,
+    temperature: float | None = None,
+    group: int = 1,
 ) -> tuple[Tensor, Tensor]:
-    """Log-probs of one micro-batch, cropped to its own real extent (no all-pad columns), and its mask."""
+    """Log-probs of one micro-batch, cropped to its own real extent (no all-pad columns), and its mask.
+
+    group > 1: every `group` consecutive rows share a prompt, which the decoder then reads once
+    (shared_prompt.py)."""
     prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]
     first_prompt_col = int(prompt_mask.any(dim=0).int().argmax())
     num_completion = int(completion_mask.sum(dim=1).max().clamp(min=1))
-    input_ids = torch.cat(
-        [
-            rollout.prompt_ids[rows, first_prompt_col:],
-            rollout.completion_ids[rows, :num_completion],
-        ],
-        1,
+    prompt_ids, prompt_mask = rollout.prompt_ids[rows, first_prompt_col:], prompt_mask[:, first_prompt_col:]
+    completion_ids, completion_mask = (
+        rollout.completion_ids[rows, :num_completion],
+        completion_mask[:, :num_completion],
     )
-    attention_mask = torch.cat([prompt_mask[:, first_prompt_col:], completion_mask[:, :num_completion]], 1)
-    logp = policy(input_ids, attention_mask, num_completion, temperature)
-    return logp, completion_mask[:, :num_completion]
+    if group > 1:
+        input_ids, attention_mask = (
+            shared_prompt.pack(prompt_ids, completion_ids, group),
+            prompt_mask[::group],
+        )
+    else:
+        input_ids = torch.cat([prompt_ids, completion_ids], 1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    logp = policy(input_ids, attention_mask, num_completion, temperature, group)
+    return logp, completion_mask
 
 
-def batch_logprobs(policy: torch.nn.Module, rollout: RolloutBatch, micro_batch: int) -> Tensor:
+def batch_logprobs(
+    policy: torch.nn.Module, rollout: RolloutBatch, micro_batch: int, group: int = 1
+) -> Tensor:
     """Log-probs [N, C] for a whole rollout without gradients (reference / old policy), padded with 0."""
     out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
     with torch.inference_mode():
         for start in range(0, len(rollout), micro_batch):
             rows = slice(start, start + micro_batch)
-            logp, _ = _micro_batch_logprobs(policy, rollout, rows)
+            logp, _ = _micro_batch_logprobs(policy, rollout, rows, group=group)
             out[rows, : logp.shape[1]] = logp
     return out
 
@@ -123,6 +137,7 @@ class Trainer:
             num_warmup_steps=math.ceil(cfg.optim.warmup_ratio * total),
             num_training_steps=total,
         )
+        self.group = self._shared_prompt_group(model)
         policy = Policy(model, cfg.grpo.temperature, cfg.grpo.logprob_chunk_size)
         self.policy = self.acc.prepare_model(policy)
         set_seed(cfg.seed, device_specific=True)  # different samples on each rank
@@ -140,6 +155,17 @@ class Trainer:
         self.start_step, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0
         if self.resume_from:
             self._restore(self.resume_from)
+
+    def _shared_prompt_group(self, model: torch.nn.Module) -> int:
+        """Completions per decoder row that share one copy of their prompt (1 = no sharing): as many
+        of a group's completions as every micro-batch holds together."""
+        if not self.cfg.grpo.share_prompt:
+            return 1
+        reason = shared_prompt.unsupported_reason(model.config)
+        if reason:
+            self._write(f"grpo.share_prompt: off, {reason}; each completion reads its own copy of the prompt")
+            return 1
+        return math.gcd(self.cfg.optim.per_device_train_batch_size, self.cfg.grpo.num_generations)
 
     def _restore(self, ckpt: Path) -> None:
         """Weights, optimizer, scheduler, RNG and counters as they were right after the checkpoint's step;
@@ -314,9 +340,9 @@ class Trainer:
         if self.cfg.grpo.beta == 0:
             return None
         if self.ref_policy is not None:
-            return batch_logprobs(self.ref_policy, rollout, micro)
+            return batch_logprobs(self.ref_policy, rollout, micro, self.group)
         with self.unwrapped.lm.disable_adapter():
-            return batch_logprobs(self.unwrapped, rollout, micro)
+            return batch_logprobs(self.unwrapped, rollout, micro, self.group)
 
     def step(self, step: int) -> dict[str, Any]:
         cfg, g = self.cfg, self.cfg.grpo
@@ -334,7 +360,7 @@ class Trainer:
         advantages = advantages.to(self.acc.device)
         ref_logp = self.reference_logprobs(rollout)
         micro = cfg.optim.per_device_train_batch_size
-        old_logp = batch_logprobs(self.policy, rollout, micro) if g.num_iterations > 1 else None
+        old_logp = batch_logprobs(self.policy, rollout, micro, self.group) if g.num_iterations > 1 else None
 
         mask = rollout.completion_mask.float()
         num_tokens = float(mask.sum())
@@ -352,7 +378,7 @@ class Trainer:
                     nullcontext() if last else self.acc.no_sync(self.policy),
                     activation_offload(cfg.model.activation_offload),
                 ):
-                    logp, mb_mask = _micro_batch_logprobs(self.policy, rollout, rows_mb)
+                    logp, mb_mask = _micro_batch_logprobs(self.policy, rollout, rows_mb, group=self.group)
                     width = logp.shape[1]
                     loss, st = grpo.grpo_loss(
                         logp,

@@ -1,0 +1,127 @@
+"""Shared-prompt training forward: the completions of one prompt read a single copy of its tokens.
+
+A micro-batch row becomes `[prompt | completion 1 | ... | completion g]`. An attention function lets
+each completion see the prompt and its own earlier tokens only, so every log-prob equals the one from
+running prompt + completion as a row of its own, but the prompt goes through the decoder once per row
+instead of g times (forward, checkpoint recompute and backward alike). With GRPO's G completions per
+prompt, that is most of the update's work when prompts are long against completions.
+
+The attention function is installed under transformers' "sdpa" name and hands every call without the
+`shared_prompt_group` keyword to transformers' own sdpa function unchanged (generation, evaluation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+KWARG = "shared_prompt_group"
+_calls = 0  # packed attention calls, so that Policy can check the model really went through them
+
+
+def unsupported_reason(config: Any) -> str | None:
+    """Why a model cannot use the shared-prompt layout, or None when it can."""
+    impl = getattr(config, "_attn_implementation", None)
+    if impl != "sdpa":
+        return f"attn_implementation={impl!r} (needs 'sdpa')"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "the model uses sliding-window attention"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "the model soft-caps attention logits"
+    return None
+
+
+def pack(prompt_ids: Tensor, completion_ids: Tensor, group: int) -> Tensor:
+    """[B, P] prompts (each repeated `group` times in a row) + [B, C] completions → [B/group, P + group·C]."""
+    rows = prompt_ids.shape[0] // group
+    return torch.cat([prompt_ids[::group], completion_ids.reshape(rows, -1)], dim=1)
+
+
+def positions(prompt_mask: Tensor, num_completion: int, group: int) -> tuple[Tensor, Tensor]:
+    """Position ids [R, P + group·C] of packed rows (each completion counts on from its prompt's real
+    length, as generate() numbers it) and, for each of the R·group completions, the flat index into
+    [R · (P + group·C)] of the hidden state that predicts each of its C tokens."""
+    rows, width = prompt_mask.shape
+    device = prompt_mask.device
+    length = width + group * num_completion
+    prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    steps = torch.arange(num_completion, device=device)
+    completion_pos = prompt_mask.sum(-1, keepdim=True) + steps.repeat(group)
+    position_ids = torch.cat([prompt_pos, completion_pos], dim=1)
+    # Token j of completion i is predicted by token j-1 of the same completion; token 0 by the prompt's last.
+    completion = torch.arange(rows * group, device=device)
+    starts = (completion // group) * length + width + (completion % group) * num_completion
+    predictors = (starts[:, None] + steps - 1).where(
+        steps > 0, (completion // group)[:, None] * length + width - 1
+    )
+    return position_ids, predictors
+
+
+def _attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
+    group = kwargs.pop(KWARG, None)
+    if group is None:
+        return _sdpa(module, query, key, value, attention_mask, **kwargs)
+    global _calls
+    _calls += 1
+    prompt_ok = attention_mask  # [R, 1, 1, P] bool: the prompt's real (not left-pad) tokens
+    rows, _, length, _ = query.shape
+    width = prompt_ok.shape[-1]
+    size = (length - width) // group
+    device = query.device
+
+    # The prompt: causal over its own real tokens (a pad query sees itself, so that no row is empty).
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    prompt_mask = (causal & prompt_ok) | torch.eye(width, dtype=torch.bool, device=device)
+    out_prompt, _ = _sdpa(
+        module,
+        query[:, :, :width],
+        key[:, :, :width],
+        value[:, :, :width],
+        prompt_mask,
+        is_causal=False,
+        **kwargs,
+    )
+
+    # The completions, one batch row each: keys and values are the prompt's followed by its own.
+    def split(t: Tensor) -> Tensor:  # [R, h, g·C, d] → [R·g, h, C, d]
+        h, d = t.shape[1], t.shape[3]
+        return (
+            t[:, :, width:].reshape(rows, h, group, size, d).transpose(1, 2).reshape(rows * group, h, size, d)
+        )
+
+    def with_prompt(t: Tensor) -> Tensor:
+        prompt = t[:, None, :, :width].expand(-1, group, -1, -1, -1).flatten(0, 1)
+        return torch.cat([prompt, split(t)], dim=2)
+
+    own = torch.ones(size, size, dtype=torch.bool, device=device).tril()
+    completion_mask = torch.cat(
+        [
+            prompt_ok.repeat_interleave(group, dim=0).expand(-1, -1, size, -1),
+            own.expand(rows * group, 1, size, size),
+        ],
+        dim=-1,
+    )
+    out_completion, _ = _sdpa(
+        module, split(query), with_prompt(key), with_prompt(value), completion_mask, is_causal=False, **kwargs
+    )  # [R·g, C, heads, d]
+    out_completion = out_completion.reshape(rows, group * size, *out_completion.shape[2:])
+    return torch.cat([out_prompt, out_completion], dim=1), None
+
+
+def install() -> None:
+    """Route transformers' "sdpa" attention through `_attention` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("sdpa", _attention)
+
+
+def calls() -> int:
+    return _calls
+
+
+def _sdpa(*args, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(*args, **kwargs)

@@ -1,0 +1,131 @@
+"""The shared-prompt layout: one copy of a prompt per decoder row gives the same log-probs and gradients
+as one prompt copy per completion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leangrpo import shared_prompt
+from leangrpo.models import ModelError, Policy, apply_lora
+from leangrpo.rollout import RolloutBatch
+from leangrpo.trainer import _micro_batch_logprobs
+from test_models import LORA, assert_grads_close, load_tiny, randomize_lora_b
+
+
+def test_positions_and_predictors_by_hand():
+    # One row: a left-padded 3-column prompt with 2 real tokens, then 2 completions of 2 tokens.
+    position_ids, predictors = shared_prompt.positions(torch.tensor([[0, 1, 1]]), num_completion=2, group=2)
+    assert position_ids.tolist() == [[0, 0, 1, 2, 3, 2, 3]]
+    # Token 0 of both completions comes from the prompt's last column (2); token 1 from token 0 of its own.
+    assert predictors.tolist() == [[2, 3], [2, 5]]
+    # Two rows of 3 + 2 columns: the second row's flat indices start at 5.
+    _, predictors = shared_prompt.positions(torch.ones(2, 3, dtype=torch.long), num_completion=2, group=1)
+    assert predictors.tolist() == [[2, 3], [7, 8]]
+
+
+def test_pack_lays_each_group_out_once():
+    prompts = torch.tensor([[1, 2], [1, 2], [3, 4], [3, 4]])
+    completions = torch.tensor([[5, 6], [7, 8], [9, 10], [11, 12]])
+    assert shared_prompt.pack(prompts, completions, 2).tolist() == [[1, 2, 5, 6, 7, 8], [3, 4, 9, 10, 11, 12]]
+
+
+def test_unsupported_reason_names_the_attention():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig()
+    cfg._attn_implementation = "sdpa"
+    assert shared_prompt.unsupported_reason(cfg) is None
+    cfg._attn_implementation = "eager"
+    assert "eager" in shared_prompt.unsupported_reason(cfg)
+
+
+@pytest.fixture
+def rollout(tokenizer_for_rollout):
+    """2 prompts of different lengths (left padding) × 4 completions; two end early (masked tails)."""
+    tok = tokenizer_for_rollout
+    enc = tok(
+        ["x y", "the quick brown fox jumps over"], return_tensors="pt", padding=True, add_special_tokens=False
+    )
+    assert enc.attention_mask[0, 0] == 0  # left-padded
+    g = torch.Generator().manual_seed(0)
+    completion_ids = torch.randint(5, 1000, (8, 6), generator=g)
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, 4:] = 0
+    completion_mask[6, 2:] = 0
+    return RolloutBatch(
+        enc.input_ids.repeat_interleave(4, 0),
+        enc.attention_mask.repeat_interleave(4, 0),
+        completion_ids,
+        completion_mask,
+        torch.zeros(8, dtype=torch.bool),
+        [""] * 8,
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer_for_rollout(tiny_model_dir):
+    from leangrpo.models import load_tokenizer
+
+    return load_tokenizer(str(tiny_model_dir))
+
+
+def _weighted_logprobs(model, rollout, group, checkpointing):
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    logp, mask = _micro_batch_logprobs(
+        Policy(model, temperature=0.8, chunk_size=5), rollout, slice(None), group=group
+    )
+    weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
+    (logp * weights * mask).sum().backward()
+    return logp.detach(), mask.bool()
+
+
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prompt_matches_one_prompt_per_completion_full(tiny_model_dir, rollout, group, checkpointing):
+    models = [load_tiny(tiny_model_dir) for _ in range(2)]
+    want, mask = _weighted_logprobs(models[0], rollout, 1, checkpointing)
+    got, _ = _weighted_logprobs(models[1], rollout, group, checkpointing)
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-5)
+    # Sensitive to a predictor off by one: the neighbouring token's log-probs differ.
+    assert not torch.allclose(got[:, 1:][mask[:, 1:]], want[:, :-1][mask[:, 1:]], atol=1e-3)
+    named = [dict(m.named_parameters()) for m in models]
+    for name in ["model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight", "model.norm.weight"]:
+        assert_grads_close(named[1][name].grad, named[0][name].grad, name)
+
+
+def test_shared_prompt_matches_one_prompt_per_completion_lora(tiny_model_dir, rollout):
+    def lora_model():
+        torch.manual_seed(3)
+        m = apply_lora(load_tiny(tiny_model_dir), LORA)
+        randomize_lora_b(m, seed=3)
+        return m
+
+    models = [lora_model(), lora_model()]
+    want, mask = _weighted_logprobs(models[0], rollout, 1, True)
+    got, _ = _weighted_logprobs(models[1], rollout, 4, True)
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-5)
+    named = [dict(m.named_parameters()) for m in models]
+    trained = [n for n, p in named[0].items() if p.requires_grad]
+    for name in trained:
+        assert_grads_close(named[1][name].grad, named[0][name].grad, name)
+
+
+def test_attention_that_ignores_the_layout_is_refused(tiny_model_dir, rollout, monkeypatch):
+    """A model whose attention never reaches shared_prompt's function would silently let every
+    completion attend to the others: Policy notices and says which setting avoids it."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def ignores_layout(module, query, key, value, attention_mask, **kwargs):
+        kwargs.pop(shared_prompt.KWARG, None)
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+    monkeypatch.setattr(shared_prompt, "install", lambda: AttentionInterface.register("sdpa", ignores_layout))
+    try:
+        with pytest.raises(ModelError, match="set grpo.share_prompt: false"):
+            _micro_batch_logprobs(Policy(load_tiny(tiny_model_dir)), rollout, slice(None), group=4)
+    finally:
+        AttentionInterface.register("sdpa", shared_prompt._attention)
