@@ -626,3 +626,37 @@ def test_gguf_corrupt_cache_is_rebuilt(gguf_cache, tmp_path, monkeypatch):
     assert manifest["files"][new_weights.name] == _hash(new_weights)
     model = AutoModelForCausalLM.from_pretrained(rebuilt)
     assert getattr(model.config, "quantization_config", None) is None
+
+
+# --------------------------------------------------------------------------- packed linears (CPU generation)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_packed_linears_give_the_same_logits_and_undo_themselves(tiny_model_dir, tokenizer, lora):
+    from leangrpo.rollout import packed_linears
+
+    model = load_tiny(tiny_model_dir).eval()
+    if lora:
+        model = apply_lora(model, LORA).eval()
+        randomize_lora_b(model)
+    ids = tokenizer(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        want = model(**ids).logits
+        with packed_linears(model, batch_hint=2):
+            swapped = [m for m in model.modules() if "forward" in m.__dict__]
+            got = model(**ids).logits
+    # Every projection and lm_head goes through the packed path (a LoRA layer as one, base included).
+    assert len(swapped) == 2 * 7 + 1
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if lora:  # the adapter matters, so folding it in was really checked
+        with torch.no_grad(), model.disable_adapter():
+            assert (model(**ids).logits - want).abs().max() > 1e-2
+
+
+def test_packed_linears_leave_other_dtypes_alone(tiny_model_dir):
+    from leangrpo.rollout import packed_linears
+
+    model = load_tiny(tiny_model_dir).to(torch.bfloat16)
+    with packed_linears(model, batch_hint=2):
+        assert not any("forward" in m.__dict__ for m in model.modules())

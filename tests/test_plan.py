@@ -16,6 +16,8 @@ from leangrpo import plan
 from leangrpo.cli import main
 from leangrpo.config import LoraConfig, validate_config
 from leangrpo.models import Policy, apply_lora
+from leangrpo.rollout import RolloutBatch
+from leangrpo.trainer import _micro_batch_logprobs
 
 KNOWN_TOTALS = {
     "Qwen/Qwen2.5-0.5B": 494_032_768,
@@ -123,8 +125,9 @@ def test_kv_cache_equals_a_real_dynamic_cache():
     assert plan.kv_cache_bytes(shape, prompts, prompt_len + new - 1, 2) == real
 
 
-def saved_tensor_bytes(model, batch: int, seq: int, completion: int) -> int:
-    """Bytes autograd keeps for backward through Policy's forward (distinct storages, weights excluded)."""
+def saved_tensor_bytes(model, batch: int, prompt: int, completion: int, group: int) -> int:
+    """Bytes autograd keeps for backward through the update's forward (distinct storages, weights
+    excluded), with `group` completions sharing each prompt copy."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -132,25 +135,30 @@ def saved_tensor_bytes(model, batch: int, seq: int, completion: int) -> int:
         seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
         return t
 
-    ids = torch.randint(0, 1000, (batch, seq + 1))
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0  # left padding, as in a rollout batch
+    prompts = torch.randint(0, 1000, (batch // 2, prompt)).repeat_interleave(2, 0)
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[:2, :2] = 0  # left padding, as in a rollout batch
+    completions = torch.randint(0, 1000, (batch, completion))
+    ones = torch.ones_like(completions)
+    rollout = RolloutBatch(prompts, prompt_mask, completions, ones, ones[:, 0].bool(), [""] * batch)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        Policy(model.train(), 1.0, 1024)(ids, mask, completion)
+        _micro_batch_logprobs(Policy(model.train(), 1.0, 1024), rollout, slice(None), group=group)
     return sum(n for ptr, n in seen.items() if ptr not in params)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("method", "dropout"), [("full", 0.0), ("lora", 0.05), ("lora", 0.0)])
-def test_activation_formula_matches_tensors_saved_for_backward(dtype, method, dropout):
+@pytest.mark.parametrize("group", [1, 2])
+def test_activation_formula_matches_tensors_saved_for_backward(dtype, method, dropout, group):
     model, shape = tiny("qwen2", dtype=dtype, layers=4)
     if method == "lora":
         model = apply_lora(model, LoraConfig(enabled=True, r=4, dropout=dropout))
-    batch, seq, completion = 3, 11, 5
+    batch, prompt, completion = 4, 7, 5
     knobs = plan.Knobs(method=method, lora_r=4, lora_dropout=dropout, dtype=DTYPES[dtype],
                        gradient_checkpointing=False, device="cpu")  # fmt: skip
-    predicted = plan.decoder_activation_bytes(shape, knobs, batch, seq, completion)
-    assert predicted == pytest.approx(saved_tensor_bytes(model, batch, seq, completion), rel=0.02)
+    rows = plan.UpdateLayout.of(batch, prompt, completion, group)
+    predicted = plan.decoder_activation_bytes(shape, knobs, rows, batch * completion)
+    assert predicted == pytest.approx(saved_tensor_bytes(model, batch, prompt, completion, group), rel=0.02)
 
 
 @pytest.mark.parametrize(

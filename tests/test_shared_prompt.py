@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_models import LORA, assert_grads_close, load_tiny, randomize_lora_b
 
 from leangrpo import shared_prompt
 from leangrpo.models import ModelError, Policy, apply_lora
 from leangrpo.rollout import RolloutBatch
 from leangrpo.trainer import _micro_batch_logprobs
-from test_models import LORA, assert_grads_close, load_tiny, randomize_lora_b
 
 
 def test_positions_and_predictors_by_hand():

@@ -214,6 +214,7 @@ class Knobs:
     beta: float = 0.0
     num_iterations: int = 1
     logprob_chunk_size: int = 1024
+    share_prompt: bool = True
     rollout: Literal["hf", "vllm"] = "hf"
     vllm_gpu_memory_utilization: float = 0.3
     activation_offload: bool = False
@@ -329,8 +330,32 @@ def kv_cache_bytes(shape: ModelShape, sequences: int, tokens: int, e: int) -> in
     return 2 * shape.num_hidden_layers * sequences * shape.num_key_value_heads * tokens * shape.head_dim * e
 
 
-def layer_activation_bytes(shape: ModelShape, k: Knobs, tokens: int) -> int:
-    """Bytes one decoder layer saves for backward over `tokens` positions (no checkpointing).
+@dataclass(frozen=True)
+class UpdateLayout:
+    """Row counts of one update micro-batch in the decoder: positions, and the rows that sdpa saves
+    for backward as queries and as keys/values (repeated to all heads)."""
+
+    tokens: int
+    queries: int
+    keys: int
+    mask: int  # elements of the [B, 1, S, S] mask transformers builds (none in the shared layout)
+    shared: bool  # shared_prompt.py's layout: two attention calls whose outputs are concatenated
+
+    @classmethod
+    def of(cls, batch: int, prompt: int, completion: int, group: int = 1) -> UpdateLayout:
+        """`group` completions per row share one prompt copy (shared_prompt.py); 1 = a prompt per row."""
+        if group == 1:
+            n = batch * (prompt + completion - 1)  # Policy feeds input_ids[:, :-1]
+            return cls(n, n, n, n * (prompt + completion - 1), shared=False)
+        n = batch // group * prompt + batch * completion
+        # The completion part copies its queries, and its keys/values with the prompt's in front.
+        return cls(
+            n, n + batch * completion, batch // group * prompt + batch * (prompt + completion), 0, True
+        )
+
+
+def layer_activation_bytes(shape: ModelShape, k: Knobs, rows: UpdateLayout) -> int:
+    """Bytes one decoder layer saves for backward over a micro-batch (no checkpointing).
 
     Traced from the autograd graph of transformers' Llama/Qwen2 layer (sdpa attention with a padding
     mask, so k/v are repeated to all heads) and peft's LoRA Linear; tests/test_plan.py checks it
@@ -342,13 +367,21 @@ def layer_activation_bytes(shape: ModelShape, k: Knobs, tokens: int) -> int:
     # RMSNorm (x2): fp32 input and rsqrt; with a trained weight also its normalised input and its
     # output (which q/k/v or gate/up save as their input).
     per_token = 2 * (h * 4 + 4 + (2 * h * e if full else 0))
-    # sdpa saves q, the repeated k and v, its output (o_proj's input) and an fp32 logsumexp per head.
-    per_token += 4 * q * e + shape.num_attention_heads * 4
+    # sdpa: an fp32 logsumexp per head and query (q, k, v and outputs are counted below).
+    per_token += shape.num_attention_heads * 4
     # SwiGLU MLP: gate (SiLU input), silu(gate), up, and down_proj's input when its weight trains.
     per_token += (4 if full else 3) * i * e
     if not full:
         per_token += _lora_saved_per_token(shape, k)
-    return tokens * per_token
+    # The attention output is o_proj's input, except in the shared layout, where o_proj reads the
+    # concatenation of two outputs: a tensor of its own, saved when o_proj (or LoRA on it, reading x
+    # itself) needs it.
+    outputs = rows.tokens
+    x_itself = k.lora_dropout == 0 and k.e == 4 and k.method != "qlora-4bit" and "o_proj" in k.lora_targets
+    if rows.shared and (full or x_itself):
+        outputs += rows.tokens
+    attention = (rows.queries + 2 * rows.keys + outputs) * q * e
+    return rows.tokens * per_token + attention
 
 
 def _lora_saved_per_token(shape: ModelShape, k: Knobs) -> int:
@@ -366,16 +399,16 @@ def _lora_saved_per_token(shape: ModelShape, k: Knobs) -> int:
     return total + sum(lin[min(g)][0] * k.e for g in groups if g & set(k.lora_targets))
 
 
-def decoder_activation_bytes(shape: ModelShape, k: Knobs, batch: int, seq: int, completion: int) -> int:
-    """Everything the update forward keeps for backward, for one micro-batch of `batch` rows."""
-    n, h, e = batch * seq, shape.hidden_size, k.e
+def decoder_activation_bytes(shape: ModelShape, k: Knobs, rows: UpdateLayout, completion_rows: int) -> int:
+    """Everything the update forward keeps for backward, for one micro-batch."""
+    n, h, e = rows.tokens, shape.hidden_size, k.e
     if k.activation_offload:  # memory.activation_offload: every saved tensor waits in pinned CPU RAM
         return 0
     if k.gradient_checkpointing:  # each checkpointed layer keeps only its input
         body = shape.num_hidden_layers * n * h * e
     else:
-        body = shape.num_hidden_layers * layer_activation_bytes(shape, k, n)
-    shared = 2 * n * shape.head_dim * e + batch * seq * seq * e  # RoPE cos/sin and the 4-D mask
+        body = shape.num_hidden_layers * layer_activation_bytes(shape, k, rows)
+    shared = 2 * n * shape.head_dim * e + rows.mask * e  # RoPE cos/sin and the 4-D mask
     full = k.method == "full"
     if not full and not k.gradient_checkpointing:  # layer 0's input needs no grad: its norm and the
         # dropout masks of q/k/v are not kept
@@ -384,8 +417,8 @@ def decoder_activation_bytes(shape: ModelShape, k: Knobs, batch: int, seq: int, 
         body -= n * (h * 4 + 4 + mask * qkv)
     final_norm = n * (h * 4 + 4 + (h * e if full else 0))
     ids = n * 8 if full else 0  # the embedding keeps the token ids when it trains
-    completion_rows = batch * completion * (h * e + 12)  # hidden copy, targets and fp32 logsumexp
-    return body + shared + final_norm + ids + completion_rows
+    completion = completion_rows * (h * e + 12)  # hidden copy, targets and fp32 logsumexp
+    return body + shared + final_norm + ids + completion
 
 
 def logprob_workspace(shape: ModelShape, k: Knobs, rows: int, backward: bool) -> int:
@@ -470,18 +503,19 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     persistent = weights + adapters + optim + ref
 
     B, P, C = k.per_device_train_batch_size, k.max_prompt_length, k.max_completion_length
-    N, S = k.generation_batch, P + C - 1  # Policy feeds input_ids[:, :-1]
-    acts = decoder_activation_bytes(shape, k, B, S, C)
+    N, S = k.generation_batch, P + C - 1
+    rows = UpdateLayout.of(B, P, C, math.gcd(B, k.num_generations) if k.share_prompt else 1)
+    acts = decoder_activation_bytes(shape, k, rows, B * C)
     flipped = replace(k, gradient_checkpointing=not k.gradient_checkpointing)
-    acts_other = decoder_activation_bytes(shape, flipped, B, S, C)
+    acts_other = decoder_activation_bytes(shape, flipped, rows, B * C)
     lp_fwd = logprob_workspace(shape, k, B * C, backward=False)
     lp_bwd = logprob_workspace(shape, k, B * C, backward=True)
     micro = k.gradient_accumulation_steps
     grads_before = grads if micro > 1 else 0  # accumulated grads live through later micro-batches
     # one layer's saved tensors live on the device during its backward: recomputed, or back from the CPU
     on_device_layer = k.gradient_checkpointing or k.activation_offload
-    recompute = layer_activation_bytes(shape, k, B * S) if on_device_layer else 0
-    layer_bwd = B * S * (2 * shape.intermediate_size * e + 2 * shape.hidden_size * 4)
+    recompute = layer_activation_bytes(shape, k, rows) if on_device_layer else 0
+    layer_bwd = rows.tokens * (2 * shape.intermediate_size * e + 2 * shape.hidden_size * 4)
     dequant = max(a * b for a, b in shape.linear_shapes().values()) * e if k.method == "qlora-4bit" else 0
     if k.device == "cpu":  # single-tensor AdamW: sqrt and division temporaries of the largest tensor
         opt_temp = 2 * max(n for _, n in tensors) * tb if k.optimizer == "adamw" else 0
@@ -517,7 +551,7 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
         components["vllm reservation"] = 0  # filled in by plan_for (needs the card size)
     if k.beta > 0 or k.num_iterations > 1:  # reference / old log-probs: no-grad forward per micro-batch
         ref_pass = persistent + max(
-            forward_transient(shape, k, B * S), lp_fwd + B * C * shape.hidden_size * e
+            forward_transient(shape, k, rows.tokens), lp_fwd + B * C * shape.hidden_size * e
         )
         phases["reference"] = ref_pass
     return Estimate(shape, k, shape.num_params(), n_train, components, phases, acts_other)
@@ -626,6 +660,7 @@ def knobs_from_config(cfg: Any, **overrides: Any) -> Knobs:
         beta=g.beta,
         num_iterations=g.num_iterations,
         logprob_chunk_size=g.logprob_chunk_size,
+        share_prompt=g.share_prompt,
     )
     values.update({key: v for key, v in overrides.items() if v is not None})
     return Knobs(**values)

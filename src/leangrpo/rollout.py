@@ -3,7 +3,10 @@ rollout to update."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -99,7 +102,8 @@ def generate(
     )
     was_training = model.training
     model.eval()  # uses the KV cache (disabled under gradient checkpointing in train mode), no dropout
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_cfg)
+    with packed_linears(model, batch_hint=len(prompt_ids)):
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_cfg)
     model.train(was_training)
 
     completion_ids = out[:, prompt_ids.shape[1] :]
@@ -114,6 +118,59 @@ def generate(
         for ids, n in zip(completion_ids, completion_mask.sum(dim=1), strict=True)
     ]
     return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts)
+
+
+def _linear_weight(module: torch.nn.Module) -> Tensor | None:
+    """The weight a Linear, or a peft LoRA Linear with its adapters folded in, applies; None for
+    other modules (and for LoRA variants that are more than a weight delta, such as DoRA)."""
+    if isinstance(module, torch.nn.Linear):
+        return module.weight
+    base = getattr(module, "base_layer", None)
+    if not (isinstance(base, torch.nn.Linear) and hasattr(module, "get_delta_weight")):
+        return None
+    if module.disable_adapters or module.merged:
+        return base.weight
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    if any(module.use_dora.get(a, False) for a in active):
+        return None
+    return base.weight + sum(module.get_delta_weight(a) for a in active)
+
+
+@contextmanager
+def packed_linears(model: torch.nn.Module, batch_hint: int) -> Iterator[None]:
+    """On CPU in float32, run every Linear (LoRA adapters folded in) through oneDNN with its weight
+    packed once for the whole generate call.
+
+    Decoding a handful of rows is bound by reading the weights; oneDNN's packed layout reads them
+    about 1.5× faster than the default sgemm, and a LoRA layer becomes one matmul instead of three.
+    The packed copies (one set of weights) live only inside the context. Elsewhere a no-op.
+    """
+    pack = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    usable = (
+        pack is not None
+        and torch.backends.mkldnn.is_available()
+        and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
+    )
+    patched: list[torch.nn.Module] = []
+    done: set[int] = set()  # a LoRA layer's own Linears (base, A, B) are folded into its packed weight
+    try:
+        with torch.no_grad():
+            for module in model.modules() if usable else ():
+                weight = None if id(module) in done else _linear_weight(module)
+                if weight is None:
+                    continue
+                base = getattr(module, "base_layer", module)
+                done.update(id(m) for m in module.modules())
+                module.forward = partial(_packed_forward, pack(weight, batch_hint), base.bias)
+                patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def _packed_forward(weight: Tensor, bias: Tensor | None, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def as_reward_inputs(
