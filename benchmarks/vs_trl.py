@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,6 +97,7 @@ class Settings:
     beta: float
     learning_rate: float
     seed: int
+    ours_overrides: list[str] = field(default_factory=list)  # leangrpo `key=value` overrides
 
 
 def default_data() -> Path:
@@ -141,12 +142,12 @@ def load_avg() -> float:
 
 
 def run_ours(s: Settings, out_dir: Path) -> dict:
-    from leangrpo.config import validate_config
+    from leangrpo.config import apply_overrides, validate_config
     from leangrpo.tracking import peak_memory_mb
     from leangrpo.trainer import Trainer
 
     G = s.num_generations
-    cfg = validate_config(
+    data = apply_overrides(
         {
             "model": {
                 "name_or_path": s.model_dir,
@@ -175,8 +176,9 @@ def run_ours(s: Settings, out_dir: Path) -> dict:
             "output_dir": str(out_dir),
             "seed": s.seed,
         },
-        "benchmark",
+        s.ours_overrides,
     )
+    cfg = validate_config(data, "benchmark")
     trainer = Trainer(cfg, overwrite=True)
     after_load = peak_memory_mb()
     seconds, cpu, lengths = [], [], []
@@ -187,7 +189,8 @@ def run_ours(s: Settings, out_dir: Path) -> dict:
         seconds.append(m["step_seconds"])
         lengths.append(m["completion_length/mean"])
     return {"step_seconds": seconds, "cpu_seconds": cpu, "completion_lengths": lengths,
-            "peak_mb": peak_memory_mb(), "peak_after_load_mb": after_load}  # fmt: skip
+            "peak_mb": peak_memory_mb(), "peak_after_load_mb": after_load,
+            "shared_prompt_group": trainer.group}  # fmt: skip
 
 
 def run_trl(s: Settings, out_dir: Path) -> dict:
@@ -370,6 +373,13 @@ def main() -> None:
         default="default",
         help="glibc allocator for both sides: default, compact or strict (see MALLOC)",
     )
+    p.add_argument(
+        "--ours-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a leangrpo config override for our side only, e.g. grpo.share_prompt=false (repeatable)",
+    )
     p.add_argument("--results", default=str(REPO / "benchmarks" / "RESULTS.md"))
     p.add_argument("--json", help="also write the raw per-run results here")
     a = p.parse_args()
@@ -385,7 +395,19 @@ def main() -> None:
         if a.completion_length:
             row = Row(row.name, row.title, row.lora, a.completion_length)
         steps = a.long_steps if name == "c" and a.long_steps else a.steps
-        s = Settings(model, data, row, steps, a.num_generations, a.prompts, a.loss_type, a.beta, 1e-6, a.seed)
+        s = Settings(
+            model,
+            data,
+            row,
+            steps,
+            a.num_generations,
+            a.prompts,
+            a.loss_type,
+            a.beta,
+            1e-6,
+            a.seed,
+            a.ours_set,
+        )
         order = sides if i % 2 == 0 else sides[::-1]  # alternate who goes first
         done = {side: run_side(side, s, a.timeout, a.malloc) for side in order}
         ours = done.get("ours") or done["trl"]
@@ -406,6 +428,8 @@ def write_results(a: argparse.Namespace, sides: list[str], results: list, raw: l
 
     trl_version = importlib.metadata.version("trl") if "trl" in sides else "not run"
     section = SECTION if a.malloc == "default" else f"{SECTION}, {a.malloc} allocator"
+    if a.ours_set:
+        section += f", ours with {' '.join(a.ours_set)}"
     allocator = ", ".join(f"{k}={v}" for k, v in MALLOC[a.malloc].items()) or "glibc's defaults"
     body = (
         f"{section}\n\nCommand: `python benchmarks/vs_trl.py{' ' + args if args else ''}`\n\n"

@@ -22,14 +22,14 @@ def load_script():
 
 
 def run_bench(
-    tmp_path: Path, model: Path, data: Path, sides: str, malloc: str = "default"
+    tmp_path: Path, model: Path, data: Path, sides: str, malloc: str = "default", *extra: str
 ) -> tuple[str, list[dict]]:
     results, raw = tmp_path / "RESULTS.md", tmp_path / "raw.json"
     results.write_text("# Benchmarks\n\n## vs TRL\n\nold table\n\n## plan accuracy\n\nkeep me\n")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(model), "--data", str(data), "--rows", "a",
          "--steps", "2", "--num-generations", "2", "--completion-length", "4", "--sides", sides,
-         "--malloc", malloc, "--results", str(results), "--json", str(raw)],
+         "--malloc", malloc, "--results", str(results), "--json", str(raw), *extra],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -60,6 +60,16 @@ def test_bench_our_side_runs(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
     assert ours["malloc_env"] == {"MALLOC_MMAP_THRESHOLD_": None}
     assert len(ours["step_seconds"]) == 2 and ours["completion_lengths"] == [4.0, 4.0]  # EOS ignored
     assert ours["peak_mb"] >= ours["peak_after_load_mb"] > 0 and ours["tokens_per_s"] > 0
+    assert ours["shared_prompt_group"] == 2  # G=2 in one micro-batch: one prompt copy per group
+
+
+def test_bench_overrides_reach_our_side_and_name_their_section(tmp_path, tiny_model_dir, gsm8k_dir):
+    data = gsm8k_dir / "train.jsonl"
+    text, raw = run_bench(
+        tmp_path, tiny_model_dir, data, "ours", "default", "--ours-set", "grpo.share_prompt=false"
+    )
+    assert raw[0]["ours"]["shared_prompt_group"] == 1
+    assert "old table" in text and "## vs TRL, ours with grpo.share_prompt=false" in text
 
 
 @pytest.mark.slow

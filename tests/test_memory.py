@@ -174,14 +174,15 @@ def test_activation_offload_gives_the_same_gradients_on_gpu(tiny_model_dir):
 
 
 def test_trainer_frees_generation_memory_before_the_update(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
-    """Order inside a step: generate (with grpo.ignore_eos passed through) → release → update, and nothing
-    else: at beta=0 and num_iterations=1 neither reference nor old log-probs are computed."""
+    """Order inside a step: generate (grpo.ignore_eos and packed_generation passed through) → release →
+    update, and nothing else: at beta=0 and num_iterations=1 neither reference nor old log-probs are
+    computed."""
     import leangrpo.trainer as trainer_mod
 
     events, real_generate, real_logprobs = [], trainer_mod.generate, trainer_mod._micro_batch_logprobs
 
     def generate(*args, **kwargs):
-        events.append(("generate", kwargs["ignore_eos"]))
+        events.append(("generate", kwargs["ignore_eos"], kwargs["packed"]))
         return real_generate(*args, **kwargs)
 
     def logprobs(policy, *args, **kwargs):
@@ -194,13 +195,18 @@ def test_trainer_frees_generation_memory_before_the_update(tmp_path, tiny_model_
     cfg = make_cfg(
         model={"name_or_path": str(tiny_model_dir)},
         data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
-        grpo={"num_generations": 2, "max_completion_length": 4, "ignore_eos": True},
+        grpo={
+            "num_generations": 2,
+            "max_completion_length": 4,
+            "ignore_eos": True,
+            "packed_generation": False,
+        },
         optim={"per_device_train_batch_size": 2, "max_steps": 1},
         logging={"progress_bar": False, "log_completions_steps": 0},
         output_dir=str(tmp_path / "run"),
     )
     metrics = trainer_mod.Trainer(cfg).step(1)
-    assert events == [("generate", True), ("release", None), ("update", True)]
+    assert events == [("generate", True, False), ("release", None), ("update", True)]
     assert metrics["completion_length/mean"] == 4.0
 
 

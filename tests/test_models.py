@@ -660,3 +660,22 @@ def test_packed_linears_leave_other_dtypes_alone(tiny_model_dir):
     model = load_tiny(tiny_model_dir).to(torch.bfloat16)
     with packed_linears(model, batch_hint=2):
         assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_generate_packs_the_linears_only_when_asked(tiny_model_dir, tokenizer, monkeypatch, packed):
+    from contextlib import contextmanager
+
+    import leangrpo.rollout as rollout_mod
+
+    calls = []
+
+    @contextmanager
+    def recording(model, batch_hint):
+        calls.append(batch_hint)
+        yield
+
+    monkeypatch.setattr(rollout_mod, "packed_linears", recording)
+    generate(load_tiny(tiny_model_dir), tokenizer, PROMPTS, num_generations=2, max_prompt_length=16,
+             max_completion_length=2, packed=packed)  # fmt: skip
+    assert calls == ([4] if packed else [])

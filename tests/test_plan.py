@@ -356,3 +356,20 @@ def test_memory_options_of_the_config_are_planned():
         plan.yaml_snippet(plan.replace(base, optimizer="adamw_8bit", activation_offload=True), "m")
     )
     assert snippet["optim"]["optimizer"] == "adamw_8bit" and snippet["model"]["activation_offload"] is True
+
+
+def test_shared_prompt_layout_is_planned_and_can_be_turned_off():
+    shape = plan.resolve_shape("Qwen/Qwen2.5-0.5B")
+    base = plan.Knobs(method="lora", max_prompt_length=512, max_completion_length=128)
+    shared, per_row = plan.estimate(shape, base), plan.estimate(shape, plan.replace(base, share_prompt=False))
+    # 8 rows of 512 + 128 against one 512-token prompt + 8 × 128: checkpointed layer inputs shrink ~3x.
+    assert shared.components["activations"] < per_row.components["activations"] / 2.5
+    assert plan.UpdateLayout.of(8, 512, 128, 8).tokens == 512 + 8 * 128
+    assert plan.UpdateLayout.of(8, 512, 128, 1).tokens == 8 * (512 + 128 - 1)
+    snippet = yaml.safe_load(plan.yaml_snippet(plan.replace(base, share_prompt=False), "m"))
+    assert snippet["grpo"]["share_prompt"] is False
+    res = CliRunner().invoke(main, ["plan", "--model", "Qwen/Qwen2.5-0.5B", "--no-share-prompt",
+                                    "--method", "lora", "--prompt-length", "512",
+                                    "--completion-length", "128"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert plan.fmt_bytes(per_row.components["activations"]) in res.output

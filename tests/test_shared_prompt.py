@@ -129,3 +129,30 @@ def test_attention_that_ignores_the_layout_is_refused(tiny_model_dir, rollout, m
             _micro_batch_logprobs(Policy(load_tiny(tiny_model_dir)), rollout, slice(None), group=4)
     finally:
         AttentionInterface.register("sdpa", shared_prompt._attention)
+
+
+def test_trainer_step_is_the_same_with_and_without_sharing(tmp_path, tiny_model_dir, gsm8k_dir):
+    """The whole step (LoRA reference with beta > 0, old log-probs with 2 iterations, 2 prompts × G=4
+    in micro-batches of 2, so each row shares a prompt between 2 completions) gives the same numbers."""
+    from test_memory import make_cfg
+
+    from leangrpo.trainer import Trainer
+
+    results = []
+    for share in (True, False):
+        cfg = make_cfg(
+            model={"name_or_path": str(tiny_model_dir), "lora": {"enabled": True, "r": 4}},
+            data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
+            grpo={"num_generations": 4, "max_completion_length": 6, "beta": 0.04, "num_iterations": 2,
+                  "share_prompt": share},
+            optim={"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "max_steps": 1},
+            logging={"progress_bar": False, "log_completions_steps": 0},
+            output_dir=str(tmp_path / f"run-{share}"),
+        )  # fmt: skip
+        trainer = Trainer(cfg)
+        results.append((trainer.group, trainer.step(1)))
+    (on_group, on), (off_group, off) = results
+    assert (on_group, off_group) == (2, 1)
+    for key in ("loss", "grad_norm", "kl", "reward"):
+        assert on[key] == pytest.approx(off[key], rel=1e-5, abs=1e-7), key
+    assert on["grad_norm"] > 0 and on["kl"] >= 0

@@ -159,6 +159,7 @@ def demo(
 @click.option("--beta", type=float, help="KL weight; > 0 needs a reference model.")
 @click.option("--num-iterations", type=int)
 @click.option("--logprob-chunk-size", type=int)
+@click.option("--share-prompt/--no-share-prompt", default=None, help="grpo.share_prompt (default on).")
 @click.option("--rollout", type=click.Choice(["hf", "vllm"]), help="Generation engine (default hf).")
 @click.option("--vllm-gpu-memory-utilization", type=float)
 @click.option("--activation-offload", is_flag=True, default=None, help="Saved activations in pinned CPU RAM.")

@@ -686,6 +686,8 @@ def yaml_snippet(k: Knobs, model: str) -> str:
     notes = []
     if k.activation_offload:
         doc["model"]["activation_offload"] = True
+    if not k.share_prompt:
+        doc["grpo"]["share_prompt"] = False
     if k.optimizer != "adamw":
         doc["optim"]["optimizer"] = k.optimizer
     if k.method == "qlora-4bit":

@@ -4,7 +4,7 @@ rollout to update."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -70,11 +70,13 @@ def generate(
     do_sample: bool = True,
     assistant_prefix: str = "",
     ignore_eos: bool = False,
+    packed: bool = True,
 ) -> RolloutBatch:
     """Sample `num_generations` completions per prompt. Tokens after the first EOS are masked out.
 
     `ignore_eos` forces every completion to max_completion_length tokens (for benchmarks that must
-    compare equal work).
+    compare equal work). `packed`: on CPU, run the Linears through `packed_linears` (faster, one extra
+    copy of their weights while generating).
     """
     from transformers import GenerationConfig
 
@@ -102,7 +104,7 @@ def generate(
     )
     was_training = model.training
     model.eval()  # uses the KV cache (disabled under gradient checkpointing in train mode), no dropout
-    with packed_linears(model, batch_hint=len(prompt_ids)):
+    with packed_linears(model, batch_hint=len(prompt_ids)) if packed else nullcontext():
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_cfg)
     model.train(was_training)
 

@@ -331,6 +331,7 @@ class Trainer:
             top_p=cfg.grpo.top_p,
             assistant_prefix=cfg.data.assistant_prefix,
             ignore_eos=cfg.grpo.ignore_eos,
+            packed=cfg.grpo.packed_generation,
         )
         return rows, batch
 

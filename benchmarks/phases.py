@@ -1,0 +1,84 @@
+"""Our two CPU speed-ups, each on and off, on vs_trl.py's model: generation with and without the
+oneDNN-packed Linears, and one update forward + backward with and without the shared-prompt layout.
+
+    python benchmarks/phases.py [--completion-length 96] [--lora] [--repeats 2]
+
+Runs alternate on/off so that drift in the machine's speed hits both alike; prints each run's seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_trl import build_model, default_data  # noqa: E402
+
+from leangrpo.config import LoraConfig, validate_config  # noqa: E402
+from leangrpo.data import load_rows, render_prompt  # noqa: E402
+from leangrpo.models import Policy, apply_lora, cache_root, load_tokenizer  # noqa: E402
+from leangrpo.rollout import generate  # noqa: E402
+from leangrpo.trainer import _micro_batch_logprobs  # noqa: E402
+
+G = 8
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--completion-length", type=int, default=96)
+    p.add_argument("--lora", action="store_true", help="LoRA r=16 on all linears (else full fine-tuning)")
+    p.add_argument("--repeats", type=int, default=2)
+    a = p.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_model(cache_root() / "bench")
+    tok = load_tokenizer(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if a.lora:
+        model = apply_lora(model, LoraConfig(enabled=True, r=16, alpha=32, target_modules="all-linear"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    data = {"path": str(default_data()), "limit": 1}  # vs_trl.py's prompt: GSM8K's first question
+    cfg = validate_config({"model": {"name_or_path": str(model_dir)}, "data": data,
+                           "rewards": {"functions": [{"name": "correctness"}]}})  # fmt: skip
+    prompt = render_prompt(tok, load_rows(cfg).rows[0]["prompt"], cfg.data.assistant_prefix)
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, fn) -> object:
+        start = time.perf_counter()
+        out = fn()
+        times.setdefault(name, []).append(time.perf_counter() - start)
+        print(f"{name}: {times[name][-1]:.2f} s", flush=True)
+        return out
+
+    batch = None
+    for _ in range(a.repeats):
+        for on in (False, True):
+            batch = timed(
+                f"generate, packed Linears {'on' if on else 'off'}",
+                lambda on=on: generate(model, tok, [prompt], num_generations=G, max_prompt_length=512,
+                                       max_completion_length=a.completion_length, ignore_eos=True, packed=on),
+            )  # fmt: skip
+    policy = Policy(model.train())
+
+    def update(group: int) -> None:
+        logp, mask = _micro_batch_logprobs(policy, batch, slice(None), group=group)
+        (logp * mask).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(a.repeats):
+        for group in (1, G):
+            timed(f"update, shared prompt {'on' if group > 1 else 'off'}", lambda g=group: update(g))
+    method = "LoRA" if a.lora else "full"
+    print(f"\nmodel {model_dir.name}, {method}, {batch.prompt_ids.shape[1]}-token prompt, "
+          f"G={G} x {a.completion_length} tokens; median seconds:")  # fmt: skip
+    for name, values in times.items():
+        print(f"  {name:<32} {statistics.median(values):7.2f}")
+
+
+if __name__ == "__main__":
+    main()
