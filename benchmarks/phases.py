@@ -1,5 +1,6 @@
 """Our two CPU speed-ups, each on and off, on vs_trl.py's model: generation with and without the
-oneDNN-packed Linears, and one update forward + backward with and without the shared-prompt layout.
+oneDNN-packed Linears, and one update forward + backward with and without the shared-prompt layout;
+and what the default log-prob chunk (256 rows) costs in update time against 1024-row chunks.
 
     python benchmarks/phases.py [--completion-length 96] [--lora] [--repeats 2]
 
@@ -21,6 +22,7 @@ from vs_trl import build_model, default_data  # noqa: E402
 
 from leangrpo.config import LoraConfig, validate_config  # noqa: E402
 from leangrpo.data import load_rows, render_prompt  # noqa: E402
+from leangrpo.grpo import LOGPROB_CHUNK_SIZE  # noqa: E402
 from leangrpo.models import Policy, apply_lora, cache_root, load_tokenizer  # noqa: E402
 from leangrpo.rollout import generate  # noqa: E402
 from leangrpo.trainer import _micro_batch_logprobs  # noqa: E402
@@ -73,6 +75,10 @@ def main() -> None:
     for _ in range(a.repeats):
         for group in (1, G):
             timed(f"update, shared prompt {'on' if group > 1 else 'off'}", lambda g=group: update(g))
+    for _ in range(a.repeats):
+        for chunk in (1024, LOGPROB_CHUNK_SIZE):
+            policy.chunk_size = chunk
+            timed(f"update, log-prob chunk {chunk}", lambda: update(G))
     method = "LoRA" if a.lora else "full"
     print(f"\nmodel {model_dir.name}, {method}, {batch.prompt_ids.shape[1]}-token prompt, "
           f"G={G} x {a.completion_length} tokens; median seconds:")  # fmt: skip

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from memtrack import PeakLargeTensors
 
 from leangrpo.grpo import (
     LossStats,
@@ -248,6 +249,22 @@ def test_token_logprobs_bf16_smoke():
     out.sum().backward()
     assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
     assert torch.isfinite(hidden.grad.float()).all() and torch.isfinite(weight.grad.float()).all()
+
+
+@pytest.mark.parametrize("train_weight", [False, True])
+def test_token_logprobs_holds_one_chunk_of_logits_at_a_time(train_weight):
+    chunk, vocab, rows = 16, 512, 64  # four chunks; the weight and hidden states are far smaller
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(1, rows, 8, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, 8, generator=g, requires_grad=train_weight)
+    targets = torch.randint(0, vocab, (1, rows), generator=g)
+    one_chunk = chunk * vocab * 4
+    with PeakLargeTensors(chunk * vocab) as forward:
+        out = token_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=chunk)
+    with PeakLargeTensors(chunk * vocab) as backward:
+        out.sum().backward()
+    assert forward.peak == one_chunk
+    assert backward.peak == one_chunk
 
 
 # --------------------------------------------------------------------------- kl_k3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from memtrack import PeakLargeTensors
 
 from leangrpo.config import validate_config
 from leangrpo.errors import UserError
@@ -74,6 +75,17 @@ def test_build_optimizer_adamw_uses_the_config():
     assert type(opt) is torch.optim.AdamW
     group = opt.param_groups[0]
     assert (group["lr"], group["betas"], group["weight_decay"]) == (3e-4, (0.9, 0.95), 0.1)
+
+
+def test_adamw_step_makes_no_parameter_sized_temporaries():
+    """The fused kernel updates in place; the plain AdamW step allocates parameter-sized copies."""
+    p = torch.nn.Parameter(torch.zeros(4096))
+    opt = build_optimizer([p], make_cfg().optim)
+    for _ in range(2):  # the first step creates the moment buffers; the second shows the steady state
+        p.grad = torch.ones_like(p)
+        with PeakLargeTensors(p.numel()) as step:
+            opt.step()
+    assert step.peak == 0
 
 
 def test_activation_offload_disabled_is_a_no_op():

@@ -178,7 +178,7 @@ def test_parse_memory_rejects_garbage(text):
 
 def test_checkpointing_and_chunking_shrink_the_update_peak():
     shape = plan.resolve_shape("Qwen/Qwen2.5-0.5B")
-    base = plan.Knobs(method="lora", gradient_checkpointing=True)
+    base = plan.Knobs(method="lora", gradient_checkpointing=True, logprob_chunk_size=1024)
     on, off = (
         plan.estimate(shape, base),
         plan.estimate(shape, plan.replace(base, gradient_checkpointing=False)),

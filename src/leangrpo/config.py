@@ -90,7 +90,7 @@ class GRPOSection(_Section):
     num_iterations: int = Field(1, ge=1)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    logprob_chunk_size: int = Field(1024, ge=1, description="token rows per log-prob chunk")
+    logprob_chunk_size: int = Field(256, ge=1, description="token rows per log-prob chunk")
     share_prompt: bool = Field(
         True, description="the update reads each prompt once per micro-batch, not once per completion"
     )

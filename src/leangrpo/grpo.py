@@ -13,6 +13,9 @@ from torch import Tensor
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
+# Token rows per log-prob chunk: 256 × a 49k vocabulary is 50 MB of fp32 logits, and smaller chunks cost
+# time (benchmarks/RESULTS.md, "Log-prob chunk size").
+LOGPROB_CHUNK_SIZE = 256
 
 
 def mask_after_eos(completion_ids: Tensor, eos_token_ids: list[int]) -> tuple[Tensor, Tensor]:
@@ -53,11 +56,16 @@ def group_advantages(
     return advantages.reshape(-1), group_std.squeeze(1)
 
 
+def _chunk_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    """fp32 logits of some rows, divided by the sampling temperature in place (no second copy)."""
+    return (hidden @ weight.T).float().div_(temperature)
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """log_softmax(h @ W.T / T)[target] computed chunk by chunk; backward recomputes each chunk.
 
     Only one chunk's logits ([chunk, vocab]) exists at any time, in the forward and in the backward,
-    so memory does not grow with batch × length × vocab.
+    so memory does not grow with batch × length × vocab; every step on a chunk works in place.
     """
 
     @staticmethod
@@ -66,9 +74,12 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         lses = torch.empty_like(logps)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = (hidden[rows] @ weight.T).float() / temperature
-            lses[rows] = torch.logsumexp(logits, dim=-1)
-            logps[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1) - lses[rows]
+            logits = _chunk_logits(hidden[rows], weight, temperature)
+            logps[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1)
+            top = logits.amax(dim=-1, keepdim=True)  # logsumexp, in place: log(sum(exp(x - max))) + max
+            lses[rows] = logits.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
+            logps[rows] -= lses[rows]
+            del logits  # before the next chunk's logits exist
         ctx.save_for_backward(hidden, weight, targets, lses)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return logps
@@ -83,14 +94,14 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk_size)
             g = grad_logps[rows, None].float()
             # d logp[target] / d logits = onehot(target) - softmax(logits), then the 1/T of the scaling.
-            grad_logits = (hidden[rows] @ weight.T).float().div_(ctx.temperature)
+            grad_logits = _chunk_logits(hidden[rows], weight, ctx.temperature)
             grad_logits.sub_(lses[rows, None]).exp_().mul_(-g)
             grad_logits.scatter_add_(-1, targets[rows, None], g).div_(ctx.temperature)
-            grad_logits = grad_logits.to(hidden.dtype)
             if want_hidden:
-                grad_hidden[rows] = grad_logits @ weight
+                grad_hidden[rows] = grad_logits.to(hidden.dtype) @ weight
             if want_weight:
-                grad_weight += (grad_logits.T @ hidden[rows]).float()
+                grad_weight.addmm_(grad_logits.T, hidden[rows].float())
+            del grad_logits  # before the next chunk's logits exist
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
@@ -101,7 +112,7 @@ def token_logprobs(
     weight: Tensor,
     targets: Tensor,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
+    chunk_size: int = LOGPROB_CHUNK_SIZE,
 ) -> Tensor:
     """Per-token log-probs of `targets` [B, T] from hidden states [B, T, H] and the lm_head weight [V, H].
 

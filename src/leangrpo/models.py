@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from . import shared_prompt
 from .errors import UserError
-from .grpo import token_logprobs
+from .grpo import LOGPROB_CHUNK_SIZE, token_logprobs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -197,7 +197,7 @@ class Policy(nn.Module):
     outside) keeps the forward inside accelerate/DDP, so gradients synchronise across processes.
     """
 
-    def __init__(self, lm: PreTrainedModel, temperature: float = 1.0, chunk_size: int = 1024):
+    def __init__(self, lm: PreTrainedModel, temperature: float = 1.0, chunk_size: int = LOGPROB_CHUNK_SIZE):
         super().__init__()
         self.lm = lm
         self.temperature = temperature

@@ -213,7 +213,7 @@ class Knobs:
     optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
     beta: float = 0.0
     num_iterations: int = 1
-    logprob_chunk_size: int = 1024
+    logprob_chunk_size: int = 256
     share_prompt: bool = True
     rollout: Literal["hf", "vllm"] = "hf"
     vllm_gpu_memory_utilization: float = 0.3
@@ -422,17 +422,18 @@ def decoder_activation_bytes(shape: ModelShape, k: Knobs, rows: UpdateLayout, co
 
 
 def logprob_workspace(shape: ModelShape, k: Knobs, rows: int, backward: bool) -> int:
-    """grpo._ChunkedTokenLogprobs: at most two chunks' fp32 logits plus one more temporary alive
-    (the previous chunk's tensor is still bound while the next is built); backward adds grad_hidden and,
-    when lm_head trains (full fine-tuning), the fp32 grad_weight accumulator and its matmul temporaries."""
+    """grpo._ChunkedTokenLogprobs: one chunk's fp32 logits (and, below fp32, the matmul output they are
+    cast from); backward adds grad_hidden and, when lm_head trains (full fine-tuning), the fp32
+    grad_weight accumulator (and its cast back to the weight's dtype)."""
     chunk = min(k.logprob_chunk_size, rows)
     v, h, e = shape.vocab_size, shape.hidden_size, k.e
-    several = rows > chunk
+    cast = e if e != 4 else 0  # a second, low-precision copy exists only when the model is not fp32
+    ws = chunk * v * (4 + cast)
     if not backward:
-        return chunk * v * (12 if several else 8)
-    ws = chunk * v * (8 if several else (e + 4 if e != 4 else 4)) + rows * h * e
+        return ws
+    ws += rows * h * e
     if k.method == "full":
-        ws += v * h * (4 + e + (4 if e != 4 else 0))
+        ws += v * h * (4 + cast)
     return ws
 
 
@@ -517,14 +518,10 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     recompute = layer_activation_bytes(shape, k, rows) if on_device_layer else 0
     layer_bwd = rows.tokens * (2 * shape.intermediate_size * e + 2 * shape.hidden_size * 4)
     dequant = max(a * b for a, b in shape.linear_shapes().values()) * e if k.method == "qlora-4bit" else 0
-    if k.device == "cpu":  # single-tensor AdamW: sqrt and division temporaries of the largest tensor
-        opt_temp = 2 * max(n for _, n in tensors) * tb if k.optimizer == "adamw" else 0
-    else:  # foreach AdamW (the CUDA default): one state-sized temporary for sqrt(exp_avg_sq)
-        opt_temp = optim // 2 if k.optimizer == "adamw" else 0
     update = persistent + max(
         grads_before + acts + max(lp_fwd, lp_bwd),
         grads_before + acts + recompute + layer_bwd + dequant,
-        grads + opt_temp,
+        grads,  # the optimizer step: fused AdamW and 8-bit AdamW update in place
     )
 
     kv = kv_cache_bytes(shape, N, S, e)

@@ -265,7 +265,9 @@ class Trainer:
 
         cfg, s = self.cfg, self.cfg.sft
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=s.learning_rate, weight_decay=cfg.optim.weight_decay)
+        optimizer = torch.optim.AdamW(
+            params, lr=s.learning_rate, weight_decay=cfg.optim.weight_decay, fused=True
+        )
         order = PromptSampler(
             len(self.rows), s.batch_size, cfg.seed + 1, self.acc.process_index, self.acc.num_processes
         )
