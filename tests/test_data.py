@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -74,6 +76,21 @@ def test_real_gsm8k_file_with_limit():
         system, user = row["prompt"]
         assert system == {"role": "system", "content": "Think step by step."}
         assert user == {"role": "user", "content": row["question"]}
+
+
+def test_jsonl_loading_leaves_datasets_and_pyarrow_unimported(tmp_path):
+    """They add ~80 MB to the RSS of every training process; only hub and Parquet data need them."""
+    path = write_jsonl(tmp_path / "one.jsonl", [GOOD])
+    code = (
+        "import sys; from leangrpo.config import validate_config; from leangrpo.data import load_rows\n"
+        f"cfg = validate_config({{'model': {{'name_or_path': 'm'}}, 'data': {{'path': {str(path)!r}}},"
+        " 'rewards': {'functions': [{'name': 'int'}]}})\n"
+        "assert len(load_rows(cfg).rows) == 1\n"
+        "print(sorted(m for m in ('datasets', 'pyarrow', 'pandas') if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
 
 
 def test_good_row_shape_carries_extra_columns(tmp_path):

@@ -16,13 +16,14 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
-import pyarrow.parquet as pq
 import torch
 
 from .errors import UserError
+
+if TYPE_CHECKING:
+    import datasets
 
 logger = logging.getLogger("leangrpo.data")
 
@@ -129,6 +130,8 @@ def _open_source(data: Any) -> tuple[str, Iterator[tuple[str, bytes | dict[str, 
         if suffix in _JSONL_SUFFIXES:
             return path, _jsonl_lines(local, path)
         if suffix in _PARQUET_SUFFIXES:
+            import pyarrow.parquet as pq  # here, not at the top: pyarrow and datasets cost ~80 MB RSS
+
             return path, _table_rows(path, pq.read_table(local).to_pylist())
         raise DataError(f"unsupported data file type {suffix!r}: {path} (use .jsonl or .parquet)")
     looks_local = local.suffix.lower() in _JSONL_SUFFIXES + _PARQUET_SUFFIXES or path.startswith(
@@ -142,6 +145,8 @@ def _open_source(data: Any) -> tuple[str, Iterator[tuple[str, bytes | dict[str, 
 
 def _load_hub_dataset(data: Any) -> datasets.Dataset:
     """Download a hub dataset split; any failure (offline, unknown id/split) is a DataError."""
+    import datasets
+
     try:
         return datasets.load_dataset(data.path, data.hub_config, split=data.split)
     except Exception as exc:  # datasets raises many types (network, 404, bad split)
