@@ -58,6 +58,7 @@ def test_bench_our_side_runs(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
     assert text.count("## vs TRL") == 1 and "| a | full fine-tune" in text
     ours = raw[0]["ours"]
     assert ours["malloc_env"] == {"MALLOC_MMAP_THRESHOLD_": None}
+    assert ours["mmap_threshold"] == 4 * 2**20 and "ours the 4 MiB mmap threshold leangrpo sets" in text
     assert len(ours["step_seconds"]) == 2 and ours["completion_lengths"] == [4.0, 4.0]  # EOS ignored
     assert ours["peak_mb"] >= ours["peak_after_load_mb"] > 0 and ours["tokens_per_s"] > 0
     assert ours["shared_prompt_group"] == 2  # G=2 in one micro-batch: one prompt copy per group
@@ -86,8 +87,9 @@ def test_bench_compact_allocator_reaches_the_run(tmp_path, tiny_model_dir, gsm8k
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     text, raw = run_bench(tmp_path, tiny_model_dir, gsm8k_dir / "train.jsonl", "ours", malloc="compact")
     assert raw[0]["ours"]["malloc_env"] == {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+    assert raw[0]["ours"]["mmap_threshold"] is None  # the environment's setting, not leangrpo's
     assert "old table" in text  # the default-allocator section is left alone
-    assert "## vs TRL, compact allocator" in text and "MALLOC_MMAP_THRESHOLD_=1048576" in text
+    assert "## vs TRL, compact allocator" in text and "both sides MALLOC_MMAP_THRESHOLD_=1048576" in text
 
 
 @pytest.mark.slow

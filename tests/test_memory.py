@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 from memtrack import PeakLargeTensors
@@ -9,6 +14,7 @@ from memtrack import PeakLargeTensors
 from leangrpo.config import validate_config
 from leangrpo.errors import UserError
 from leangrpo.memory import (
+    MMAP_THRESHOLD,
     DeviceOptionError,
     activation_offload,
     build_optimizer,
@@ -233,3 +239,56 @@ def test_cli_refuses_gpu_options_on_cpu_in_one_line(tmp_path, tiny_model_dir, gs
     assert proc.stderr.strip().splitlines() == [
         "error: optim.optimizer=adamw_8bit needs a CUDA GPU (bitsandbytes); on CPU use optim.optimizer=adamw"
     ]
+
+
+GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+# After a 16 MiB block is freed, glibc's default mmap threshold is 16 MiB, so a later 8 MiB tensor comes from
+# the heap and stays in RSS when freed; prints how much RSS freeing it gave back.
+FREED_8MIB = """
+import sys, psutil, torch
+from leangrpo.memory import return_freed_memory
+rss = lambda: psutil.Process().memory_info().rss
+torch.ones(4 * 2**20)  # 16 MiB, mmapped and freed at once: glibc's dynamic threshold rises to 16 MiB
+applied = return_freed_memory() if sys.argv[1] == "tuned" else None
+x = torch.ones(2 * 2**20)  # 8 MiB, written
+before = rss()
+del x
+print(applied, (before - rss()) // 2**20)
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
+@pytest.mark.parametrize("mode", ["default", "tuned", "user_env"])
+def test_freed_activations_leave_rss_with_glibc(mode, monkeypatch):
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    if mode == "user_env":  # the user's own setting wins: leangrpo leaves it alone
+        env["MALLOC_MMAP_THRESHOLD_"] = str(32 * 2**20)
+    args = [sys.executable, "-c", FREED_8MIB, "tuned" if mode != "default" else "default"]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    applied, returned_mib = proc.stdout.split()
+    if mode == "tuned":
+        assert (applied, int(returned_mib) >= 7) == (str(MMAP_THRESHOLD), True)
+    else:
+        assert (applied, int(returned_mib) < 2) == ("None", True)
+
+
+def test_trainer_sets_the_allocator_before_loading_anything(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    import leangrpo.trainer as trainer_mod
+
+    events = []
+    monkeypatch.setattr(trainer_mod, "return_freed_memory", lambda: events.append("allocator"))
+    real_load = trainer_mod.load_model_and_tokenizer
+    monkeypatch.setattr(
+        trainer_mod, "load_model_and_tokenizer", lambda cfg: events.append("load") or real_load(cfg)
+    )
+    cfg = make_cfg(
+        model={"name_or_path": str(tiny_model_dir)},
+        data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
+        grpo={"num_generations": 2},
+        optim={"per_device_train_batch_size": 2},
+        logging={"progress_bar": False},
+        output_dir=str(tmp_path / "run"),
+    )
+    trainer_mod.Trainer(cfg)
+    assert events == ["allocator", "load"]

@@ -29,7 +29,13 @@ from .checkpoint import (
 from .config import Config, save_config
 from .data import PromptSampler, has_chat_template, load_rows, render_prompt
 from .errors import UserError
-from .memory import activation_offload, build_optimizer, check_device_options, release_generation_memory
+from .memory import (
+    activation_offload,
+    build_optimizer,
+    check_device_options,
+    release_generation_memory,
+    return_freed_memory,
+)
 from .models import Policy, frozen_copy, is_peft, load_model_and_tokenizer
 from .rewards import extract_xml_answer, load_reward, score_completions
 from .rollout import RolloutBatch, as_reward_inputs, generate
@@ -96,6 +102,7 @@ class Trainer:
         from accelerate.utils import set_seed
 
         self.cfg = cfg
+        return_freed_memory()  # before anything large is allocated
         # Without CUDA, cpu=True is what makes accelerate/torchrun processes form a gloo group.
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
         self.is_main = self.acc.is_main_process
