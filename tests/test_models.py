@@ -26,7 +26,7 @@ from leangrpo.models import (
     resolve_model_path,
     save_model,
 )
-from leangrpo.rollout import eos_token_ids, generate
+from leangrpo.rollout import InverseCDFSampler, PreallocatedLayer, eos_token_ids, generate, kv_cache
 
 PROMPTS = ["x y", "the quick brown fox jumps over the lazy dog"]
 LORA = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
@@ -115,9 +115,12 @@ def test_policy_forward_matches_naive_path(tiny_model_dir, rollout, temperature,
     with torch.no_grad():
         got = Policy(model, temperature=temperature, chunk_size=chunk_size)(ids, mask, C)
         want = naive_logprobs(model, ids, mask, C, temperature)
+        logit_scale = float(model(input_ids=ids, attention_mask=mask).logits.abs().max()) / temperature
     assert got.shape == (4, 6) and got.dtype == torch.float32
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # A likely token's log-prob is the difference of two logit-sized numbers, whose fp32 rounding differs
+    # between any two matmuls that compute them: absolute error is measured against the logits' scale.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * logit_scale)
     # The check is sensitive to an off-by-one in the completion window.
     assert not torch.allclose(got[:, 1:], want[:, :-1], rtol=1e-3, atol=1e-3)
 
@@ -305,6 +308,79 @@ def test_generate_ignore_eos_gives_full_length(tiny_model_dir, tokenizer):
     assert batch.completion_mask.bool().all()
     assert batch.truncated.dtype == torch.bool and batch.truncated.all()
     assert (batch.lengths() == 6).all()
+
+
+def test_inverse_cdf_sampler_draws_from_the_softmax():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])
+    scores = probs.log().expand(40_000, -1).clone()  # the last token is -inf: never drawn
+    torch.manual_seed(0)
+    out = InverseCDFSampler()(None, scores)
+    assert (torch.isfinite(out).sum(dim=1) == 1).all() and (out[torch.isfinite(out)] == 0).all()
+    drawn = torch.bincount(out.argmax(dim=1), minlength=5).float() / len(out)
+    assert drawn[4] == 0
+    # 40k draws: the standard error of each frequency is at most 0.0025.
+    torch.testing.assert_close(drawn, probs, rtol=0, atol=0.01)
+
+
+def test_preallocated_layer_appends_in_place():
+    layer = PreallocatedLayer(capacity=7)
+    steps = [torch.randn(2, 3, n, 4) for n in (4, 1, 1, 1)]  # prefill, then one token at a time
+    for i, k in enumerate(steps):
+        keys, values = layer.update(k, -k)
+        want = torch.cat(steps[: i + 1], dim=2)
+        assert (
+            torch.equal(keys, want) and torch.equal(values, -want) and layer.get_seq_length() == want.shape[2]
+        )
+        assert keys.untyped_storage().data_ptr() == layer.key_buffer.untyped_storage().data_ptr()  # no copy
+
+
+def test_generate_uses_the_preallocated_cache(tiny_model_dir, tokenizer, monkeypatch):
+    """Same tokens as generate() with its own DynamicCache, written in place."""
+    model = load_tiny(tiny_model_dir)
+    cache = kv_cache(model, 20)["past_key_values"]
+    assert [type(layer) for layer in cache.layers] == [PreallocatedLayer] * model.config.num_hidden_layers
+    ids = tokenizer(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
+    plain = model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    updates = []
+    real_update = PreallocatedLayer.update
+    counted = lambda *a, **k: updates.append(1) or real_update(*a, **k)  # noqa: E731
+    monkeypatch.setattr(PreallocatedLayer, "update", counted)
+    ours = generate(model, tokenizer, PROMPTS, num_generations=1, max_prompt_length=64,
+                    max_completion_length=6, do_sample=False, ignore_eos=True)  # fmt: skip
+    assert torch.equal(ours.completion_ids, plain[:, ids.input_ids.shape[1] :])
+    assert len(updates) == 6 * model.config.num_hidden_layers  # prefill + 5 decoding steps, every layer
+
+
+@pytest.mark.parametrize("knob", [{"temperature": 1e-4}, {"top_p": 1e-6}])
+def test_sampling_respects_temperature_and_top_p(tiny_model_dir, tokenizer, knob):
+    """Both limits leave only the likeliest token: sampling must then equal greedy decoding."""
+    model = load_tiny(tiny_model_dir)
+    kwargs = dict(num_generations=3, max_prompt_length=64, max_completion_length=6, ignore_eos=True)
+    greedy = generate(model, tokenizer, PROMPTS, do_sample=False, **kwargs)
+    torch.manual_seed(0)
+    sampled = generate(model, tokenizer, PROMPTS, **knob, **kwargs)
+    assert torch.equal(sampled.completion_ids, greedy.completion_ids)
+    torch.manual_seed(0)
+    assert not torch.equal(
+        generate(model, tokenizer, PROMPTS, **kwargs).completion_ids, greedy.completion_ids
+    )
+
+
+def test_model_sampling_defaults_neither_apply_nor_warn(tiny_model_dir, tokenizer, caplog):
+    """A model whose generation_config.json samples (Qwen2.5-Instruct's values) samples with our settings
+    only, and transformers prints no warning about its flags."""
+    import logging
+
+    from transformers import GenerationConfig
+
+    model = load_tiny(tiny_model_dir)
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=20, top_p=0.8)
+    logging.Logger.warning_once.cache_clear()  # transformers warns once per message and process
+    kwargs = dict(num_generations=2, max_prompt_length=64, max_completion_length=6, ignore_eos=True)
+    greedy = generate(model, tokenizer, PROMPTS, do_sample=False, **kwargs)
+    assert torch.equal(generate(model, tokenizer, PROMPTS, temperature=1e-4, **kwargs).completion_ids,
+                       greedy.completion_ids)  # fmt: skip
+    assert not [r for r in caplog.records if "generation flags" in r.getMessage()]
 
 
 @pytest.fixture
