@@ -1,6 +1,7 @@
-"""Our two CPU speed-ups, each on and off, on vs_trl.py's model: generation with and without the
-oneDNN-packed Linears, and one update forward + backward with and without the shared-prompt layout;
-and what the default log-prob chunk (256 rows) costs in update time against 1024-row chunks.
+"""Our speed-ups, each on and off, on vs_trl.py's model: generation with and without the oneDNN-packed
+Linears, and with and without the in-place KV cache + inverse-CDF sampling (off: transformers' own
+DynamicCache and torch.multinomial); one update forward + backward with and without the shared-prompt
+layout; and what the default log-prob chunk (256 rows) costs in update time against 1024-row chunks.
 
     python benchmarks/phases.py [--completion-length 96] [--lora] [--repeats 2]
 
@@ -13,13 +14,16 @@ import argparse
 import statistics
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import build_model, default_data  # noqa: E402
 
+from leangrpo import rollout  # noqa: E402
 from leangrpo.config import LoraConfig, validate_config  # noqa: E402
 from leangrpo.data import load_rows, render_prompt  # noqa: E402
 from leangrpo.grpo import LOGPROB_CHUNK_SIZE  # noqa: E402
@@ -28,6 +32,22 @@ from leangrpo.rollout import generate  # noqa: E402
 from leangrpo.trainer import _micro_batch_logprobs  # noqa: E402
 
 G = 8
+
+
+def multinomial(_sampler, _input_ids, scores: torch.Tensor) -> torch.Tensor:
+    """The sampling generate() does itself (torch.multinomial), in InverseCDFSampler's place."""
+    token = torch.multinomial(torch.softmax(scores, dim=-1), 1)
+    return torch.full_like(scores, -torch.inf).scatter_(1, token, 0.0)
+
+
+@contextmanager
+def transformers_cache_and_sampling():
+    """generate() with transformers' own DynamicCache (torch.cat per token) and torch.multinomial."""
+    with (
+        mock.patch.object(rollout, "kv_cache", lambda model, capacity: {}),
+        mock.patch.object(rollout.InverseCDFSampler, "__call__", multinomial),
+    ):
+        yield
 
 
 def main() -> None:
@@ -57,14 +77,19 @@ def main() -> None:
         print(f"{name}: {times[name][-1]:.2f} s", flush=True)
         return out
 
+    def rollout_batch(packed: bool = True) -> rollout.RolloutBatch:
+        C = a.completion_length
+        return generate(model, tok, [prompt], num_generations=G, max_prompt_length=512,
+                        max_completion_length=C, ignore_eos=True, packed=packed)  # fmt: skip
+
     batch = None
     for _ in range(a.repeats):
         for on in (False, True):
-            batch = timed(
-                f"generate, packed Linears {'on' if on else 'off'}",
-                lambda on=on: generate(model, tok, [prompt], num_generations=G, max_prompt_length=512,
-                                       max_completion_length=a.completion_length, ignore_eos=True, packed=on),
-            )  # fmt: skip
+            name = f"generate, packed Linears {'on' if on else 'off'}"
+            batch = timed(name, lambda on=on: rollout_batch(on))
+        for on in (False, True):
+            with nullcontext() if on else transformers_cache_and_sampling():
+                timed(f"generate, in-place cache + ICDF {'on' if on else 'off'}", rollout_batch)
     policy = Policy(model.train())
 
     def update(group: int) -> None:
@@ -83,7 +108,7 @@ def main() -> None:
     print(f"\nmodel {model_dir.name}, {method}, {batch.prompt_ids.shape[1]}-token prompt, "
           f"G={G} x {a.completion_length} tokens; median seconds:")  # fmt: skip
     for name, values in times.items():
-        print(f"  {name:<32} {statistics.median(values):7.2f}")
+        print(f"  {name:<36} {statistics.median(values):7.2f}")
 
 
 if __name__ == "__main__":
