@@ -51,7 +51,7 @@ def transformers_cache_and_sampling():
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--completion-length", type=int, default=96)
     p.add_argument("--lora", action="store_true", help="LoRA r=16 on all linears (else full fine-tuning)")
     p.add_argument("--repeats", type=int, default=2)

@@ -310,7 +310,7 @@ def run_side(side: str, s: Settings, timeout: int, malloc: str) -> dict:
     if lengths and lengths != {float(s.row.completion_length)}:
         sys.exit(f"error: {side} row {s.row.name} generated lengths {sorted(lengths)}, "
                  f"not {s.row.completion_length}: the runs would not compare equal work")  # fmt: skip
-    print(f"row {s.row.name} {side:4}: peak {result['peak_mb']:.0f} MB, median step {median:.2f} s "
+    print(f"row {s.row.name} {side:4}: peak {result['peak_mb']:.0f} MiB, median step {median:.2f} s "
           f"({result['median_cpu_s']:.1f} CPU s), "
           f"{result['tokens_per_s']:.1f} tok/s, load {load:.2f}", flush=True)  # fmt: skip
     return result
@@ -326,7 +326,7 @@ def ratio(a: float, b: float | None) -> str:
 
 def table(results: list[tuple[Row, dict, dict | None]]) -> str:
     head = (
-        "| row | config | steps | peak MB ours | peak MB TRL | peak ours/TRL | step s ours | step s TRL "
+        "| row | config | steps | peak MiB ours | peak MiB TRL | peak ours/TRL | step s ours | step s TRL "
         "| step ours/TRL | CPU s ours | CPU s TRL | CPU ours/TRL | tok/s ours | tok/s TRL "
         "| load before ours / TRL |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"

@@ -90,11 +90,16 @@ def rollout(tiny_model_dir, tokenizer):
 
 def assert_grads_close(got, want, name):
     """Equal up to float32 noise, measured against the gradient's scale (the tied embedding/lm_head
-    gradient is the sum of two large paths, so element-wise relative checks see cancellation noise)."""
+    gradient is the sum of two large paths, so element-wise relative checks see cancellation noise).
+
+    The 1e-5 bound of the log-prob function itself is checked on tensors (tests/test_grpo.py). Here its
+    rounding differences pass through the whole network's backward: the full model's largest error was
+    0.8-1.1e-5 of the scale with the same code under different transformers versions, so 1e-4 is the bound
+    that noise stays under; a wrong temperature, mask or position is off by far more."""
     scale = want.abs().max()
     assert scale > 0, name
     err = (got - want).abs().max()
-    assert err <= 1e-5 * scale, f"{name}: max error {err:.3g} vs gradient scale {scale:.3g}"
+    assert err <= 1e-4 * scale, f"{name}: max error {err:.3g} vs gradient scale {scale:.3g}"
     cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
     assert cos > 1 - 1e-6, f"{name}: cosine {cos}"
 

@@ -188,7 +188,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, list[str]]:
             f"{fmt_value(train[0]['reward'])} → {fmt_value(last['reward'])}" if train else "-",
         ],
         ["training time (s)", sum(r.get("step_seconds") or 0 for r in train)],
-        ["peak memory (MB)", max((r.get("peak_memory_mb") or 0 for r in train), default=None)],
+        ["peak memory (MiB)", max((r.get("peak_memory_mb") or 0 for r in train), default=None)],
     ]
     title = f"leangrpo run {html.escape(run_dir.name)}"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>

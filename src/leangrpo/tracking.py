@@ -103,7 +103,7 @@ def open_trackers(
 
 
 def peak_memory_mb() -> float:
-    """Peak memory of this process: CUDA max allocated on GPU, peak RSS on CPU."""
+    """Peak memory of this process in MiB: CUDA max allocated on GPU, peak RSS on CPU."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
