@@ -259,7 +259,7 @@ print(applied, (before - rss()) // 2**20)
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
 @pytest.mark.parametrize("mode", ["default", "tuned", "user_env"])
-def test_freed_activations_leave_rss_with_glibc(mode, monkeypatch):
+def test_freed_activations_leave_rss_with_glibc(mode):
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     if mode == "user_env":  # the user's own setting wins: leangrpo leaves it alone
         env["MALLOC_MMAP_THRESHOLD_"] = str(32 * 2**20)
