@@ -34,10 +34,9 @@ from leangrpo.trainer import _micro_batch_logprobs  # noqa: E402
 G = 8
 
 
-def multinomial(_sampler, _input_ids, scores: torch.Tensor) -> torch.Tensor:
-    """The sampling generate() does itself (torch.multinomial), in InverseCDFSampler's place."""
-    token = torch.multinomial(torch.softmax(scores, dim=-1), 1)
-    return torch.full_like(scores, -torch.inf).scatter_(1, token, 0.0)
+def multinomial(scores: torch.Tensor) -> torch.Tensor:
+    """The draw generate() makes itself (torch.multinomial), in InverseCDFSampler's place."""
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1)
 
 
 @contextmanager
@@ -45,7 +44,7 @@ def transformers_cache_and_sampling():
     """generate() with transformers' own DynamicCache (torch.cat per token) and torch.multinomial."""
     with (
         mock.patch.object(rollout, "kv_cache", lambda model, capacity: {}),
-        mock.patch.object(rollout.InverseCDFSampler, "__call__", multinomial),
+        mock.patch.object(rollout.InverseCDFSampler, "draw", staticmethod(multinomial)),
     ):
         yield
 

@@ -144,10 +144,14 @@ class InverseCDFSampler(LogitsProcessor):
     distribution as torch.multinomial, which draws an exponential number for every vocabulary entry."""
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        return torch.full_like(scores, -torch.inf).scatter_(1, self.draw(scores), 0.0)
+
+    @staticmethod
+    def draw(scores: Tensor) -> Tensor:
+        """One token id per row, [rows, 1], drawn from softmax(scores)."""
         cdf = torch.softmax(scores, dim=-1).cumsum_(dim=-1)
         u = torch.rand(len(cdf), 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
-        token = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
-        return torch.full_like(scores, -torch.inf).scatter_(1, token, 0.0)
+        return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
 
 
 class PreallocatedLayer(DynamicLayer):
