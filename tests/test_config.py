@@ -196,11 +196,40 @@ def test_missing_required_key(tmp_path):
     assert "missing" in msg
 
 
-def test_missing_rewards_section(tmp_path):
+def test_rewards_default_to_the_task_and_a_task_without_rewards_needs_them(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("model:\n  name_or_path: m\ndata:\n  path: d\n")
-    msg = config_error(p)
-    assert "rewards" in msg and "missing" in msg
+    cfg = load_config(p)
+    assert [f.name for f in cfg.rewards.functions] == [
+        "xmlcount",
+        "soft_format",
+        "strict_format",
+        "int",
+        "correctness",
+    ]
+    assert cfg.data.system_prompt.startswith("Respond in the following format")
+    msg = config_error(p, ["task=dataset"])
+    assert "rewards.functions" in msg and "task dataset has no default rewards" in msg
+
+
+def test_task_names_and_options_are_checked_in_one_line(minimal_yaml):
+    assert "unknown task 'gsm8' did you mean gsm8k" in config_error(minimal_yaml, ["task=gsm8"]).replace(
+        ";", ""
+    )
+    msg = config_error(minimal_yaml, ["task.max_solution_step=2"])
+    assert "task gsm8k has no option 'max_solution_step' (its options: max_solution_steps)" in msg
+    assert "task option max_solution_steps" in config_error(minimal_yaml, ["task.max_solution_steps=0"])
+    cfg = load_config(minimal_yaml, ["task.max_solution_steps=2"])
+    assert cfg.task.name == "gsm8k" and cfg.task.options() == {"max_solution_steps": 2}
+    assert cfg.model_dump(mode="json")["task"] == {"name": "gsm8k", "max_solution_steps": 2}
+
+
+def test_an_explicit_null_system_prompt_means_none(minimal_yaml):
+    assert load_config(minimal_yaml, ["data.system_prompt=null"]).data.system_prompt is None
+    assert (
+        load_config(minimal_yaml, ["task=dataset", "rewards.functions=[{name: int}]"]).data.system_prompt
+        is None
+    )
 
 
 def test_override_without_equals(minimal_yaml):
@@ -335,7 +364,6 @@ def test_cli_help_lists_train():
     assert "train" in r.stdout
 
 
-@pytest.mark.parametrize("override", ["sft.steps=5", "data.max_solution_steps=2"])
-def test_worked_solution_features_need_gsm8k_answers(minimal_yaml, override):
-    msg = config_error(minimal_yaml, [override, "data.answer_format=raw"])
-    assert override.split("=")[0] in msg and "data.answer_format: gsm8k" in msg
+def test_the_cold_start_needs_a_task_with_worked_solutions(minimal_yaml):
+    msg = config_error(minimal_yaml, ["sft.steps=5", "task=dataset"])
+    assert "sft.steps needs worked solutions, which task dataset does not have" in msg

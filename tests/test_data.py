@@ -7,7 +7,6 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import datasets
 import pytest
@@ -15,39 +14,30 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from leangrpo.config import DataConfig, TaskConfig
 from leangrpo.data import (
     DataError,
     LoadedData,
     PromptSampler,
     has_chat_template,
     load_rows,
-    parse_gsm8k_answer,
     render_prompt,
-    solution_steps,
 )
+from leangrpo.tasks import load_task
+from leangrpo.tasks.gsm8k import parse_gold, solution_steps
 
-GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+GSM8K_DIR = Path(__file__).resolve().parent / "data" / "gsm8k"
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
-def make_cfg(path: str | Path, **overrides: object) -> SimpleNamespace:
-    data = {
-        "path": str(path),
-        "hub_config": None,
-        "split": "train",
-        "prompt_column": "question",
-        "answer_column": "answer",
-        "answer_format": "gsm8k",
-        "system_prompt": "Think step by step.",
-        "limit": None,
-        "max_solution_steps": None,
-        "on_bad_row": "skip",
-    }
-    data.update(overrides)
-    return SimpleNamespace(data=SimpleNamespace(**data))
+def load(path: str | Path, task: str = "gsm8k", max_solution_steps: int | None = None, **data) -> LoadedData:
+    """load_rows with a data config (system prompt "Think step by step." unless given) and a task."""
+    options = {"max_solution_steps": max_solution_steps} if max_solution_steps else {}
+    data_cfg = DataConfig(path=str(path), **{"system_prompt": "Think step by step.", **data})
+    return load_rows(data_cfg, load_task(TaskConfig(name=task, **options)))
 
 
 def write_jsonl(path: Path, lines: list[bytes | dict]) -> Path:
@@ -64,10 +54,7 @@ GOOD = {"question": "What is 2+3?", "answer": "2+3=5\n#### 5", "level": 1}
 
 
 def test_real_gsm8k_file_with_limit():
-    path = GSM8K_DIR / "test.jsonl"
-    if not path.is_file():
-        pytest.skip(f"{path} not present")
-    loaded = load_rows(make_cfg(path, limit=5))
+    loaded = load(GSM8K_DIR / "test.jsonl", limit=5)
     assert len(loaded.rows) == 5
     assert loaded.skipped == []
     assert loaded.rows[0]["answer"] == "18"
@@ -85,7 +72,8 @@ def test_jsonl_loading_leaves_datasets_and_pyarrow_unimported(tmp_path):
         "import sys; from leangrpo.config import validate_config; from leangrpo.data import load_rows\n"
         f"cfg = validate_config({{'model': {{'name_or_path': 'm'}}, 'data': {{'path': {str(path)!r}}},"
         " 'rewards': {'functions': [{'name': 'int'}]}})\n"
-        "assert len(load_rows(cfg).rows) == 1\n"
+        "from leangrpo.tasks import load_task\n"
+        "assert len(load_rows(cfg.data, load_task(cfg.task)).rows) == 1\n"
         "print(sorted(m for m in ('datasets', 'pyarrow', 'pandas') if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -95,7 +83,7 @@ def test_jsonl_loading_leaves_datasets_and_pyarrow_unimported(tmp_path):
 
 def test_good_row_shape_carries_extra_columns(tmp_path):
     path = write_jsonl(tmp_path / "one.jsonl", [GOOD])
-    (row,) = load_rows(make_cfg(path, system_prompt=None)).rows
+    (row,) = load(path, system_prompt=None).rows
     assert row == {
         "prompt": [{"role": "user", "content": "What is 2+3?"}],
         "question": "What is 2+3?",
@@ -125,14 +113,14 @@ def bad_jsonl(tmp_path) -> Path:
 
 def test_skip_reports_every_bad_row_with_its_line(bad_jsonl, caplog):
     with caplog.at_level(logging.WARNING, logger="leangrpo.data"):
-        loaded = load_rows(make_cfg(bad_jsonl))
+        loaded = load(bad_jsonl)
     assert [row["answer"] for row in loaded.rows] == ["5", "1000"]
     expected = [
         (2, "empty 'question'"),
         (3, "missing 'answer'"),
         (4, "invalid JSON"),
         (5, "not valid UTF-8"),
-        (6, "no '####' in 'answer'"),
+        (6, "no '####' in the answer"),
         (7, "not a JSON object"),
     ]
     for reason, (line, problem) in zip(loaded.skipped, expected, strict=True):
@@ -143,11 +131,11 @@ def test_skip_reports_every_bad_row_with_its_line(bad_jsonl, caplog):
 
 def test_error_mode_stops_at_first_bad_row(bad_jsonl):
     with pytest.raises(DataError, match=r"bad\.jsonl:2: empty 'question'"):
-        load_rows(make_cfg(bad_jsonl, on_bad_row="error"))
+        load(bad_jsonl, on_bad_row="error")
 
 
 def test_limit_counts_valid_rows(bad_jsonl):
-    loaded = load_rows(make_cfg(bad_jsonl, limit=1))
+    loaded = load(bad_jsonl, limit=1)
     assert len(loaded.rows) == 1
     assert loaded.skipped == []
 
@@ -155,20 +143,20 @@ def test_limit_counts_valid_rows(bad_jsonl):
 def test_missing_local_file(tmp_path):
     for path in (tmp_path / "nope.jsonl", "./data/train", "owner/name.parquet"):
         with pytest.raises(DataError, match="data file not found"):
-            load_rows(make_cfg(path))
+            load(path)
 
 
 def test_unsupported_file_type(tmp_path):
     path = tmp_path / "data.csv"
     path.write_text("question,answer\n")
     with pytest.raises(DataError, match="unsupported data file type '.csv'"):
-        load_rows(make_cfg(path))
+        load(path)
 
 
 def test_column_typo_lists_columns_found(tmp_path):
     path = write_jsonl(tmp_path / "typo.jsonl", [GOOD])
     with pytest.raises(DataError) as info:
-        load_rows(make_cfg(path, prompt_column="questoin"))
+        load(path, prompt_column="questoin")
     message = str(info.value)
     assert f"{path}:1:" in message
     assert "'questoin' (data.prompt_column) not found" in message
@@ -178,11 +166,11 @@ def test_column_typo_lists_columns_found(tmp_path):
 def test_zero_usable_rows(tmp_path):
     path = write_jsonl(tmp_path / "allbad.jsonl", [{"question": "Q", "answer": "no marker"}])
     with pytest.raises(DataError, match=r"no usable rows in .*allbad\.jsonl; skipped 1 bad row"):
-        load_rows(make_cfg(path))
+        load(path)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(DataError, match="no usable rows"):
-        load_rows(make_cfg(empty))
+        load(empty)
 
 
 def test_parquet_custom_columns_raw_answers(tmp_path):
@@ -194,8 +182,7 @@ def test_parquet_custom_columns_raw_answers(tmp_path):
             {"problem": "One plus one?", "solution": 2, "source": "c"},
         ]
     ).to_parquet(str(path))
-    cfg = make_cfg(path, prompt_column="problem", answer_column="solution", answer_format="raw")
-    loaded = load_rows(cfg)
+    loaded = load(path, task="dataset", prompt_column="problem", answer_column="solution")
     assert [(r["question"], r["answer"], r["source"]) for r in loaded.rows] == [
         ("Six times seven?", "42", "a"),
         ("One plus one?", "2", "c"),
@@ -212,7 +199,7 @@ def test_hub_load_failure_is_one_line_data_error(monkeypatch, tmp_path):
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(DataError) as info:
-        load_rows(make_cfg("openai/gsm8k", hub_config="main"))
+        load("openai/gsm8k", hub_config="main")
     message = str(info.value)
     assert "\n" not in message
     assert "'openai/gsm8k'" in message
@@ -229,7 +216,7 @@ def test_hub_load_success(monkeypatch, tmp_path):
         return datasets.Dataset.from_list([GOOD, {"question": "", "answer": "#### 1", "level": 2}])
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    loaded = load_rows(make_cfg("openai/gsm8k", hub_config="main", split="test"))
+    loaded = load("openai/gsm8k", hub_config="main", split="test")
     assert calls == [("openai/gsm8k", "main", "test")]
     assert [r["answer"] for r in loaded.rows] == ["5"]
     assert loaded.skipped == ["openai/gsm8k[test] row 1: empty 'question'"]
@@ -248,8 +235,8 @@ def test_loaded_data_summary_empty_when_nothing_skipped():
         ("no marker here", None),
     ],
 )
-def test_parse_gsm8k_answer(answer, gold):
-    assert parse_gsm8k_answer(answer) == gold
+def test_parse_gold(answer, gold):
+    assert parse_gold(answer) == gold
 
 
 # --- prompt rendering ------------------------------------------------------------------------
@@ -363,12 +350,12 @@ def test_max_solution_steps_keeps_short_solutions_and_limit_counts_kept_rows(tmp
     long = {"question": "Long?", "answer": "1\n2\n3\n#### 3"}
     path = write_jsonl(tmp_path / "mix.jsonl", [long, GOOD, long, GOOD, GOOD])
     with caplog.at_level(logging.INFO, logger="leangrpo.data"):
-        rows = load_rows(make_cfg(path, max_solution_steps=2, limit=2)).rows
+        rows = load(path, max_solution_steps=2, limit=2).rows
     assert [r["question"] for r in rows] == ["What is 2+3?"] * 2
-    assert "left out 2 problems with more than 2 solution steps" in caplog.text
+    assert "2 left out by task.max_solution_steps=2" in caplog.text
 
 
 def test_max_solution_steps_leaving_nothing_says_why(tmp_path):
     path = write_jsonl(tmp_path / "long.jsonl", [{"question": "Q", "answer": "1\n2\n#### 3"}])
-    with pytest.raises(DataError, match="1 left out by data.max_solution_steps=1"):
-        load_rows(make_cfg(path, max_solution_steps=1))
+    with pytest.raises(DataError, match="1 left out by task.max_solution_steps=1"):
+        load(path, max_solution_steps=1)

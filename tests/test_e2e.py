@@ -18,6 +18,7 @@ METRIC_KEYS = {
     "step", "loss", "grad_norm", "learning_rate", "reward", "reward_std", "kl", "clip_ratio",
     "completion_length/mean", "completion_length/max", "truncated_frac", "zero_std_frac",
     "reward_failures", "tokens_per_s", "step_seconds", "peak_memory_mb",
+    "time/rollout", "time/score", "time/advantages", "time/reference", "time/update",
 }  # fmt: skip
 
 

@@ -11,13 +11,16 @@ from click.testing import CliRunner
 
 from leangrpo.cli import main
 from leangrpo.compare import compare
+from leangrpo.config import TaskConfig
 from leangrpo.evaluate import EvalResult, evaluate, score, summarize
 from leangrpo.rewards import load_reward
+from leangrpo.tasks import load_task
 
 RUN_CONFIG = (
     "model: {name_or_path: m}\ndata: {path: d}\nrewards: {functions: [{name: int}]}\ngrpo: {beta: 0.04}\n"
 )
 REWARDS = [(n, load_reward(n), 1.0) for n in ("strict_format", "soft_format", "correctness", "math_verify")]
+GSM8K = load_task(TaskConfig())
 
 
 def row(question: str, answer: str) -> dict:
@@ -31,7 +34,7 @@ def xml(answer: str) -> str:
 def test_score_uses_math_verify_for_gsm8k_answers():
     rows = [row("a", "1000"), row("b", "18"), row("c", "7"), row("d", "5"), row("e", "3")]
     completions = [xml("1,000"), "<answer>$18</answer>", xml("8"), "so the total is 5", "<answer>3"]
-    records = score(rows, completions, REWARDS, conversational=False)
+    records = score(rows, completions, REWARDS, GSM8K, conversational=False)
     assert [r["correct"] for r in records] == [True, True, False, True, False]  # an unclosed tag: no answer
     assert [r["extracted"] for r in records] == ["1,000", "$18", "8", "", ""]
     assert records[0]["rewards"] == {
@@ -52,9 +55,10 @@ def test_score_uses_math_verify_for_gsm8k_answers():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    from leangrpo.evaluate import load_eval_model
+    from leangrpo.models import load_trained
 
-    return load_eval_model(str(tiny_model_dir))
+    model, tokenizer, _ = load_trained(str(tiny_model_dir))
+    return model, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,7 @@ def test_rows(gsm8k_dir):
     from leangrpo.config import DataConfig
     from leangrpo.evaluate import load_eval_rows
 
-    return load_eval_rows(DataConfig(path="unused"), str(gsm8k_dir), "test", 4)
+    return load_eval_rows(DataConfig(path="unused"), GSM8K, str(gsm8k_dir), "test", 4)
 
 
 def test_evaluate_batched_greedy_and_pass_at_k(tiny, test_rows):
@@ -71,7 +75,7 @@ def test_evaluate_batched_greedy_and_pass_at_k(tiny, test_rows):
     model, tok = tiny
     rng = torch.get_rng_state()
     kwargs = dict(max_new_tokens=6, max_prompt_length=256, progress=False)
-    res = evaluate(model, tok, test_rows, REWARDS, batch_size=2, num_samples=3, seed=1, **kwargs)
+    res = evaluate(model, tok, test_rows, REWARDS, GSM8K, batch_size=2, num_samples=3, seed=1, **kwargs)
     assert torch.equal(torch.get_rng_state(), rng)  # sampling ran on its own RNG stream
     assert tok.padding_side == "left"
     assert [r["question"] for r in res.records] == [r["question"] for r in test_rows]
@@ -82,9 +86,9 @@ def test_evaluate_batched_greedy_and_pass_at_k(tiny, test_rows):
     assert all(0 <= r["samples_correct"] <= 3 and 1 <= r["length"] <= 6 for r in res.records)
 
     # Left padding: a prompt's greedy completion does not depend on what it is batched with.
-    alone = evaluate(model, tok, test_rows, REWARDS, batch_size=1, **kwargs)
+    alone = evaluate(model, tok, test_rows, REWARDS, GSM8K, batch_size=1, **kwargs)
     assert [r["completion"] for r in alone.records] == [r["completion"] for r in res.records]
-    again = evaluate(model, tok, test_rows, REWARDS, batch_size=2, num_samples=3, seed=1, **kwargs)
+    again = evaluate(model, tok, test_rows, REWARDS, GSM8K, batch_size=2, num_samples=3, seed=1, **kwargs)
     assert [r["samples_correct"] for r in again.records] == [r["samples_correct"] for r in res.records]
 
 
@@ -125,7 +129,8 @@ def test_eval_bad_input_is_one_line(tmp_path, tiny_model_dir, gsm8k_dir, real_to
     (run / "config.yaml").write_text(RUN_CONFIG)
     (run / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
     one_line_error(
-        runner.invoke(main, ["eval", "--model", str(run), "--data", str(gsm8k_dir)]), "has no model"
+        runner.invoke(main, ["eval", "--model", str(run), "--data", str(gsm8k_dir)]),
+        "has neither a final model nor a complete checkpoint",
     )
 
     empty = tmp_path / "data"

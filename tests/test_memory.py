@@ -175,7 +175,8 @@ def test_adamw_8bit_on_gpu_steps():
 @needs_cuda
 def test_activation_offload_gives_the_same_gradients_on_gpu(tiny_model_dir):
     from leangrpo.config import ModelConfig
-    from leangrpo.models import Policy, load_model_and_tokenizer
+    from leangrpo.logprobs import Policy
+    from leangrpo.models import load_model_and_tokenizer
 
     model, _ = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
     policy = Policy(model.cuda().train())
@@ -197,7 +198,7 @@ def test_trainer_frees_generation_memory_before_the_update(tmp_path, tiny_model_
     computed."""
     import leangrpo.trainer as trainer_mod
 
-    events, real_generate, real_logprobs = [], trainer_mod.generate, trainer_mod._micro_batch_logprobs
+    events, real_generate, real_logprobs = [], trainer_mod.generate, trainer_mod.micro_batch_logprobs
 
     def generate(*args, **kwargs):
         events.append(("generate", kwargs["ignore_eos"], kwargs["packed"]))
@@ -209,7 +210,7 @@ def test_trainer_frees_generation_memory_before_the_update(tmp_path, tiny_model_
 
     monkeypatch.setattr(trainer_mod, "generate", generate)
     monkeypatch.setattr(trainer_mod, "release_generation_memory", lambda: events.append(("release", None)))
-    monkeypatch.setattr(trainer_mod, "_micro_batch_logprobs", logprobs)
+    monkeypatch.setattr(trainer_mod, "micro_batch_logprobs", logprobs)
     cfg = make_cfg(
         model={"name_or_path": str(tiny_model_dir)},
         data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},

@@ -14,9 +14,9 @@ import torch
 
 from leangrpo.config import LoraConfig, ModelConfig
 from leangrpo.grpo import mask_after_eos
+from leangrpo.logprobs import Policy
 from leangrpo.models import (
     ModelError,
-    Policy,
     apply_lora,
     gguf_to_safetensors,
     is_peft,

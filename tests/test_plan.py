@@ -15,9 +15,9 @@ from click.testing import CliRunner
 from leangrpo import plan
 from leangrpo.cli import main
 from leangrpo.config import LoraConfig, validate_config
-from leangrpo.models import Policy, apply_lora
+from leangrpo.logprobs import Policy, micro_batch_logprobs
+from leangrpo.models import apply_lora
 from leangrpo.rollout import RolloutBatch
-from leangrpo.trainer import _micro_batch_logprobs
 
 KNOWN_TOTALS = {
     "Qwen/Qwen2.5-0.5B": 494_032_768,
@@ -142,7 +142,7 @@ def saved_tensor_bytes(model, batch: int, prompt: int, completion: int, group: i
     ones = torch.ones_like(completions)
     rollout = RolloutBatch(prompts, prompt_mask, completions, ones, ones[:, 0].bool(), [""] * batch)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _micro_batch_logprobs(Policy(model.train(), 1.0, 1024), rollout, slice(None), group=group)
+        micro_batch_logprobs(Policy(model.train(), 1.0, 1024, group > 1), rollout, slice(None), group=group)
     return sum(n for ptr, n in seen.items() if ptr not in params)
 
 

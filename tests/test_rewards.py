@@ -236,7 +236,7 @@ def test_load_reward_from_import_path(tmp_path, monkeypatch) -> None:
     assert shout(prompts=["p", "p"], completions=["HI", "hi"]) == [1.0, 0.0]
 
     bad_paths = {
-        "no_such_reward": "unknown reward 'no_such_reward'; built-in rewards are correctness, int,",
+        "no_such_reward": "unknown reward 'no_such_reward'; known rewards are correctness, int,",
         "leangrpo_no_such_module:f": "cannot import module 'leangrpo_no_such_module' for reward "
         "'leangrpo_no_such_module:f': ModuleNotFoundError",
         "leangrpo_test_broken:f": "RuntimeError: boom at import",

@@ -7,7 +7,8 @@ import torch
 
 from leangrpo.models import load_tokenizer
 from leangrpo.rewards import correctness_reward, strict_format_reward, xmlcount_reward
-from leangrpo.sft import nll_loss, sft_batch, tagged_solution
+from leangrpo.sft import nll_loss, sft_batch
+from leangrpo.tasks.gsm8k import tagged_solution
 
 SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 in all.\n#### 72"
 ROW = {
@@ -35,8 +36,14 @@ def test_tagged_solution_drops_calculator_notes_and_earns_every_reward():
 def test_sft_batch_trains_only_what_the_prefix_does_not_prefill(real_tokenizer):
     tok = real_tokenizer
     short = {**ROW, "solution": "1+1=2\n#### 2", "answer": "2"}
+    rows = [ROW, short]
     batch = sft_batch(
-        tok, [ROW, short], assistant_prefix="<reasoning>\n", max_prompt_length=64, max_completion_length=200
+        tok,
+        [r["prompt"] for r in rows],
+        [tagged_solution(r["solution"], r["answer"]) for r in rows],
+        assistant_prefix="<reasoning>\n",
+        max_prompt_length=64,
+        max_completion_length=200,
     )
     assert tok.padding_side == "left"  # restored
     assert batch.prompt_mask[:, -1].all()  # prompts left-padded: every prompt ends at the last column
@@ -49,7 +56,12 @@ def test_sft_batch_trains_only_what_the_prefix_does_not_prefill(real_tokenizer):
 
 def test_sft_batch_flags_targets_longer_than_the_completion_budget(real_tokenizer):
     batch = sft_batch(
-        real_tokenizer, [ROW], assistant_prefix="", max_prompt_length=64, max_completion_length=5
+        real_tokenizer,
+        [ROW["prompt"]],
+        [tagged_solution(SOLUTION, "72")],
+        assistant_prefix="",
+        max_prompt_length=64,
+        max_completion_length=5,
     )
     assert batch.completion_ids.shape[1] == 5 and batch.truncated.tolist() == [True]
 
@@ -62,12 +74,14 @@ def test_nll_loss_is_the_mean_over_real_tokens():
 
 def test_cold_start_raises_the_likelihood_of_tagged_solutions(tmp_path, tiny_model_dir, gsm8k_dir):
     from leangrpo.config import validate_config
-    from leangrpo.trainer import Trainer, _micro_batch_logprobs
+    from leangrpo.logprobs import micro_batch_logprobs
+    from leangrpo.trainer import Trainer
 
     cfg = validate_config(
         {
             "model": {"name_or_path": str(tiny_model_dir), "gradient_checkpointing": False},
-            "data": {"path": str(gsm8k_dir / "train.jsonl"), "limit": 8, "max_solution_steps": 2},
+            "task": {"name": "gsm8k", "max_solution_steps": 2},
+            "data": {"path": str(gsm8k_dir / "train.jsonl"), "limit": 8},
             "rewards": {"functions": [{"name": "correctness"}]},
             "grpo": {"num_generations": 2, "max_completion_length": 64, "max_prompt_length": 128},
             "sft": {"steps": 6, "learning_rate": 3e-3, "batch_size": 4},
@@ -76,13 +90,19 @@ def test_cold_start_raises_the_likelihood_of_tagged_solutions(tmp_path, tiny_mod
         }
     )
     trainer = Trainer(cfg)
+    rows = trainer.rows
     batch = sft_batch(
-        trainer.tokenizer, trainer.rows, assistant_prefix="", max_prompt_length=128, max_completion_length=64
+        trainer.tokenizer,
+        [r["prompt"] for r in rows],
+        [trainer.task.solution(r) for r in rows],
+        assistant_prefix="",
+        max_prompt_length=128,
+        max_completion_length=64,
     )
 
     def nll() -> float:
         with torch.no_grad():
-            return float(nll_loss(*_micro_batch_logprobs(trainer.policy, batch, slice(None), 1.0)))
+            return float(nll_loss(*micro_batch_logprobs(trainer.policy, batch, slice(None), 1.0)))
 
     before = nll()
     trainer.cold_start()

@@ -8,9 +8,9 @@ import torch
 from test_models import LORA, assert_grads_close, load_tiny, randomize_lora_b
 
 from leangrpo import shared_prompt
-from leangrpo.models import ModelError, Policy, apply_lora
+from leangrpo.logprobs import LayoutError, Policy, micro_batch_logprobs
+from leangrpo.models import apply_lora
 from leangrpo.rollout import RolloutBatch
-from leangrpo.trainer import _micro_batch_logprobs
 
 
 def test_positions_and_predictors_by_hand():
@@ -74,8 +74,11 @@ def _weighted_logprobs(model, rollout, group, checkpointing):
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    logp, mask = _micro_batch_logprobs(
-        Policy(model, temperature=0.8, chunk_size=5), rollout, slice(None), group=group
+    logp, mask = micro_batch_logprobs(
+        Policy(model, temperature=0.8, chunk_size=5, share_prompt=group > 1),
+        rollout,
+        slice(None),
+        group=group,
     )
     weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
     (logp * weights * mask).sum().backward()
@@ -123,12 +126,26 @@ def test_attention_that_ignores_the_layout_is_refused(tiny_model_dir, rollout, m
         kwargs.pop(shared_prompt.KWARG, None)
         return sdpa_attention_forward(module, query, key, value, None, **kwargs)
 
-    monkeypatch.setattr(shared_prompt, "install", lambda: AttentionInterface.register("sdpa", ignores_layout))
+    policy = Policy(load_tiny(tiny_model_dir), share_prompt=True)
+    AttentionInterface.register(shared_prompt.ATTENTION, ignores_layout)
     try:
-        with pytest.raises(ModelError, match="set grpo.share_prompt: false"):
-            _micro_batch_logprobs(Policy(load_tiny(tiny_model_dir)), rollout, slice(None), group=4)
+        with pytest.raises(LayoutError, match="set grpo.share_prompt: false"):
+            micro_batch_logprobs(policy, rollout, slice(None), group=4)
     finally:
-        AttentionInterface.register("sdpa", shared_prompt._attention)
+        AttentionInterface.register(shared_prompt.ATTENTION, shared_prompt._attention)
+
+
+def test_the_layout_leaves_sdpa_and_other_models_alone(tiny_model_dir, rollout):
+    """The layout's attention is registered under its own name: transformers' "sdpa" entry stays its own,
+    and a model that was not switched keeps "sdpa"."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    switched, other = load_tiny(tiny_model_dir), load_tiny(tiny_model_dir)
+    Policy(switched, share_prompt=True)
+    assert switched.config._attn_implementation == shared_prompt.ATTENTION
+    assert other.config._attn_implementation == "sdpa"
+    assert AttentionInterface._global_mapping["sdpa"] is sdpa_attention_forward
 
 
 def test_trainer_step_is_the_same_with_and_without_sharing(tmp_path, tiny_model_dir, gsm8k_dir):

@@ -149,6 +149,7 @@ def make_run(run_dir: Path, steps: int = 12) -> Path:
             "step": s, "reward": 0.1 * s, "reward_std": 0.5 / s, "loss": 0.01 * (-1) ** s, "kl": 0.001 * s,
             "clip_ratio": 0.0, "completion_length/mean": 40.0 + s, "completion_length/max": 64.0,
             "rewards/correctness/mean": 0.05 * s, "rewards/strict_format/mean": 0.02 * s, "step_seconds": 2.0,
+            "time/rollout": 1.5, "time/update": 0.5,
         })  # fmt: skip
     rows.append({"step": steps, "eval/accuracy": 0.4, "eval/format/strict_format": 0.5, "eval/n": 8})
     lines = [json.dumps(r) for r in rows]
@@ -178,17 +179,18 @@ def test_report_cli_writes_pngs_and_notes_torn_line(tmp_path):
         "loss",
         "completion_length",
         "clip_ratio",
+        "phase_seconds",
         "eval_accuracy",
     ):
         assert (run / f"{stem}.png").stat().st_size > 1000, stem
     page = (run / "report.html").read_text()
-    assert page.count("<img") == 7 and "http" not in page.replace("http-equiv", "")  # nothing to fetch
+    assert page.count("<img") == 8 and "http" not in page.replace("http-equiv", "")  # nothing to fetch
     assert "&lt;b&gt;not bold&lt;/b&gt;" in page  # completions are escaped, not rendered
     # A rerun without evaluation: the eval plot of the earlier report does not linger.
     metrics = [line for line in (run / "metrics.jsonl").read_text().splitlines() if "eval/" not in line]
     (run / "metrics.jsonl").write_text("\n".join(metrics))
     assert CliRunner().invoke(main, ["report", str(run)]).exit_code == 0
-    assert not (run / "eval_accuracy.png").exists() and (run / "report.html").read_text().count("<img") == 6
+    assert not (run / "eval_accuracy.png").exists() and (run / "report.html").read_text().count("<img") == 7
     one = CliRunner().invoke(main, ["report", str(tmp_path / "missing")])
     assert one.exit_code == 2 and "not a run directory" in one.output
 

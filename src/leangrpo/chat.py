@@ -2,43 +2,26 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any
-
-from .checkpoint import STATE_FILE
-from .config import DEFAULT_SYSTEM_PROMPT, ModelConfig
+from .config import TaskConfig
 from .data import render_prompt
-from .export import EXPORT_INFO, load_trained, locate
-from .rundir import is_run_dir
-
-
-def _training_config(source: str) -> tuple[Any, Any, dict[str, Any] | None]:
-    """Model, tokenizer and (when known) the training config of a run, checkpoint or model."""
-    path = Path(source)
-    if is_run_dir(path) or (path / STATE_FILE).is_file():
-        trained = locate(path)
-        return *load_trained(trained), trained.config
-    from .models import load_model_and_tokenizer
-
-    model, tokenizer = load_model_and_tokenizer(
-        ModelConfig(name_or_path=source, gradient_checkpointing=False)
-    )
-    info = path / EXPORT_INFO
-    config = json.loads(info.read_text())["config"] if info.is_file() else None
-    return model.eval(), tokenizer, config
+from .models import load_trained
+from .tasks import load_task
 
 
 class Chat:
-    """A model with the system prompt and assistant prefix it was trained with (the defaults otherwise)."""
+    """A model with the system prompt and assistant prefix it was trained with (its task's otherwise)."""
 
     def __init__(
-        self, source: str, system_prompt: str | None, max_new_tokens: int = 256, temperature: float = 0.0
+        self,
+        source: str,
+        system_prompt: str | None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        trust_remote_code: bool = False,
     ):
-        self.model, self.tokenizer, config = _training_config(source)
-        data = (config or {}).get("data", {})
-        trained_prompt = data.get("system_prompt", DEFAULT_SYSTEM_PROMPT) if config else DEFAULT_SYSTEM_PROMPT
-        self.system_prompt = system_prompt if system_prompt is not None else trained_prompt
+        self.model, self.tokenizer, trained = load_trained(source, trust_remote_code=trust_remote_code)
+        data = trained.config["data"] if trained else {"system_prompt": load_task(TaskConfig()).system_prompt}
+        self.system_prompt = system_prompt if system_prompt is not None else data.get("system_prompt")
         self.assistant_prefix = data.get("assistant_prefix", "")
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
 

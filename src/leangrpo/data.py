@@ -1,8 +1,9 @@
 """Training data: load question/answer rows, render prompts, and order them across steps.
 
 Rows come from a local JSON Lines or Parquet file or from a Hugging Face hub dataset. Every
-row becomes ``{"prompt": messages, "question": str, "answer": gold, **other_columns}``, the
-shape TRL-style reward functions expect (extra columns arrive as keyword arguments).
+row becomes ``{"prompt": messages, "question": str, "answer": str, **other_columns}``, the
+shape TRL-style reward functions expect (extra columns arrive as keyword arguments), and then
+goes through the task's ``prepare`` (which parses its gold answer, or leaves it out).
 Bad rows are never dropped silently: they either stop the run (``on_bad_row="error"``) or
 are listed in ``LoadedData.skipped`` and logged.
 """
@@ -18,12 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from .errors import UserError
 
 if TYPE_CHECKING:
     import datasets
+
+    from .config import DataConfig
+    from .tasks import Task
 
 logger = logging.getLogger("leangrpo.data")
 
@@ -38,7 +40,7 @@ class DataError(UserError, ValueError):
     """A one-line, user-facing problem with the training data (names the file and line)."""
 
 
-class _BadRow(Exception):
+class BadRow(Exception):
     """One row is unusable; ``load_rows`` either skips it or turns it into a ``DataError``."""
 
 
@@ -56,32 +58,18 @@ class LoadedData:
         return f"skipped {len(self.skipped)} bad row(s) (first: {self.skipped[0]})"
 
 
-def parse_gsm8k_answer(answer: str) -> str | None:
-    """Gold answer of a GSM8K solution: text after the last '####', without commas or padding.
+def load_rows(data: DataConfig, task: Task) -> LoadedData:
+    """Load the rows of ``data`` for ``task``, validating each row.
 
-    Returns None when there is no '####' marker.
-    """
-    _, marker, tail = answer.rpartition("####")
-    if not marker:
-        return None
-    return tail.replace(",", "").strip()
-
-
-def load_rows(cfg: Any) -> LoadedData:
-    """Load ``cfg.data`` into prompt rows, validating each row.
-
-    ``cfg`` is duck-typed: only the ``cfg.data`` attributes are read (path, hub_config, split,
-    prompt_column, answer_column, answer_format, system_prompt, limit, on_bad_row).
     The keys "prompt", "question" and "answer" take precedence over same-named data columns.
     Raises DataError for a missing source, a misnamed column, a bad row under
     ``on_bad_row="error"``, or when no usable row remains.
     """
-    data = cfg.data
     source, raw_rows = _open_source(data)
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     columns_checked = False
-    too_hard = 0
+    left_out = 0
     for where, raw in raw_rows:
         if data.limit is not None and len(rows) >= data.limit:
             break
@@ -90,12 +78,12 @@ def load_rows(cfg: Any) -> LoadedData:
             if not columns_checked:
                 _check_columns(record, data, where)
                 columns_checked = True
-            row = _make_row(record, data)
-            if data.max_solution_steps and solution_steps(row["solution"]) > data.max_solution_steps:
-                too_hard += 1
+            row = task.prepare(_make_row(record, data))
+            if row is None:
+                left_out += 1
                 continue
             rows.append(row)
-        except _BadRow as bad:
+        except BadRow as bad:
             reason = f"{where}: {bad}"
             if data.on_bad_row == "error":
                 raise DataError(f"{reason} (set data.on_bad_row: skip to skip such rows)") from None
@@ -104,20 +92,17 @@ def load_rows(cfg: Any) -> LoadedData:
     loaded = LoadedData(rows, skipped)
     if not rows:
         detail = f"; {loaded.skip_summary()}" if skipped else ""
-        if too_hard:
-            detail += f"; {too_hard} left out by data.max_solution_steps={data.max_solution_steps}"
+        if left_out:
+            detail += f"; {task.left_out(left_out)}"
         raise DataError(f"no usable rows in {source}{detail}")
     if skipped:
         logger.warning("%s: %s", source, loaded.skip_summary())
-    if too_hard:
-        logger.info(
-            "%s: left out %d problems with more than %d solution steps (data.max_solution_steps)",
-            source, too_hard, data.max_solution_steps,
-        )  # fmt: skip
+    if left_out:
+        logger.info("%s: %s", source, task.left_out(left_out))
     return loaded
 
 
-def _open_source(data: Any) -> tuple[str, Iterator[tuple[str, bytes | dict[str, Any]]]]:
+def _open_source(data: DataConfig) -> tuple[str, Iterator[tuple[str, bytes | dict[str, Any]]]]:
     """Pick the reader for ``data.path``; return a name for messages and ``(where, raw row)``s.
 
     An existing path is read by its extension; a missing path shaped like ``owner/name``
@@ -143,7 +128,7 @@ def _open_source(data: Any) -> tuple[str, Iterator[tuple[str, bytes | dict[str, 
     return source, _table_rows(source, _load_hub_dataset(data))
 
 
-def _load_hub_dataset(data: Any) -> datasets.Dataset:
+def _load_hub_dataset(data: DataConfig) -> datasets.Dataset:
     """Download a hub dataset split; any failure (offline, unknown id/split) is a DataError."""
     import datasets
 
@@ -180,17 +165,17 @@ def _as_record(raw: bytes | dict[str, Any]) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8-sig")  # -sig: tolerate a byte-order mark on line 1
     except UnicodeDecodeError:
-        raise _BadRow("not valid UTF-8") from None
+        raise BadRow("not valid UTF-8") from None
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise _BadRow(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+        raise BadRow(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(record, dict):
-        raise _BadRow(f"not a JSON object (got {type(record).__name__})")
+        raise BadRow(f"not a JSON object (got {type(record).__name__})")
     return record
 
 
-def _check_columns(record: dict[str, Any], data: Any, where: str) -> None:
+def _check_columns(record: dict[str, Any], data: DataConfig, where: str) -> None:
     """Fail fast on a misnamed column: absent from the first row means a config mistake."""
     for setting in ("prompt_column", "answer_column"):
         column = getattr(data, setting)
@@ -200,19 +185,11 @@ def _check_columns(record: dict[str, Any], data: Any, where: str) -> None:
             raise DataError(f"{where}: {problem}")
 
 
-def _make_row(record: dict[str, Any], data: Any) -> dict[str, Any]:
-    """Turn one record into a training row, or raise _BadRow saying what is wrong."""
+def _make_row(record: dict[str, Any], data: DataConfig) -> dict[str, Any]:
+    """Turn one record into a training row, or raise BadRow saying what is wrong."""
     question = _required_text(record, data.prompt_column)
     answer = _required_text(record, data.answer_column)
     extra = {k: v for k, v in record.items() if k not in (data.prompt_column, data.answer_column)}
-    if data.answer_format == "gsm8k":
-        gold = parse_gsm8k_answer(answer)
-        if gold is None:
-            raise _BadRow(f"no '####' in {data.answer_column!r}")
-        if not gold:
-            raise _BadRow(f"nothing after '####' in {data.answer_column!r}")
-        extra["solution"] = answer  # the worked solution, for the supervised cold start
-        answer = gold
     return {
         **extra,
         "prompt": _messages(question, data.system_prompt),
@@ -221,23 +198,18 @@ def _make_row(record: dict[str, Any], data: Any) -> dict[str, Any]:
     }
 
 
-def solution_steps(solution: str) -> int:
-    """Number of reasoning lines in a GSM8K worked solution (the lines before '####')."""
-    return len([line for line in solution.rpartition("####")[0].splitlines() if line.strip()])
-
-
 def _required_text(record: dict[str, Any], column: str) -> str:
     """The column's value as stripped text; missing, null, blank or non-scalar is a bad row."""
     if column not in record:
-        raise _BadRow(f"missing {column!r}")
+        raise BadRow(f"missing {column!r}")
     value = record[column]
     if value is None:
-        raise _BadRow(f"empty {column!r}")
+        raise BadRow(f"empty {column!r}")
     if not isinstance(value, (str, int, float)):
-        raise _BadRow(f"{column!r} is a {type(value).__name__}, not text")
+        raise BadRow(f"{column!r} is a {type(value).__name__}, not text")
     text = str(value).strip()
     if not text:
-        raise _BadRow(f"empty {column!r}")
+        raise BadRow(f"empty {column!r}")
     return text
 
 
@@ -316,5 +288,7 @@ class PromptSampler:
 @functools.lru_cache(maxsize=8)
 def _epoch_order(num_rows: int, seed: int) -> tuple[int, ...]:
     """The row order of one epoch (cached: every step of an epoch reuses it)."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     return tuple(torch.randperm(num_rows, generator=generator).tolist())

@@ -13,6 +13,8 @@ from .config import Config, validate_config
 from .rundir import read_jsonl
 
 FIXED_QUESTIONS = 3  # the first held-out questions, shown before and after training
+DEMO_DATA = "../shared/data/gsm8k/train.jsonl"
+DEMO_EVAL_DATA = "../shared/data/gsm8k/test.jsonl"
 
 
 def demo_config(
@@ -41,7 +43,8 @@ def demo_config(
                 "gradient_checkpointing": False,
                 "lora": {"enabled": not full_finetune, "r": 16, "alpha": 32, "dropout": 0.0},
             },
-            "data": {"path": data_path, "max_solution_steps": 2, "assistant_prefix": "<reasoning>\n"},
+            "task": {"name": "gsm8k", "max_solution_steps": 2},
+            "data": {"path": data_path, "assistant_prefix": "<reasoning>\n"},
             "rewards": {
                 "functions": [
                     {"name": n} for n in ("xmlcount", "soft_format", "strict_format", "int", "correctness")

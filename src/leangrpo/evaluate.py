@@ -1,9 +1,8 @@
 """Evaluation on held-out questions: greedy accuracy, pass@k, format rates, reward means, and one record
 per question.
 
-A completion is correct when math-verify finds its answer equal to the gold one, exactly as the
-`math_verify` reward decides (the `<answer>` block, or the whole completion when there is no answer tag):
-evaluation and training share one answer parser, so `1,000` = `1000` and `$18` = `18`.
+Correctness is the task's (`Task.is_correct`; for GSM8K, math-verify on the `<answer>` block, exactly as
+the `math_verify` reward decides, so `1,000` = `1000` and `$18` = `18`), and so is what a record shows.
 """
 
 from __future__ import annotations
@@ -13,25 +12,18 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import UserError
-from .rewards import (
-    answers_match,
-    extract_xml_answer,
-    predicted_answer,
-    soft_format_reward,
-    strict_format_reward,
-)
-from .rundir import is_run_dir, run_model_dir
+from .rewards import soft_format_reward, strict_format_reward
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from .config import Config, DataConfig
+    from .tasks import Task
 
-RewardSpec = tuple[str, Callable[..., list[Any]], float]
+RewardFuncs = list[tuple[str, Callable[..., list[Any]], float]]
 FORMAT_REWARDS = (strict_format_reward, soft_format_reward)
 """Rewards that check the output format: their rate of non-zero scores is reported as `format/<name>`."""
 DATA_SUFFIXES = (".jsonl", ".parquet", ".json")
@@ -65,7 +57,8 @@ def evaluate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict[str, Any]],
-    reward_funcs: list[RewardSpec],
+    reward_funcs: RewardFuncs,
+    task: Task,
     *,
     assistant_prefix: str = "",
     max_new_tokens: int = 256,
@@ -79,8 +72,8 @@ def evaluate(
     progress: bool = True,
 ) -> EvalResult:
     """Greedy-decode one completion per row (rows as `data.load_rows` makes them), score it with
-    `reward_funcs` and math-verify, and with `num_samples = k > 0` also sample k completions per row
-    for pass@k. Batched (`batch_size` prompts per call, left-padded, shortest padding first) under
+    `reward_funcs` and the task's correctness, and with `num_samples = k > 0` also sample k completions
+    per row for pass@k. Batched (`batch_size` prompts per call, left-padded, shortest padding first) under
     `inference_mode`; sampling uses its own seeded RNG stream, so a training run's randomness is
     untouched."""
     import torch
@@ -125,12 +118,13 @@ def evaluate(
         tokenizer.padding_side, tokenizer.truncation_side = sides
         bar.close()
 
-    records = score(rows, [g[0][0] for g in greedy], reward_funcs, has_chat_template(tokenizer), on_error)
+    completions = [g[0][0] for g in greedy]
+    records = score(rows, completions, reward_funcs, task, has_chat_template(tokenizer), on_error)
     for record, [(_, length, truncated)] in zip(records, greedy, strict=True):
         record.update(length=length, truncated=truncated)
     if sampled is not None:
         for record, row, samples in zip(records, rows, sampled, strict=True):
-            record["samples_correct"] = sum(is_correct(text, row["answer"]) for text, _, _ in samples)
+            record["samples_correct"] = sum(task.is_correct(text, row) for text, _, _ in samples)
     return EvalResult(summarize(records, reward_funcs, num_samples), records)
 
 
@@ -160,20 +154,16 @@ def _generate_all(
     return out
 
 
-def is_correct(completion: str, gold: Any) -> bool:
-    """The `math_verify` reward's criterion: its answer is mathematically equal to the gold one."""
-    return answers_match(predicted_answer(completion), str(gold))
-
-
 def score(
     rows: list[dict[str, Any]],
     completions: list[str],
-    reward_funcs: list[RewardSpec],
+    reward_funcs: RewardFuncs,
+    task: Task,
     conversational: bool,
     on_error: Literal["raise", "missing"] = "missing",
 ) -> list[dict[str, Any]]:
-    """One record per (row, completion): question, gold, completion, extracted answer, correct, each
-    reward (None where not applicable or failed) and their weighted total."""
+    """One record per (row, completion): the task's view of it (question, completion, extracted answer,
+    gold), whether it is correct, each reward (None where not applicable or failed) and their total."""
     from .rewards import score_completions
     from .rollout import as_reward_inputs
 
@@ -185,11 +175,8 @@ def score(
         rewards = {name: _finite(scores.per_func[i, f]) for f, name in enumerate(scores.names)}
         records.append(
             {
-                "question": row["question"],
-                "gold": row["answer"],
-                "completion": text,
-                "extracted": extract_xml_answer(text),
-                "correct": is_correct(text, row["answer"]),
+                **task.sample_view(row, text),
+                "correct": task.is_correct(text, row),
                 "reward": _finite(scores.total[i]),
                 "rewards": rewards,
             }
@@ -207,9 +194,7 @@ def _mean(values: list[Any]) -> float | None:
     return sum(kept) / len(kept) if kept else None
 
 
-def summarize(
-    records: list[dict[str, Any]], reward_funcs: list[RewardSpec], num_samples: int
-) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], reward_funcs: RewardFuncs, num_samples: int) -> dict[str, Any]:
     """Aggregate metrics over records (see README: Evaluation)."""
     metrics: dict[str, Any] = {
         "n": len(records),
@@ -246,45 +231,15 @@ def resolve_data_path(path: str, split: str) -> str:
     )
 
 
-def load_eval_rows(data: DataConfig, path: str, split: str, limit: int | None) -> list[dict[str, Any]]:
+def load_eval_rows(
+    data: DataConfig, task: Task, path: str, split: str, limit: int | None
+) -> list[dict[str, Any]]:
     """The first `limit` rows of a split, read with the training data's columns and prompt settings."""
     from .data import load_rows
 
     resolved = resolve_data_path(path, split)
     eval_data = data.model_copy(update={"path": resolved, "split": split, "limit": limit})
-    return load_rows(SimpleNamespace(data=eval_data)).rows
-
-
-def resolve_model(name_or_path: str) -> str:
-    """A run directory means its final model (`RUN/model`); anything else passes through."""
-    p = Path(name_or_path).expanduser()
-    return str(run_model_dir(p)) if is_run_dir(p) else name_or_path
-
-
-def load_eval_model(
-    name_or_path: str, adapter: str | None = None, dtype: str = "float32"
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a model (hub id, directory, .gguf, run directory) for inference, on the GPU when there is
-    one, with an optional peft adapter merged in. An adapter that does not fit is a one-line error."""
-    from .config import ModelConfig
-    from .models import _describe, load_model_and_tokenizer
-
-    cfg = ModelConfig(name_or_path=resolve_model(name_or_path), dtype=dtype, gradient_checkpointing=False)
-    model, tokenizer = load_model_and_tokenizer(cfg)
-    if adapter:
-        if not (Path(adapter) / "adapter_config.json").is_file():
-            raise EvalError(f"--adapter {adapter} is not a peft adapter directory (no adapter_config.json)")
-        from peft import PeftModel
-
-        try:
-            model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
-        except Exception as e:  # noqa: BLE001 - peft/torch raise many kinds on a mismatch
-            detail = _describe(e)
-            detail = detail if len(detail) <= 300 else detail[:300] + "..."
-            raise EvalError(f"adapter {adapter} does not fit model {cfg.name_or_path}: {detail}") from None
-    import torch
-
-    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval(), tokenizer
+    return load_rows(eval_data, task).rows
 
 
 # ---- evaluation during training -----------------------------------------------------------------
@@ -294,11 +249,11 @@ class TrainingEvaluator:
     """Evaluates the policy on a fixed held-out subset before step 1, every `eval.eval_steps`, and at
     the end; writes `RUN/eval/step-N.json(l)` and returns the `eval/...` metrics for metrics.jsonl."""
 
-    def __init__(self, cfg: Config, run_dir: Path, reward_funcs: list[RewardSpec]):
+    def __init__(self, cfg: Config, run_dir: Path, reward_funcs: RewardFuncs, task: Task):
         ev = cfg.eval
-        self.cfg, self.run_dir, self.reward_funcs = cfg, run_dir, reward_funcs
+        self.cfg, self.run_dir, self.reward_funcs, self.task = cfg, run_dir, reward_funcs, task
         self.source = resolve_data_path(ev.path or cfg.data.path, ev.split)
-        self.rows = load_eval_rows(cfg.data, self.source, ev.split, ev.limit)
+        self.rows = load_eval_rows(cfg.data, task, self.source, ev.split, ev.limit)
 
     def due(self, step: int) -> bool:
         """Before training (step 0), every eval_steps, and at the last step."""
@@ -314,6 +269,7 @@ class TrainingEvaluator:
             tokenizer,
             self.rows,
             self.reward_funcs,
+            self.task,
             assistant_prefix=cfg.data.assistant_prefix,
             max_new_tokens=ev.max_new_tokens or cfg.grpo.max_completion_length,
             max_prompt_length=cfg.grpo.max_prompt_length,
@@ -329,8 +285,6 @@ class TrainingEvaluator:
 
 
 # ---- `leangrpo eval` ----------------------------------------------------------------------------
-
-DEFAULT_REWARDS = ("xmlcount", "soft_format", "strict_format", "int", "correctness", "math_verify")
 
 
 def run_eval(
@@ -348,40 +302,44 @@ def run_eval(
     batch_size: int = 16,
     seed: int = 0,
     dtype: str | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[EvalResult, Path]:
-    """`leangrpo eval`: prompt format, rewards and lengths come from `config` (a run config YAML or run
-    directory; by default the run's own when `model` is a run directory), else the defaults. Every
-    input is checked before the model loads."""
-    from .config import DataConfig, load_config
-    from .rewards import load_reward
+    """`leangrpo eval`: task, prompt format, rewards and lengths come from `config` (a run config YAML or
+    run directory; by default the training config of `model` when it is a run, checkpoint or export),
+    else the default task's. Every input is checked before the model loads."""
+    from .config import DataConfig, RewardSpec, TaskConfig, load_config, validate_config
+    from .models import load_trained, locate
+    from .rewards import load_rewards
+    from .rundir import is_run_dir
+    from .tasks import load_task
 
-    run_dir = Path(model).expanduser() if is_run_dir(Path(model).expanduser()) else None
-    if run_dir is not None:
-        run_model_dir(run_dir)  # fail now, not after loading data
-    cfg_path = config or (
-        str(run_dir / "config.yaml") if run_dir and (run_dir / "config.yaml").is_file() else None
-    )
-    if cfg_path and Path(cfg_path).is_dir():
-        cfg_path = str(Path(cfg_path) / "config.yaml")
-    cfg = load_config(cfg_path) if cfg_path else None
+    trained = locate(model)
+    if config:
+        cfg: Config | None = load_config(Path(config) / "config.yaml" if is_run_dir(Path(config)) else config)
+    else:
+        cfg = validate_config(trained.config, f"the training config of {model}") if trained else None
     data = data or (cfg.eval.path if cfg else None)
     if not data:
         raise EvalError(
             "give the evaluation data with --data (a .jsonl/.parquet file, a directory, or a hub id)"
         )
-    data_cfg = cfg.data if cfg else DataConfig(path=data)
-    names = rewards or (tuple(s.name for s in cfg.rewards.functions) if cfg else DEFAULT_REWARDS)
-    weights = {s.name: s.weight for s in cfg.rewards.functions} if cfg and not rewards else {}
-    reward_funcs = [(n, load_reward(n), weights.get(n, 1.0)) for n in names]
+    task = load_task(cfg.task if cfg else TaskConfig())
+    data_cfg = cfg.data if cfg else DataConfig(path=data, system_prompt=task.system_prompt)
+    specs = cfg.rewards.functions if cfg else []
+    if rewards or not specs:
+        specs = [RewardSpec(name=n) for n in rewards or task.default_rewards]
+    reward_funcs = load_rewards(specs, task)
     source = resolve_data_path(data, split)
-    rows = load_eval_rows(data_cfg, source, split, limit)
+    rows = load_eval_rows(data_cfg, task, source, split, limit)
 
-    lm, tokenizer = load_eval_model(model, adapter, dtype or (cfg.model.dtype if cfg else "float32"))
+    dtype = dtype or (cfg.model.dtype if cfg else None)
+    lm, tokenizer, _ = load_trained(model, dtype=dtype, adapter=adapter, trust_remote_code=trust_remote_code)
     result = evaluate(
         lm,
         tokenizer,
         rows,
         reward_funcs,
+        task,
         assistant_prefix=data_cfg.assistant_prefix,
         max_new_tokens=max_new_tokens or (cfg.grpo.max_completion_length if cfg else 256),
         max_prompt_length=cfg.grpo.max_prompt_length if cfg else 512,
@@ -392,6 +350,7 @@ def run_eval(
         seed=seed,
     )
     if out is None:
+        run_dir = trained.run_dir if trained else None
         out = str(run_dir / "eval" / f"eval-{split}.json") if run_dir else f"eval-{split}.json"
     meta = {"model": model, "adapter": adapter, "data": source, "split": split, "num_samples": num_samples}
     return result, result.save(out, **meta)

@@ -53,13 +53,16 @@ def check_device_options(cfg: Config) -> None:
         )
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW, or bitsandbytes' 8-bit AdamW (optimizer state in 8 bits: ~2 bytes/param instead of 8).
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: OptimConfig, learning_rate: float | None = None
+) -> torch.optim.Optimizer:
+    """AdamW, or bitsandbytes' 8-bit AdamW (optimizer state in 8 bits: ~2 bytes/param instead of 8), at
+    `cfg.learning_rate` unless `learning_rate` is given (the cold start's).
 
     The AdamW is torch's fused kernel (as transformers' Trainer uses by default): one pass over each
     parameter, where the plain one allocates temporaries as large as the parameter."""
     kwargs = {
-        "lr": cfg.learning_rate,
+        "lr": cfg.learning_rate if learning_rate is None else learning_rate,
         "betas": (cfg.adam_beta1, cfg.adam_beta2),
         "weight_decay": cfg.weight_decay,
     }

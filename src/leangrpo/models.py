@@ -1,5 +1,6 @@
-"""Loading a causal LM (hub id, local dir or .gguf), LoRA, the reference model, and the Policy wrapper
-that turns a forward pass into completion-token log-probs without materialising the logits."""
+"""Loading models: a causal LM for training (hub id, local dir, .gguf or a packaged GGUF) with LoRA, the
+frozen reference copy, saving, and the one loader of trained models (run dir, checkpoint, export) that
+eval, chat, export and compare share."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ import json
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor, nn
+import yaml
+from torch import nn
 
-from . import shared_prompt
 from .errors import UserError
-from .grpo import LOGPROB_CHUNK_SIZE, token_logprobs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -188,75 +189,6 @@ def is_peft(model: nn.Module) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
 
 
-class Policy(nn.Module):
-    """Wraps a causal LM so that forward returns the log-probs of the completion tokens only.
-
-    The decoder runs over prompt + completion, the hidden states of the completion positions go
-    through the chunked log-prob function with the lm_head weight: prompt logits are never computed
-    and no [batch, length, vocab] tensor is ever held. Wrapping (rather than calling the decoder from
-    outside) keeps the forward inside accelerate/DDP, so gradients synchronise across processes.
-    """
-
-    def __init__(self, lm: PreTrainedModel, temperature: float = 1.0, chunk_size: int = LOGPROB_CHUNK_SIZE):
-        super().__init__()
-        self.lm = lm
-        self.temperature = temperature
-        self.chunk_size = chunk_size
-
-    @property
-    def base(self) -> PreTrainedModel:
-        return self.lm.get_base_model() if is_peft(self.lm) else self.lm
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        num_completion_tokens: int,
-        temperature: float | None = None,
-        group: int = 1,
-    ) -> Tensor:
-        """Log-probs of the completion tokens, each given everything before it, at the sampling
-        temperature unless `temperature` is given (1.0 for supervised targets).
-
-        group = 1: `input_ids` [B, P + C] are prompt + completion rows, `attention_mask` their mask;
-        returns [B, C]. group > 1: the shared-prompt layout of `shared_prompt.pack` ([R, P + group·C])
-        with the [R, P] prompt mask; returns [R·group, C].
-        """
-        C, decoder = num_completion_tokens, self.base.get_decoder()
-        if group == 1:
-            # Positions count real tokens only, exactly as generate() numbers a left-padded prompt.
-            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-            hidden = decoder(
-                input_ids=input_ids[:, :-1],
-                attention_mask=attention_mask[:, :-1],
-                position_ids=position_ids[:, :-1],
-                use_cache=False,
-            ).last_hidden_state[:, -C:]
-            targets = input_ids[:, -C:]
-        else:
-            position_ids, predictors = shared_prompt.positions(attention_mask, C, group)
-            shared_prompt.install()
-            before = shared_prompt.calls()
-            hidden = decoder(
-                input_ids=input_ids,
-                attention_mask=attention_mask.bool()[:, None, None, :],
-                position_ids=position_ids,
-                use_cache=False,
-                **{shared_prompt.KWARG: group},
-            ).last_hidden_state
-            if shared_prompt.calls() == before:
-                raise ModelError(
-                    f"{type(self.base).__name__} does not route attention through transformers' sdpa "
-                    "interface, which grpo.share_prompt needs; set grpo.share_prompt: false"
-                )
-            hidden = hidden.reshape(-1, hidden.shape[-1])[predictors]
-            width = attention_mask.shape[1]
-            targets = input_ids[:, width:].reshape(-1, C)
-        weight = self.base.get_output_embeddings().weight
-        temperature = self.temperature if temperature is None else temperature
-        return token_logprobs(hidden, weight, targets, temperature, self.chunk_size)
-
-
 def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
     """The full-fine-tuning reference: a frozen copy of the starting weights."""
     ref = copy.deepcopy(model).eval()
@@ -300,3 +232,115 @@ def packaged_gguf(name: str) -> Path:
     if not path.is_file():
         raise ModelError(f"the {name} package has no {filename}; reinstall it: {hint}")
     return path
+
+
+# ---------------------------------------------------------------------------------- trained models
+
+EXPORT_INFO = "leangrpo_export.json"
+
+
+@dataclass
+class Trained:
+    """Where a trained model's weights are, and the training config that made them."""
+
+    source: Path
+    full: Path | None  # loads with AutoModelForCausalLM (full fine-tune, or the run's merged final model)
+    adapter: Path | None  # a peft adapter over the config's model.name_or_path
+    config: dict[str, Any]
+    step: int
+    run_dir: Path | None  # where metrics.jsonl lives (None for an export)
+
+
+def locate(source: str | Path) -> Trained | None:
+    """The trained weights behind `source`, resolved the same way for eval, chat, export and compare:
+    a run directory means its final `model/`, else its last complete checkpoint; a checkpoint or a
+    leangrpo export means itself. None for anything else (a model directory, hub id or .gguf)."""
+    from .checkpoint import STATE_FILE, last_checkpoint, read_state
+    from .rundir import is_run_dir
+
+    path = Path(source).expanduser()
+    if (path / EXPORT_INFO).is_file():
+        info = json.loads((path / EXPORT_INFO).read_text())
+        adapter = info["format"] == "peft adapter"
+        return Trained(path, None if adapter else path, path if adapter else None, info["config"],
+                       info["step"], None)  # fmt: skip
+    if (path / STATE_FILE).is_file():
+        ckpt, run_dir = path, path.parent
+    elif is_run_dir(path):
+        run_dir, final = path, path / "model"
+        config = yaml.safe_load((path / "config.yaml").read_text())
+        if (final / "config.json").is_file():
+            adapter = final / "adapter"
+            return Trained(path, final, adapter if adapter.is_dir() else None, config,
+                           config["optim"]["max_steps"], path)  # fmt: skip
+        found = last_checkpoint(path)
+        if found is None:
+            raise ModelError(f"{path} has neither a final model nor a complete checkpoint")
+        ckpt = found
+    else:
+        return None
+    config = yaml.safe_load((ckpt / "config.yaml").read_text())
+    is_adapter = (ckpt / "adapter_config.json").is_file()
+    return Trained(path, None if is_adapter else ckpt, ckpt if is_adapter else None, config,
+                   read_state(ckpt)["step"], run_dir)  # fmt: skip
+
+
+def load_trained(
+    source: str,
+    *,
+    dtype: str | None = None,
+    adapter: str | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Trained | None]:
+    """Load `source` for inference (eval mode, on the GPU when there is one): a run, checkpoint or export
+    (see `locate`), or any model `load_model_and_tokenizer` takes, with an optional peft `adapter` merged
+    in. `dtype` defaults to the training config's. `trust_remote_code` comes from the caller only, never
+    from a file being loaded."""
+    from transformers import AutoModelForCausalLM
+
+    trained = locate(source)
+    if trained is None:
+        from .config import ModelConfig
+
+        cfg = ModelConfig(
+            name_or_path=source, dtype=dtype or "float32", gradient_checkpointing=False,
+            trust_remote_code=trust_remote_code,
+        )  # fmt: skip
+        model, tokenizer = load_model_and_tokenizer(cfg)
+    else:
+        kwargs = {
+            "dtype": DTYPES[dtype or trained.config["model"]["dtype"]],
+            "trust_remote_code": trust_remote_code,
+        }
+        weights = trained.full or trained.adapter
+        try:
+            if trained.full is not None:
+                model = AutoModelForCausalLM.from_pretrained(trained.full, **kwargs)
+            else:
+                base = resolve_model_path(trained.config["model"]["name_or_path"])
+                model = _merge_adapter(
+                    AutoModelForCausalLM.from_pretrained(base, **kwargs), str(trained.adapter)
+                )
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - truncated or foreign weights raise many kinds
+            raise ModelError(f"cannot load the trained model in {weights}: {_describe(e)}") from None
+        tokenizer = load_tokenizer(str(weights), trust_remote_code)
+    if adapter:
+        model = _merge_adapter(model, adapter)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return model.to(device).eval(), tokenizer, trained
+
+
+def _merge_adapter(model: PreTrainedModel, adapter: str) -> PreTrainedModel:
+    """`model` with the peft adapter in `adapter` folded in; a mismatch is a one-line error."""
+    from peft import PeftModel
+
+    if not (Path(adapter) / "adapter_config.json").is_file():
+        raise ModelError(f"{adapter} is not a peft adapter directory (no adapter_config.json)")
+    try:
+        return PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    except Exception as e:  # noqa: BLE001 - peft/torch raise many kinds on a mismatch
+        detail = _describe(e)
+        detail = detail if len(detail) <= 300 else detail[:300] + "..."
+        raise ModelError(f"adapter {adapter} does not fit model {model.name_or_path}: {detail}") from None

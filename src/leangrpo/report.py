@@ -39,6 +39,7 @@ CURVES = (
         "completion_length", "Completion length (tokens)", ("completion_length/mean", "completion_length/max")
     ),
     Curve("clip_ratio", "Clip ratio", ("clip_ratio",)),
+    Curve("phase_seconds", "Seconds per step, by phase", ("time/",)),
     Curve("eval_accuracy", "Held-out evaluation", ("eval/accuracy", "eval/pass@", "eval/format/"), True),
 )
 
@@ -208,13 +209,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, list[str]]:
 
 
 def write_report_after_training(run_dir: Path, write: Callable[[str], None]) -> None:
-    """The end-of-training report: skipped with a line when matplotlib is missing, and never allowed
-    to fail a run whose model is already saved."""
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None:
-        write("report: matplotlib is not installed, so no report.html (pip install matplotlib)")
-        return
+    """The end-of-training report, never allowed to fail a run whose model is already saved."""
     try:
         path, _ = write_report(run_dir)
     except Exception as e:  # noqa: BLE001 - the run is done; say why the report is missing

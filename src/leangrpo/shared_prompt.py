@@ -1,4 +1,4 @@
-"""Shared-prompt training forward: the completions of one prompt read a single copy of its tokens.
+"""The shared-prompt layout: the completions of one prompt read a single copy of its tokens.
 
 A micro-batch row becomes `[prompt | completion 1 | ... | completion g]`. An attention function lets
 each completion see the prompt and its own earlier tokens only, so every log-prob equals the one from
@@ -6,31 +6,52 @@ running prompt + completion as a row of its own, but the prompt goes through the
 instead of g times (forward, checkpoint recompute and backward alike). With GRPO's G completions per
 prompt, that is most of the update's work when prompts are long against completions.
 
-The attention function is installed under transformers' "sdpa" name and hands every call without the
-`shared_prompt_group` keyword to transformers' own sdpa function unchanged (generation, evaluation).
+The attention function is registered under its own name (`ATTENTION`) and a model is switched to it
+with `use`; calls without the layout keyword (generation, evaluation) go to transformers' own sdpa
+function unchanged, so nothing changes for any other model in the process.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-KWARG = "shared_prompt_group"
-_calls = 0  # packed attention calls, so that Policy can check the model really went through them
+ATTENTION = "leangrpo_shared_prompt"
+KWARG = "shared_prompt_layout"
+
+
+@dataclass
+class Layout:
+    """The layout keyword of one decoder call: completions per row, and whether attention ran it (a model
+    whose layers bypass transformers' attention interface would silently ignore the keyword)."""
+
+    group: int
+    used: bool = False
 
 
 def unsupported_reason(config: Any) -> str | None:
     """Why a model cannot use the shared-prompt layout, or None when it can."""
     impl = getattr(config, "_attn_implementation", None)
-    if impl != "sdpa":
+    if impl not in ("sdpa", ATTENTION):
         return f"attn_implementation={impl!r} (needs 'sdpa')"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return "the model uses sliding-window attention"
     if getattr(config, "attn_logit_softcapping", None):
         return "the model soft-caps attention logits"
     return None
+
+
+def use(model: Any) -> None:
+    """Switch a transformers model's attention to the shared-prompt function (registered once)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # ordinary calls get sdpa's masks
+    model.set_attn_implementation(ATTENTION)
 
 
 def pack(prompt_ids: Tensor, completion_ids: Tensor, group: int) -> Tensor:
@@ -60,11 +81,11 @@ def positions(prompt_mask: Tensor, num_completion: int, group: int) -> tuple[Ten
 
 
 def _attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
-    group = kwargs.pop(KWARG, None)
-    if group is None:
+    layout: Layout | None = kwargs.pop(KWARG, None)
+    if layout is None:
         return _sdpa(module, query, key, value, attention_mask, **kwargs)
-    global _calls
-    _calls += 1
+    layout.used = True
+    group = layout.group
     prompt_ok = attention_mask  # [R, 1, 1, P] bool: the prompt's real (not left-pad) tokens
     rows, _, length, _ = query.shape
     width = prompt_ok.shape[-1]
@@ -108,17 +129,6 @@ def _attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tenso
     )  # [R·g, C, heads, d]
     out_completion = out_completion.reshape(rows, group * size, *out_completion.shape[2:])
     return torch.cat([out_prompt, out_completion], dim=1), None
-
-
-def install() -> None:
-    """Route transformers' "sdpa" attention through `_attention` (idempotent)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register("sdpa", _attention)
-
-
-def calls() -> int:
-    return _calls
 
 
 def _sdpa(*args, **kwargs):

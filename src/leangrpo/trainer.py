@@ -1,17 +1,25 @@
-"""The GRPO training loop, and nothing else: rollout → score → advantages → reference → update → record."""
+"""The GRPO training loop, and nothing else.
+
+`Trainer.step()` is the table of contents: rollout → score → advantages → reference → update → record,
+each phase one method below and each timed into the metrics as `time/<phase>`. What to learn (prompts,
+answer format, rewards, correctness) comes from the task; how log-probs are computed from `logprobs.py`;
+the loss from `grpo.py`.
+"""
 
 from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import grpo, sft, shared_prompt
+from . import grpo, sft
 from .checkpoint import (
     RunDirError,
     check_resumable,
@@ -29,6 +37,7 @@ from .checkpoint import (
 from .config import Config, save_config
 from .data import PromptSampler, has_chat_template, load_rows, render_prompt
 from .errors import UserError
+from .logprobs import Policy, batch_logprobs, micro_batch_logprobs, shared_prompt_group
 from .memory import (
     activation_offload,
     build_optimizer,
@@ -36,10 +45,11 @@ from .memory import (
     release_generation_memory,
     return_freed_memory,
 )
-from .models import Policy, frozen_copy, is_peft, load_model_and_tokenizer
-from .rewards import extract_xml_answer, load_reward, score_completions
+from .models import frozen_copy, is_peft, load_model_and_tokenizer
+from .rewards import RewardScores, load_rewards, score_completions
 from .rollout import RolloutBatch, as_reward_inputs, generate
 from .signals import StopSignals
+from .tasks import load_task
 from .tracking import MetricsLogger, check_trackers, open_trackers, peak_memory_mb
 
 __all__ = ["RunDirError", "Trainer", "TrainingError", "train"]
@@ -49,48 +59,30 @@ class TrainingError(UserError, RuntimeError):
     """The run cannot go on (too many non-finite steps in a row)."""
 
 
-def _micro_batch_logprobs(
-    policy: torch.nn.Module,
-    rollout: RolloutBatch,
-    rows: slice,
-    temperature: float | None = None,
-    group: int = 1,
-) -> tuple[Tensor, Tensor]:
-    """Log-probs of one micro-batch, cropped to its own real extent (no all-pad columns), and its mask.
+class PhaseTimer:
+    """Seconds spent in each named phase of a step (on a GPU, each phase waits for its own kernels)."""
 
-    group > 1: every `group` consecutive rows share a prompt, which the decoder then reads once
-    (shared_prompt.py)."""
-    prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]
-    first_prompt_col = int(prompt_mask.any(dim=0).int().argmax())
-    num_completion = int(completion_mask.sum(dim=1).max().clamp(min=1))
-    prompt_ids, prompt_mask = rollout.prompt_ids[rows, first_prompt_col:], prompt_mask[:, first_prompt_col:]
-    completion_ids, completion_mask = (
-        rollout.completion_ids[rows, :num_completion],
-        completion_mask[:, :num_completion],
-    )
-    if group > 1:
-        input_ids, attention_mask = (
-            shared_prompt.pack(prompt_ids, completion_ids, group),
-            prompt_mask[::group],
-        )
-    else:
-        input_ids = torch.cat([prompt_ids, completion_ids], 1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], 1)
-    logp = policy(input_ids, attention_mask, num_completion, temperature, group)
-    return logp, completion_mask
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds[phase] = time.perf_counter() - start
 
 
-def batch_logprobs(
-    policy: torch.nn.Module, rollout: RolloutBatch, micro_batch: int, group: int = 1
-) -> Tensor:
-    """Log-probs [N, C] for a whole rollout without gradients (reference / old policy), padded with 0."""
-    out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
-    with torch.inference_mode():
-        for start in range(0, len(rollout), micro_batch):
-            rows = slice(start, start + micro_batch)
-            logp, _ = _micro_batch_logprobs(policy, rollout, rows, group=group)
-            out[rows, : logp.shape[1]] = logp
-    return out
+@dataclass
+class Update:
+    """What the update phase reports: the mean loss of its iterations, the last gradient norm and
+    learning rate, and token counts for the KL and clip metrics."""
+
+    loss: float
+    grad_norm: float
+    learning_rate: float
+    stats: grpo.LossStats
 
 
 class Trainer:
@@ -117,36 +109,44 @@ class Trainer:
 
         # Everything that can fail on user input is checked before the model loads.
         check_device_options(cfg)
-        self.reward_funcs = [(s.name, load_reward(s.name), s.weight) for s in cfg.rewards.functions]
-        loaded = load_rows(cfg)
+        self.task = load_task(cfg.task)
+        self.reward_funcs = load_rewards(cfg.rewards.functions, self.task)
+        loaded = load_rows(cfg.data, self.task)
         self.rows, self.skipped = loaded.rows, loaded.skipped
         check_trackers(cfg.logging.report_to)
         self.evaluator = None
         if cfg.eval.enabled:
             from .evaluate import TrainingEvaluator
 
-            self.evaluator = TrainingEvaluator(cfg, self.run_dir, self.reward_funcs)
+            self.evaluator = TrainingEvaluator(cfg, self.run_dir, self.reward_funcs, self.task)
 
         model, self.tokenizer = load_model_and_tokenizer(cfg.model)
         self.conversational = has_chat_template(self.tokenizer)
+        g, micro = cfg.grpo, cfg.optim.per_device_train_batch_size
+        self.group, why_not = (
+            shared_prompt_group(model, micro, g.num_generations) if g.share_prompt else (1, None)
+        )
+        if why_not:
+            self._write(
+                f"grpo.share_prompt: off, {why_not}; each completion reads its own copy of the prompt"
+            )
+        shared = self.group > 1
         self.ref_policy = None
-        if cfg.grpo.beta > 0 and not is_peft(model):
-            ref = Policy(frozen_copy(model), cfg.grpo.temperature, cfg.grpo.logprob_chunk_size)
+        if g.beta > 0 and not is_peft(model):
+            ref = Policy(frozen_copy(model), g.temperature, g.logprob_chunk_size, shared)
             self.ref_policy = ref.to(self.acc.device)
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(params, cfg.optim)
         from transformers import get_scheduler
 
-        total = cfg.optim.max_steps * cfg.grpo.num_iterations
+        total = cfg.optim.max_steps * g.num_iterations
         self.scheduler = get_scheduler(
             cfg.optim.lr_scheduler_type,
             self.optimizer,
             num_warmup_steps=math.ceil(cfg.optim.warmup_ratio * total),
             num_training_steps=total,
         )
-        self.group = self._shared_prompt_group(model)
-        policy = Policy(model, cfg.grpo.temperature, cfg.grpo.logprob_chunk_size)
-        self.policy = self.acc.prepare_model(policy)
+        self.policy = self.acc.prepare_model(Policy(model, g.temperature, g.logprob_chunk_size, shared))
         set_seed(cfg.seed, device_specific=True)  # different samples on each rank
         self.sampler = PromptSampler(
             len(self.rows), cfg.prompts_per_step, cfg.seed, self.acc.process_index,
@@ -163,52 +163,188 @@ class Trainer:
         if self.resume_from:
             self._restore(self.resume_from)
 
-    def _shared_prompt_group(self, model: torch.nn.Module) -> int:
-        """Completions per decoder row that share one copy of their prompt (1 = no sharing): as many
-        of a group's completions as every micro-batch holds together."""
-        if not self.cfg.grpo.share_prompt:
-            return 1
-        reason = shared_prompt.unsupported_reason(model.config)
-        if reason:
-            self._write(f"grpo.share_prompt: off, {reason}; each completion reads its own copy of the prompt")
-            return 1
-        return math.gcd(self.cfg.optim.per_device_train_batch_size, self.cfg.grpo.num_generations)
+    # ------------------------------------------------------------------------------------ one step
 
-    def _restore(self, ckpt: Path) -> None:
-        """Weights, optimizer, scheduler, RNG and counters as they were right after the checkpoint's step;
-        log rows after that step are dropped, since those steps run again."""
-        state = read_state(ckpt)
-        if state["step"] >= self.cfg.optim.max_steps:
-            raise TrainingError(
-                f"{ckpt} is at step {state['step']} and optim.max_steps={self.cfg.optim.max_steps}: "
-                f"nothing left to train; raise optim.max_steps to continue"
+    def step(self, step: int) -> dict[str, Any]:
+        """One GRPO step, phase by phase; each phase's seconds go into the metrics as time/<phase>."""
+        g, timer = self.cfg.grpo, PhaseTimer()
+        with timer("rollout"):
+            rows, rollout = self.rollout(step)
+        with timer("score"):
+            scores = self.score(rows, rollout)
+        with timer("advantages"):
+            advantages, group_std = grpo.group_advantages(scores.total, g.num_generations, g.scale_rewards)
+        with timer("reference"):
+            ref_logp, old_logp = self.reference(rollout)
+        with timer("update"):
+            update = self.update(rollout, advantages.to(self.acc.device), ref_logp, old_logp)
+        return self.record(step, rows, rollout, scores, group_std, update, timer.seconds)
+
+    def rollout(self, step: int) -> tuple[list[dict[str, Any]], RolloutBatch]:
+        """The step's prompts (a pure function of seed, step and rank) and G sampled completions of each."""
+        cfg = self.cfg
+        rows = [self.rows[i] for i in self.sampler.indices(step - 1)]
+        texts = [render_prompt(self.tokenizer, r["prompt"], cfg.data.assistant_prefix) for r in rows]
+        batch = generate(
+            self.unwrapped.lm,
+            self.tokenizer,
+            texts,
+            num_generations=cfg.grpo.num_generations,
+            max_prompt_length=cfg.grpo.max_prompt_length,
+            max_completion_length=cfg.grpo.max_completion_length,
+            temperature=cfg.grpo.temperature,
+            top_p=cfg.grpo.top_p,
+            assistant_prefix=cfg.data.assistant_prefix,
+            ignore_eos=cfg.grpo.ignore_eos,
+            packed=cfg.grpo.packed_generation,
+        )
+        release_generation_memory()
+        return rows, batch
+
+    def score(self, rows: list[dict[str, Any]], rollout: RolloutBatch) -> RewardScores:
+        """Every reward function on every completion (TRL's call: prompts, completions, the row's columns)."""
+        G = self.cfg.grpo.num_generations
+        prompts, completions = as_reward_inputs(
+            [r["prompt"] for r in rows], rollout.completion_texts, self.conversational
+        )
+        columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+        return score_completions(self.reward_funcs, prompts, completions, columns, self.cfg.rewards.on_error)
+
+    def reference(self, rollout: RolloutBatch) -> tuple[Tensor | None, Tensor | None]:
+        """Log-probs the update compares against, once per generation batch: the reference's (adapter
+        disabled for LoRA, the frozen copy for full fine-tuning, none at beta = 0) and, with
+        num_iterations > 1, the policy's own before the first update (else the update detaches its own)."""
+        g, micro = self.cfg.grpo, self.cfg.optim.per_device_train_batch_size
+        ref_logp = None
+        if g.beta > 0 and self.ref_policy is not None:
+            ref_logp = batch_logprobs(self.ref_policy, rollout, micro, self.group)
+        elif g.beta > 0:
+            with self.unwrapped.lm.disable_adapter():
+                ref_logp = batch_logprobs(self.unwrapped, rollout, micro, self.group)
+        old_logp = batch_logprobs(self.policy, rollout, micro, self.group) if g.num_iterations > 1 else None
+        return ref_logp, old_logp
+
+    def update(
+        self, rollout: RolloutBatch, advantages: Tensor, ref_logp: Tensor | None, old_logp: Tensor | None
+    ) -> Update:
+        """`num_iterations` optimizer steps on the rollout, each accumulated over micro-batches. A NaN/inf
+        loss or gradient on any process skips that optimizer step on every process."""
+        cfg, g = self.cfg, self.cfg.grpo
+        micro = cfg.optim.per_device_train_batch_size
+        mask = rollout.completion_mask.float()
+        num_tokens = float(mask.sum())
+        if g.loss_type == "dapo":  # normalise by every process's tokens (DDP then averages grads)
+            num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
+        self.policy.train()
+        loss_total, stats, skipped = 0.0, grpo.LossStats(), False
+        grad_norm, lr = math.nan, self.scheduler.get_last_lr()[0]
+        for _ in range(g.num_iterations):
+            iteration_loss = 0.0
+            for start in range(0, len(rollout), micro):
+                rows = slice(start, start + micro)
+                last = start + micro >= len(rollout)
+                with (
+                    nullcontext() if last else self.acc.no_sync(self.policy),
+                    activation_offload(cfg.model.activation_offload),
+                ):
+                    logp, mb_mask = micro_batch_logprobs(self.policy, rollout, rows, group=self.group)
+                    width = logp.shape[1]
+                    loss, mb_stats = grpo.grpo_loss(
+                        logp,
+                        logp.detach() if old_logp is None else old_logp[rows, :width],
+                        None if ref_logp is None else ref_logp[rows, :width],
+                        advantages[rows],
+                        mb_mask,
+                        loss_type=g.loss_type,
+                        epsilon=g.epsilon,
+                        epsilon_high=g.epsilon_high or g.epsilon,
+                        beta=g.beta,
+                        num_sequences=len(rollout),
+                        num_tokens=num_tokens,
+                        max_completion_length=g.max_completion_length,
+                    )
+                    self.acc.backward(loss)
+                iteration_loss += loss.item()
+                stats += mb_stats
+            loss_total += iteration_loss / g.num_iterations
+            grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.optim.max_grad_norm)
             )
-        load_trainable(self.unwrapped.lm, ckpt)
-        rank_state = load_rank_state(ckpt, self.acc.process_index)
-        self.optimizer.load_state_dict(rank_state["optimizer"])
-        self.scheduler.load_state_dict(rank_state["scheduler"])
-        self.start_step = state["step"]
-        self.skipped_steps, self.nonfinite_in_a_row = state["skipped_steps"], state["nonfinite_in_a_row"]
-        if self.is_main:
-            remove_partial(self.run_dir)
-            for log in (self.logger.metrics_path, self.logger.samples_path):
-                truncate_log(log, self.start_step)
-            self._write(f"resuming from {ckpt} at step {self.start_step}")
-        set_rng_state(rank_state["rng"])  # last: nothing may draw random numbers after this
+            lr = self.scheduler.get_last_lr()[0]
+            skipped = self._any_process(not (math.isfinite(iteration_loss) and math.isfinite(grad_norm)))
+            if not skipped:
+                self.optimizer.step()
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if skipped:  # the step's later iterations would build on the same bad batch
+                break
+        self.skipped_steps += skipped
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
+        if skipped:
+            self._write("non-finite loss or gradient; update skipped")
+        return Update(loss_total, grad_norm, lr, stats)
 
-    @property
-    def unwrapped(self) -> Policy:
-        return self.acc.unwrap_model(self.policy)
+    def record(
+        self,
+        step: int,
+        rows: list[dict[str, Any]],
+        rollout: RolloutBatch,
+        scores: RewardScores,
+        group_std: Tensor,
+        update: Update,
+        seconds: dict[str, float],
+    ) -> dict[str, Any]:
+        """The step's metrics, reduced over every process; logged (and a sample completion with them) on
+        the main process when due."""
+        cfg, gather, device = self.cfg, self.acc.gather, self.acc.device
+        total, per_func = gather(scores.total.to(device)), gather(scores.per_func.to(device))
+        lengths, stds = gather(rollout.lengths().float()), gather(group_std.to(device))
+        st = update.stats
+        sums = self.acc.reduce(torch.tensor([st.kl_sum, st.clipped_tokens, st.tokens], device=device), "sum")
+        step_seconds = sum(seconds.values())
+        metrics: dict[str, Any] = {
+            "step": step,
+            "reward": float(total.nanmean()),
+            "reward_std": float(stds.mean()),
+            "kl": float(sums[0] / sums[2]) if cfg.grpo.beta > 0 else None,
+            "clip_ratio": float(sums[1] / sums[2]),
+            "completion_length/mean": float(lengths.mean()),
+            "completion_length/max": float(lengths.max()),
+            "truncated_frac": float(gather(rollout.truncated.float()).mean()),
+            "zero_std_frac": float((stds < 1e-6).float().mean()),
+            "reward_failures": int(gather(scores.failed.float()).sum()),
+            "skipped_steps": self.skipped_steps,
+            "tokens_per_s": float(lengths.sum()) / step_seconds,
+            "step_seconds": step_seconds,
+            "peak_memory_mb": peak_memory_mb(),
+            **{
+                f"rewards/{name}/mean": float(per_func[:, i].nanmean()) for i, name in enumerate(scores.names)
+            },
+            "loss": update.loss,
+            "grad_norm": update.grad_norm,
+            "learning_rate": update.learning_rate,
+            **{f"time/{phase}": s for phase, s in seconds.items()},
+        }
+        if self.is_main and _due(step, cfg.logging.log_completions_steps):
+            sample = self.task.sample_view(rows[0], rollout.completion_texts[0])
+            rewards = {n: float(scores.per_func[0, i]) for i, n in enumerate(scores.names)}
+            self.logger.log_sample({"step": step, **sample, "rewards": rewards})
+        if self.is_main and _due(step, cfg.logging.logging_steps):
+            self.logger.log(metrics)
+        return metrics
 
-    def _write(self, text: str) -> None:
-        from tqdm import tqdm
-
-        if self.is_main:
-            tqdm.write(text)
+    # ----------------------------------------------------------------------------------- the run
 
     def train(self) -> Path | None:
         """Run every step and save the final model; returns its directory, or None when a signal stopped
         the run (after saving a checkpoint and printing how to resume)."""
+        try:
+            return self._run()
+        finally:
+            if self.is_main:
+                self.logger.close()
+
+    def _run(self) -> Path | None:
         from tqdm import tqdm
 
         cfg = self.cfg
@@ -232,16 +368,12 @@ class Trainer:
                 metrics = self.step(step)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
-                if self.is_main and (step % cfg.logging.logging_steps == 0 or step == 1):
-                    self.logger.log(metrics)
                 self.maybe_evaluate(step)
                 stop = self._any_process(signals.requested)
                 diverged = self.nonfinite_in_a_row >= cfg.optim.max_nonfinite_steps
                 if stop or diverged or self._checkpoint_due(step):
                     ckpt = self.save_checkpoint(step)
                 if diverged:
-                    if self.is_main:
-                        self.logger.close()
                     raise TrainingError(
                         f"stopped at step {step}: {self.nonfinite_in_a_row} steps in a row had a non-finite "
                         f"loss or gradient (optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps}); "
@@ -249,8 +381,6 @@ class Trainer:
                     )
                 if stop:
                     bar.close()
-                    if self.is_main:
-                        self.logger.close()
                     self._write(
                         f"stopped at step {step}; resume with: leangrpo train --resume {self.run_dir}"
                     )
@@ -260,35 +390,34 @@ class Trainer:
         self.acc.wait_for_everyone()
         if self.is_main:
             save_final_model(self.unwrapped.lm, self.tokenizer, final)
-            self.logger.close()
             from .report import write_report_after_training
 
             write_report_after_training(self.run_dir, self._write)
         return final
 
     def cold_start(self) -> None:
-        """`sft.steps` supervised steps on tagged worked solutions, before the first GRPO step."""
+        """`sft.steps` supervised steps on the task's worked solutions, before the first GRPO step."""
         from tqdm import trange
 
         cfg, s = self.cfg, self.cfg.sft
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            params, lr=s.learning_rate, weight_decay=cfg.optim.weight_decay, fused=True
-        )
+        optimizer = build_optimizer(params, cfg.optim, learning_rate=s.learning_rate)
         order = PromptSampler(
             len(self.rows), s.batch_size, cfg.seed + 1, self.acc.process_index, self.acc.num_processes
         )
         self.policy.train()
         show = self.is_main and cfg.logging.progress_bar
         for step in trange(s.steps, desc="SFT cold start", disable=not show, dynamic_ncols=True):
+            rows = [self.rows[i] for i in order.indices(step)]
             batch = sft.sft_batch(
                 self.tokenizer,
-                [self.rows[i] for i in order.indices(step)],
+                [r["prompt"] for r in rows],
+                [self.task.solution(r) for r in rows],
                 assistant_prefix=cfg.data.assistant_prefix,
                 max_prompt_length=cfg.grpo.max_prompt_length,
                 max_completion_length=cfg.grpo.max_completion_length,
             ).to(self.acc.device)
-            logp, mask = _micro_batch_logprobs(self.policy, batch, slice(None), temperature=1.0)
+            logp, mask = micro_batch_logprobs(self.policy, batch, slice(None), temperature=1.0)
             loss = sft.nll_loss(logp, mask)
             self.acc.backward(loss)
             torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
@@ -305,9 +434,7 @@ class Trainer:
             self.logger.log(self.evaluator(self.unwrapped.lm, self.tokenizer, step))
         self.acc.wait_for_everyone()
 
-    def _any_process(self, flag: bool) -> bool:
-        """True on every process when `flag` is true on any (so that all stop at the same step)."""
-        return bool(self.acc.reduce(torch.tensor(float(flag), device=self.acc.device), "sum") > 0)
+    # ------------------------------------------------------------------------------ checkpoints
 
     def _checkpoint_due(self, step: int) -> bool:
         every = self.cfg.logging.save_steps
@@ -325,161 +452,48 @@ class Trainer:
             barrier=self.acc.wait_for_everyone,
         )  # fmt: skip
 
-    def rollout(self, step: int) -> tuple[list[dict[str, Any]], RolloutBatch]:
-        cfg = self.cfg
-        rows = [self.rows[i] for i in self.sampler.indices(step - 1)]
-        texts = [render_prompt(self.tokenizer, r["prompt"], cfg.data.assistant_prefix) for r in rows]
-        batch = generate(
-            self.unwrapped.lm,
-            self.tokenizer,
-            texts,
-            num_generations=cfg.grpo.num_generations,
-            max_prompt_length=cfg.grpo.max_prompt_length,
-            max_completion_length=cfg.grpo.max_completion_length,
-            temperature=cfg.grpo.temperature,
-            top_p=cfg.grpo.top_p,
-            assistant_prefix=cfg.data.assistant_prefix,
-            ignore_eos=cfg.grpo.ignore_eos,
-            packed=cfg.grpo.packed_generation,
-        )
-        return rows, batch
-
-    def reference_logprobs(self, rollout: RolloutBatch) -> Tensor | None:
-        """Once per generation batch: adapter disabled (LoRA), frozen copy (full), none at beta=0."""
-        micro = self.cfg.optim.per_device_train_batch_size
-        if self.cfg.grpo.beta == 0:
-            return None
-        if self.ref_policy is not None:
-            return batch_logprobs(self.ref_policy, rollout, micro, self.group)
-        with self.unwrapped.lm.disable_adapter():
-            return batch_logprobs(self.unwrapped, rollout, micro, self.group)
-
-    def step(self, step: int) -> dict[str, Any]:
-        cfg, g = self.cfg, self.cfg.grpo
-        start = time.perf_counter()
-        rows, rollout = self.rollout(step)
-        release_generation_memory()
-
-        G = g.num_generations
-        prompts, completions = as_reward_inputs(
-            [r["prompt"] for r in rows], rollout.completion_texts, self.conversational
-        )
-        columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
-        scores = score_completions(self.reward_funcs, prompts, completions, columns, cfg.rewards.on_error)
-        advantages, group_std = grpo.group_advantages(scores.total, G, g.scale_rewards)
-        advantages = advantages.to(self.acc.device)
-        ref_logp = self.reference_logprobs(rollout)
-        micro = cfg.optim.per_device_train_batch_size
-        old_logp = batch_logprobs(self.policy, rollout, micro, self.group) if g.num_iterations > 1 else None
-
-        mask = rollout.completion_mask.float()
-        num_tokens = float(mask.sum())
-        if g.loss_type == "dapo":  # normalise by every process's tokens (DDP then averages grads)
-            num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
-
-        self.policy.train()
-        loss_total, totals, skipped = 0.0, grpo.LossStats(), False
-        for _ in range(g.num_iterations):
-            iteration_loss = 0.0
-            for mb_start in range(0, len(rollout), micro):
-                rows_mb = slice(mb_start, mb_start + micro)
-                last = mb_start + micro >= len(rollout)
-                with (
-                    nullcontext() if last else self.acc.no_sync(self.policy),
-                    activation_offload(cfg.model.activation_offload),
-                ):
-                    logp, mb_mask = _micro_batch_logprobs(self.policy, rollout, rows_mb, group=self.group)
-                    width = logp.shape[1]
-                    loss, st = grpo.grpo_loss(
-                        logp,
-                        logp.detach() if old_logp is None else old_logp[rows_mb, :width],
-                        None if ref_logp is None else ref_logp[rows_mb, :width],
-                        advantages[rows_mb],
-                        mb_mask,
-                        loss_type=g.loss_type,
-                        epsilon=g.epsilon,
-                        epsilon_high=g.epsilon_high or g.epsilon,
-                        beta=g.beta,
-                        num_sequences=len(rollout),
-                        num_tokens=num_tokens,
-                        max_completion_length=g.max_completion_length,
-                    )
-                    self.acc.backward(loss)
-                iteration_loss += loss.item()
-                totals += st
-            loss_total += iteration_loss / g.num_iterations
-            grad_norm = float(
-                torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.optim.max_grad_norm)
+    def _restore(self, ckpt: Path) -> None:
+        """Weights, optimizer, scheduler, RNG and counters as they were right after the checkpoint's step;
+        log rows after that step are dropped, since those steps run again."""
+        state = read_state(ckpt)
+        if state["step"] >= self.cfg.optim.max_steps:
+            raise TrainingError(
+                f"{ckpt} is at step {state['step']} and optim.max_steps={self.cfg.optim.max_steps}: "
+                f"nothing left to train; raise optim.max_steps to continue"
             )
-            lr = self.scheduler.get_last_lr()[0]
-            # A NaN/inf loss or gradient on any process skips the update on every process.
-            skipped = self._any_process(not (math.isfinite(iteration_loss) and math.isfinite(grad_norm)))
-            if not skipped:
-                self.optimizer.step()
-                self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if skipped:  # the step's later iterations would build on the same bad batch
-                break
-        self.skipped_steps += skipped
-        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
-        if skipped:
-            self._write(f"step {step}: non-finite loss or gradient; update skipped")
+        load_trainable(self.unwrapped.lm, ckpt)
+        rank_state = load_rank_state(ckpt, self.acc.process_index)
+        self.optimizer.load_state_dict(rank_state["optimizer"])
+        self.scheduler.load_state_dict(rank_state["scheduler"])
+        self.start_step = state["step"]
+        self.skipped_steps, self.nonfinite_in_a_row = state["skipped_steps"], state["nonfinite_in_a_row"]
+        if self.is_main:
+            remove_partial(self.run_dir)
+            for log in (self.logger.metrics_path, self.logger.samples_path):
+                truncate_log(log, self.start_step)
+            self._write(f"resuming from {ckpt} at step {self.start_step}")
+        set_rng_state(rank_state["rng"])  # last: nothing may draw random numbers after this
 
-        seconds = time.perf_counter() - start
-        metrics = self._metrics(step, scores, group_std, rollout, totals, seconds)
-        metrics.update(loss=loss_total, grad_norm=grad_norm, learning_rate=lr)
-        if (
-            self.is_main
-            and cfg.logging.log_completions_steps
-            and (step % cfg.logging.log_completions_steps == 0 or step == 1)
-        ):
-            self._log_sample(step, rows[0], rollout.completion_texts[0], scores)
-        return metrics
+    # ---------------------------------------------------------------------------------- helpers
 
-    def _metrics(self, step, scores, group_std, rollout, totals, seconds) -> dict[str, Any]:
-        """Metrics of one step, reduced over every process."""
-        gather = self.acc.gather
-        total = gather(scores.total.to(self.acc.device))
-        per_func = gather(scores.per_func.to(self.acc.device))
-        lengths = gather(rollout.lengths().float())
-        stds = gather(group_std.to(self.acc.device))
-        sums = self.acc.reduce(
-            torch.tensor([totals.kl_sum, totals.clipped_tokens, totals.tokens], device=self.acc.device),
-            "sum",
-        )
-        truncated = gather(rollout.truncated.float())
-        failures = gather(scores.failed.float())
-        metrics: dict[str, Any] = {
-            "step": step,
-            "reward": float(total.nanmean()),
-            "reward_std": float(stds.mean()),
-            "kl": float(sums[0] / sums[2]) if self.cfg.grpo.beta > 0 else None,
-            "clip_ratio": float(sums[1] / sums[2]),
-            "completion_length/mean": float(lengths.mean()),
-            "completion_length/max": float(lengths.max()),
-            "truncated_frac": float(truncated.mean()),
-            "zero_std_frac": float((stds < 1e-6).float().mean()),
-            "reward_failures": int(failures.sum()),
-            "skipped_steps": self.skipped_steps,
-            "tokens_per_s": float(lengths.sum()) / seconds,
-            "step_seconds": seconds,
-            "peak_memory_mb": peak_memory_mb(),
-        }
-        for i, name in enumerate(scores.names):
-            metrics[f"rewards/{name}/mean"] = float(per_func[:, i].nanmean())
-        return metrics
+    @property
+    def unwrapped(self) -> Policy:
+        return self.acc.unwrap_model(self.policy)
 
-    def _log_sample(self, step: int, row: dict[str, Any], completion: str, scores) -> None:
-        self.logger.log_sample(
-            {
-                "step": step,
-                "question": row["question"],
-                "completion": completion,
-                "extracted": extract_xml_answer(completion),
-                "gold": row["answer"],
-                "rewards": {n: float(scores.per_func[0, i]) for i, n in enumerate(scores.names)},
-            }
-        )
+    def _write(self, text: str) -> None:
+        from tqdm import tqdm
+
+        if self.is_main:
+            tqdm.write(text)
+
+    def _any_process(self, flag: bool) -> bool:
+        """True on every process when `flag` is true on any (so that all stop at the same step)."""
+        return bool(self.acc.reduce(torch.tensor(float(flag), device=self.acc.device), "sum") > 0)
+
+
+def _due(step: int, every: int) -> bool:
+    """A schedule of `every` steps (0: never) that also fires at step 1."""
+    return bool(every) and (step % every == 0 or step == 1)
 
 
 def train(cfg: Config, overwrite: bool = False, resume: bool = False) -> Path | None:

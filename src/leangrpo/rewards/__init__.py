@@ -15,7 +15,7 @@ from leangrpo.rewards.builtin import (
     strict_format_reward,
     xmlcount_reward,
 )
-from leangrpo.rewards.registry import BUILTIN_REWARDS, RewardError, RewardFunc, load_reward
+from leangrpo.rewards.registry import BUILTIN_REWARDS, RewardError, RewardFunc, load_reward, load_rewards
 from leangrpo.rewards.scoring import RewardScores, score_completions
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "extract_xml_answer",
     "int_reward",
     "load_reward",
+    "load_rewards",
     "math_verify_reward",
     "predicted_answer",
     "score_completions",

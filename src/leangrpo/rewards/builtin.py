@@ -21,6 +21,10 @@ import re
 import threading
 from typing import Any
 
+ANSWER_FORMAT_PROMPT = (
+    "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
+)
+"""The system prompt that asks for the format these rewards check."""
 ANSWER_OPEN = "<answer>"
 ANSWER_CLOSE = "</answer>"
 

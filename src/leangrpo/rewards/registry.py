@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from leangrpo.errors import UserError
 from leangrpo.rewards.builtin import (
@@ -15,6 +15,10 @@ from leangrpo.rewards.builtin import (
     strict_format_reward,
     xmlcount_reward,
 )
+
+if TYPE_CHECKING:
+    from leangrpo.config import RewardSpec
+    from leangrpo.tasks import Task
 
 RewardFunc = Callable[..., list[Any]]
 """TRL reward signature: ``f(prompts, completions, **columns) -> list[float | None]``."""
@@ -34,18 +38,25 @@ BUILTIN_REWARDS: dict[str, RewardFunc] = {
 }
 
 
-def load_reward(name: str) -> RewardFunc:
-    """Resolve a built-in name (``correctness`` or ``correctness_reward``) or an import path."""
+def load_reward(name: str, task_rewards: dict[str, RewardFunc] | None = None) -> RewardFunc:
+    """Resolve a reward by name: one of the task's own, a built-in (``correctness`` or
+    ``correctness_reward``), or an import path ``package.module:function``."""
     name = name.strip()
     if ":" in name:
         return _import_reward(name)
-    func = BUILTIN_REWARDS.get(name.removesuffix("_reward"))
+    known = {**BUILTIN_REWARDS, **(task_rewards or {})}
+    func = known.get(name.removesuffix("_reward"))
     if func is None:
         raise RewardError(
-            f"unknown reward {name!r}; built-in rewards are {', '.join(sorted(BUILTIN_REWARDS))} "
+            f"unknown reward {name!r}; known rewards are {', '.join(sorted(known))} "
             "(or give a user function as 'package.module:function')"
         )
     return func
+
+
+def load_rewards(specs: list[RewardSpec], task: Task) -> list[tuple[str, RewardFunc, float]]:
+    """The configured rewards as (name, function, weight)."""
+    return [(s.name, load_reward(s.name, task.rewards()), s.weight) for s in specs]
 
 
 def _import_reward(path: str) -> RewardFunc:

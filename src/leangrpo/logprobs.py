@@ -1,0 +1,219 @@
+"""Completion-token log-probs of the policy: the one owner of the training forward.
+
+The decoder runs over prompt + completion and only the completion positions' hidden states reach the
+lm_head, through a chunked log-softmax that never holds [batch, length, vocab] logits. Micro-batches are
+cropped to their real extent, and the completions of one prompt can share a single copy of it
+(`shared_prompt.py`'s layout). The reference, old-policy and update passes and the SFT cold start all
+come through here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from . import shared_prompt
+from .errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from .rollout import RolloutBatch
+
+# Token rows per log-prob chunk: 256 × a 49k vocabulary is 50 MB of fp32 logits, and smaller chunks cost
+# time (benchmarks/RESULTS.md, "Log-prob chunk size").
+LOGPROB_CHUNK_SIZE = 256
+
+
+class LayoutError(UserError, RuntimeError):
+    """The model cannot run the shared-prompt layout it was asked to."""
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    """fp32 logits of some rows, divided by the sampling temperature in place (no second copy)."""
+    return (hidden @ weight.T).float().div_(temperature)
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """log_softmax(h @ W.T / T)[target] computed chunk by chunk; backward recomputes each chunk.
+
+    Only one chunk's logits ([chunk, vocab]) exists at any time, in the forward and in the backward,
+    so memory does not grow with batch × length × vocab; every step on a chunk works in place.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size):  # noqa: D102
+        logps = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
+        lses = torch.empty_like(logps)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = _chunk_logits(hidden[rows], weight, temperature)
+            logps[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1)
+            top = logits.amax(dim=-1, keepdim=True)  # logsumexp, in place: log(sum(exp(x - max))) + max
+            lses[rows] = logits.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
+            logps[rows] -= lses[rows]
+            del logits  # before the next chunk's logits exist
+        ctx.save_for_backward(hidden, weight, targets, lses)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad_logps):  # noqa: D102
+        hidden, weight, targets, lses = ctx.saved_tensors
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            g = grad_logps[rows, None].float()
+            # d logp[target] / d logits = onehot(target) - softmax(logits), then the 1/T of the scaling.
+            grad_logits = _chunk_logits(hidden[rows], weight, ctx.temperature)
+            grad_logits.sub_(lses[rows, None]).exp_().mul_(-g)
+            grad_logits.scatter_add_(-1, targets[rows, None], g).div_(ctx.temperature)
+            if want_hidden:
+                grad_hidden[rows] = grad_logits.to(hidden.dtype) @ weight
+            if want_weight:
+                grad_weight.addmm_(grad_logits.T, hidden[rows].float())
+            del grad_logits  # before the next chunk's logits exist
+        if want_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = LOGPROB_CHUNK_SIZE,
+) -> Tensor:
+    """Per-token log-probs of `targets` [B, T] from hidden states [B, T, H] and the lm_head weight [V, H].
+
+    Equal to `log_softmax(hidden @ weight.T / temperature).gather(targets)` without ever holding the
+    [B, T, V] logits. Returned in float32.
+    """
+    flat = _ChunkedTokenLogprobs.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), temperature, chunk_size
+    )
+    return flat.view(targets.shape)
+
+
+def _base(lm: nn.Module) -> PreTrainedModel:
+    """The transformers model under a peft wrapper (or the model itself)."""
+    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # type: ignore[return-value]
+
+
+class Policy(nn.Module):
+    """Wraps a causal LM so that forward returns the log-probs of the completion tokens only.
+
+    Wrapping (rather than calling the decoder from outside) keeps the forward inside accelerate/DDP, so
+    gradients synchronise across processes. `share_prompt`: the model's attention is switched to the
+    function that also runs the shared-prompt layout (`shared_prompt.use`), so forward takes group > 1.
+    """
+
+    def __init__(
+        self,
+        lm: PreTrainedModel,
+        temperature: float = 1.0,
+        chunk_size: int = LOGPROB_CHUNK_SIZE,
+        share_prompt: bool = False,
+    ):
+        super().__init__()
+        self.lm, self.temperature, self.chunk_size = lm, temperature, chunk_size
+        if share_prompt:
+            shared_prompt.use(_base(lm))
+
+    @property
+    def base(self) -> PreTrainedModel:
+        return _base(self.lm)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        num_completion_tokens: int,
+        temperature: float | None = None,
+        group: int = 1,
+    ) -> Tensor:
+        """Log-probs of the completion tokens, each given everything before it, at the sampling
+        temperature unless `temperature` is given (1.0 for supervised targets).
+
+        group = 1: `input_ids` [B, P + C] are prompt + completion rows, `attention_mask` their mask;
+        returns [B, C]. group > 1: the shared-prompt layout of `shared_prompt.pack` ([R, P + group·C])
+        with the [R, P] prompt mask; returns [R·group, C].
+        """
+        C, decoder = num_completion_tokens, self.base.get_decoder()
+        if group == 1:
+            # Positions count real tokens only, exactly as generate() numbers a left-padded prompt.
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            hidden = decoder(
+                input_ids=input_ids[:, :-1],
+                attention_mask=attention_mask[:, :-1],
+                position_ids=position_ids[:, :-1],
+                use_cache=False,
+            ).last_hidden_state[:, -C:]
+            targets = input_ids[:, -C:]
+        else:
+            position_ids, predictors = shared_prompt.positions(attention_mask, C, group)
+            layout = shared_prompt.Layout(group)
+            hidden = decoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask.bool()[:, None, None, :],
+                position_ids=position_ids,
+                use_cache=False,
+                **{shared_prompt.KWARG: layout},
+            ).last_hidden_state
+            if not layout.used:
+                raise LayoutError(
+                    f"{type(self.base).__name__} does not route attention through transformers' attention "
+                    "interface, which grpo.share_prompt needs; set grpo.share_prompt: false"
+                )
+            hidden = hidden.reshape(-1, hidden.shape[-1])[predictors]
+            width = attention_mask.shape[1]
+            targets = input_ids[:, width:].reshape(-1, C)
+        weight = self.base.get_output_embeddings().weight
+        temperature = self.temperature if temperature is None else temperature
+        return token_logprobs(hidden, weight, targets, temperature, self.chunk_size)
+
+
+def shared_prompt_group(model: nn.Module, micro_batch: int, num_generations: int) -> tuple[int, str | None]:
+    """Completions per decoder row that share one copy of their prompt: as many of a group's completions
+    as every micro-batch holds together (1 = no sharing), and why not when the model cannot."""
+    reason = shared_prompt.unsupported_reason(_base(model).config)
+    return (1, reason) if reason else (math.gcd(micro_batch, num_generations), None)
+
+
+def micro_batch_logprobs(
+    policy: nn.Module, rollout: RolloutBatch, rows: slice, temperature: float | None = None, group: int = 1
+) -> tuple[Tensor, Tensor]:
+    """Log-probs of one micro-batch, cropped to its own real extent (no all-pad columns), and its mask.
+
+    group > 1: every `group` consecutive rows share a prompt, which the decoder then reads once."""
+    prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]
+    first_prompt_col = int(prompt_mask.any(dim=0).int().argmax())
+    num_completion = int(completion_mask.sum(dim=1).max().clamp(min=1))
+    prompt_ids, prompt_mask = rollout.prompt_ids[rows, first_prompt_col:], prompt_mask[:, first_prompt_col:]
+    completion_ids = rollout.completion_ids[rows, :num_completion]
+    completion_mask = completion_mask[:, :num_completion]
+    if group > 1:
+        input_ids = shared_prompt.pack(prompt_ids, completion_ids, group)
+        attention_mask = prompt_mask[::group]
+    else:
+        input_ids = torch.cat([prompt_ids, completion_ids], 1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    logp = policy(input_ids, attention_mask, num_completion, temperature, group)
+    return logp, completion_mask
+
+
+def batch_logprobs(policy: nn.Module, rollout: RolloutBatch, micro_batch: int, group: int = 1) -> Tensor:
+    """Log-probs [N, C] for a whole rollout without gradients (reference / old policy), padded with 0."""
+    out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
+    with torch.inference_mode():
+        for start in range(0, len(rollout), micro_batch):
+            rows = slice(start, start + micro_batch)
+            logp, _ = micro_batch_logprobs(policy, rollout, rows, group=group)
+            out[rows, : logp.shape[1]] = logp
+    return out
