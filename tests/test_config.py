@@ -367,3 +367,16 @@ def test_cli_help_lists_train():
 def test_the_cold_start_needs_a_task_with_worked_solutions(minimal_yaml):
     msg = config_error(minimal_yaml, ["sft.steps=5", "task=dataset"])
     assert "sft.steps needs worked solutions, which task dataset does not have" in msg
+
+
+def test_the_config_reference_in_docs_is_current():
+    """docs/config.md is generated from the fields' descriptions: every field has one, and the file is
+    regenerated when a field changes (python -m leangrpo.config > docs/config.md)."""
+    from leangrpo.config import reference
+
+    text = reference()
+    assert "| `grpo.num_generations` | `8` | completions sampled per prompt" in text
+    assert "| `task.max_solution_steps` |" in text
+    assert not [line for line in text.splitlines() if line.startswith("| `") and line.endswith("|  |")]
+    docs = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+    assert docs.read_text() == text, "docs/config.md is stale: python -m leangrpo.config > docs/config.md"

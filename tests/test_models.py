@@ -242,6 +242,7 @@ def test_policy_logprobs_match_generation_logits_greedy(tiny_model_dir, tokenize
 # --------------------------------------------------------------------------- apply_lora
 
 
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # peft, on the way
 @pytest.mark.parametrize("targets", [["q_proj", "lm_head"], "lm_head", ".*(q_proj|head)"])
 def test_apply_lora_refuses_lm_head(tiny_model_dir, targets):
     cfg = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0, target_modules=targets)

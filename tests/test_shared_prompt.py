@@ -9,7 +9,7 @@ from test_models import LORA, assert_grads_close, load_tiny, randomize_lora_b
 
 from leangrpo import shared_prompt
 from leangrpo.logprobs import LayoutError, Policy, micro_batch_logprobs
-from leangrpo.models import apply_lora
+from leangrpo.models import apply_lora, enable_checkpointing
 from leangrpo.rollout import RolloutBatch
 
 
@@ -72,7 +72,7 @@ def tokenizer_for_rollout(tiny_model_dir):
 
 def _weighted_logprobs(model, rollout, group, checkpointing):
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     model.train()
     logp, mask = micro_batch_logprobs(
         Policy(model, temperature=0.8, chunk_size=5, share_prompt=group > 1),

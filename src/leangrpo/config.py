@@ -384,3 +384,58 @@ def validate_config(data: dict[str, Any], source: str = "config") -> Config:
 def save_config(cfg: Config, path: str | Path) -> None:
     """Write the resolved config (every default filled in) as YAML."""
     Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def reference() -> str:
+    """docs/config.md: every section and field of the config, with its default and description, and each
+    task's options. Regenerate with `python -m leangrpo.config > docs/config.md` (a test checks it)."""
+    from .tasks import available, task_class
+
+    lines = [
+        "# Config reference",
+        "",
+        "Generated from the field descriptions in `src/leangrpo/config.py` "
+        "(`python -m leangrpo.config > docs/config.md`).",
+        "Set any field on the command line as `section.key=value` (values are YAML).",
+    ]
+
+    def rows(model: type[BaseModel], prefix: str) -> list[str]:
+        out = []
+        for name, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, _Section):
+                continue
+            default = "required" if field.is_required() else _default(field)
+            out.append(f"| `{prefix}{name}` | {default} | {field.description or ''} |")
+        return out
+
+    for name, field in Config.model_fields.items():
+        section = field.annotation
+        if not (isinstance(section, type) and issubclass(section, _Section)):
+            continue
+        lines += [
+            "",
+            f"## `{name}`: {field.description}",
+            "",
+            (section.__doc__ or "").strip().replace("\n    ", " "),
+        ]
+        lines += ["", "| key | default | meaning |", "|---|---|---|", *rows(section, f"{name}.")]
+        if section is ModelConfig:
+            lines += rows(LoraConfig, "model.lora.")
+    lines += ["", "## Top level", "", "| key | default | meaning |", "|---|---|---|", *rows(Config, "")]
+    for task in available():
+        cls = task_class(task)
+        lines += ["", f"## Task `{task}`", "", (cls.__doc__ or "").strip().replace("\n    ", " ")]
+        if cls.Options.model_fields:
+            lines += ["", "| key | default | meaning |", "|---|---|---|", *rows(cls.Options, "task.")]
+    return "\n".join(lines) + "\n"
+
+
+def _default(field: Any) -> str:
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, BaseModel):
+        return ""
+    return f"`{yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}`"
+
+
+if __name__ == "__main__":
+    print(reference(), end="")

@@ -152,10 +152,19 @@ def load_model_and_tokenizer(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrai
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora)
     return model, tokenizer
+
+
+def enable_checkpointing(model: PreTrainedModel) -> None:
+    """Non-reentrant gradient checkpointing, under the name this transformers release uses (5.23 renamed
+    it activation checkpointing; 5.18 has only the old name)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
