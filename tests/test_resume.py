@@ -279,6 +279,21 @@ def test_export_and_chat(tmp_path, tiny_model_dir, gsm8k_dir):
     result = cli.invoke(main, ["chat", str(tmp_path / "adapter"), "Hi?", "--max-new-tokens", "2"])
     assert result.exit_code == 0, result.output
 
+    # One loader for every tool: a run without its final model means its last complete checkpoint.
+    from leangrpo.models import locate
+
+    (run / "model").rename(tmp_path / "model-moved")
+    assert locate(run).adapter == run / "checkpoint-2" and locate(run).step == 2
+    out = tmp_path / "eval.json"
+    args = ["--data", str(gsm8k_dir), "--limit", "1", "--max-new-tokens", "2", "--out", str(out)]
+    result = cli.invoke(main, ["eval", "--model", str(run), *args])
+    assert result.exit_code == 0 and out.is_file(), result.output
+    result = cli.invoke(main, ["chat", str(run), "Hi?", "--max-new-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    result = cli.invoke(main, ["export", str(run), "--out", str(tmp_path / "from-ckpt")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "from-ckpt" / "leangrpo_export.json").read_text())["source"] == str(run)
+
 
 def test_output_dir_that_is_not_a_run_is_refused(tmp_path, tiny_model_dir, gsm8k_dir):
     (tmp_path / "run").mkdir()
