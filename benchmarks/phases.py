@@ -26,7 +26,7 @@ from vs_trl import build_model, default_data  # noqa: E402
 from leangrpo import rollout  # noqa: E402
 from leangrpo.config import LoraConfig, validate_config  # noqa: E402
 from leangrpo.data import load_rows, render_prompt  # noqa: E402
-from leangrpo.grpo import LOGPROB_CHUNK_SIZE  # noqa: E402
+from leangrpo.logprobs import LOGPROB_CHUNK_SIZE  # noqa: E402
 from leangrpo.models import Policy, apply_lora, cache_root, load_tokenizer  # noqa: E402
 from leangrpo.rollout import generate  # noqa: E402
 from leangrpo.trainer import _micro_batch_logprobs  # noqa: E402

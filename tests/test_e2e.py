@@ -13,6 +13,8 @@ import yaml
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent
+# Subprocesses run this tree\'s code, wherever the venv\'s editable install points.
+PYTHONPATH = os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])
 
 METRIC_KEYS = {
     "step", "loss", "grad_norm", "learning_rate", "reward", "reward_std", "kl", "clip_ratio",
@@ -45,7 +47,7 @@ def write_config(path: Path, model: Path, data: Path, out: Path, **sections) -> 
 
 
 def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), **(env_extra or {})}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, **(env_extra or {})}
     return subprocess.run(
         [sys.executable, "-m", "leangrpo", *args], capture_output=True, text=True, env=env, timeout=timeout
     )
@@ -119,7 +121,7 @@ def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, tiny_model_di
         optim={"max_steps": 2, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
         grpo={"num_iterations": 2, "loss_type": "dapo"},
     )  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "LEANGRPO_TEST_OUT": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "LEANGRPO_TEST_OUT": str(tmp_path)}
     proc = subprocess.run(
         # torchrun is what `accelerate launch` runs; on CPU, Accelerator picks the gloo backend.
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",

@@ -16,7 +16,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from test_e2e import TESTS, read_metrics, write_config
+from test_e2e import PYTHONPATH, read_metrics, write_config
 
 from leangrpo import grpo
 from leangrpo.checkpoint import checkpoint_dirs, is_complete
@@ -138,7 +138,7 @@ def test_sigkill_during_checkpoint_write_then_sigterm_then_finish(tmp_path, tiny
         tmp_path, tiny_model_dir, gsm8k_dir, "run", optim={"max_steps": 8, "lr_scheduler_type": "constant"}
     )
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
 
     def start(*args, **extra_env):
         return subprocess.Popen(

@@ -1,4 +1,4 @@
-"""The GRPO math as pure functions on tensors: masks, advantages, chunked log-probs, KL and the loss.
+"""The GRPO math as pure functions on tensors: masks, advantages, KL and the loss.
 
 Nothing here touches a model object, so every quantity can be checked against numbers computed by hand.
 """
@@ -13,9 +13,6 @@ from torch import Tensor
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
-# Token rows per log-prob chunk: 256 × a 49k vocabulary is 50 MB of fp32 logits, and smaller chunks cost
-# time (benchmarks/RESULTS.md, "Log-prob chunk size").
-LOGPROB_CHUNK_SIZE = 256
 
 
 def mask_after_eos(completion_ids: Tensor, eos_token_ids: list[int]) -> tuple[Tensor, Tensor]:
@@ -54,75 +51,6 @@ def group_advantages(
         batch_std = flat.std() if flat.numel() > 1 else rewards.new_tensor(0.0)
         advantages = advantages / (batch_std + eps)
     return advantages.reshape(-1), group_std.squeeze(1)
-
-
-def _chunk_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
-    """fp32 logits of some rows, divided by the sampling temperature in place (no second copy)."""
-    return (hidden @ weight.T).float().div_(temperature)
-
-
-class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """log_softmax(h @ W.T / T)[target] computed chunk by chunk; backward recomputes each chunk.
-
-    Only one chunk's logits ([chunk, vocab]) exists at any time, in the forward and in the backward,
-    so memory does not grow with batch × length × vocab; every step on a chunk works in place.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size):  # noqa: D102
-        logps = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
-        lses = torch.empty_like(logps)
-        for start in range(0, hidden.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            logits = _chunk_logits(hidden[rows], weight, temperature)
-            logps[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1)
-            top = logits.amax(dim=-1, keepdim=True)  # logsumexp, in place: log(sum(exp(x - max))) + max
-            lses[rows] = logits.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
-            logps[rows] -= lses[rows]
-            del logits  # before the next chunk's logits exist
-        ctx.save_for_backward(hidden, weight, targets, lses)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return logps
-
-    @staticmethod
-    def backward(ctx, grad_logps):  # noqa: D102
-        hidden, weight, targets, lses = ctx.saved_tensors
-        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            g = grad_logps[rows, None].float()
-            # d logp[target] / d logits = onehot(target) - softmax(logits), then the 1/T of the scaling.
-            grad_logits = _chunk_logits(hidden[rows], weight, ctx.temperature)
-            grad_logits.sub_(lses[rows, None]).exp_().mul_(-g)
-            grad_logits.scatter_add_(-1, targets[rows, None], g).div_(ctx.temperature)
-            if want_hidden:
-                grad_hidden[rows] = grad_logits.to(hidden.dtype) @ weight
-            if want_weight:
-                grad_weight.addmm_(grad_logits.T, hidden[rows].float())
-            del grad_logits  # before the next chunk's logits exist
-        if want_weight:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
-
-
-def token_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    temperature: float = 1.0,
-    chunk_size: int = LOGPROB_CHUNK_SIZE,
-) -> Tensor:
-    """Per-token log-probs of `targets` [B, T] from hidden states [B, T, H] and the lm_head weight [V, H].
-
-    Equal to `log_softmax(hidden @ weight.T / temperature).gather(targets)` without ever holding the
-    [B, T, V] logits. Returned in float32.
-    """
-    flat = _ChunkedTokenLogprobs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), temperature, chunk_size
-    )
-    return flat.view(targets.shape)
 
 
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
