@@ -406,3 +406,26 @@ def test_tokens_after_eos_get_exactly_zero_gradient(loss_type):
     assert (logp.grad[~after_eos] != 0).all()
     assert (hidden.grad[after_eos] == 0).all()
     assert (hidden.grad[~after_eos].abs().sum(-1) > 0).all()
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_masked_positions_with_extreme_logprobs_do_not_make_nan(loss_type):
+    """A position after EOS with ref - logp > 88 overflows exp in float32; the mask must select it out,
+    not multiply it (0 · inf = NaN), in the loss, its gradient and the KL/clip statistics."""
+    logp = torch.tensor([[-1.0, -0.5, -120.0]], requires_grad=True)
+    ref = torch.tensor([[-1.1, -0.4, -5.0]])
+    old = torch.tensor([[-1.0, -0.5, 10.0]])  # logp - old is also extreme at the masked position
+    mask = torch.tensor([[1, 1, 0]])
+    kwargs = dict(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=0.04, num_sequences=1)
+    kwargs |= dict(num_tokens=2.0, max_completion_length=3)
+    loss, stats = grpo_loss(logp, old, ref, torch.tensor([1.0]), mask, **kwargs)
+    loss.backward()
+    # Same batch with an ordinary value at the masked position: the masked value must not matter.
+    tame = torch.tensor([[-1.0, -0.5, -1.0]], requires_grad=True)
+    tame_loss, tame_stats = grpo_loss(tame, old.clamp(max=0), ref, torch.tensor([1.0]), mask, **kwargs)
+    tame_loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    close(loss.item(), tame_loss.item())
+    close(logp.grad, tame.grad)
+    assert logp.grad[0, 2] == 0
+    assert stats == tame_stats and math.isfinite(stats.kl_sum)

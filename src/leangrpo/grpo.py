@@ -97,29 +97,32 @@ def grpo_loss(
     process for dapo, over this process's generation batch for bnpo), so every loss type gets the
     same gradient whether the batch is processed at once or in micro-batches.
     """
-    mask = mask.to(logp.dtype)
-    ratio = torch.exp(logp - old_logp)
+    # Masked positions (after EOS) hold arbitrary log-probs: they are selected out before any exp, since
+    # multiplying by the mask afterwards turns an overflow there into 0 · inf = NaN (loss and gradient).
+    keep = mask.bool()
+    ratio = torch.exp(torch.where(keep, logp - old_logp, 0.0))
     adv = advantages[:, None]
     clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     per_token = -torch.min(ratio * adv, clipped_ratio * adv)
-    kl = kl_k3(logp, ref_logp) if ref_logp is not None else None
+    kl = kl_k3(logp, torch.where(keep, ref_logp, logp.detach())) if ref_logp is not None else None
     if kl is not None and beta:
         per_token = per_token + beta * kl
+    per_token = torch.where(keep, per_token, 0.0)
 
     if loss_type == "grpo":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
+        loss = (per_token.sum(1) / keep.sum(1).clamp(min=1)).sum() / num_sequences
     elif loss_type in ("bnpo", "dapo"):
-        loss = (per_token * mask).sum() / max(num_tokens, 1.0)
+        loss = per_token.sum() / max(num_tokens, 1.0)
     elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (num_sequences * max_completion_length)
+        loss = per_token.sum() / (num_sequences * max_completion_length)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
 
     with torch.no_grad():
         is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
         stats = LossStats(
-            kl_sum=float((kl * mask).sum()) if kl is not None else 0.0,
-            clipped_tokens=float((is_clipped * mask).sum()),
-            tokens=float(mask.sum()),
+            kl_sum=float(kl[keep].sum()) if kl is not None else 0.0,
+            clipped_tokens=float((is_clipped & keep).sum()),
+            tokens=float(keep.sum()),
         )
     return loss, stats
