@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from leangrpo.grpo import group_advantages
 from leangrpo.rewards import (
     BUILTIN_REWARDS,
     RewardError,
@@ -281,9 +282,19 @@ def test_score_completions_weights_and_none() -> None:
     assert not scores.failed.any()
 
 
-def test_score_completions_all_none_totals_zero() -> None:
-    scores = score_completions([("n", constant(None), 1.0)], ["p"], ["a"], {}, on_error="raise")
-    assert scores.total.tolist() == [0.0]
+def test_completion_every_function_declined_is_unscorable_as_in_trl() -> None:
+    """Every function returning None makes the total NaN (not 0): left out of the group's mean and std,
+    advantage 0. TRL 1.16 gives [0.577, 0, -1.155, 0.577] for G = 4 and rewards [1, None, 0, 1]."""
+
+    def values(*scores):
+        return lambda prompts, completions, **kwargs: list(scores)
+
+    funcs = [("a", values(1.0, None, None, 1.0), 1.0), ("b", values(None, None, 0.0, None), 1.0)]
+    scores = score_completions(funcs, ["p"] * 4, ["w", "x", "y", "z"], {}, on_error="raise")
+    assert scores.total[[0, 2, 3]].tolist() == [1.0, 0.0, 1.0] and scores.total[1].isnan()
+    assert not scores.failed.any()
+    advantages, _ = group_advantages(scores.total, num_generations=4)
+    assert advantages.tolist() == pytest.approx([0.57725, 0.0, -1.15450, 0.57725], abs=1e-4)
 
 
 def test_score_completions_builtins_on_chat_completions() -> None:

@@ -24,7 +24,7 @@ class RewardScores:
     """Rewards for N completions from F functions."""
 
     per_func: torch.Tensor  # float32 [N, F]; NaN where a function returned None (not applicable)
-    total: torch.Tensor  # float32 [N]; weighted nansum over functions; NaN where failed
+    total: torch.Tensor  # float32 [N]; weighted nansum over functions; NaN where failed or unscorable
     failed: torch.Tensor  # bool [N]; some function raised or returned garbage (on_error="missing")
     names: list[str]
 
@@ -47,8 +47,8 @@ def score_completions(
 ) -> RewardScores:
     """Call each ``(name, func, weight)`` once on the batch, TRL-style, and combine the scores.
 
-    None (not applicable) becomes NaN and is skipped by the weighted nansum, as in TRL; so a
-    completion every function declined gets total 0.0. A function that raises, or returns
+    None (not applicable) becomes NaN and is skipped by the weighted nansum, as in TRL; a completion
+    every function declined is unscorable, total NaN (as in TRL: no baseline, advantage 0). A function that raises, or returns
     anything but one finite number or None per completion, is handled per ``on_error``:
     "raise" raises a one-line RewardError naming the function and, when it can be found, the
     completion; "missing" re-runs it on each completion alone, marks those that still fail as
@@ -66,7 +66,7 @@ def score_completions(
         per_func[:, f] = torch.tensor(values, dtype=torch.float32)
     weights = torch.tensor([weight for _, _, weight in funcs], dtype=torch.float32)
     total = torch.nansum(per_func * weights, dim=1)
-    total[failed] = math.nan
+    total[failed | per_func.isnan().all(dim=1)] = math.nan
     return RewardScores(per_func, total, failed, [name for name, _, _ in funcs])
 
 
