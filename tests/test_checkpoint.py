@@ -58,8 +58,8 @@ def save(run_dir: Path, step: int, cfg=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return save_checkpoint(
         run_dir, step, model=_Saves("adapter_model.safetensors"), tokenizer=_Saves("tokenizer.json"),
-        optimizer=opt, scheduler=sched, cfg=cfg or make_cfg(run_dir), state={"world_size": 1},
-        rank=0, barrier=lambda: None,
+        optimizer_state=opt.state_dict(), scheduler=sched, cfg=cfg or make_cfg(run_dir),
+        state={"world_size": 1}, rank=0, barrier=lambda: None,
     )  # fmt: skip
 
 

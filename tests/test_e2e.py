@@ -13,7 +13,7 @@ import yaml
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent
-# Subprocesses run this tree\'s code, wherever the venv\'s editable install points.
+# Subprocesses run this tree's code, wherever the venv's editable install points.
 PYTHONPATH = os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])
 
 METRIC_KEYS = {

@@ -137,9 +137,9 @@ def save_checkpoint(
     run_dir: Path,
     step: int,
     *,
-    model: torch.nn.Module,
+    model: torch.nn.Module | None,
     tokenizer: Any,
-    optimizer: torch.optim.Optimizer,
+    optimizer_state: dict[str, Any],
     scheduler: Any,
     cfg: Config,
     state: dict[str, Any],
@@ -148,7 +148,9 @@ def save_checkpoint(
 ) -> Path:
     """Write `checkpoint-{step}` atomically; every rank calls this (each saves its RNG state).
 
-    Holds the trainable weights (`save_pretrained`: the adapter only for peft models), the tokenizer,
+    `model` (the whole causal LM, needed on rank 0 only) and `optimizer_state` come from the trainer's
+    `distributed` strategy, which gathers them when sharded. The checkpoint holds the trainable weights
+    (`save_pretrained`: the adapter only for peft models), the tokenizer,
     the optimizer and scheduler states, every rank's RNG states, the resolved config and `state` (step
     counters). Older checkpoints beyond `logging.save_total_limit` are deleted after the new one is
     complete. A failed write (disk full...) removes the partial files and raises a CheckpointError.
@@ -167,9 +169,10 @@ def save_checkpoint(
         torch.save(rng_state(), tmp / f"rng_state_{rank}.pt")
         barrier()
         if rank == 0:
+            assert model is not None, "rank 0 saves the model"
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(optimizer_state, tmp / "optimizer.pt")
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             save_config(cfg, tmp / "config.yaml")
             time.sleep(float(os.environ.get(SAVE_DELAY_ENV, 0)))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import grpo, sft
+from . import distributed, grpo, sft
 from .checkpoint import (
     RunDirError,
     check_resumable,
@@ -97,6 +97,7 @@ class Trainer:
         return_freed_memory()  # before anything large is allocated
         # Without CUDA, cpu=True is what makes accelerate/torchrun processes form a gloo group.
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
+        self.dist = distributed.setup(self.acc)
         self.is_main = self.acc.is_main_process
         self.run_dir = Path(cfg.output_dir)
         self.resume_from = resume_checkpoint(self.run_dir) if resume else None
@@ -109,6 +110,7 @@ class Trainer:
 
         # Everything that can fail on user input is checked before the model loads.
         check_device_options(cfg)
+        distributed.check_options(self.dist, cfg)
         self.task = load_task(cfg.task)
         self.reward_funcs = load_rewards(cfg.rewards.functions, self.task)
         loaded = load_rows(cfg.data, self.task)
@@ -134,8 +136,12 @@ class Trainer:
         self.ref_policy = None
         if g.beta > 0 and not is_peft(model):
             ref = Policy(frozen_copy(model), g.temperature, g.logprob_chunk_size, shared)
-            self.ref_policy = ref.to(self.acc.device)
-        params = [p for p in model.parameters() if p.requires_grad]
+            self.ref_policy = self.dist.place_frozen(ref)
+        if self.resume_from:  # into the whole model, before sharding (the reference keeps the start)
+            self._check_steps_left(self.resume_from)
+            load_trainable(model, self.resume_from)
+        self.policy = self.dist.wrap(Policy(model, g.temperature, g.logprob_chunk_size, shared))
+        params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(params, cfg.optim)
         from transformers import get_scheduler
 
@@ -146,7 +152,6 @@ class Trainer:
             num_warmup_steps=math.ceil(cfg.optim.warmup_ratio * total),
             num_training_steps=total,
         )
-        self.policy = self.acc.prepare_model(Policy(model, g.temperature, g.logprob_chunk_size, shared))
         set_seed(cfg.seed, device_specific=True)  # different samples on each rank
         self.sampler = PromptSampler(
             len(self.rows), cfg.prompts_per_step, cfg.seed, self.acc.process_index,
@@ -185,19 +190,20 @@ class Trainer:
         cfg = self.cfg
         rows = [self.rows[i] for i in self.sampler.indices(step - 1)]
         texts = [render_prompt(self.tokenizer, r["prompt"], cfg.data.assistant_prefix) for r in rows]
-        batch = generate(
-            self.unwrapped.lm,
-            self.tokenizer,
-            texts,
-            num_generations=cfg.grpo.num_generations,
-            max_prompt_length=cfg.grpo.max_prompt_length,
-            max_completion_length=cfg.grpo.max_completion_length,
-            temperature=cfg.grpo.temperature,
-            top_p=cfg.grpo.top_p,
-            assistant_prefix=cfg.data.assistant_prefix,
-            ignore_eos=cfg.grpo.ignore_eos,
-            packed=cfg.grpo.packed_generation,
-        )
+        with self.dist.full_weights(self.policy):
+            batch = generate(
+                self.unwrapped.lm,
+                self.tokenizer,
+                texts,
+                num_generations=cfg.grpo.num_generations,
+                max_prompt_length=cfg.grpo.max_prompt_length,
+                max_completion_length=cfg.grpo.max_completion_length,
+                temperature=cfg.grpo.temperature,
+                top_p=cfg.grpo.top_p,
+                assistant_prefix=cfg.data.assistant_prefix,
+                ignore_eos=cfg.grpo.ignore_eos,
+                packed=cfg.grpo.packed_generation,
+            )
         release_generation_memory()
         return rows, batch
 
@@ -244,7 +250,7 @@ class Trainer:
                 rows = slice(start, start + micro)
                 last = start + micro >= len(rollout)
                 with (
-                    nullcontext() if last else self.acc.no_sync(self.policy),
+                    self.dist.sync_gradients(self.policy, sync=last),
                     activation_offload(cfg.model.activation_offload),
                 ):
                     logp, mb_mask = micro_batch_logprobs(self.policy, rollout, rows, group=self.group)
@@ -267,9 +273,7 @@ class Trainer:
                 iteration_loss += loss.item()
                 stats += mb_stats
             loss_total += iteration_loss / g.num_iterations
-            grad_norm = float(
-                torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.optim.max_grad_norm)
-            )
+            grad_norm = self.dist.clip_grad_norm(self.policy, cfg.optim.max_grad_norm)
             lr = self.scheduler.get_last_lr()[0]
             skipped = self._any_process(not (math.isfinite(iteration_loss) and math.isfinite(grad_norm)))
             if not skipped:
@@ -348,6 +352,7 @@ class Trainer:
         from tqdm import tqdm
 
         cfg = self.cfg
+        self._write(f"training on {self.dist.describe()}, device {self.acc.device}")
         if self.is_main:
             save_config(cfg, self.run_dir / "config.yaml")
             if self.skipped:
@@ -388,8 +393,9 @@ class Trainer:
         bar.close()
         final = self.run_dir / "model"
         self.acc.wait_for_everyone()
-        if self.is_main:
-            save_final_model(self.unwrapped.lm, self.tokenizer, final)
+        lm = self.dist.saveable(self.policy)
+        if lm is not None:
+            save_final_model(lm, self.tokenizer, final)
             from .report import write_report_after_training
 
             write_report_after_training(self.run_dir, self._write)
@@ -420,7 +426,7 @@ class Trainer:
             logp, mask = micro_batch_logprobs(self.policy, batch, slice(None), temperature=1.0)
             loss = sft.nll_loss(logp, mask)
             self.acc.backward(loss)
-            torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+            self.dist.clip_grad_norm(self.policy, cfg.optim.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if (step + 1) % cfg.logging.logging_steps == 0 or step + 1 == s.steps:
@@ -430,9 +436,10 @@ class Trainer:
         """Evaluate on the held-out subset when `eval` says so (step 0 = before training); main process."""
         if self.evaluator is None or not self.evaluator.due(step):
             return
-        if self.is_main:
-            self.logger.log(self.evaluator(self.unwrapped.lm, self.tokenizer, step))
-        self.acc.wait_for_everyone()
+        with self.dist.full_weights(self.policy):
+            if self.is_main:
+                self.logger.log(self.evaluator(self.unwrapped.lm, self.tokenizer, step))
+            self.acc.wait_for_everyone()
 
     # ------------------------------------------------------------------------------ checkpoints
 
@@ -447,23 +454,26 @@ class Trainer:
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
         }
         return save_checkpoint(
-            self.run_dir, step, model=self.unwrapped.lm, tokenizer=self.tokenizer, optimizer=self.optimizer,
-            scheduler=self.scheduler, cfg=self.cfg, state=state, rank=self.acc.process_index,
-            barrier=self.acc.wait_for_everyone,
+            self.run_dir, step, model=self.dist.saveable(self.policy), tokenizer=self.tokenizer,
+            optimizer_state=self.dist.optimizer_state(self.policy, self.optimizer), scheduler=self.scheduler,
+            cfg=self.cfg, state=state, rank=self.acc.process_index, barrier=self.acc.wait_for_everyone,
         )  # fmt: skip
 
-    def _restore(self, ckpt: Path) -> None:
-        """Weights, optimizer, scheduler, RNG and counters as they were right after the checkpoint's step;
-        log rows after that step are dropped, since those steps run again."""
-        state = read_state(ckpt)
-        if state["step"] >= self.cfg.optim.max_steps:
+    def _check_steps_left(self, ckpt: Path) -> None:
+        step = read_state(ckpt)["step"]
+        if step >= self.cfg.optim.max_steps:
             raise TrainingError(
-                f"{ckpt} is at step {state['step']} and optim.max_steps={self.cfg.optim.max_steps}: "
+                f"{ckpt} is at step {step} and optim.max_steps={self.cfg.optim.max_steps}: "
                 f"nothing left to train; raise optim.max_steps to continue"
             )
-        load_trainable(self.unwrapped.lm, ckpt)
+
+    def _restore(self, ckpt: Path) -> None:
+        """Optimizer, scheduler, RNG and counters as they were right after the checkpoint's step (the
+        weights were loaded before wrapping); log rows after that step are dropped, since those steps run
+        again."""
+        state = read_state(ckpt)
         rank_state = load_rank_state(ckpt, self.acc.process_index)
-        self.optimizer.load_state_dict(rank_state["optimizer"])
+        self.dist.load_optimizer_state(self.policy, self.optimizer, rank_state["optimizer"])
         self.scheduler.load_state_dict(rank_state["scheduler"])
         self.start_step = state["step"]
         self.skipped_steps, self.nonfinite_in_a_row = state["skipped_steps"], state["nonfinite_in_a_row"]
