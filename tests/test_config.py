@@ -182,6 +182,17 @@ def test_epsilon_high_below_epsilon(minimal_yaml):
     assert load_config(minimal_yaml, ["grpo.epsilon_high=0.2"]).grpo.epsilon_high == 0.2
 
 
+def test_delta_must_exceed_the_upper_clip(minimal_yaml):
+    msg = config_error(minimal_yaml, ["grpo.epsilon_high=0.28", "grpo.delta=1.2"])
+    assert "grpo.delta=1.2 must exceed 1 + epsilon_high = 1.28" in msg
+    assert "grpo.delta" in config_error(minimal_yaml, ["grpo.delta=0.5"])
+    cfg = load_config(minimal_yaml, ["grpo.delta=4", "grpo.importance_sampling_level=sequence"])
+    assert cfg.grpo.delta == 4.0 and cfg.grpo.importance_sampling_level == "sequence"
+    assert "grpo.importance_sampling_level" in config_error(
+        minimal_yaml, ["grpo.importance_sampling_level=seq"]
+    )
+
+
 def test_bad_loss_type(minimal_yaml):
     msg = config_error(minimal_yaml, ["grpo.loss_type=ppo"])
     assert "grpo.loss_type" in msg

@@ -13,6 +13,8 @@ from leangrpo.grpo import (
     grpo_loss,
     kl_k3,
     mask_after_eos,
+    mask_truncated,
+    sequence_log_ratio,
 )
 from leangrpo.logprobs import token_logprobs
 
@@ -306,6 +308,90 @@ def test_grpo_loss_beta_zero_reports_kl_but_does_not_add_it():
     loss, stats = _loss(logp, old, ref, adv, mask, "dapo", beta=0.0)
     close(loss, EXPECTED_LOSS["dapo"], atol=1e-9)
     close(stats.kl_sum, 5 * KL_TOK, atol=1e-9)
+
+
+# GSPO on the tiny example: one ratio per completion, exp(mean token log-ratio).
+#   seq 0 (A = +1): s0 = (1.1 * 1.5 * 0.5) ** (1/3) = 0.825 ** (1/3) = 0.93795, inside [0.8, 1.28]:
+#       every token's loss is -s0, and d(-s0)/d logp_t = -s0 / 3 from each of the 3 tokens -> -s0 per token
+#   seq 1 (A = -1): s1 = (0.5 * 1.1) ** (1/2) = 0.74162 < 0.8: clipped to 0.8 on both tokens, no gradient
+#       (the padded third token's ratio 0.1 is not in the mean).
+S0 = 0.825 ** (1 / 3)
+GSPO_LOSS = {
+    "grpo": (-S0 + 0.8) / 2,
+    "bnpo": (-3 * S0 + 2 * 0.8) / 5,
+    "dapo": (-3 * S0 + 2 * 0.8) / 5,
+    "dr_grpo": (-3 * S0 + 2 * 0.8) / 8,
+}
+GSPO_GRAD_SCALE = {"grpo": 1 / (3 * 2), "bnpo": 1 / 5, "dapo": 1 / 5, "dr_grpo": 1 / 8}
+
+
+def test_sequence_log_ratio_is_the_masked_mean():
+    log_ratio = torch.tensor([[0.3, -0.6, 9.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    close(sequence_log_ratio(log_ratio, mask), [[-0.15], [0.0]])
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_gspo_sequence_level_hand_computed(loss_type):
+    logp, old, ref, adv, mask = _tiny()
+    loss, stats = grpo_loss(
+        logp, old, ref, adv, mask, loss_type=loss_type, epsilon=EPS, epsilon_high=EPS_HIGH, beta=0.0,
+        num_sequences=2, num_tokens=5.0, max_completion_length=MAX_LEN, importance_sampling_level="sequence",
+    )  # fmt: skip
+    close(loss, GSPO_LOSS[loss_type], atol=1e-9)
+    assert stats == LossStats(kl_sum=0.0, clipped_tokens=2.0, tokens=5.0)  # both tokens of seq 1
+    loss.backward()
+    close(logp.grad, [[-S0 * GSPO_GRAD_SCALE[loss_type]] * 3, [0.0, 0.0, 0.0]], atol=1e-9)
+
+
+def test_gspo_on_policy_grpo_gradient_equals_token_level():
+    # At ratio 1 (one update per generation batch), loss_type grpo gives GSPO the token-level gradient.
+    g = torch.Generator().manual_seed(7)
+    base = -torch.rand(4, 5, generator=g, dtype=torch.float64)
+    adv = torch.randn(4, generator=g, dtype=torch.float64)
+    mask = (torch.arange(5)[None, :] < torch.tensor([5, 2, 4, 1])[:, None]).long()
+    grads = []
+    for level in ("token", "sequence"):
+        logp = base.clone().requires_grad_()
+        loss, _ = grpo_loss(
+            logp, logp.detach(), None, adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2, beta=0.0,
+            num_sequences=4, num_tokens=12.0, max_completion_length=5, importance_sampling_level=level,
+        )  # fmt: skip
+        loss.backward()
+        grads.append(logp.grad)
+    close(grads[0], grads[1], atol=1e-12)
+
+
+def test_delta_caps_the_ratio_for_negative_advantages():
+    # eps_high 0.28, delta 4. One token each:
+    #   A = -1, r = 5: -min(-4, -1.28) = 4, clipped (no gradient); without delta 5, gradient -A * r = 5
+    #   A = -1, r = 2: below delta: 2, gradient 2, not clipped
+    #   A = +1, r = 5: the usual upper clip: -1.28, no gradient, clipped
+    def run(delta):
+        logp = torch.tensor([[math.log(5.0)], [math.log(2.0)], [math.log(5.0)]], dtype=torch.float64)
+        logp.requires_grad_()
+        loss, stats = grpo_loss(
+            logp, torch.zeros(3, 1, dtype=torch.float64), None, torch.tensor([-1.0, -1.0, 1.0], dtype=torch.float64),
+            torch.ones(3, 1), loss_type="dapo", epsilon=EPS, epsilon_high=EPS_HIGH, beta=0.0, num_sequences=3,
+            num_tokens=3.0, max_completion_length=1, delta=delta,
+        )  # fmt: skip
+        loss.backward()
+        return loss, stats, logp.grad
+
+    loss, stats, grad = run(4.0)
+    close(loss, (4.0 + 2.0 - 1.28) / 3, atol=1e-9)
+    close(grad, [[0.0], [2.0 / 3], [0.0]], atol=1e-9)
+    assert stats.clipped_tokens == 2.0
+    loss, stats, grad = run(None)
+    close(loss, (5.0 + 2.0 - 1.28) / 3, atol=1e-9)
+    close(grad, [[5.0 / 3], [2.0 / 3], [0.0]], atol=1e-9)
+    assert stats.clipped_tokens == 1.0
+
+
+def test_mask_truncated_drops_cut_off_rows():
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    out = mask_truncated(mask, torch.tensor([True, False, False]))
+    assert out.tolist() == [[0.0, 0.0], [1.0, 0.0], [1.0, 1.0]]
 
 
 def test_grpo_loss_unknown_type_raises():

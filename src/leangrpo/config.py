@@ -155,6 +155,22 @@ class GRPOSection(_Section):
     epsilon_high: float | None = Field(
         None, gt=0, description="upper clip: 1 + epsilon_high (default epsilon)"
     )
+    delta: float | None = Field(
+        None,
+        gt=1,
+        description="two-sided clipping (INTELLECT-2): the ratio is also capped at delta for negative "
+        "advantages; must exceed 1 + epsilon_high; null: off",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="one ratio per token, or per completion: the exp of its mean token log-ratio (GSPO; "
+        "the paper's setup is loss_type: grpo)",
+    )
+    mask_truncated_completions: bool = Field(
+        False,
+        description="leave completions cut off at max_completion_length out of the loss (DAPO); they still "
+        "count in their group's advantages",
+    )
     num_iterations: int = Field(1, ge=1, description="updates per generation batch (mu)")
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
         "dapo", description="how per-token losses are averaged (docs/algorithms.md)"
@@ -293,6 +309,12 @@ class Config(_Section):
         if self.grpo.epsilon_high is not None and self.grpo.epsilon_high < self.grpo.epsilon:
             raise ValueError(
                 f"grpo.epsilon_high={self.grpo.epsilon_high} is below grpo.epsilon={self.grpo.epsilon}"
+            )
+        upper = 1 + (self.grpo.epsilon_high or self.grpo.epsilon)
+        if self.grpo.delta is not None and self.grpo.delta <= upper:
+            raise ValueError(
+                f"grpo.delta={self.grpo.delta} must exceed 1 + epsilon_high = {upper:g} (it caps the ratio for "
+                "negative advantages, above the usual clip)"
             )
         if self.sft.steps and not task.has_solutions:
             raise ValueError(f"sft.steps needs worked solutions, which task {task.name} does not have")

@@ -13,6 +13,7 @@ from torch import Tensor
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
 
 
 def mask_after_eos(completion_ids: Tensor, eos_token_ids: list[int]) -> tuple[Tensor, Tensor]:
@@ -53,6 +54,18 @@ def group_advantages(
     return advantages.reshape(-1), group_std.squeeze(1)
 
 
+def mask_truncated(mask: Tensor, truncated: Tensor) -> Tensor:
+    """The loss mask without the completions cut off at max_completion_length (DAPO): their missing end
+    says nothing about whether they were good, so they teach nothing (they still count in advantages)."""
+    return mask * ~truncated[:, None]
+
+
+def sequence_log_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's importance weight per completion, as a log: the mean per-token log-ratio over its tokens,
+    [N, C] -> [N, 1] (so that one ratio, and one clip, applies to every token of the completion)."""
+    return ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1))[:, None]
+
+
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Schulman's k3 estimator of KL(policy || reference), per token; always >= 0."""
     delta = ref_logp - logp
@@ -89,6 +102,8 @@ def grpo_loss(
     num_sequences: int,
     num_tokens: float,
     max_completion_length: int,
+    importance_sampling_level: ImportanceSamplingLevel = "token",
+    delta: float | None = None,
 ) -> tuple[Tensor, LossStats]:
     """The clipped GRPO surrogate (+ beta × k3 KL) of one micro-batch, scaled so that summing it over
     the micro-batches of an accumulated batch gives that whole batch's loss.
@@ -96,14 +111,20 @@ def grpo_loss(
     `num_sequences` and `num_tokens` count the whole accumulated batch (`num_tokens` over every
     process for dapo, over this process's generation batch for bnpo), so every loss type gets the
     same gradient whether the batch is processed at once or in micro-batches.
+    `importance_sampling_level="sequence"` is GSPO (one ratio per completion, `sequence_log_ratio`);
+    `delta` caps the ratio from above for negative advantages too (two-sided clipping, INTELLECT-2).
     """
     # Masked positions (after EOS) hold arbitrary log-probs: they are selected out before any exp, since
     # multiplying by the mask afterwards turns an overflow there into 0 · inf = NaN (loss and gradient).
     keep = mask.bool()
-    ratio = torch.exp(torch.where(keep, logp - old_logp, 0.0))
+    log_ratio = torch.where(keep, logp - old_logp, 0.0)
+    if importance_sampling_level == "sequence":
+        log_ratio = sequence_log_ratio(log_ratio, keep)
+    ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
     clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    per_token = -torch.min(ratio * adv, clipped_ratio * adv)
+    capped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
+    per_token = -torch.min(capped_ratio * adv, clipped_ratio * adv)
     kl = kl_k3(logp, torch.where(keep, ref_logp, logp.detach())) if ref_logp is not None else None
     if kl is not None and beta:
         per_token = per_token + beta * kl
@@ -119,7 +140,10 @@ def grpo_loss(
         raise ValueError(f"unknown loss_type {loss_type!r}")
 
     with torch.no_grad():
+        # Tokens whose gradient a clip zeroes (with GSPO, every token of a clipped completion).
         is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
+        if delta is not None:
+            is_clipped |= (ratio > delta) & (adv < 0)
         stats = LossStats(
             kl_sum=float(kl[keep].sum()) if kl is not None else 0.0,
             clipped_tokens=float((is_clipped & keep).sum()),

@@ -238,6 +238,8 @@ class Trainer:
         cfg, g = self.cfg, self.cfg.grpo
         micro = cfg.optim.per_device_train_batch_size
         mask = rollout.completion_mask.float()
+        if g.mask_truncated_completions:
+            mask = grpo.mask_truncated(mask, rollout.truncated)
         num_tokens = float(mask.sum())
         if g.loss_type == "dapo":  # normalise by every process's tokens (DDP then averages grads)
             num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
@@ -253,14 +255,14 @@ class Trainer:
                     self.dist.sync_gradients(self.policy, sync=last),
                     activation_offload(cfg.model.activation_offload),
                 ):
-                    logp, mb_mask = micro_batch_logprobs(self.policy, rollout, rows, group=self.group)
+                    logp, _ = micro_batch_logprobs(self.policy, rollout, rows, group=self.group)
                     width = logp.shape[1]
                     loss, mb_stats = grpo.grpo_loss(
                         logp,
                         logp.detach() if old_logp is None else old_logp[rows, :width],
                         None if ref_logp is None else ref_logp[rows, :width],
                         advantages[rows],
-                        mb_mask,
+                        mask[rows, :width],
                         loss_type=g.loss_type,
                         epsilon=g.epsilon,
                         epsilon_high=g.epsilon_high or g.epsilon,
@@ -268,6 +270,8 @@ class Trainer:
                         num_sequences=len(rollout),
                         num_tokens=num_tokens,
                         max_completion_length=g.max_completion_length,
+                        importance_sampling_level=g.importance_sampling_level,
+                        delta=g.delta,
                     )
                     self.acc.backward(loss)
                 iteration_loss += loss.item()
