@@ -370,8 +370,9 @@ def test_delta_caps_the_ratio_for_negative_advantages():
     def run(delta):
         logp = torch.tensor([[math.log(5.0)], [math.log(2.0)], [math.log(5.0)]], dtype=torch.float64)
         logp.requires_grad_()
+        adv = torch.tensor([-1.0, -1.0, 1.0], dtype=torch.float64)
         loss, stats = grpo_loss(
-            logp, torch.zeros(3, 1, dtype=torch.float64), None, torch.tensor([-1.0, -1.0, 1.0], dtype=torch.float64),
+            logp, torch.zeros(3, 1, dtype=torch.float64), None, adv,
             torch.ones(3, 1), loss_type="dapo", epsilon=EPS, epsilon_high=EPS_HIGH, beta=0.0, num_sequences=3,
             num_tokens=3.0, max_completion_length=1, delta=delta,
         )  # fmt: skip

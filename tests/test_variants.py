@@ -1,4 +1,4 @@
-"""The GRPO variants wired through config → Trainer → loss, on the tiny model (the math is in test_grpo.py)."""
+"""The GRPO variants wired through config → Trainer → loss on the tiny model (math: test_grpo.py)."""
 
 from __future__ import annotations
 

@@ -313,8 +313,8 @@ class Config(_Section):
         upper = 1 + (self.grpo.epsilon_high or self.grpo.epsilon)
         if self.grpo.delta is not None and self.grpo.delta <= upper:
             raise ValueError(
-                f"grpo.delta={self.grpo.delta} must exceed 1 + epsilon_high = {upper:g} (it caps the ratio for "
-                "negative advantages, above the usual clip)"
+                f"grpo.delta={self.grpo.delta} must exceed 1 + epsilon_high = {upper:g} (it caps the ratio "
+                "for negative advantages, above the usual clip)"
             )
         if self.sft.steps and not task.has_solutions:
             raise ValueError(f"sft.steps needs worked solutions, which task {task.name} does not have")
