@@ -147,9 +147,9 @@ def test_missing_local_file(tmp_path):
 
 
 def test_unsupported_file_type(tmp_path):
-    path = tmp_path / "data.csv"
+    path = tmp_path / "data.txt"
     path.write_text("question,answer\n")
-    with pytest.raises(DataError, match="unsupported data file type '.csv'"):
+    with pytest.raises(DataError, match="unsupported data file type '.txt'"):
         load(path)
 
 
@@ -183,11 +183,11 @@ def test_parquet_custom_columns_raw_answers(tmp_path):
         ]
     ).to_parquet(str(path))
     loaded = load(path, task="dataset", prompt_column="problem", answer_column="solution")
-    assert [(r["question"], r["answer"], r["source"]) for r in loaded.rows] == [
-        ("Six times seven?", "42", "a"),
-        ("One plus one?", "2", "c"),
+    assert [(r["prompt"][-1]["content"], r["answer"], r["solution"], r["source"]) for r in loaded.rows] == [
+        ("Six times seven?", "42", 42, "a"),
+        ("One plus one?", "2", 2, "c"),
     ]
-    assert "problem" not in loaded.rows[0]
+    assert loaded.rows[0]["problem"] == "Six times seven?"  # every column keeps its own name
     assert loaded.skipped == [f"{path} row 1: empty 'solution'"]
 
 
@@ -359,3 +359,70 @@ def test_max_solution_steps_leaving_nothing_says_why(tmp_path):
     path = write_jsonl(tmp_path / "long.jsonl", [{"question": "Q", "answer": "1\n2\n#### 3"}])
     with pytest.raises(DataError, match="1 left out by task.max_solution_steps=1"):
         load(path, max_solution_steps=1)
+
+
+# --- TRL's dataset formats and the files `datasets` reads -----------------------------------
+
+CHAT = [{"role": "user", "content": "What is 2+3?"}]
+TRL_ROWS = [
+    {"prompt": CHAT, "solution": "5", "meta": {"source": "x", "tags": ["a", "b"]}},
+    {"prompt": [{"role": "user", "content": "1+1?"}], "solution": "2", "meta": {"source": "y", "tags": []}},
+]
+
+
+def test_trl_conversational_rows_keep_messages_and_columns(tmp_path):
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TRL_ROWS))
+    rows = load(tmp_path / "train.jsonl", task="dataset", system_prompt=None).rows
+    assert rows[0] == {"prompt": CHAT, "solution": "5", "answer": "5", "meta": TRL_ROWS[0]["meta"]}
+    with_system = load(tmp_path / "train.jsonl", task="dataset").rows[0]["prompt"]
+    assert with_system == [{"role": "system", "content": "Think step by step."}, *CHAT]
+
+
+def test_trl_standard_and_prompt_only_rows(tmp_path):
+    path = write_jsonl(tmp_path / "std.jsonl", [{"prompt": "The sky is"}, {"prompt": "Once upon", "id": 7}])
+    rows = load(path, task="dataset").rows
+    assert rows == [{"prompt": "The sky is"}, {"prompt": "Once upon", "id": 7}]  # text, no chat, no answer
+    assert render_prompt(tiny_tokenizer(CHATML), rows[0]["prompt"], "<r>") == "The sky is<r>"
+
+
+def test_gsm8k_task_needs_an_answer_column(tmp_path):
+    path = write_jsonl(tmp_path / "q.jsonl", [{"question": "Why?"}])
+    with pytest.raises(DataError, match="task gsm8k needs a gold answer.*columns found: question"):
+        load(path)
+
+
+def test_bad_chat_messages_are_bad_rows(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": [{"text": "hi"}]}, {"prompt": CHAT}])
+    loaded = load(path, task="dataset")
+    assert len(loaded.rows) == 1
+    (reason,) = loaded.skipped
+    assert reason == f"{path}:1: 'prompt' is a list but not chat messages ({{'role': ..., 'content': ...}})"
+
+
+@pytest.mark.parametrize("kind", ["save_to_disk", "dataset_dict", "parquet_shards", "json_array", "csv"])
+def test_local_formats_load_through_datasets(tmp_path, kind):
+    table = datasets.Dataset.from_list(TRL_ROWS)
+    if kind == "save_to_disk":
+        table.save_to_disk(path := tmp_path / "saved")
+    elif kind == "dataset_dict":
+        splits = datasets.DatasetDict({"train": table, "test": table.select([1])})
+        splits.save_to_disk(path := tmp_path / "dd")
+    elif kind == "parquet_shards":
+        (path := tmp_path / "shards").mkdir()
+        for i in range(2):
+            table.select([i]).to_parquet(str(path / f"part-{i:05d}.parquet"))
+    elif kind == "json_array":
+        (path := tmp_path / "rows.json").write_text(json.dumps(TRL_ROWS, indent=1))
+    else:
+        path = tmp_path / "rows.csv"
+        path.write_text("prompt,solution\nThe sky is,blue\nGrass is,green\n")
+        assert [r["prompt"] for r in load(path, task="dataset").rows] == ["The sky is", "Grass is"]
+        return
+    rows = load(path, task="dataset", system_prompt=None).rows
+    assert sorted(r["solution"] for r in rows) == ["2", "5"]
+    assert {r["prompt"][0]["content"] for r in rows} == {"What is 2+3?", "1+1?"}
+    assert sorted(r["meta"]["source"] for r in rows) == ["x", "y"]  # nested values intact
+    if kind == "dataset_dict":
+        assert len(load(path, task="dataset", split="test").rows) == 1
+        with pytest.raises(DataError, match="has no split 'dev'.*its splits: train, test"):
+            load(path, task="dataset", split="dev")

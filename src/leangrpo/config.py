@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import UserError
 
-_LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+_LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".arrow")
 
 
 class ConfigError(UserError, ValueError):
@@ -105,11 +105,22 @@ class TaskConfig(_Section):
 class DataConfig(_Section):
     """Where training prompts come from and how they are rendered."""
 
-    path: str = Field(..., min_length=1, description="local .jsonl/.parquet, or a hub dataset id")
+    path: str = Field(
+        ...,
+        min_length=1,
+        description="local .jsonl/.json/.parquet/.csv file, a dataset directory (save_to_disk, "
+        "parquet shards), or a hub dataset id",
+    )
     hub_config: str | None = Field(None, description="hub dataset configuration name (e.g. main)")
     split: str = Field("train", description="hub dataset split")
-    prompt_column: str = Field("question", description="column holding the question (the user turn)")
-    answer_column: str = Field("answer", description="column holding the gold answer")
+    prompt_column: str | None = Field(
+        None,
+        description="column holding the prompt; default: prompt (TRL: chat messages, or text used "
+        "verbatim), else question (text that becomes the user turn)",
+    )
+    answer_column: str | None = Field(
+        None, description="column holding the gold answer; default: answer, else solution, else none"
+    )
     system_prompt: str | None = Field(
         None, description="system message before each question; default: the task's; null for none"
     )

@@ -1,11 +1,21 @@
-"""Training data: load question/answer rows, render prompts, and order them across steps.
+"""Training data: load rows in any of TRL's GRPO dataset formats, render prompts, and order them.
 
-Rows come from a local JSON Lines or Parquet file or from a Hugging Face hub dataset. Every
-row becomes ``{"prompt": messages, "question": str, "answer": str, **other_columns}``, the
-shape TRL-style reward functions expect (extra columns arrive as keyword arguments), and then
-goes through the task's ``prepare`` (which parses its gold answer, or leaves it out).
-Bad rows are never dropped silently: they either stop the run (``on_bad_row="error"``) or
-are listed in ``LoadedData.skipped`` and logged.
+Rows come from a local JSON Lines file (read here, line by line, so a bad line is named by its
+number), a Parquet, CSV or JSON-array file, a ``save_to_disk`` directory or a directory of data
+files (Parquet shards, ...), all read by the ``datasets`` library, or a Hugging Face hub dataset.
+Every row becomes ``{"prompt": ..., **columns}``: every column under its own name with its value
+intact (what TRL passes to reward functions as keyword arguments), and ``prompt`` as TRL shapes it:
+
+- conversational: a ``prompt`` column holding chat messages is used as is (the configured system
+  prompt, if any, goes first when the messages have none);
+- standard: a ``prompt`` column holding text is the model's input verbatim (no chat template),
+  and rewards then see prompts and completions as strings, as in TRL;
+- question: any other prompt column (``question`` by default) becomes the user turn of a chat.
+
+The gold answer (the ``answer`` column, else ``solution``, else none) is also ``row["answer"]``
+as text; the task's ``prepare`` then parses it, or leaves the row out. Bad rows are never dropped
+silently: they either stop the run (``on_bad_row="error"``) or are listed in
+``LoadedData.skipped`` and logged.
 """
 
 from __future__ import annotations
@@ -30,7 +40,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("leangrpo.data")
 
 _JSONL_SUFFIXES = (".jsonl", ".json")
-_PARQUET_SUFFIXES = (".parquet",)
+_DATASETS_SUFFIXES = {".parquet": "parquet", ".csv": "csv", ".tsv": "csv", ".json": "json", ".arrow": "arrow"}
+_AUTO_PROMPT_COLUMNS = ("prompt", "question")  # TRL's name, then leangrpo's
+_AUTO_ANSWER_COLUMNS = ("answer", "solution")  # leangrpo's, then TRL's accuracy_reward's
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 Message = dict[str, str]  # one chat message: {"role": ..., "content": ...}
@@ -61,24 +73,22 @@ class LoadedData:
 def load_rows(data: DataConfig, task: Task) -> LoadedData:
     """Load the rows of ``data`` for ``task``, validating each row.
 
-    The keys "prompt", "question" and "answer" take precedence over same-named data columns.
     Raises DataError for a missing source, a misnamed column, a bad row under
     ``on_bad_row="error"``, or when no usable row remains.
     """
     source, raw_rows = _open_source(data)
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
-    columns_checked = False
+    columns: tuple[str, str | None] | None = None
     left_out = 0
     for where, raw in raw_rows:
         if data.limit is not None and len(rows) >= data.limit:
             break
         try:
             record = _as_record(raw)
-            if not columns_checked:
-                _check_columns(record, data, where)
-                columns_checked = True
-            row = task.prepare(_make_row(record, data))
+            if columns is None:
+                columns = _pick_columns(record, data, task, where)
+            row = task.prepare(_make_row(record, data, *columns))
             if row is None:
                 left_out += 1
                 continue
@@ -105,27 +115,68 @@ def load_rows(data: DataConfig, task: Task) -> LoadedData:
 def _open_source(data: DataConfig) -> tuple[str, Iterator[tuple[str, bytes | dict[str, Any]]]]:
     """Pick the reader for ``data.path``; return a name for messages and ``(where, raw row)``s.
 
-    An existing path is read by its extension; a missing path shaped like ``owner/name``
-    is a hub dataset id; any other missing path is a missing file.
+    A JSON Lines file is read here; other local files and directories by ``datasets``; a missing
+    path shaped like ``owner/name`` is a hub dataset id; any other missing path is a missing file.
     """
     path = data.path
     local = Path(path).expanduser()
+    if local.is_dir():
+        return path, _table_rows(path, _load_local_directory(local, data))
     if local.is_file():
         suffix = local.suffix.lower()
-        if suffix in _JSONL_SUFFIXES:
+        if suffix in _JSONL_SUFFIXES and not _is_json_array(local):
             return path, _jsonl_lines(local, path)
-        if suffix in _PARQUET_SUFFIXES:
-            import pyarrow.parquet as pq  # here, not at the top: pyarrow and datasets cost ~80 MB RSS
-
-            return path, _table_rows(path, pq.read_table(local).to_pylist())
-        raise DataError(f"unsupported data file type {suffix!r}: {path} (use .jsonl or .parquet)")
-    looks_local = local.suffix.lower() in _JSONL_SUFFIXES + _PARQUET_SUFFIXES or path.startswith(
+        if suffix not in _DATASETS_SUFFIXES:
+            known = ", ".join(sorted({*_JSONL_SUFFIXES, *_DATASETS_SUFFIXES}))
+            raise DataError(f"unsupported data file type {suffix!r}: {path} (use {known} or a directory)")
+        return path, _table_rows(path, _load_with_datasets(path, _DATASETS_SUFFIXES[suffix], str(local)))
+    looks_local = local.suffix.lower() in {*_JSONL_SUFFIXES, *_DATASETS_SUFFIXES} or path.startswith(
         (".", "/", "~")
     )
     if looks_local or not _HUB_ID.match(path):
         raise DataError(f"data file not found: {path}")
     source = f"{path}[{data.split}]"
     return source, _table_rows(source, _load_hub_dataset(data))
+
+
+def _is_json_array(path: Path) -> bool:
+    """Whether a .json file holds one JSON array (read by ``datasets``) rather than JSON Lines."""
+    with path.open("rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
+
+
+def _load_with_datasets(path: str, builder: str, data_files: str) -> datasets.Dataset:
+    """One local file through a ``datasets`` packaged builder; any failure is a one-line DataError."""
+    import datasets  # here, not at the top: pyarrow and datasets cost ~80 MB RSS
+
+    try:
+        return datasets.load_dataset(builder, data_files=data_files, split="train")
+    except Exception as exc:  # datasets raises many types (parse errors, schema mismatches)
+        raise DataError(f"could not read {path} as {builder}: {_first_line(exc)}") from exc
+
+
+def _load_local_directory(local: Path, data: DataConfig) -> datasets.Dataset:
+    """A ``save_to_disk`` directory (a Dataset, or a DatasetDict's ``data.split``), or a directory of
+    data files (Parquet shards, JSON Lines, CSV...) whose split is found by ``datasets``' file naming."""
+    import datasets
+
+    path = str(local)
+    saved = any((local / name).is_file() for name in ("dataset_info.json", "dataset_dict.json"))
+    try:
+        loaded = datasets.load_from_disk(path) if saved else datasets.load_dataset(path, split=data.split)
+    except Exception as exc:
+        raise DataError(f"could not load the dataset directory {path}: {_first_line(exc)}") from exc
+    if isinstance(loaded, datasets.DatasetDict):
+        if data.split not in loaded:
+            splits = ", ".join(loaded)
+            raise DataError(f"{path} has no split {data.split!r} (data.split); its splits: {splits}")
+        return loaded[data.split]
+    return loaded
+
+
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"
 
 
 def _load_hub_dataset(data: DataConfig) -> datasets.Dataset:
@@ -135,10 +186,9 @@ def _load_hub_dataset(data: DataConfig) -> datasets.Dataset:
     try:
         return datasets.load_dataset(data.path, data.hub_config, split=data.split)
     except Exception as exc:  # datasets raises many types (network, 404, bad split)
-        first_line = next(iter(str(exc).strip().splitlines()), "")
         raise DataError(
             f"could not load hub dataset {data.path!r} (config {data.hub_config!r}, "
-            f"split {data.split!r}): {type(exc).__name__}: {first_line}; "
+            f"split {data.split!r}): {_first_line(exc)}; "
             "without network access, set data.path to a local .jsonl file"
         ) from exc
 
@@ -175,27 +225,54 @@ def _as_record(raw: bytes | dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def _check_columns(record: dict[str, Any], data: DataConfig, where: str) -> None:
-    """Fail fast on a misnamed column: absent from the first row means a config mistake."""
-    for setting in ("prompt_column", "answer_column"):
-        column = getattr(data, setting)
-        if column not in record:
-            found = ", ".join(record) or "none"
-            problem = f"column {column!r} (data.{setting}) not found; columns found: {found}"
-            raise DataError(f"{where}: {problem}")
+def _pick_columns(record: dict[str, Any], data: DataConfig, task: Task, where: str) -> tuple[str, str | None]:
+    """The prompt and answer columns, checked on the first row: absent there means a config mistake."""
+    found = ", ".join(record) or "none"
+    prompt = data.prompt_column or next((c for c in _AUTO_PROMPT_COLUMNS if c in record), None)
+    if prompt is None:
+        problem = "no 'prompt' or 'question' column (set data.prompt_column)"
+        raise DataError(f"{where}: {problem}; columns found: {found}")
+    answer = data.answer_column or next((c for c in _AUTO_ANSWER_COLUMNS if c in record), None)
+    for setting, column in (("prompt_column", prompt), ("answer_column", data.answer_column)):
+        if column is not None and column not in record:
+            raise DataError(f"{where}: column {column!r} (data.{setting}) not found; columns found: {found}")
+    if answer is None and task.needs_answer:
+        raise DataError(
+            f"{where}: task {task.name} needs a gold answer, but there is no 'answer' or 'solution' "
+            f"column (set data.answer_column); columns found: {found}"
+        )
+    return prompt, answer
 
 
-def _make_row(record: dict[str, Any], data: DataConfig) -> dict[str, Any]:
+def _make_row(
+    record: dict[str, Any], data: DataConfig, prompt_column: str, answer_column: str | None
+) -> dict[str, Any]:
     """Turn one record into a training row, or raise BadRow saying what is wrong."""
-    question = _required_text(record, data.prompt_column)
-    answer = _required_text(record, data.answer_column)
-    extra = {k: v for k, v in record.items() if k not in (data.prompt_column, data.answer_column)}
-    return {
-        **extra,
-        "prompt": _messages(question, data.system_prompt),
-        "question": question,
-        "answer": answer,
-    }
+    row = {k: v for k, v in record.items() if k != "prompt"}
+    row["prompt"] = _prompt(record, prompt_column, data.system_prompt)
+    if answer_column is not None:
+        gold = _required_text(record, answer_column)
+        if answer_column == "answer" or "answer" not in record:
+            row["answer"] = gold
+    return row
+
+
+def _prompt(record: dict[str, Any], column: str, system_prompt: str | None) -> str | list[Message]:
+    """The row's prompt in TRL's shape: chat messages, or (a text ``prompt`` column) plain text."""
+    value = record.get(column)
+    if isinstance(value, list):
+        if not value or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value):
+            raise BadRow(f"{column!r} is a list but not chat messages ({{'role': ..., 'content': ...}})")
+        if system_prompt and value[0]["role"] != "system":
+            return [{"role": "system", "content": system_prompt}, *value]
+        return value
+    text = _required_text(record, column)
+    return text if column == "prompt" else _messages(text, system_prompt)
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """True when the tokenizer defines a chat template (instruct models); base models do not."""
+    return bool(getattr(tokenizer, "chat_template", None))
 
 
 def _required_text(record: dict[str, Any], column: str) -> str:
@@ -219,20 +296,26 @@ def _messages(question: str, system_prompt: str | None) -> list[Message]:
     return [*messages, {"role": "user", "content": question}]
 
 
-def has_chat_template(tokenizer: Any) -> bool:
-    """True when the tokenizer defines a chat template (instruct models); base models do not."""
-    return bool(getattr(tokenizer, "chat_template", None))
+def prompt_text(prompt: str | list[Message]) -> str:
+    """What a logged sample shows of a prompt: the text, or the last user message's content."""
+    if isinstance(prompt, str):
+        return prompt
+    user = [m for m in prompt if m["role"] == "user"] or prompt
+    return str(user[-1]["content"])
 
 
-def render_prompt(tokenizer: Any, messages: list[Message], assistant_prefix: str = "") -> str:
+def render_prompt(tokenizer: Any, messages: str | list[Message], assistant_prefix: str = "") -> str:
     """Prompt text for generation, ending where the assistant's answer begins.
 
+    A text prompt (TRL's standard format) is used verbatim, followed by ``assistant_prefix``.
     With a chat template: the template with the generation prompt. Without one (base models):
     ``"{system}\\n\\n"`` (if any), then ``"Question: {user}\\nAnswer:"`` per user turn, with
     earlier assistant turns as ``" {answer}\\n\\n"``, so few-shot messages read naturally.
     ``assistant_prefix`` (e.g. ``"<reasoning>\\n"``) prefills the assistant turn; in the
     plain-text form it is separated from ``"Answer:"`` by one space.
     """
+    if isinstance(messages, str):
+        return messages + assistant_prefix
     if has_chat_template(tokenizer):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return text + assistant_prefix

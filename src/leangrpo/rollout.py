@@ -249,10 +249,11 @@ def _packed_forward(weight: Tensor, bias: Tensor | None, x: Tensor, *args: Any, 
 def as_reward_inputs(
     prompts: list[Any], completion_texts: list[str], conversational: bool
 ) -> tuple[list[Any], list[Any]]:
-    """Prompts and completions in TRL's shapes: chat-message lists when the prompts are chats,
-    plain strings otherwise. Each prompt is repeated for each of its completions."""
+    """Prompts and completions in TRL's shapes: chat-message lists when the prompts are chats rendered
+    by a chat template, plain strings otherwise (text prompts: TRL's standard format). Each prompt is
+    repeated for each of its completions."""
     per_prompt = len(completion_texts) // len(prompts)
     repeated = [p for p in prompts for _ in range(per_prompt)]
-    if conversational:
+    if conversational and not isinstance(prompts[0], str):
         return repeated, [[{"role": "assistant", "content": t}] for t in completion_texts]
     return repeated, completion_texts

@@ -46,6 +46,7 @@ class Task:
     system_prompt: ClassVar[str | None] = ANSWER_FORMAT_PROMPT
     default_rewards: ClassVar[tuple[str, ...]] = ()
     has_solutions: ClassVar[bool] = False  # rows carry worked solutions (the SFT cold start needs them)
+    needs_answer: ClassVar[bool] = False  # every row must have a gold answer (an answer column)
 
     def __init__(self, options: TaskOptions | None = None):
         self.options = options if options is not None else self.Options()
@@ -72,15 +73,17 @@ class Task:
 
     def is_correct(self, completion: str, row: dict[str, Any]) -> bool:
         """The evaluation's correctness: math-verify finds the answer equal to the gold one."""
-        return answers_match(predicted_answer(completion), str(row["answer"]))
+        return "answer" in row and answers_match(predicted_answer(completion), str(row["answer"]))
 
     def sample_view(self, row: dict[str, Any], completion: str) -> dict[str, Any]:
         """What a logged sample (completions.jsonl, eval records) shows of a row and its completion."""
+        from ..data import prompt_text
+
         return {
-            "question": row["question"],
+            "question": prompt_text(row["prompt"]),
             "completion": completion,
             "extracted": self.extract_answer(completion),
-            "gold": row["answer"],
+            "gold": row.get("answer"),
         }
 
 

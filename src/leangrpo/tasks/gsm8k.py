@@ -47,11 +47,12 @@ class GSM8K(Task):
     options: GSM8KOptions
     default_rewards = ("xmlcount", "soft_format", "strict_format", "int", "correctness")
     has_solutions = True
+    needs_answer = True
 
     def prepare(self, row: dict[str, Any]) -> dict[str, Any] | None:
         from ..data import BadRow
 
-        gold = parse_gold(row["answer"])
+        gold = parse_gold(str(row["answer"]))
         if gold is None:
             raise BadRow("no '####' in the answer")
         if not gold:
