@@ -389,6 +389,49 @@ def test_model_sampling_defaults_neither_apply_nor_warn(tiny_model_dir, tokenize
     assert not [r for r in caplog.records if "generation flags" in r.getMessage()]
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_sampling_is_exactly_the_configured_softmax_whatever_generation_config_says(
+    tiny_model_dir, tokenizer, monkeypatch, lora
+):
+    """A model whose generation_config sets every sampling and logits-processor default: each token is
+    still drawn from exactly softmax(top_p(logits / T)) with leangrpo's T and top_p, nothing else."""
+    from transformers import GenerationConfig
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    model = load_tiny(tiny_model_dir)
+    eos = tokenizer.eos_token_id
+    model.generation_config = GenerationConfig(
+        do_sample=True, temperature=0.3, top_k=5, top_p=0.5, min_p=0.2, typical_p=0.9, epsilon_cutoff=1e-3,
+        eta_cutoff=1e-3, repetition_penalty=1.1, encoder_repetition_penalty=1.2, no_repeat_ngram_size=1,
+        min_length=40, min_new_tokens=5, bad_words_ids=[[5]], suppress_tokens=[6], begin_suppress_tokens=[7],
+        sequence_bias={(8,): 5.0}, forced_bos_token_id=9, forced_eos_token_id=eos, renormalize_logits=True,
+        exponential_decay_length_penalty=(1, 1.5), remove_invalid_values=True, eos_token_id=eos,
+    )  # fmt: skip
+    model = apply_lora(model, LORA) if lora else model
+    drawn: list[tuple[torch.Tensor, torch.Tensor]] = []
+    draw = InverseCDFSampler.draw
+
+    def recording(scores):
+        token = draw(scores)
+        drawn.append((scores.clone(), token))
+        return token
+
+    monkeypatch.setattr(InverseCDFSampler, "draw", staticmethod(recording))
+    torch.manual_seed(0)
+    T, top_p = 0.7, 0.95
+    batch = generate(model, tokenizer, PROMPTS[1:], num_generations=2, max_prompt_length=64,
+                     max_completion_length=6, temperature=T, top_p=top_p)  # fmt: skip
+    ids = batch.input_ids
+    P = batch.prompt_ids.shape[1]
+    assert len(drawn) == batch.completion_ids.shape[1] > 1
+    with torch.no_grad():
+        for t, (scores, token) in enumerate(drawn):
+            logits = model(ids[:, : P + t]).logits[:, -1].float()
+            want = TopPLogitsWarper(top_p)(ids[:, : P + t], logits / T)
+            torch.testing.assert_close(scores.log_softmax(-1), want.log_softmax(-1), atol=1e-5, rtol=1e-5)
+            assert torch.equal(batch.completion_ids[:, t], token[:, 0])  # nothing overrode the draw
+
+
 @pytest.fixture
 def eos_loving_model(tiny_model_dir, tokenizer):
     """The tiny model with a huge bonus on the EOS logit, so every completion starts with EOS."""

@@ -104,17 +104,15 @@ def generate(
         max_new_tokens=max_completion_length,
         min_new_tokens=max_completion_length if ignore_eos else 0,
         do_sample=False,
-        # transformers' neutral values, set so that the model's own sampling defaults (generation_config.json)
-        # are neither inherited nor warned about: the processors above are the whole sampler.
-        temperature=1.0,
-        top_p=1.0,
-        top_k=50,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos,
     )
     was_training = model.training
     model.eval()  # uses the KV cache (disabled under gradient checkpointing in train mode), no dropout
-    with packed_linears(model, batch_hint=len(prompt_ids)) if packed else nullcontext():
+    with (
+        only_generation_config(model, gen_cfg),
+        packed_linears(model, len(prompt_ids)) if packed else nullcontext(),
+    ):
         out = model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
@@ -136,6 +134,22 @@ def generate(
         for ids, n in zip(completion_ids, completion_mask.sum(dim=1), strict=True)
     ]
     return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts)
+
+
+@contextmanager
+def only_generation_config(model: PreTrainedModel, gen_cfg: GenerationConfig) -> Iterator[None]:
+    """Make `gen_cfg` the model's own generation_config for the duration of a generate() call.
+
+    generate() fills every field its config leaves unset from the model's generation_config (the
+    checkpoint's generation_config.json: repetition_penalty, min_length, no_repeat_ngram_size, ...), and
+    each of those adds a logits processor; GRPO must sample from exactly softmax(logits / T) after the
+    configured top-p, the distribution the log-probs are computed for, so nothing may be inherited."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
+    saved, base.generation_config = base.generation_config, gen_cfg
+    try:
+        yield
+    finally:
+        base.generation_config = saved
 
 
 class InverseCDFSampler(LogitsProcessor):

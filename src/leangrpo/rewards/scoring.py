@@ -50,8 +50,7 @@ def score_completions(
     None (not applicable) becomes NaN and is skipped by the weighted nansum, as in TRL; a completion
     every function declined is unscorable, total NaN (as in TRL: no baseline, advantage 0). A function
     that raises, or returns anything but one finite number or None per completion, is handled per
-    ``on_error``:
-    "raise" raises a one-line RewardError naming the function and, when it can be found, the
+    ``on_error``: "raise" raises a one-line RewardError naming the function and, when it can be found, the
     completion; "missing" re-runs it on each completion alone, marks those that still fail as
     failed (total NaN) and keeps the individual scores of the rest.
     """
