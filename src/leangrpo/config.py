@@ -162,6 +162,11 @@ class GRPOSection(_Section):
     temperature: float = Field(1.0, gt=0, description="sampling temperature, also used for the log-probs")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
     beta: float = Field(0.0, ge=0, description="KL weight; > 0 needs reference log-probs")
+    use_bias_correction_kl: bool = Field(
+        True,
+        description="multiply the per-token KL by the importance ratio: the unbiased KL gradient, TRL's "
+        "default (docs/trl.md)",
+    )
     epsilon: float = Field(0.2, gt=0, description="lower clip of the ratio: 1 - epsilon")
     epsilon_high: float | None = Field(
         None, gt=0, description="upper clip: 1 + epsilon_high (default epsilon)"

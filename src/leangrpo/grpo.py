@@ -104,13 +104,17 @@ def grpo_loss(
     max_completion_length: int,
     importance_sampling_level: ImportanceSamplingLevel = "token",
     delta: float | None = None,
+    accumulation_steps: int = 1,
+    bias_correction_kl: bool = False,
 ) -> tuple[Tensor, LossStats]:
     """The clipped GRPO surrogate (+ beta × k3 KL) of one micro-batch, scaled so that summing it over
-    the micro-batches of an accumulated batch gives that whole batch's loss.
+    the micro-batches of an accumulated batch gives that batch's loss, as TRL 1.16 computes it.
 
-    `num_sequences` and `num_tokens` count the whole accumulated batch (`num_tokens` over every
-    process for dapo, over this process's generation batch for bnpo), so every loss type gets the
-    same gradient whether the batch is processed at once or in micro-batches.
+    `num_sequences` counts the whole accumulated batch, `num_tokens` its tokens over every process
+    (dapo). grpo, dr_grpo and dapo give the same gradient whether the batch is processed at once or in
+    micro-batches; bnpo, as in TRL, normalises each micro-batch by its own token count and divides by
+    the `accumulation_steps` micro-batches of an optimizer step. `bias_correction_kl` multiplies the
+    per-token KL by the importance ratio (TRL's `use_bias_correction_kl`): the unbiased KL gradient.
     `importance_sampling_level="sequence"` is GSPO (one ratio per completion, `sequence_log_ratio`);
     `delta` caps the ratio from above for negative advantages too (two-sided clipping, INTELLECT-2).
     """
@@ -126,13 +130,17 @@ def grpo_loss(
     capped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
     per_token = -torch.min(capped_ratio * adv, clipped_ratio * adv)
     kl = kl_k3(logp, torch.where(keep, ref_logp, logp.detach())) if ref_logp is not None else None
+    if kl is not None and bias_correction_kl:
+        kl = kl * ratio
     if kl is not None and beta:
         per_token = per_token + beta * kl
     per_token = torch.where(keep, per_token, 0.0)
 
     if loss_type == "grpo":
         loss = (per_token.sum(1) / keep.sum(1).clamp(min=1)).sum() / num_sequences
-    elif loss_type in ("bnpo", "dapo"):
+    elif loss_type == "bnpo":
+        loss = per_token.sum() / keep.sum().clamp(min=1) / accumulation_steps
+    elif loss_type == "dapo":
         loss = per_token.sum() / max(num_tokens, 1.0)
     elif loss_type == "dr_grpo":
         loss = per_token.sum() / (num_sequences * max_completion_length)

@@ -240,9 +240,8 @@ class Trainer:
         mask = rollout.completion_mask.float()
         if g.mask_truncated_completions:
             mask = grpo.mask_truncated(mask, rollout.truncated)
-        num_tokens = float(mask.sum())
-        if g.loss_type == "dapo":  # normalise by every process's tokens (DDP then averages grads)
-            num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
+        # dapo normalises by every process's tokens (DDP then averages the gradients)
+        num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
         self.policy.train()
         loss_total, stats, skipped = 0.0, grpo.LossStats(), False
         grad_norm, lr = math.nan, self.scheduler.get_last_lr()[0]
@@ -272,6 +271,8 @@ class Trainer:
                         max_completion_length=g.max_completion_length,
                         importance_sampling_level=g.importance_sampling_level,
                         delta=g.delta,
+                        accumulation_steps=math.ceil(len(rollout) / micro),
+                        bias_correction_kl=g.use_bias_correction_kl,
                     )
                     self.acc.backward(loss)
                 iteration_loss += loss.item()
