@@ -14,6 +14,7 @@ from leangrpo.grpo import (
     kl_k3,
     mask_after_eos,
     mask_truncated,
+    normalize_then_sum,
     sequence_log_ratio,
 )
 from leangrpo.logprobs import token_logprobs
@@ -161,6 +162,45 @@ def test_group_advantages_single_valid_or_all_nan_group():
     adv, std = group_advantages(rewards, num_generations=2)
     close(adv, [0.0, 0.0, 0.0, 0.0])
     close(std, [0.0, 0.0])
+
+
+# --------------------------------------------------------------------------- normalize_then_sum (GDPO)
+
+
+def test_normalize_then_sum_hand_computed():
+    # G = 2, two groups, rewards r1 (weight 1) and r2 (weight 0.5):
+    #   group 1: r1 [0, 1] -> ±0.5 / (sqrt(0.5) + 1e-4) = ±a;  r2 [10, 30] -> ±10 / (sqrt(200) + 1e-4) = ±b
+    #   group 2: r1 [1, 1] -> 0;                            r2 [0, 4] -> ±2 / (sqrt(8) + 1e-4) = ±c
+    # summed: [-a - b/2, a + b/2, -c/2, c/2]: batch mean 0, unbiased batch std sqrt(sum of squares / 3).
+    per_func = torch.tensor([[0.0, 10.0], [1.0, 30.0], [1.0, 0.0], [1.0, 4.0]])
+    a, b, c = 0.5 / (math.sqrt(0.5) + 1e-4), 10 / (math.sqrt(200) + 1e-4), 2 / (math.sqrt(8) + 1e-4)
+    summed = [-a - b / 2, a + b / 2, -c / 2, c / 2]
+    std = math.sqrt(sum(x * x for x in summed) / 3)
+    unscored = torch.zeros(4, dtype=torch.bool)
+    adv, group_std = normalize_then_sum(per_func, torch.tensor([1.0, 0.5]), unscored, num_generations=2)
+    close(adv, [x / (std + 1e-4) for x in summed], atol=1e-5)
+    close(group_std, [math.sqrt(2) * (a + b / 2), math.sqrt(2) * c / 2], atol=1e-5)
+    # Summing first: the totals [5, 16, 1, 3] give group 2 the same ±0.7071 as group 1.
+    summed_first, _ = group_advantages((per_func * torch.tensor([1.0, 0.5])).sum(1), 2)
+    close(summed_first.abs(), [math.sqrt(0.5)] * 4, atol=1e-4)
+    assert abs(float(adv[2])) < 0.7 * abs(float(adv[0]))
+
+
+def test_normalize_then_sum_none_and_unscored():
+    # One group of 3: r1 [0, 1, 2] -> [-1, 0, 1] / 1.0001 = [-d1, 0, d1]; r2 [None, 2, 4] -> [0, -d2, d2].
+    nan = float("nan")
+    per_func = torch.tensor([[0.0, nan], [1.0, 2.0], [2.0, 4.0]], dtype=torch.float64)
+    d1, d2 = 1 / 1.0001, 1 / (math.sqrt(2) + 1e-4)
+    summed = [-d1, -d2, d1 + d2]
+    std = math.sqrt(sum(x * x for x in summed) / 2)
+    weights = torch.ones(2, dtype=torch.float64)
+    adv, _ = normalize_then_sum(per_func, weights, torch.tensor([False, False, False]), num_generations=3)
+    close(adv, [x / (std + 1e-4) for x in summed])
+    # Row 0 unscored: advantage 0, out of the batch mean (d1 / 2) and std.
+    adv, _ = normalize_then_sum(per_func, weights, torch.tensor([True, False, False]), num_generations=3)
+    rest = [-d2 - d1 / 2, d1 + d2 - d1 / 2]
+    std = math.sqrt(sum(x * x for x in rest))
+    close(adv, [0.0, rest[0] / (std + 1e-4), rest[1] / (std + 1e-4)])
 
 
 # --------------------------------------------------------------------------- kl_k3

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from leangrpo import grpo
 from leangrpo.config import validate_config
@@ -61,3 +62,27 @@ def test_mask_truncated_completions_leaves_cut_off_completions_out(tmp_path, tin
     grpo_section["mask_truncated_completions"] = False
     unmasked = make_trainer(tmp_path / "b", tiny_model_dir, gsm8k_dir, grpo=grpo_section).step(1)
     assert unmasked["grad_norm"] > 0
+
+
+def test_normalize_then_sum_makes_the_advantages(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    seen: dict[str, Any] = {}
+    real_score, real_update = Trainer.score, Trainer.update
+
+    def score(self, rows, rollout):
+        seen["scores"] = real_score(self, rows, rollout)
+        return seen["scores"]
+
+    def update(self, rollout, advantages, ref_logp, old_logp):
+        seen["advantages"] = advantages
+        return real_update(self, rollout, advantages, ref_logp, old_logp)
+
+    monkeypatch.setattr(Trainer, "score", score)
+    monkeypatch.setattr(Trainer, "update", update)
+    functions = [{"name": "toy_rewards:vowel_share"}, {"name": "toy_rewards:length_share", "weight": 3.0}]
+    rewards = {"functions": functions, "multi_objective_aggregation": "normalize_then_sum"}
+    make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, rewards=rewards).step(1)
+    scores = seen["scores"]
+    expected, _ = grpo.normalize_then_sum(scores.per_func, torch.tensor([1.0, 3.0]), scores.total.isnan(), 4)
+    torch.testing.assert_close(seen["advantages"].cpu(), expected)
+    summed_first, _ = grpo.group_advantages(scores.total, 4)
+    assert not torch.allclose(summed_first, expected, atol=1e-3)

@@ -11,6 +11,11 @@ def vowel_share(prompts, completions, **kwargs):
     return out
 
 
+def length_share(prompts, completions, **kwargs):
+    """The completion's length in characters over 40: a second reward with its own scale."""
+    return [len(c[0]["content"] if isinstance(c, list) else c) / 40 for c in completions]
+
+
 def record_prompts(prompts, completions, **kwargs):
     """Scores nothing; appends each question it is shown to prompts-rank<R>.txt in $LEANGRPO_TEST_OUT."""
     import os

@@ -148,6 +148,11 @@ class RewardsConfig(_Section):
     functions: list[RewardSpec] = Field(
         default_factory=list, description="rewards summed into each completion's reward; default: the task's"
     )
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize",
+        description="sum the weighted rewards, then normalise the sum in its group (grpo.scale_rewards); or "
+        "normalise each reward in its group, sum them weighted, then normalise over the batch (GDPO)",
+    )
     on_error: Literal["raise", "missing"] = Field(
         "raise", description="a reward that raises stops the run, or marks that completion unscored"
     )

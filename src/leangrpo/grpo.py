@@ -14,6 +14,7 @@ from torch import Tensor
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
+MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 
 
 def mask_after_eos(completion_ids: Tensor, eos_token_ids: list[int]) -> tuple[Tensor, Tensor]:
@@ -52,6 +53,24 @@ def group_advantages(
         batch_std = flat.std() if flat.numel() > 1 else rewards.new_tensor(0.0)
         advantages = advantages / (batch_std + eps)
     return advantages.reshape(-1), group_std.squeeze(1)
+
+
+def normalize_then_sum(
+    per_func: Tensor, weights: Tensor, unscored: Tensor, num_generations: int, eps: float = 1e-4
+) -> tuple[Tensor, Tensor]:
+    """GDPO's advantages for several rewards: each reward [N, F] normalised within its group (a NaN one
+    left out and then 0), their weighted sum normalised over the batch. A reward with a large spread so
+    no longer drowns the others, as it does when the sum is normalised. `unscored` [N] rows get advantage
+    0 and stay out of the batch statistics. Returns the advantages [N] and each group's std of the sum.
+    """
+    columns = [
+        group_advantages(per_func[:, k], num_generations, "group", eps)[0] for k in range(per_func.shape[1])
+    ]
+    summed = torch.where(unscored, torch.nan, (torch.stack(columns, 1) * weights).sum(1))
+    valid = summed[~unscored]
+    batch_std = valid.std() if valid.numel() > 1 else summed.new_tensor(0.0)
+    advantages = torch.where(unscored, 0.0, (summed - valid.mean()) / (batch_std + eps))
+    return advantages, group_advantages(summed, num_generations, "none")[1]
 
 
 def mask_truncated(mask: Tensor, truncated: Tensor) -> Tensor:

@@ -172,13 +172,13 @@ class Trainer:
 
     def step(self, step: int) -> dict[str, Any]:
         """One GRPO step, phase by phase; each phase's seconds go into the metrics as time/<phase>."""
-        g, timer = self.cfg.grpo, PhaseTimer()
+        timer = PhaseTimer()
         with timer("rollout"):
             rows, rollout = self.rollout(step)
         with timer("score"):
             scores = self.score(rows, rollout)
         with timer("advantages"):
-            advantages, group_std = grpo.group_advantages(scores.total, g.num_generations, g.scale_rewards)
+            advantages, group_std = self.advantages(scores)
         with timer("reference"):
             ref_logp, old_logp = self.reference(rollout)
         with timer("update"):
@@ -215,6 +215,15 @@ class Trainer:
         )
         columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
         return score_completions(self.reward_funcs, prompts, completions, columns, self.cfg.rewards.on_error)
+
+    def advantages(self, scores: RewardScores) -> tuple[Tensor, Tensor]:
+        """Each completion's advantage and each group's reward std, as `rewards.multi_objective_aggregation`
+        combines the rewards."""
+        g = self.cfg.grpo
+        if self.cfg.rewards.multi_objective_aggregation == "normalize_then_sum":
+            weights = torch.tensor([weight for _, _, weight in self.reward_funcs])
+            return grpo.normalize_then_sum(scores.per_func, weights, scores.total.isnan(), g.num_generations)
+        return grpo.group_advantages(scores.total, g.num_generations, g.scale_rewards)
 
     def reference(self, rollout: RolloutBatch) -> tuple[Tensor | None, Tensor | None]:
         """Log-probs the update compares against, once per generation batch: the reference's (adapter
