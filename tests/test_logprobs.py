@@ -35,6 +35,37 @@ def _naive(hidden, weight, targets, temperature):
     return torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)
 
 
+def test_entropy_hand_computed():
+    # Row 0: logits [0, 0, 0, 0] -> uniform over 4: log 4. Row 1: logits [log 3, 0] at T = 1 ->
+    # p = [3/4, 1/4]: -(3/4 log 3/4 + 1/4 log 1/4); at T = 0.5 the logits double: p = [9/10, 1/10].
+    hidden = torch.tensor([[[0.0, 0.0], [math.log(3), 0.0]]])
+    weight = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])  # the other two rows' logits 0
+    _, entropy = token_logprobs(hidden, weight[:4], torch.tensor([[0, 1]]), chunk_size=1, with_entropy=True)
+    # row 1 with V = 4: p ∝ [3, 1, 1, 1] = [1/2, 1/6, 1/6, 1/6]
+    h1 = -(0.5 * math.log(0.5) + 3 * (1 / 6) * math.log(1 / 6))
+    torch.testing.assert_close(entropy, torch.tensor([[math.log(4), h1]]), atol=1e-6, rtol=0)
+    _, entropy = token_logprobs(
+        hidden, weight[:2], torch.tensor([[0, 1]]), temperature=0.5, with_entropy=True
+    )
+    h1 = -(0.9 * math.log(0.9) + 0.1 * math.log(0.1))
+    torch.testing.assert_close(entropy, torch.tensor([[math.log(2), h1]]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 1000])
+def test_entropy_matches_naive_and_leaves_the_gradient_alone(chunk_size):
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(2, 5, 8, generator=g) * 3, torch.randn(11, 8, generator=g)
+    targets = torch.randint(0, 11, (2, 5), generator=g)
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    logp, entropy = token_logprobs(h1, weight, targets, 0.7, chunk_size, with_entropy=True)
+    logp.sum().backward()
+    token_logprobs(h2, weight, targets, 0.7, chunk_size).sum().backward()
+    logits = torch.log_softmax(hidden @ weight.T / 0.7, -1)
+    torch.testing.assert_close(entropy, -(logits.exp() * logits).sum(-1), rtol=1e-5, atol=1e-5)
+    assert not entropy.requires_grad
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("chunk_size", [1, 3, 1000])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_logprobs_matches_naive_values_and_grads(chunk_size, temperature):

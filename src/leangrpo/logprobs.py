@@ -42,26 +42,38 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     Only one chunk's logits ([chunk, vocab]) exists at any time, in the forward and in the backward,
     so memory does not grow with batch × length × vocab; every step on a chunk works in place.
+    `with_entropy` also returns each row's entropy (no gradient), at the cost of a second chunk buffer;
+    otherwise the second output is empty.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size):  # noqa: D102
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):  # noqa: D102
         logps = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
         lses = torch.empty_like(logps)
+        entropies = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             logits = _chunk_logits(hidden[rows], weight, temperature)
             logps[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1)
             top = logits.amax(dim=-1, keepdim=True)  # logsumexp, in place: log(sum(exp(x - max))) + max
-            lses[rows] = logits.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
+            shifted = logits.sub_(top)
+            if with_entropy:  # H = log Z - sum(e^s · s) / Z, with s = x - max and Z = sum(e^s)
+                exp = shifted.exp()
+                z = exp.sum(dim=-1)
+                entropies[rows] = z.log() - torch.linalg.vecdot(exp, shifted) / z
+                lses[rows] = z.log_().add_(top.squeeze(-1))
+                del exp
+            else:
+                lses[rows] = shifted.exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
             logps[rows] -= lses[rows]
-            del logits  # before the next chunk's logits exist
+            del logits, shifted  # before the next chunk's logits exist
         ctx.save_for_backward(hidden, weight, targets, lses)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return logps
+        ctx.mark_non_differentiable(entropies)
+        return logps, entropies
 
     @staticmethod
-    def backward(ctx, grad_logps):  # noqa: D102
+    def backward(ctx, grad_logps, _grad_entropies):  # noqa: D102
         hidden, weight, targets, lses = ctx.saved_tensors
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -80,7 +92,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             del grad_logits  # before the next chunk's logits exist
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def token_logprobs(
@@ -89,15 +101,24 @@ def token_logprobs(
     targets: Tensor,
     temperature: float = 1.0,
     chunk_size: int = LOGPROB_CHUNK_SIZE,
-) -> Tensor:
+    with_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token log-probs of `targets` [B, T] from hidden states [B, T, H] and the lm_head weight [V, H].
 
     Equal to `log_softmax(hidden @ weight.T / temperature).gather(targets)` without ever holding the
-    [B, T, V] logits. Returned in float32.
+    [B, T, V] logits. Returned in float32; `with_entropy`: with the entropy of each position's
+    distribution [B, T] (no gradient), as `(logps, entropies)`.
     """
-    flat = _ChunkedTokenLogprobs.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), temperature, chunk_size
+    flat, entropies = _ChunkedTokenLogprobs.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets.reshape(-1),
+        temperature,
+        chunk_size,
+        with_entropy,
     )
+    if with_entropy:
+        return flat.view(targets.shape), entropies.view(targets.shape)
     return flat.view(targets.shape)
 
 
@@ -137,9 +158,11 @@ class Policy(nn.Module):
         num_completion_tokens: int,
         temperature: float | None = None,
         group: int = 1,
-    ) -> Tensor:
+        with_entropy: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """Log-probs of the completion tokens, each given everything before it, at the sampling
-        temperature unless `temperature` is given (1.0 for supervised targets).
+        temperature unless `temperature` is given (1.0 for supervised targets); `with_entropy`: and the
+        entropy at each of those positions.
 
         group = 1: `input_ids` [B, P + C] are prompt + completion rows, `attention_mask` their mask;
         returns [B, C]. group > 1: the shared-prompt layout of `shared_prompt.pack` ([R, P + group·C])
@@ -176,7 +199,7 @@ class Policy(nn.Module):
             targets = input_ids[:, width:].reshape(-1, C)
         weight = self.base.get_output_embeddings().weight
         temperature = self.temperature if temperature is None else temperature
-        return token_logprobs(hidden, weight, targets, temperature, self.chunk_size)
+        return token_logprobs(hidden, weight, targets, temperature, self.chunk_size, with_entropy)
 
 
 def shared_prompt_group(model: nn.Module, micro_batch: int, num_generations: int) -> tuple[int, str | None]:
@@ -187,9 +210,15 @@ def shared_prompt_group(model: nn.Module, micro_batch: int, num_generations: int
 
 
 def micro_batch_logprobs(
-    policy: nn.Module, rollout: RolloutBatch, rows: slice, temperature: float | None = None, group: int = 1
-) -> tuple[Tensor, Tensor]:
-    """Log-probs of one micro-batch, cropped to its own real extent (no all-pad columns), and its mask.
+    policy: nn.Module,
+    rollout: RolloutBatch,
+    rows: slice,
+    temperature: float | None = None,
+    group: int = 1,
+    with_entropy: bool = False,
+) -> tuple[Tensor, ...]:
+    """Log-probs of one micro-batch, cropped to its own real extent (no all-pad columns), and its mask;
+    `with_entropy`: and the per-token entropy, as a third item.
 
     group > 1: every `group` consecutive rows share a prompt, which the decoder then reads once."""
     prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]
@@ -204,8 +233,12 @@ def micro_batch_logprobs(
     else:
         input_ids = torch.cat([prompt_ids, completion_ids], 1)
         attention_mask = torch.cat([prompt_mask, completion_mask], 1)
-    logp = policy(input_ids, attention_mask, num_completion, temperature, group)
-    return logp, completion_mask
+    if with_entropy:
+        logp, entropy = policy(
+            input_ids, attention_mask, num_completion, temperature, group, with_entropy=True
+        )
+        return logp, completion_mask, entropy
+    return policy(input_ids, attention_mask, num_completion, temperature, group), completion_mask
 
 
 def batch_logprobs(policy: nn.Module, rollout: RolloutBatch, micro_batch: int, group: int = 1) -> Tensor:
