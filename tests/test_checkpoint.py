@@ -12,12 +12,10 @@ import yaml
 
 from leangrpo.checkpoint import (
     CheckpointError,
-    RunDirError,
     check_resumable,
     checkpoint_dirs,
     is_complete,
     last_checkpoint,
-    prepare_run_dir,
     remove_partial,
     resume_config,
     rng_state,
@@ -27,6 +25,7 @@ from leangrpo.checkpoint import (
     truncate_log,
 )
 from leangrpo.config import save_config, validate_config
+from leangrpo.rundir import RunDirError, RunLock, check_output_dir
 
 
 def make_cfg(out: Path, **optim):
@@ -161,32 +160,23 @@ def test_truncate_log_drops_later_steps_and_torn_lines(tmp_path):
 
 
 def test_run_dir_rules(tmp_path):
-    prepare_run_dir(tmp_path / "new", overwrite=False)  # created
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "notes.txt").write_text("mine")
-    with pytest.raises(RunDirError, match="not a leangrpo run"):
-        prepare_run_dir(other, overwrite=False)
-    prepare_run_dir(other, overwrite=True)
-    assert (other / "notes.txt").read_text() == "mine"  # --overwrite never deletes foreign files
-
+    check_output_dir(tmp_path / "new", overwrite=False)  # a new directory is fine
+    RunLock(tmp_path / "new").release()
+    check_output_dir(tmp_path / "new", overwrite=False)  # ...and still is, holding only its lock file
     run = tmp_path / "run"
     run.mkdir()
     save(run, 2)
     save_config(make_cfg(run), run / "config.yaml")
-    (run / "metrics.jsonl").write_text("{}\n")
-    (run / "notes.txt").write_text("mine")
     with pytest.raises(RunDirError, match="--resume"):
-        prepare_run_dir(run, overwrite=False)
-    prepare_run_dir(run, overwrite=True)
-    assert sorted(p.name for p in run.iterdir()) == ["notes.txt"]
+        check_output_dir(run, overwrite=False)
+    check_output_dir(run, overwrite=True)
 
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(RunDirError, match="not writable"):
-        prepare_run_dir(blocker / "run", overwrite=False)
+        RunLock(blocker / "run")
     with pytest.raises(RunDirError, match="is a file"):
-        prepare_run_dir(blocker, overwrite=False)
+        check_output_dir(blocker, overwrite=False)
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0,
@@ -195,4 +185,4 @@ def test_read_only_dir_is_not_writable(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     with pytest.raises(RunDirError, match="not writable"):
-        prepare_run_dir(locked / "run", overwrite=False)
+        RunLock(locked / "run")

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from .errors import UserError
-from .rundir import RunDirError, is_run_dir
+from .rundir import is_run_dir
+from .rundir import os_reason as _reason
 
 if TYPE_CHECKING:
     import torch
@@ -31,11 +32,6 @@ if TYPE_CHECKING:
 STATE_FILE = "trainer_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _PARTIAL = re.compile(r"^\.(checkpoint-\d+|model)\.(tmp|old)$")
-# Files a run writes (other than checkpoints); --overwrite removes exactly these, nothing else.
-RUN_FILES = (
-    "config.yaml", "metrics.jsonl", "completions.jsonl", "model",
-    "eval", "tensorboard", "wandb", "report.html",
-)  # fmt: skip
 # Keys that may differ on resume: they change neither the weights nor the order of data and samples.
 RESUMABLE_KEYS = (
     "optim.max_steps",
@@ -51,48 +47,6 @@ SAVE_DELAY_ENV = "LEANGRPO_TEST_SAVE_DELAY"
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be written, found or resumed from."""
-
-
-# ---------------------------------------------------------------------------------------------- run dir
-
-
-def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """Make `run_dir` ready for a fresh run. An earlier run, or any other non-empty directory, is refused
-    unless `overwrite`; then only the files a run writes are removed, never anything else."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunDirError(f"output_dir {run_dir} is a file, not a directory")
-    if run_dir.is_dir() and any(run_dir.iterdir()) and not overwrite:
-        if is_run_dir(run_dir):
-            raise RunDirError(
-                f"output_dir {run_dir} already holds a run; continue it with --resume {run_dir}, "
-                "replace it with --overwrite, or choose another output_dir"
-            )
-        raise RunDirError(
-            f"output_dir {run_dir} exists and is not a leangrpo run; choose another output_dir "
-            "or pass --overwrite to write into it"
-        )
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if overwrite:
-            for path in [*(run_dir / n for n in RUN_FILES), *checkpoint_dirs(run_dir, complete=False)]:
-                _remove(path)
-            remove_partial(run_dir)
-        probe = run_dir / ".leangrpo-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise RunDirError(f"output_dir {run_dir} is not writable: {_reason(e)}") from None
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def _reason(e: OSError) -> str:
-    return f"{e.strerror or e} (errno {e.errno})" if e.errno else str(e)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

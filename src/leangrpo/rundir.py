@@ -1,9 +1,18 @@
-"""Reading what a run directory holds: its metrics (tolerating a crash-truncated last line), its final
-model, and its evaluations. Light: no torch, so `compare` and `report` start fast."""
+"""The run directory: what a run owns in it, replacing an earlier run safely, the one-process lock, and
+reading what it holds (metrics tolerating a crash-truncated last line, the final model, evaluations).
+Light: no torch, so `compare` and `report` start fast.
+
+Nothing a run did not write is ever removed. `--overwrite` checks the directory before anything loads,
+and only once every input is validated and the model is in memory does it move the earlier run's own
+entries aside into `.leangrpo-replaced/`, which is deleted when the new run has finished its first step.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,9 +21,147 @@ import yaml
 
 from .errors import UserError
 
+BASE_MODEL = "base-model"  # the replaced run's entry the new run trains from, kept (see `start_run`)
+# The top-level entries a run writes (besides `checkpoint-N/`, partial saves and the report's PNGs).
+RUN_FILES = (
+    "config.yaml", "metrics.jsonl", "completions.jsonl", "model", "eval", "tensorboard", "wandb",
+    "report.html", BASE_MODEL,
+)  # fmt: skip
+REPLACED = ".leangrpo-replaced"  # the earlier run, moved aside until the new one has finished a step
+LOCK_FILE = ".leangrpo.lock"
+_OWNED = re.compile(r"^(checkpoint-\d+|\.(checkpoint-\d+|model)\.(tmp|old))$")
+
 
 class RunDirError(UserError, RuntimeError):
     """A run directory (or a file in it) cannot be used as asked."""
+
+
+def os_reason(e: OSError) -> str:
+    """The OS's words for a failed file operation, with its errno: `No space left on device (errno 28)`."""
+    return f"{e.strerror or e} (errno {e.errno})" if e.errno else str(e)
+
+
+# ------------------------------------------------------------------------------ owning a run directory
+
+
+def run_entries(run_dir: Path) -> list[Path]:
+    """The entries at the top of `run_dir` whose names a run writes: RUN_FILES, the report's PNGs,
+    `checkpoint-N/` and interrupted saves. In a leangrpo run these are the run's own."""
+    from .report import CURVES
+
+    names = {*RUN_FILES, *(f"{c.stem}.png" for c in CURVES)}
+    if not run_dir.is_dir():
+        return []
+    return sorted(p for p in run_dir.iterdir() if p.name in names or _OWNED.match(p.name))
+
+
+def check_output_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse an output_dir a fresh run may not use; reads only, so it runs before anything loads.
+
+    An earlier run needs `--overwrite`. A non-empty directory that is not a run needs `--overwrite` too,
+    and even then is refused if it holds anything under a name a run writes: those files are the user's."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"output_dir {run_dir} is a file, not a directory")
+    if not run_dir.is_dir() or all(p.name == LOCK_FILE for p in run_dir.iterdir()):
+        return
+    if is_run_dir(run_dir):
+        if not overwrite:
+            raise RunDirError(
+                f"output_dir {run_dir} already holds a run; continue it with --resume {run_dir}, "
+                "replace it with --overwrite, or choose another output_dir"
+            )
+        return
+    if not overwrite:
+        raise RunDirError(
+            f"output_dir {run_dir} exists and is not a leangrpo run; choose another output_dir "
+            "or pass --overwrite to write into it (nothing of it is deleted)"
+        )
+    if clash := run_entries(run_dir):
+        names = ", ".join(p.name for p in clash[:5])
+        raise RunDirError(
+            f"output_dir {run_dir} is not a leangrpo run but holds {names}, which a run would write; "
+            "leangrpo never replaces files it did not write: move them or choose another output_dir"
+        )
+
+
+def start_run(run_dir: Path, overwrite: bool, base: str) -> str:
+    """Make `run_dir` ready for a fresh run, once every input is validated and the model is loaded (and
+    under the lock). An earlier run's entries are moved into `.leangrpo-replaced/` (deleted by
+    `drop_replaced` once the new run has finished a step); when that already exists, the entries are
+    those of a replacing run that never finished a step, and are deleted. An entry holding the model
+    being trained (`--overwrite` of `runs/x` from `runs/x/model`) is kept, as `base-model/`: a resume or
+    an export of an adapter still finds its base. Returns the model path to record in the config."""
+    check_output_dir(run_dir, overwrite)
+    entries = run_entries(run_dir) if overwrite and is_run_dir(run_dir) else []
+    source = Path(base).resolve() if Path(base).exists() else None
+    keep = next((e for e in entries if source and e.resolve() in (source, *source.parents)), None)
+    aside = run_dir / REPLACED
+    try:
+        if entries and not aside.exists():
+            aside.mkdir()
+            for entry in entries:
+                if entry != keep:
+                    entry.rename(aside / entry.name)
+        else:
+            for entry in entries:
+                if entry != keep:
+                    remove(entry)
+        if keep is not None and source is not None and keep.name != BASE_MODEL:
+            keep.rename(run_dir / BASE_MODEL)
+            return str(run_dir / BASE_MODEL / source.relative_to(keep.resolve()))
+    except OSError as e:
+        raise RunDirError(f"cannot replace the run in {run_dir}: {os_reason(e)}") from None
+    return base
+
+
+def drop_replaced(run_dir: Path) -> None:
+    """Delete the run `start_run` moved aside: the new one has finished a step."""
+    remove(run_dir / REPLACED)
+
+
+def remove(path: Path) -> None:
+    """Delete a file or a directory tree, if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+class RunLock:
+    """One process per run directory: an exclusive `flock` on `RUN/.leangrpo.lock`, which holds the
+    owner's PID. The kernel releases it when the process dies, however it dies."""
+
+    def __init__(self, run_dir: Path):
+        import fcntl
+
+        path, self.fd = run_dir / LOCK_FILE, None
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirError(f"output_dir {run_dir} is not writable: {os_reason(e)}") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(self.fd, 32).decode(errors="replace").strip() or "unknown"
+            self.release()
+            raise RunDirError(
+                f"output_dir {run_dir} is in use by another leangrpo process (PID {holder}, holding {path}); "
+                "wait for it to end, or choose another output_dir"
+            ) from None
+        try:
+            os.ftruncate(self.fd, 0)
+            os.write(self.fd, f"{os.getpid()}\n".encode())
+        except OSError as e:
+            self.release()
+            raise RunDirError(f"output_dir {run_dir} is not writable: {os_reason(e)}") from None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    __del__ = release
 
 
 @dataclass

@@ -21,11 +21,9 @@ from torch import Tensor
 
 from . import distributed, grpo, sft
 from .checkpoint import (
-    RunDirError,
     check_resumable,
     load_rank_state,
     load_trainable,
-    prepare_run_dir,
     read_state,
     remove_partial,
     resume_checkpoint,
@@ -48,6 +46,7 @@ from .memory import (
 from .models import frozen_copy, is_peft, load_model_and_tokenizer
 from .rewards import RewardScores, load_rewards, score_completions
 from .rollout import RolloutBatch, as_reward_inputs, generate
+from .rundir import RunDirError, RunLock, check_output_dir, drop_replaced, start_run
 from .signals import StopSignals
 from .tasks import load_task
 from .tracking import MetricsLogger, check_trackers, open_trackers, peak_memory_mb
@@ -103,12 +102,12 @@ class Trainer:
         self.resume_from = resume_checkpoint(self.run_dir) if resume else None
         if self.resume_from:
             check_resumable(self.resume_from, cfg, self.acc.num_processes)
-        elif self.is_main:
-            prepare_run_dir(self.run_dir, overwrite)
-        self.acc.wait_for_everyone()
+        else:
+            check_output_dir(self.run_dir, overwrite)
         set_seed(cfg.seed)  # identical initial weights (and LoRA init) on every rank
 
-        # Everything that can fail on user input is checked before the model loads.
+        # Everything that can fail on user input is checked before the model loads, and the run
+        # directory is written only once the model has loaded (see `_take_run_dir`).
         check_device_options(cfg)
         distributed.check_options(self.dist, cfg)
         self.task = load_task(cfg.task)
@@ -157,6 +156,22 @@ class Trainer:
             len(self.rows), cfg.prompts_per_step, cfg.seed, self.acc.process_index,
             self.acc.num_processes,
         )  # fmt: skip
+        self.start_step, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0
+        self.lock = RunLock(self.run_dir) if self.is_main else None
+        try:
+            self._take_run_dir(overwrite)
+        except BaseException:
+            self.release()
+            raise
+
+    def _take_run_dir(self, overwrite: bool) -> None:
+        """Under the lock: replace an earlier run (fresh start) or restore the checkpoint (resume), write
+        the config, open the logs and trackers."""
+        cfg = self.cfg
+        if self.is_main and not self.resume_from:
+            cfg.model.name_or_path = start_run(self.run_dir, overwrite, cfg.model.name_or_path)
+            save_config(cfg, self.run_dir / "config.yaml")  # first: it marks the directory as a run
+        self.acc.wait_for_everyone()
         trackers = []
         if self.is_main:
             name = cfg.logging.run_name or self.run_dir.name
@@ -164,9 +179,15 @@ class Trainer:
                 cfg.logging.report_to, self.run_dir, cfg.model_dump(mode="json"), cfg.logging.project, name
             )
         self.logger = MetricsLogger(self.run_dir, write=self._write, trackers=trackers)
-        self.start_step, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0
         if self.resume_from:
             self._restore(self.resume_from)
+            if self.is_main:
+                save_config(cfg, self.run_dir / "config.yaml")  # with the resume's new max_steps...
+
+    def release(self) -> None:
+        """Let another process use the run directory."""
+        if self.lock is not None:
+            self.lock.release()
 
     # ------------------------------------------------------------------------------------ one step
 
@@ -361,16 +382,15 @@ class Trainer:
         finally:
             if self.is_main:
                 self.logger.close()
+            self.release()
 
     def _run(self) -> Path | None:
         from tqdm import tqdm
 
         cfg = self.cfg
         self._write(f"training on {self.dist.describe()}, device {self.acc.device}")
-        if self.is_main:
-            save_config(cfg, self.run_dir / "config.yaml")
-            if self.skipped:
-                self._write(f"data: skipped {len(self.skipped)} bad rows (first: {self.skipped[0]})")
+        if self.is_main and self.skipped:
+            self._write(f"data: skipped {len(self.skipped)} bad rows (first: {self.skipped[0]})")
         if not self.resume_from:  # a resumed run went through these already
             self.maybe_evaluate(0)  # the starting model, before any training (SFT included)
         if cfg.sft.steps and not self.resume_from:
@@ -385,6 +405,8 @@ class Trainer:
         with StopSignals() as signals:
             for step in range(self.start_step + 1, cfg.optim.max_steps + 1):
                 metrics = self.step(step)
+                if self.is_main and step == self.start_step + 1:
+                    drop_replaced(self.run_dir)  # the run this one replaced: it has now started
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
                 self.maybe_evaluate(step)

@@ -1,0 +1,146 @@
+"""Fault injection: nothing the user wrote is lost, whatever they or the machine do (issue 18).
+
+Each test names the fault it injects; the run-directory rules are tested on the functions themselves,
+and through the CLI where the order of validation, loading and writing is what matters."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from test_e2e import write_config
+
+from leangrpo.cli import main
+from leangrpo.config import save_config, validate_config
+from leangrpo.rundir import REPLACED, RunDirError, RunLock, check_output_dir, drop_replaced, start_run
+
+
+def fake_run(run_dir: Path, steps: tuple[int, ...] = (2,)) -> Path:
+    """A finished-looking run on disk: config, metrics, a final model and checkpoints (no weights)."""
+    cfg = {"model": {"name_or_path": "m"}, "data": {"path": "d.jsonl"}, "output_dir": str(run_dir),
+           "rewards": {"functions": [{"name": "correctness"}]}}  # fmt: skip
+    (run_dir / "model").mkdir(parents=True)
+    (run_dir / "model" / "config.json").write_text("{}")
+    save_config(validate_config(cfg), run_dir / "config.yaml")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "reward_curve.png").write_text("png")
+    for step in steps:
+        (run_dir / f"checkpoint-{step}").mkdir()
+    return run_dir
+
+
+def train_cli(*args: str):
+    return CliRunner().invoke(main, ["train", *args])
+
+
+def one_line_error(result, *needles: str) -> None:
+    """Exit code 2 and one `error:` line holding every needle (progress bars of model loading aside)."""
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and "Traceback" not in result.output, result.output
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+# ----------------------------------------------------------------------- 1. --overwrite and demo
+
+
+def test_overwrite_of_a_non_run_refuses_and_keeps_the_users_files(tmp_path, tiny_model_dir, gsm8k_dir):
+    """The issue's reproduction: `d/model/my_weights.bin` and `d/config.yaml`, then --overwrite into d."""
+    out = tmp_path / "d"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "my_weights.bin").write_text("w")
+    (out / "config.yaml").write_text("c")
+    (out / "notes.txt").write_text("n")
+    cfg = write_config(tmp_path / "c.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", out)
+    one_line_error(train_cli("-c", str(cfg), "--overwrite"), "config.yaml", "model", "never replaces")
+    assert (out / "model" / "my_weights.bin").read_text() == "w"
+    assert (out / "config.yaml").read_text() == "c" and (out / "notes.txt").read_text() == "n"
+
+
+@pytest.mark.parametrize(
+    "override", ["data.path=/nonexistent.jsonl", "rewards.functions=[{name: no_such_reward}]",
+                 "model.name_or_path=/no/such/model"],
+)  # fmt: skip
+def test_overwrite_with_a_bad_input_leaves_the_earlier_run(tmp_path, tiny_model_dir, gsm8k_dir, override):
+    run = fake_run(tmp_path / "run")
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    cfg = write_config(tmp_path / "c.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", run)
+    result = train_cli("-c", str(cfg), "--overwrite", override)
+    assert result.exit_code == 2, result.output
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+
+
+def test_replacing_a_run_moves_only_its_own_entries_aside_until_the_new_one_starts(tmp_path):
+    run = fake_run(tmp_path / "run", steps=(2, 4))
+    (run / "notes.txt").write_text("mine")
+    (run / "my_plot.png").write_text("mine")
+    assert start_run(run, overwrite=True, base="some/hub-id") == "some/hub-id"
+    assert sorted(p.name for p in run.iterdir()) == [REPLACED, "my_plot.png", "notes.txt"]
+    aside = run / REPLACED
+    assert {p.name for p in aside.iterdir()} == {
+        "checkpoint-2", "checkpoint-4", "config.yaml", "metrics.jsonl", "model", "reward_curve.png",
+    }  # fmt: skip
+    # A replacing run that dies before its first step: the next --overwrite deletes its files and keeps
+    # the earlier run aside, untouched.
+    (run / "config.yaml").write_text((aside / "config.yaml").read_text())
+    (run / "metrics.jsonl").write_text("")
+    start_run(run, overwrite=True, base="some/hub-id")
+    assert sorted(p.name for p in run.iterdir()) == [REPLACED, "my_plot.png", "notes.txt"]
+    assert (aside / "model" / "config.json").is_file()
+    drop_replaced(run)
+    assert sorted(p.name for p in run.iterdir()) == ["my_plot.png", "notes.txt"]
+
+
+def test_a_non_run_directory_is_written_into_only_when_nothing_clashes(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirError, match="not a leangrpo run"):
+        check_output_dir(other, overwrite=False)
+    assert start_run(other, overwrite=True, base="m") == "m"
+    assert (other / "notes.txt").read_text() == "mine"
+    (other / "checkpoint-5").mkdir()  # another trainer's checkpoint
+    with pytest.raises(RunDirError, match="checkpoint-5"):
+        check_output_dir(other, overwrite=True)
+
+
+def test_train_from_the_runs_own_model_into_the_run_with_overwrite(tmp_path, tiny_model_dir, gsm8k_dir):
+    """`train model.name_or_path=runs/x/model output_dir=runs/x --overwrite`: the model loads before the
+    run is replaced, and is kept as the new run's base-model/, which its config records."""
+    run = tmp_path / "x"
+    fake_run(run)
+    shutil.rmtree(run / "model")
+    shutil.copytree(tiny_model_dir, run / "model")
+    (run / "notes.txt").write_text("mine")
+    cfg = write_config(
+        tmp_path / "c.yaml", run / "model", gsm8k_dir / "train.jsonl", run,
+        optim={"max_steps": 1, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
+        grpo={"num_generations": 4},
+    )  # fmt: skip
+    result = train_cli("-c", str(cfg), "--overwrite")
+    assert result.exit_code == 0, result.output
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["model"]["name_or_path"] == str(run / "base-model")
+    assert (run / "base-model" / "model.safetensors").is_file() and (run / "model" / "config.json").is_file()
+    assert not (run / REPLACED).exists() and not (run / "checkpoint-2").exists()
+    assert (run / "notes.txt").read_text() == "mine"
+
+
+# ------------------------------------------------------------------------ 2. one process per run
+
+
+def test_a_second_process_on_a_run_directory_stops_in_one_line(tmp_path, tiny_model_dir, gsm8k_dir):
+    run = fake_run(tmp_path / "run")
+    lock = RunLock(run)  # another training process, as far as the CLI can tell
+    try:
+        cfg = write_config(tmp_path / "c.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", run)
+        result = train_cli("-c", str(cfg), "--overwrite", "optim.max_steps=1")
+        one_line_error(result, "in use", f"PID {os.getpid()}")
+        assert (run / "checkpoint-2").is_dir() and (run / "model" / "config.json").is_file()
+    finally:
+        lock.release()
+    RunLock(run).release()  # free again once the holder lets go
