@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from leangrpo.grpo import grpo_loss
+from leangrpo.grpo import grpo_loss, micro_batch_means
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
@@ -22,8 +22,9 @@ EPS, EPS_HIGH, BETA = 0.2, 0.28, 0.04
 
 
 def trl_loss(
-    logp, old, ref, adv, mask, *, loss_type, bias_correction_kl, accumulation_steps, num_items, max_len
-):
+    logp, old, ref, adv, mask, *, loss_type, bias_correction_kl, accumulation_steps, num_items, max_len,
+    eps=EPS, eps_high=EPS_HIGH, beta=BETA,
+):  # fmt: skip
     """TRL 1.16's `_compute_loss` on one micro-batch of one process: (loss, TRL's metrics dict)."""
     metrics = defaultdict(list)
     fake = SimpleNamespace(
@@ -31,13 +32,13 @@ def trl_loss(
         top_entropy_quantile=1.0,
         off_policy_mask_threshold=None,
         importance_sampling_level="token",
-        beta=BETA,
+        beta=beta,
         args=SimpleNamespace(
             use_bias_correction_kl=bias_correction_kl, delta=None, steps_per_generation=accumulation_steps
         ),
         loss_type=loss_type,
-        epsilon_low=EPS,
-        epsilon_high=EPS_HIGH,
+        epsilon_low=eps,
+        epsilon_high=eps_high,
         use_vllm=False,
         vllm_importance_sampling_correction=False,
         model=SimpleNamespace(training=True),
@@ -119,3 +120,87 @@ def test_bias_correction_changes_the_kl_gradient_even_on_policy():
     assert losses[0] == pytest.approx(losses[1], abs=1e-12)
     kl = torch.exp(ref - base) - (ref - base) - 1
     torch.testing.assert_close(grads[1] - grads[0], BETA * kl * mask / mask.sum(), atol=1e-12, rtol=0)
+
+
+def test_kl_and_clip_ratio_are_means_of_micro_batch_means_as_in_trl():
+    """Micro-batches with 20 and 4 tokens: each one's token mean counts once, as in TRL's metrics."""
+    base, old, ref, adv, mask = _batch(2)
+    ours, theirs = [], defaultdict(list)
+    for rows in (slice(0, 3), slice(3, 6)):
+        _, stats = grpo_loss(
+            base[rows], old[rows], ref[rows], adv[rows], mask[rows], loss_type="dapo", epsilon=EPS,
+            epsilon_high=EPS_HIGH, beta=BETA, num_sequences=6, num_tokens=float(mask.sum()),
+            max_completion_length=7, bias_correction_kl=True,
+        )  # fmt: skip
+        ours.append(stats)
+        _, metrics = trl_loss(
+            base[rows], old[rows], ref[rows], adv[rows], mask[rows], loss_type="dapo",
+            bias_correction_kl=True, accumulation_steps=2, num_items=mask.sum(), max_len=7,
+        )  # fmt: skip
+        for k, v in metrics.items():
+            theirs[k] += v
+    kl, clip_ratio = micro_batch_means(ours)
+    assert kl == pytest.approx(sum(theirs["kl"]) / 2, rel=1e-6)
+    assert clip_ratio == pytest.approx(sum(theirs["clip_ratio/region_mean"]) / 2, rel=1e-6)
+    token_weighted = sum(s.clipped_tokens for s in ours) / sum(s.tokens for s in ours)
+    assert clip_ratio != pytest.approx(token_weighted, rel=1e-3)  # the example tells the two apart
+
+
+def test_trainer_step_matches_trl(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    """One real step with GA = 2 micro-batches, num_iterations = 2, beta > 0 and bnpo: the logged loss,
+    kl, clip_ratio, reward_std and zero_std_frac are TRL's, computed from what the trainer fed its loss.
+    The rewards are tiny (weight 1e-6), so every group's std lies between TRL's zero test (isclose 0)
+    and 1e-6."""
+    from trl.trainer.utils import nanstd
+
+    import leangrpo.grpo as grpo_mod
+    from leangrpo.config import validate_config
+    from leangrpo.trainer import Trainer
+
+    calls, rewards = [], []
+    real_loss, real_advantages = grpo_mod.grpo_loss, grpo_mod.group_advantages
+
+    def spy_loss(logp, old, ref, adv, mask, **kwargs):
+        calls.append([t.detach().clone() for t in (logp, old, ref, adv, mask)])
+        return real_loss(logp, old, ref, adv, mask, **kwargs)
+
+    def spy_advantages(r, *args, **kwargs):
+        rewards.append(r.clone())
+        return real_advantages(r, *args, **kwargs)
+
+    monkeypatch.setattr(grpo_mod, "grpo_loss", spy_loss)
+    monkeypatch.setattr(grpo_mod, "group_advantages", spy_advantages)
+    eps, beta, max_len = 1e-3, 0.04, 8
+    cfg = validate_config({
+        "model": {"name_or_path": str(tiny_model_dir), "gradient_checkpointing": False},
+        "data": {"path": str(gsm8k_dir / "train.jsonl"), "limit": 8},
+        "rewards": {"functions": [{"name": "toy_rewards:vowel_share", "weight": 1e-6}]},
+        "grpo": {"num_generations": 4, "max_completion_length": max_len, "beta": beta, "epsilon": eps,
+                 "num_iterations": 2, "loss_type": "bnpo", "packed_generation": False},
+        "optim": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 1,
+                  "learning_rate": 1e-3},
+        "logging": {"progress_bar": False, "log_completions_steps": 0},
+        "output_dir": str(tmp_path / "run"),
+    })  # fmt: skip
+    metrics = Trainer(cfg).step(1)
+
+    assert len(calls) == 4  # 2 iterations x 2 micro-batches
+    losses, theirs = [], defaultdict(list)
+    for logp, old, ref, adv, mask in calls:
+        loss, m = trl_loss(
+            logp, old, ref, adv, mask, loss_type="bnpo", bias_correction_kl=True, accumulation_steps=2,
+            num_items=0, max_len=max_len, eps=eps, eps_high=eps, beta=beta,
+        )  # fmt: skip
+        losses.append(loss.item())
+        for k, v in m.items():
+            theirs[k] += v
+    assert metrics["loss"] == pytest.approx((sum(losses[:2]) + sum(losses[2:])) / 2, rel=1e-5, abs=1e-9)
+    assert metrics["kl"] == pytest.approx(sum(theirs["kl"]) / 4, rel=1e-5)
+    assert metrics["clip_ratio"] == pytest.approx(sum(theirs["clip_ratio/region_mean"]) / 4, rel=1e-5)
+    assert metrics["clip_ratio"] > 0 and metrics["kl"] > 0
+
+    (r,) = rewards
+    assert metrics["reward_std"] == pytest.approx(nanstd(r).item(), rel=1e-5)
+    group_std = nanstd(r.view(-1, 4), dim=1)
+    assert metrics["zero_std_frac"] == torch.isclose(group_std, torch.zeros_like(group_std)).float().mean()
+    assert metrics["zero_std_frac"] < 1.0 and (group_std < 1e-6).all()

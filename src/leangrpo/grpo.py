@@ -5,6 +5,7 @@ Nothing here touches a model object, so every quantity can be checked against nu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -93,18 +94,21 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 @dataclass
 class LossStats:
-    """Token sums from one micro-batch, summed by the trainer across micro-batches."""
+    """Token sums from one micro-batch of one process, for the kl and clip_ratio metrics."""
 
     kl_sum: float = 0.0
     clipped_tokens: float = 0.0
     tokens: float = 0.0
 
-    def __add__(self, other: LossStats) -> LossStats:
-        return LossStats(
-            self.kl_sum + other.kl_sum,
-            self.clipped_tokens + other.clipped_tokens,
-            self.tokens + other.tokens,
-        )
+
+def micro_batch_means(
+    stats: list[LossStats], sum_over_processes: Callable[[Tensor], Tensor] = lambda t: t
+) -> tuple[float, float]:
+    """The `kl` and `clip_ratio` metrics as TRL defines them: each micro-batch's token mean over every
+    process, then the mean over micro-batches (not weighted by their token counts)."""
+    sums = sum_over_processes(torch.tensor([[s.kl_sum, s.clipped_tokens, s.tokens] for s in stats]))
+    kl, clip_ratio = (sums[:, :2] / sums[:, 2:].clamp(min=1)).mean(dim=0).tolist()
+    return kl, clip_ratio
 
 
 def grpo_loss(

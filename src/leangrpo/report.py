@@ -32,7 +32,7 @@ class Curve:
 
 CURVES = (
     Curve("reward_curve", "Reward: total and per function", ("reward", "rewards/")),
-    Curve("reward_std", "Reward std within groups", ("reward_std",)),
+    Curve("reward_std", "Reward std (all rewards of the step)", ("reward_std",)),
     Curve("kl", "KL to the reference", ("kl",)),
     Curve("loss", "Loss", ("loss",)),
     Curve(

@@ -76,12 +76,12 @@ class PhaseTimer:
 @dataclass
 class Update:
     """What the update phase reports: the mean loss of its iterations, the last gradient norm and
-    learning rate, and token counts for the KL and clip metrics."""
+    learning rate, and each micro-batch's token counts for the KL and clip metrics."""
 
     loss: float
     grad_norm: float
     learning_rate: float
-    stats: grpo.LossStats
+    stats: list[grpo.LossStats]
 
 
 class Trainer:
@@ -238,13 +238,18 @@ class Trainer:
         return score_completions(self.reward_funcs, prompts, completions, columns, self.cfg.rewards.on_error)
 
     def advantages(self, scores: RewardScores) -> tuple[Tensor, Tensor]:
-        """Each completion's advantage and each group's reward std, as `rewards.multi_objective_aggregation`
-        combines the rewards."""
-        g = self.cfg.grpo
+        """This process's advantages and every process's group reward stds, as TRL computes them: on all
+        processes' rewards (`scale_rewards: batch` and normalize_then_sum use the whole batch's std),
+        combined as `rewards.multi_objective_aggregation` says."""
+        G, acc = self.cfg.grpo.num_generations, self.acc
+        per_func, total = acc.gather(scores.per_func.to(acc.device)), acc.gather(scores.total.to(acc.device))
         if self.cfg.rewards.multi_objective_aggregation == "normalize_then_sum":
-            weights = torch.tensor([weight for _, _, weight in self.reward_funcs])
-            return grpo.normalize_then_sum(scores.per_func, weights, scores.total.isnan(), g.num_generations)
-        return grpo.group_advantages(scores.total, g.num_generations, g.scale_rewards)
+            weights = torch.tensor([weight for _, _, weight in self.reward_funcs], device=per_func.device)
+            advantages, group_std = grpo.normalize_then_sum(per_func, weights, total.isnan(), G)
+        else:
+            advantages, group_std = grpo.group_advantages(total, G, self.cfg.grpo.scale_rewards)
+        n = len(scores.total)
+        return advantages[acc.process_index * n : (acc.process_index + 1) * n], group_std
 
     def reference(self, rollout: RolloutBatch) -> tuple[Tensor | None, Tensor | None]:
         """Log-probs the update compares against, once per generation batch: the reference's (adapter
@@ -273,7 +278,7 @@ class Trainer:
         # dapo normalises by every process's tokens (DDP then averages the gradients)
         num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
         self.policy.train()
-        loss_total, stats, skipped = 0.0, grpo.LossStats(), False
+        loss_total, stats, skipped = 0.0, [], False
         grad_norm, lr = math.nan, self.scheduler.get_last_lr()[0]
         for _ in range(g.num_iterations):
             iteration_loss = 0.0
@@ -306,7 +311,7 @@ class Trainer:
                     )
                     self.acc.backward(loss)
                 iteration_loss += loss.item()
-                stats += mb_stats
+                stats.append(mb_stats)
             loss_total += iteration_loss / g.num_iterations
             grad_norm = self.dist.clip_grad_norm(self.policy, cfg.optim.max_grad_norm)
             lr = self.scheduler.get_last_lr()[0]
@@ -333,24 +338,23 @@ class Trainer:
         update: Update,
         seconds: dict[str, float],
     ) -> dict[str, Any]:
-        """The step's metrics, reduced over every process; logged (and a sample completion with them) on
-        the main process when due."""
+        """The step's metrics, reduced over every process (`group_std` holds every process's groups);
+        logged (and a sample completion with them) on the main process when due."""
         cfg, gather, device = self.cfg, self.acc.gather, self.acc.device
         total, per_func = gather(scores.total.to(device)), gather(scores.per_func.to(device))
-        lengths, stds = gather(rollout.lengths().float()), gather(group_std.to(device))
-        st = update.stats
-        sums = self.acc.reduce(torch.tensor([st.kl_sum, st.clipped_tokens, st.tokens], device=device), "sum")
+        lengths = gather(rollout.lengths().float())
+        kl, clip_ratio = grpo.micro_batch_means(update.stats, lambda t: self.acc.reduce(t.to(device), "sum"))
         step_seconds = sum(seconds.values())
         metrics: dict[str, Any] = {
             "step": step,
             "reward": float(total.nanmean()),
-            "reward_std": float(stds.mean()),
-            "kl": float(sums[0] / sums[2]) if cfg.grpo.beta > 0 else None,
-            "clip_ratio": float(sums[1] / sums[2]),
+            "reward_std": float(total[~total.isnan()].std()),  # TRL's: all rewards, not within groups
+            "kl": kl if cfg.grpo.beta > 0 else None,
+            "clip_ratio": clip_ratio,
             "completion_length/mean": float(lengths.mean()),
             "completion_length/max": float(lengths.max()),
             "truncated_frac": float(gather(rollout.truncated.float()).mean()),
-            "zero_std_frac": float((stds < 1e-6).float().mean()),
+            "zero_std_frac": float(group_std.isclose(torch.zeros_like(group_std)).float().mean()),
             "reward_failures": int(gather(scores.failed.float()).sum()),
             "skipped_steps": self.skipped_steps,
             "tokens_per_s": float(lengths.sum()) / step_seconds,
