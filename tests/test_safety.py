@@ -5,6 +5,7 @@ and through the CLI where the order of validation, loading and writing is what m
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -14,9 +15,11 @@ import yaml
 from click.testing import CliRunner
 from test_e2e import write_config
 
+from leangrpo.checkpoint import checkpoint_dirs, is_complete
 from leangrpo.cli import main
-from leangrpo.config import save_config, validate_config
+from leangrpo.config import load_config, save_config, validate_config
 from leangrpo.rundir import REPLACED, RunDirError, RunLock, check_output_dir, drop_replaced, start_run
+from leangrpo.trainer import Trainer
 
 
 def fake_run(run_dir: Path, steps: tuple[int, ...] = (2,)) -> Path:
@@ -144,3 +147,57 @@ def test_a_second_process_on_a_run_directory_stops_in_one_line(tmp_path, tiny_mo
     finally:
         lock.release()
     RunLock(run).release()  # free again once the holder lets go
+
+
+# --------------------------------------------------------------------- 3. checkpoints by default
+
+
+def tiny_run_config(tmp_path, tiny_model_dir, gsm8k_dir, out: Path, **sections) -> Path:
+    """The fewest, smallest steps; logging left at its defaults unless given."""
+    small = {"optim": {"max_steps": 2, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
+             "grpo": {"num_generations": 4}}  # fmt: skip
+    for section, values in sections.items():
+        small[section] = {**small.get(section, {}), **values}
+    data = gsm8k_dir / "train.jsonl"
+    return write_config(tmp_path / f"{out.name}.yaml", tiny_model_dir, data, out, **small)
+
+
+def steps_logged(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_default_run_checkpoints_and_can_be_extended(tmp_path, tiny_model_dir, gsm8k_dir):
+    """The README's `--resume runs/x optim.max_steps=N` on a run with the default logging section."""
+    run = tmp_path / "x"
+    assert train_cli("-c", str(tiny_run_config(tmp_path, tiny_model_dir, gsm8k_dir, run))).exit_code == 0
+    assert [p.name for p in checkpoint_dirs(run)] == ["checkpoint-2"]  # the last step, by default
+    result = train_cli("--resume", str(run), "optim.max_steps=3")
+    assert result.exit_code == 0, result.output
+    assert steps_logged(run) == [1, 2, 3]
+
+
+def test_save_minutes_checkpoints_by_time(tmp_path, tiny_model_dir, gsm8k_dir):
+    run = tmp_path / "timed"
+    logging = {"save_steps": 0, "save_minutes": 1e-9, "save_total_limit": None}
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, gsm8k_dir, run, logging=logging)
+    assert train_cli("-c", str(cfg)).exit_code == 0
+    assert [p.name for p in checkpoint_dirs(run)] == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_resume_completes_a_final_save_the_run_died_in(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    """A kill after the last checkpoint and before `model/` is complete: --resume writes the final model."""
+    run = tmp_path / "x"
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, gsm8k_dir, run)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # stands in for the kill: the process ends mid-save
+
+    with monkeypatch.context() as patch:
+        patch.setattr("leangrpo.trainer.save_final_model", killed)
+        with pytest.raises(KeyboardInterrupt):
+            Trainer(load_config(str(cfg))).train()
+    assert is_complete(run / "checkpoint-2") and not (run / "model").exists()
+    result = train_cli("--resume", str(run))
+    assert result.exit_code == 0 and "final model was never saved" in result.output, result.output
+    assert (run / "model" / "model.safetensors").is_file()
+    assert steps_logged(run) == [1, 2]

@@ -273,7 +273,7 @@ def resume_checkpoint(run_dir: Path) -> Path:
     if ckpt is None:
         raise CheckpointError(
             f"--resume {run_dir}: the run has no complete checkpoint to resume from "
-            "(set logging.save_steps to write them); start it again with --overwrite"
+            "(logging.save_steps and save_minutes were 0); start it again with --overwrite"
         )
     return ckpt
 

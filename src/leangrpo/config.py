@@ -254,8 +254,21 @@ class LoggingConfig(_Section):
     """What a run records, and where."""
 
     logging_steps: int = Field(1, ge=1, description="write a metrics row every N steps")
-    save_steps: int = Field(0, ge=0, description="checkpoint every N steps; 0 saves only the final model")
-    save_total_limit: int | None = Field(None, ge=1, description="keep the newest N checkpoints")
+    save_steps: int = Field(
+        50, ge=0, description="checkpoint every N steps, and at the last step; 0: not by step count"
+    )
+    save_minutes: float = Field(
+        30,
+        ge=0,
+        description="also checkpoint when N minutes have passed since the last save; 0: not by "
+        "time. With save_steps 0 too, no checkpoint is written (a kill loses the run)",
+    )
+    save_total_limit: int | None = Field(
+        2,
+        ge=1,
+        description="keep the newest N checkpoints (deleted only after a newer one is complete); "
+        "null keeps all",
+    )
     log_completions_steps: int = Field(
         10, ge=0, description="log a sample completion every N steps; 0: never"
     )

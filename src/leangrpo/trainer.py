@@ -157,6 +157,7 @@ class Trainer:
             self.acc.num_processes,
         )  # fmt: skip
         self.start_step, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0
+        self.last_save = time.monotonic()
         self.lock = RunLock(self.run_dir) if self.is_main else None
         try:
             self._take_run_dir(overwrite)
@@ -484,8 +485,15 @@ class Trainer:
     # ------------------------------------------------------------------------------ checkpoints
 
     def _checkpoint_due(self, step: int) -> bool:
-        every = self.cfg.logging.save_steps
-        return bool(every) and (step % every == 0 or step == self.cfg.optim.max_steps)
+        """Every `save_steps` steps, once `save_minutes` have passed since the last save (decided by any
+        process, so all save together), and at the last step; never when both are 0."""
+        log = self.cfg.logging
+        if not (log.save_steps or log.save_minutes):
+            return False
+        if step == self.cfg.optim.max_steps or (log.save_steps and step % log.save_steps == 0):
+            return True
+        late = bool(log.save_minutes) and time.monotonic() - self.last_save >= 60 * log.save_minutes
+        return self._any_process(late)
 
     def save_checkpoint(self, step: int) -> Path:
         state = {
@@ -493,17 +501,23 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
         }
-        return save_checkpoint(
+        ckpt = save_checkpoint(
             self.run_dir, step, model=self.dist.saveable(self.policy), tokenizer=self.tokenizer,
             optimizer_state=self.dist.optimizer_state(self.policy, self.optimizer), scheduler=self.scheduler,
             cfg=self.cfg, state=state, rank=self.acc.process_index, barrier=self.acc.wait_for_everyone,
         )  # fmt: skip
+        self.last_save = time.monotonic()
+        return ckpt
 
     def _check_steps_left(self, ckpt: Path) -> None:
-        step = read_state(ckpt)["step"]
-        if step >= self.cfg.optim.max_steps:
+        """A resume needs steps left to train, or (checkpoint at the last step, no final model: the run
+        died while saving it) the final save still to do."""
+        step, max_steps = read_state(ckpt)["step"], self.cfg.optim.max_steps
+        if step == max_steps and not (self.run_dir / "model" / "config.json").is_file():
+            self._write(f"{ckpt} is the last step, but the final model was never saved: saving it now")
+        elif step >= max_steps:
             raise TrainingError(
-                f"{ckpt} is at step {step} and optim.max_steps={self.cfg.optim.max_steps}: "
+                f"{ckpt} is at step {step} and optim.max_steps={max_steps}: "
                 f"nothing left to train; raise optim.max_steps to continue"
             )
 
