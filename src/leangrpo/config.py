@@ -70,7 +70,10 @@ class TaskConfig(_Section):
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     name: str = Field(
-        "gsm8k", min_length=1, description="task module: gsm8k (the R1 recipe) or dataset (your rewards)"
+        "gsm8k",
+        min_length=1,
+        description="task module: gsm8k (the R1 recipe), reasoning_gym (generated problems) "
+        "or dataset (your rewards)",
     )
 
     @model_validator(mode="before")
@@ -92,7 +95,7 @@ class TaskConfig(_Section):
             if first["type"] == "extra_forbidden":
                 known = ", ".join(task_class(self.name).Options.model_fields) or "none"
                 raise ValueError(f"task {self.name} has no option {key!r} (its options: {known})") from None
-            raise ValueError(f"task option {key}: {first['msg']}") from None
+            raise ValueError(f"task option {key}: {first['msg'].removeprefix('Value error, ')}") from None
         for key, value in options.model_dump().items():  # fill in the task's defaults
             self.__pydantic_extra__[key] = value  # type: ignore[index]
         return self
@@ -109,7 +112,7 @@ class DataConfig(_Section):
         ...,
         min_length=1,
         description="local .jsonl/.json/.parquet/.csv file, a dataset directory (save_to_disk, "
-        "parquet shards), or a hub dataset id",
+        "parquet shards), a hub dataset id, or reasoning_gym:<dataset>[,<dataset>...] (generated)",
     )
     hub_config: str | None = Field(None, description="hub dataset configuration name (e.g. main)")
     split: str = Field("train", description="hub dataset split")
@@ -323,11 +326,27 @@ class Config(_Section):
     output_dir: str = Field("runs/leangrpo", description="the run directory")
     seed: int = Field(42, description="seeds weights init, sampling and the prompt order")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _generated_data_task(cls, v: Any) -> Any:
+        # `data.path: reasoning_gym:<dataset>` alone picks the task that generates those rows.
+        data = v.get("data") if isinstance(v, dict) else None
+        path = data.get("path") if isinstance(data, dict) else None
+        if isinstance(path, str) and path.startswith("reasoning_gym:") and "task" not in v:
+            return {**v, "task": "reasoning_gym"}
+        return v
+
     @model_validator(mode="after")
     def _combinations(self) -> Config:
-        from .tasks import task_class
+        from .tasks import TaskError, load_task, task_class
 
         task = task_class(self.task.name)
+        if self.data.path.startswith("reasoning_gym:") and task.name != "reasoning_gym":
+            raise ValueError(f"data.path {self.data.path} needs task: reasoning_gym (got task: {task.name})")
+        try:
+            load_task(self.task).check_data(self.data.path)
+        except TaskError as e:
+            raise ValueError(str(e)) from None
         if "system_prompt" not in self.data.model_fields_set:
             self.data.system_prompt = task.system_prompt
         if not self.rewards.functions:

@@ -76,7 +76,7 @@ def load_rows(data: DataConfig, task: Task) -> LoadedData:
     Raises DataError for a missing source, a misnamed column, a bad row under
     ``on_bad_row="error"``, or when no usable row remains.
     """
-    source, raw_rows = _open_source(data)
+    source, raw_rows = _open_source(data, task)
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     columns: tuple[str, str | None] | None = None
@@ -112,13 +112,18 @@ def load_rows(data: DataConfig, task: Task) -> LoadedData:
     return loaded
 
 
-def _open_source(data: DataConfig) -> tuple[str, Iterator[tuple[str, bytes | dict[str, Any]]]]:
+def _open_source(data: DataConfig, task: Task) -> tuple[str, Iterator[tuple[str, bytes | dict[str, Any]]]]:
     """Pick the reader for ``data.path``; return a name for messages and ``(where, raw row)``s.
 
-    A JSON Lines file is read here; other local files and directories by ``datasets``; a missing
-    path shaped like ``owner/name`` is a hub dataset id; any other missing path is a missing file.
+    Rows the task generates (reasoning-gym) come first. A JSON Lines file is read here; other local
+    files and directories by ``datasets``; a missing path shaped like ``owner/name`` is a hub dataset
+    id; any other missing path is a missing file.
     """
     path = data.path
+    generated = task.generated_rows(path, data.split)
+    if generated is not None:
+        source = f"{path}[{data.split}]"
+        return source, _table_rows(source, generated)
     local = Path(path).expanduser()
     if local.is_dir():
         return path, _table_rows(path, _load_local_directory(local, data))

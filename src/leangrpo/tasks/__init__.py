@@ -59,6 +59,14 @@ class Task:
         """Why `count` rows were left out by `prepare` returning None."""
         return f"{count} rows left out by the task's options"
 
+    def check_data(self, path: str) -> None:
+        """Raise TaskError when this task cannot use `data.path` (called while the config is validated)."""
+
+    def generated_rows(self, path: str, split: str) -> list[dict[str, Any]] | None:
+        """Rows this task generates for `data.path` and a split (e.g. reasoning-gym's); None: read the
+        path as a file or hub dataset."""
+        return None
+
     def solution(self, row: dict[str, Any]) -> str:
         """The row's worked solution in the answer format (the cold start's target)."""
         raise NotImplementedError(f"task {self.name} has no worked solutions")
