@@ -204,3 +204,44 @@ def test_trainer_step_matches_trl(tmp_path, tiny_model_dir, gsm8k_dir, monkeypat
     group_std = nanstd(r.view(-1, 4), dim=1)
     assert metrics["zero_std_frac"] == torch.isclose(group_std, torch.zeros_like(group_std)).float().mean()
     assert metrics["zero_std_frac"] < 1.0 and (group_std < 1e-6).all()
+
+
+def test_batch_statistics_span_every_process(tmp_path):
+    """Two gloo processes whose rewards differ tenfold in scale: with scale_rewards=batch (and with
+    normalize_then_sum) the batch std is over both processes' rewards, as TRL's nanstd of the gathered
+    rewards, not each process's own; groups stay within a process."""
+    import socket
+
+    import torch.multiprocessing as mp
+    from gloo_advantages import AGGREGATIONS, advantages_on_rank
+    from trl.trainer.utils import nanstd
+
+    from leangrpo import grpo
+
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(16, 2, generator=g)
+    rewards[8:] *= 10  # process 1
+    rewards[3] = torch.nan  # unscorable: advantage 0, out of the statistics
+    rewards[9, 0] = torch.nan  # one function not applicable
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(advantages_on_rank, args=(port, rewards, str(tmp_path)), nprocs=2)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+
+    total = torch.where(rewards.isnan().all(1), torch.nan, rewards.nansum(1))
+    centred = (total.view(-1, 4) - total.view(-1, 4).nanmean(1, keepdim=True)).view(-1)
+    trl_batch = torch.nan_to_num(centred / (nanstd(total) + 1e-4), nan=0.0)  # TRL's batch scaling
+    expected = {
+        "sum_then_normalize": grpo.group_advantages(total, 4, "batch"),
+        "normalize_then_sum": grpo.normalize_then_sum(rewards, torch.ones(2), total.isnan(), 4),
+    }
+    torch.testing.assert_close(expected["sum_then_normalize"][0], trl_batch)
+    for aggregation in AGGREGATIONS:
+        (a0, s0), (a1, s1) = rank0[aggregation], rank1[aggregation]
+        advantages, group_std = expected[aggregation]
+        torch.testing.assert_close(torch.cat([a0, a1]), advantages)
+        torch.testing.assert_close(s0, group_std)
+        torch.testing.assert_close(s1, group_std)
+    own_scale = grpo.group_advantages(total[:8], 4, "batch")[0]  # what process 0 alone would compute
+    assert not torch.allclose(rank0["sum_then_normalize"][0], own_scale, atol=1e-2)
