@@ -19,7 +19,7 @@ PYTHONPATH = os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])
 METRIC_KEYS = {
     "step", "loss", "grad_norm", "learning_rate", "reward", "reward_std", "kl", "clip_ratio",
     "completion_length/mean", "completion_length/max", "truncated_frac", "zero_std_frac",
-    "reward_failures", "tokens_per_s", "step_seconds", "peak_memory_mb",
+    "reward_failures", "tokens_per_s", "step_seconds", "peak_memory_mb", "entropy",
     "time/rollout", "time/score", "time/advantages", "time/reference", "time/update",
 }  # fmt: skip
 

@@ -11,6 +11,7 @@ from leangrpo.grpo import (
     LossStats,
     group_advantages,
     grpo_loss,
+    high_entropy_mask,
     kl_k3,
     mask_after_eos,
     mask_truncated,
@@ -260,7 +261,7 @@ def _tiny(ref_offsets=None):
     return logp, old, ref, adv, mask
 
 
-def _loss(logp, old, ref, adv, mask, loss_type, beta=0.0, num_sequences=2, num_tokens=5.0):
+def _loss(logp, old, ref, adv, mask, loss_type, beta=0.0, num_sequences=2, num_tokens=5.0, **variants):
     return grpo_loss(
         logp,
         old,
@@ -274,6 +275,7 @@ def _loss(logp, old, ref, adv, mask, loss_type, beta=0.0, num_sequences=2, num_t
         num_sequences=num_sequences,
         num_tokens=num_tokens,
         max_completion_length=MAX_LEN,
+        **variants,
     )
 
 
@@ -427,6 +429,38 @@ def test_delta_caps_the_ratio_for_negative_advantages():
     close(loss, (5.0 + 2.0 - 1.28) / 3, atol=1e-9)
     close(grad, [[5.0 / 3], [2.0 / 3], [0.0]], atol=1e-9)
     assert stats.clipped_tokens == 1.0
+
+
+def test_high_entropy_mask_hand_computed():
+    # Real tokens' entropies sorted: [0.1, 0.2, 0.3, 0.5, 0.7, 0.9] (the padded 9.9 is not one of them).
+    # Top half: the 0.5 quantile at position 2.5 is 0.3 + 0.5 · (0.5 - 0.3) = 0.4 -> 0.5, 0.9, 0.7 stay.
+    entropy = torch.tensor([[0.1, 0.5, 0.9, 0.3], [0.7, 0.2, 9.9, 9.9]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    assert high_entropy_mask(entropy, mask, 0.5).tolist() == [
+        [False, True, True, False],
+        [True, False, False, False],
+    ]
+    assert high_entropy_mask(entropy, mask, 0.0).sum() == 1  # only the highest real token, 0.9
+    assert torch.equal(high_entropy_mask(entropy, mask, 1.0), mask.bool())
+    assert not high_entropy_mask(entropy, torch.zeros_like(mask), 0.2).any()
+
+
+def test_top_entropy_quantile_keeps_the_policy_term_of_high_entropy_tokens_only():
+    # Real tokens' entropies sorted [0.1, 0.2, 0.7, 0.8, 0.9]; top 0.4: the 0.6 quantile at position 2.4 is
+    # 0.74 -> seq 0's tokens 1 and 2 (per-token -1.28, clipped, and -0.5). dapo: (-1.28 - 0.5) / 5; the KL
+    # (beta 0.1, 1 - log 2 per token) stays on all 5 tokens; the normalisation is unchanged.
+    logp, old, ref, adv, mask = _tiny(REF_OFFSETS)
+    entropy = torch.tensor([[0.1, 0.9, 0.8], [0.7, 0.2, 5.0]], dtype=torch.float64)
+    loss, stats = _loss(
+        logp, old, ref, adv, mask, "dapo", beta=0.1, entropy=entropy, top_entropy_quantile=0.4
+    )
+    close(loss, (-1.28 - 0.5) / 5 + 0.1 * KL_TOK, atol=1e-9)
+    close(stats.entropy_sum, 2.7, atol=1e-9)
+    loss.backward()
+    kept = torch.tensor([[0.0, 0.0, -0.5], [0.0, 0.0, 0.0]])  # TOKEN_GRAD where the mask keeps the token
+    close(logp.grad, (kept - 0.1 * torch.tensor(MASK)) / 5, atol=1e-9)
+    with pytest.raises(ValueError, match="entropy"):
+        _loss(logp, old, ref, adv, mask, "dapo", top_entropy_quantile=0.4)
 
 
 def test_mask_truncated_drops_cut_off_rows():

@@ -24,17 +24,19 @@ EPS, EPS_HIGH, BETA = 0.2, 0.28, 0.04
 def trl_loss(
     logp, old, ref, adv, mask, *, loss_type, bias_correction_kl, accumulation_steps, num_items, max_len,
     eps=EPS, eps_high=EPS_HIGH, beta=BETA,
+    importance_sampling_level="token", delta=None, entropy=None, top_entropy_quantile=1.0,
 ):  # fmt: skip
     """TRL 1.16's `_compute_loss` on one micro-batch of one process: (loss, TRL's metrics dict)."""
     metrics = defaultdict(list)
+    entropy = torch.zeros_like(logp) if entropy is None else entropy
     fake = SimpleNamespace(
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
-        top_entropy_quantile=1.0,
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropy, None),
+        top_entropy_quantile=top_entropy_quantile,
         off_policy_mask_threshold=None,
-        importance_sampling_level="token",
+        importance_sampling_level=importance_sampling_level,
         beta=beta,
         args=SimpleNamespace(
-            use_bias_correction_kl=bias_correction_kl, delta=None, steps_per_generation=accumulation_steps
+            use_bias_correction_kl=bias_correction_kl, delta=delta, steps_per_generation=accumulation_steps
         ),
         loss_type=loss_type,
         epsilon_low=eps,
@@ -44,11 +46,17 @@ def trl_loss(
         model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=accumulation_steps,
         max_completion_length=max_len,
-        accelerator=SimpleNamespace(num_processes=1, reduce=lambda t, reduction: t, gather=lambda t: t),
+        accelerator=SimpleNamespace(
+            num_processes=1,
+            reduce=lambda t, reduction: t,
+            gather=lambda t: t,
+            pad_across_processes=lambda t, dim, pad_index: t,
+        ),
         _entropy_bonus_enabled=False,
         aux_loss_enabled=False,
         _metrics={"train": metrics},
     )
+    fake.get_high_entropy_mask = lambda *a: trl_grpo.GRPOTrainer.get_high_entropy_mask(fake, *a)
     n, c = logp.shape
     inputs = {
         "prompt_ids": torch.zeros(n, 0, dtype=torch.long),
@@ -103,6 +111,45 @@ def test_loss_and_gradient_under_accumulation_match_trl(loss_type, bias_correcti
     torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-12, rtol=0)
 
 
+VARIANTS = {
+    "gspo": {"importance_sampling_level": "sequence"},
+    "delta": {"delta": 1.5},
+    "top_entropy_quantile": {"top_entropy_quantile": 0.3},
+    "all": {"importance_sampling_level": "sequence", "delta": 1.5, "top_entropy_quantile": 0.5},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_variants_match_trl(loss_type, variant):
+    """GSPO, two-sided clipping, the entropy mask; off-policy, GA = 2, beta > 0: TRL's loss and gradient."""
+    base, old, ref, adv, mask = _batch(2)
+    old = base + (old - base) * 3  # ratios far enough from 1 for delta and the sequence clip to act
+    entropy = torch.rand(base.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 4
+    n, c = base.shape
+    options = VARIANTS[variant]
+    ours, theirs = base.clone().requires_grad_(), base.clone().requires_grad_()
+    plain = base.clone().requires_grad_()  # without the variant: it must change the gradient
+    for rows in (slice(0, 3), slice(3, 6)):
+        for logp, opts in ((plain, {}), (ours, options)):  # ours last: `loss` is compared below
+            loss, _ = grpo_loss(
+                logp[rows], old[rows], ref[rows], adv[rows], mask[rows],
+                loss_type=loss_type, epsilon=EPS, epsilon_high=EPS_HIGH, beta=BETA, num_sequences=n,
+                num_tokens=float(mask.sum()), max_completion_length=c, accumulation_steps=2,
+                bias_correction_kl=True, entropy=entropy[rows], **opts,
+            )  # fmt: skip
+            loss.backward()
+        ref_loss, _ = trl_loss(
+            theirs[rows], old[rows], ref[rows], adv[rows], mask[rows], loss_type=loss_type,
+            bias_correction_kl=True, accumulation_steps=2, num_items=mask.sum(), max_len=c,
+            entropy=entropy[rows], **options,
+        )  # fmt: skip
+        ref_loss.backward()
+        assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-12)
+    torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-12, rtol=0)
+    assert (ours.grad - plain.grad).abs().max() > 1e-3
+
+
 def test_bias_correction_changes_the_kl_gradient_even_on_policy():
     """On-policy the ratio is 1, so the loss is the same; its gradient adds beta · KL per token."""
     base, _, ref, adv, mask = _batch(1)
@@ -122,24 +169,27 @@ def test_bias_correction_changes_the_kl_gradient_even_on_policy():
     torch.testing.assert_close(grads[1] - grads[0], BETA * kl * mask / mask.sum(), atol=1e-12, rtol=0)
 
 
-def test_kl_and_clip_ratio_are_means_of_micro_batch_means_as_in_trl():
+def test_kl_clip_ratio_and_entropy_are_means_of_micro_batch_means_as_in_trl():
     """Micro-batches with 20 and 4 tokens: each one's token mean counts once, as in TRL's metrics."""
     base, old, ref, adv, mask = _batch(2)
+    entropy = torch.rand(base.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 4
     ours, theirs = [], defaultdict(list)
     for rows in (slice(0, 3), slice(3, 6)):
         _, stats = grpo_loss(
             base[rows], old[rows], ref[rows], adv[rows], mask[rows], loss_type="dapo", epsilon=EPS,
             epsilon_high=EPS_HIGH, beta=BETA, num_sequences=6, num_tokens=float(mask.sum()),
-            max_completion_length=7, bias_correction_kl=True,
+            max_completion_length=7, bias_correction_kl=True, entropy=entropy[rows],
         )  # fmt: skip
         ours.append(stats)
         _, metrics = trl_loss(
             base[rows], old[rows], ref[rows], adv[rows], mask[rows], loss_type="dapo",
             bias_correction_kl=True, accumulation_steps=2, num_items=mask.sum(), max_len=7,
+            entropy=entropy[rows],
         )  # fmt: skip
         for k, v in metrics.items():
             theirs[k] += v
-    kl, clip_ratio = micro_batch_means(ours)
+    kl, clip_ratio, mean_entropy = micro_batch_means(ours)
+    assert mean_entropy == pytest.approx(sum(theirs["entropy"]) / 2, rel=1e-6)
     assert kl == pytest.approx(sum(theirs["kl"]) / 2, rel=1e-6)
     assert clip_ratio == pytest.approx(sum(theirs["clip_ratio/region_mean"]) / 2, rel=1e-6)
     token_weighted = sum(s.clipped_tokens for s in ours) / sum(s.tokens for s in ours)
@@ -161,7 +211,7 @@ def test_trainer_step_matches_trl(tmp_path, tiny_model_dir, gsm8k_dir, monkeypat
     real_loss, real_advantages = grpo_mod.grpo_loss, grpo_mod.group_advantages
 
     def spy_loss(logp, old, ref, adv, mask, **kwargs):
-        calls.append([t.detach().clone() for t in (logp, old, ref, adv, mask)])
+        calls.append([t.detach().clone() for t in (logp, old, ref, adv, mask, kwargs["entropy"])])
         return real_loss(logp, old, ref, adv, mask, **kwargs)
 
     def spy_advantages(r, *args, **kwargs):
@@ -186,10 +236,10 @@ def test_trainer_step_matches_trl(tmp_path, tiny_model_dir, gsm8k_dir, monkeypat
 
     assert len(calls) == 4  # 2 iterations x 2 micro-batches
     losses, theirs = [], defaultdict(list)
-    for logp, old, ref, adv, mask in calls:
+    for logp, old, ref, adv, mask, entropy in calls:
         loss, m = trl_loss(
             logp, old, ref, adv, mask, loss_type="bnpo", bias_correction_kl=True, accumulation_steps=2,
-            num_items=0, max_len=max_len, eps=eps, eps_high=eps, beta=beta,
+            num_items=0, max_len=max_len, eps=eps, eps_high=eps, beta=beta, entropy=entropy,
         )  # fmt: skip
         losses.append(loss.item())
         for k, v in m.items():
@@ -197,7 +247,8 @@ def test_trainer_step_matches_trl(tmp_path, tiny_model_dir, gsm8k_dir, monkeypat
     assert metrics["loss"] == pytest.approx((sum(losses[:2]) + sum(losses[2:])) / 2, rel=1e-5, abs=1e-9)
     assert metrics["kl"] == pytest.approx(sum(theirs["kl"]) / 4, rel=1e-5)
     assert metrics["clip_ratio"] == pytest.approx(sum(theirs["clip_ratio/region_mean"]) / 4, rel=1e-5)
-    assert metrics["clip_ratio"] > 0 and metrics["kl"] > 0
+    assert metrics["entropy"] == pytest.approx(sum(theirs["entropy"]) / 4, rel=1e-5)
+    assert metrics["clip_ratio"] > 0 and metrics["kl"] > 0 and metrics["entropy"] > 0
 
     (r,) = rewards
     assert metrics["reward_std"] == pytest.approx(nanstd(r).item(), rel=1e-5)

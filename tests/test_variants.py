@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -29,7 +30,7 @@ def make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, **sections: dict[str, Any]
     return Trainer(validate_config(cfg))
 
 
-def test_gspo_and_delta_reach_the_loss(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+def test_gspo_delta_and_entropy_reach_the_loss(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
     seen: list[dict[str, Any]] = []
     real_loss = grpo.grpo_loss
 
@@ -39,18 +40,21 @@ def test_gspo_and_delta_reach_the_loss(tmp_path, tiny_model_dir, gsm8k_dir, monk
 
     monkeypatch.setattr(grpo, "grpo_loss", spy)
     grpo_section = {
-        "importance_sampling_level": "sequence",
-        "delta": 4.0,
-        "loss_type": "grpo",
-        "num_iterations": 2,
-    }
+        "importance_sampling_level": "sequence", "delta": 4.0, "loss_type": "grpo", "num_iterations": 2,
+        "top_entropy_quantile": 0.2,
+    }  # fmt: skip
     trainer = make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, grpo=grpo_section)
     metrics = trainer.step(1)
     assert len(seen) == 2  # one micro-batch, two iterations
-    assert {(k["importance_sampling_level"], k["delta"], k["loss_type"]) for k in seen} == {
-        ("sequence", 4.0, "grpo")
+    options = {
+        (k["importance_sampling_level"], k["delta"], k["loss_type"], k["top_entropy_quantile"]) for k in seen
     }
+    assert options == {("sequence", 4.0, "grpo", 0.2)}
     assert metrics["loss"] == metrics["loss"] and metrics["grad_norm"] > 0  # finite, and it trained
+    # The entropy metric: the mean over completion tokens, between 0 and log(vocabulary).
+    vocab = trainer.unwrapped.base.config.vocab_size
+    assert 0 < metrics["entropy"] < math.log(vocab)
+    assert seen[0]["entropy"].shape[0] == 8 and not seen[0]["entropy"].requires_grad
 
 
 def test_mask_truncated_completions_leaves_cut_off_completions_out(tmp_path, tiny_model_dir, gsm8k_dir):

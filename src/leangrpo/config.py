@@ -195,6 +195,13 @@ class GRPOSection(_Section):
         description="leave completions cut off at max_completion_length out of the loss (DAPO); they still "
         "count in their group's advantages",
     )
+    top_entropy_quantile: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="only this top fraction of each micro-batch's tokens by entropy keep their policy "
+        "term (Beyond the 80/20 rule recommends 0.2); 1.0: every token",
+    )
     num_iterations: int = Field(1, ge=1, description="updates per generation batch (mu)")
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
         "dapo", description="how per-token losses are averaged (docs/algorithms.md)"

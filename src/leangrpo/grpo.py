@@ -94,21 +94,33 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 @dataclass
 class LossStats:
-    """Token sums from one micro-batch of one process, for the kl and clip_ratio metrics."""
+    """Token sums from one micro-batch of one process, for the kl, clip_ratio and entropy metrics."""
 
     kl_sum: float = 0.0
     clipped_tokens: float = 0.0
     tokens: float = 0.0
+    entropy_sum: float = 0.0
 
 
 def micro_batch_means(
     stats: list[LossStats], sum_over_processes: Callable[[Tensor], Tensor] = lambda t: t
-) -> tuple[float, float]:
-    """The `kl` and `clip_ratio` metrics as TRL defines them: each micro-batch's token mean over every
-    process, then the mean over micro-batches (not weighted by their token counts)."""
-    sums = sum_over_processes(torch.tensor([[s.kl_sum, s.clipped_tokens, s.tokens] for s in stats]))
-    kl, clip_ratio = (sums[:, :2] / sums[:, 2:].clamp(min=1)).mean(dim=0).tolist()
-    return kl, clip_ratio
+) -> tuple[float, float, float]:
+    """The `kl`, `clip_ratio` and `entropy` metrics as TRL defines them: each micro-batch's token mean
+    over every process, then the mean over micro-batches (not weighted by their token counts)."""
+    rows = [[s.kl_sum, s.clipped_tokens, s.entropy_sum, s.tokens] for s in stats]
+    sums = sum_over_processes(torch.tensor(rows))
+    kl, clip_ratio, entropy = (sums[:, :3] / sums[:, 3:].clamp(min=1)).mean(dim=0).tolist()
+    return kl, clip_ratio, entropy
+
+
+def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float) -> Tensor:
+    """The tokens of `mask` whose entropy is in the top `top_quantile` of theirs: at or above the
+    (1 - top_quantile) quantile ("Beyond the 80/20 rule": the forking tokens carry the learning)."""
+    keep = mask.bool()
+    values = entropy[keep]
+    if values.numel() == 0:
+        return keep
+    return keep & (entropy >= torch.quantile(values.float(), 1 - top_quantile))
 
 
 def grpo_loss(
@@ -129,6 +141,8 @@ def grpo_loss(
     delta: float | None = None,
     accumulation_steps: int = 1,
     bias_correction_kl: bool = False,
+    entropy: Tensor | None = None,
+    top_entropy_quantile: float = 1.0,
 ) -> tuple[Tensor, LossStats]:
     """The clipped GRPO surrogate (+ beta × k3 KL) of one micro-batch, scaled so that summing it over
     the micro-batches of an accumulated batch gives that batch's loss, as TRL 1.16 computes it.
@@ -140,6 +154,9 @@ def grpo_loss(
     per-token KL by the importance ratio (TRL's `use_bias_correction_kl`): the unbiased KL gradient.
     `importance_sampling_level="sequence"` is GSPO (one ratio per completion, `sequence_log_ratio`);
     `delta` caps the ratio from above for negative advantages too (two-sided clipping, INTELLECT-2).
+    `entropy` [N, C] (per token, no gradient) is summed into the stats; with `top_entropy_quantile` < 1
+    only the micro-batch's highest-entropy tokens keep their policy term (`high_entropy_mask`; the KL
+    term stays on every token, and the normalisation is unchanged, as in TRL).
     """
     # Masked positions (after EOS) hold arbitrary log-probs: they are selected out before any exp, since
     # multiplying by the mask afterwards turns an overflow there into 0 · inf = NaN (loss and gradient).
@@ -152,6 +169,10 @@ def grpo_loss(
     clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     capped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
     per_token = -torch.min(capped_ratio * adv, clipped_ratio * adv)
+    if top_entropy_quantile < 1.0:
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 needs the per-token entropy")
+        per_token = per_token * high_entropy_mask(entropy, keep, top_entropy_quantile)
     kl = kl_k3(logp, torch.where(keep, ref_logp, logp.detach())) if ref_logp is not None else None
     if kl is not None and bias_correction_kl:
         kl = kl * ratio
@@ -179,5 +200,6 @@ def grpo_loss(
             kl_sum=float(kl[keep].sum()) if kl is not None else 0.0,
             clipped_tokens=float((is_clipped & keep).sum()),
             tokens=float(keep.sum()),
+            entropy_sum=float(entropy[keep].sum()) if entropy is not None else 0.0,
         )
     return loss, stats

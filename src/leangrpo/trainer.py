@@ -290,7 +290,9 @@ class Trainer:
                     self.dist.sync_gradients(self.policy, sync=last),
                     activation_offload(cfg.model.activation_offload),
                 ):
-                    logp, _ = micro_batch_logprobs(self.policy, rollout, rows, group=self.group)
+                    logp, _, entropy = micro_batch_logprobs(
+                        self.policy, rollout, rows, group=self.group, with_entropy=True
+                    )
                     width = logp.shape[1]
                     loss, mb_stats = grpo.grpo_loss(
                         logp,
@@ -309,6 +311,8 @@ class Trainer:
                         delta=g.delta,
                         accumulation_steps=math.ceil(len(rollout) / micro),
                         bias_correction_kl=g.use_bias_correction_kl,
+                        entropy=entropy,
+                        top_entropy_quantile=g.top_entropy_quantile,
                     )
                     self.acc.backward(loss)
                 iteration_loss += loss.item()
@@ -344,7 +348,9 @@ class Trainer:
         cfg, gather, device = self.cfg, self.acc.gather, self.acc.device
         total, per_func = gather(scores.total.to(device)), gather(scores.per_func.to(device))
         lengths = gather(rollout.lengths().float())
-        kl, clip_ratio = grpo.micro_batch_means(update.stats, lambda t: self.acc.reduce(t.to(device), "sum"))
+        kl, clip_ratio, entropy = grpo.micro_batch_means(
+            update.stats, lambda t: self.acc.reduce(t.to(device), "sum")
+        )
         step_seconds = sum(seconds.values())
         metrics: dict[str, Any] = {
             "step": step,
@@ -352,6 +358,7 @@ class Trainer:
             "reward_std": float(total[~total.isnan()].std()),  # TRL's: all rewards, not within groups
             "kl": kl if cfg.grpo.beta > 0 else None,
             "clip_ratio": clip_ratio,
+            "entropy": entropy,
             "completion_length/mean": float(lengths.mean()),
             "completion_length/max": float(lengths.max()),
             "truncated_frac": float(gather(rollout.truncated.float()).mean()),
