@@ -34,3 +34,18 @@ def flaky(prompts, completions, **kwargs):
         return [0.0] * (len(completions) + 1)
     text = completions[0][0]["content"] if isinstance(completions[0], list) else completions[0]
     return [[float("nan"), None, "oops", float("inf"), 1.0][len(text) % 5]]
+
+
+async def async_vowel_share(prompts, completions, log_metric, trainer_state, completion_ids, **kwargs):
+    """vowel_share, awaited; logs the step and the mean completion length it saw (TRL's log_metric)."""
+    import asyncio
+
+    await asyncio.sleep(0)
+    log_metric("toy/global_step", trainer_state.global_step)
+    log_metric("toy/tokens", sum(map(len, completion_ids)) / len(completion_ids))
+    return vowel_share(prompts, completions)
+
+
+def distinct_chars(completions, **kwargs):
+    """TRL's quickstart reward, verbatim: it needs completions as strings (TRL's standard format)."""
+    return [float(len(set(completion.lower()))) for completion in completions]

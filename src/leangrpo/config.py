@@ -140,13 +140,22 @@ class RewardSpec(_Section):
     """One reward function and its weight in the total."""
 
     name: str = Field(
-        ..., min_length=1, description="built-in or task reward name, or 'package.module:function'"
+        ...,
+        min_length=1,
+        description="built-in or task reward name, 'package.module:function', or a reward model "
+        "(sequence classifier) by local path or hub id",
     )
     weight: float = Field(1.0, description="weight in the summed reward")
+    kwargs: dict[str, Any] | None = Field(
+        None,
+        description="arguments: the named function is a factory called with them (e.g. TRL's "
+        "get_soft_overlong_punishment); for a reward model, from_pretrained arguments",
+    )
 
 
 class RewardsConfig(_Section):
-    """The reward functions (TRL signature: f(prompts, completions, **columns) -> list[float | None])."""
+    """The reward functions, called as TRL calls them: f(prompts, completions, completion_ids, trainer_state,
+    log_extra, log_metric, **columns) -> list[float | None]; async functions are awaited."""
 
     functions: list[RewardSpec] = Field(
         default_factory=list, description="rewards summed into each completion's reward; default: the task's"

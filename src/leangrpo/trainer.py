@@ -44,7 +44,7 @@ from .memory import (
     return_freed_memory,
 )
 from .models import frozen_copy, is_peft, load_model_and_tokenizer
-from .rewards import RewardScores, load_rewards, score_completions
+from .rewards import RewardContext, RewardScores, TrainerState, load_rewards, score_completions
 from .rollout import RolloutBatch, as_reward_inputs, generate
 from .rundir import RunDirError, RunLock, check_output_dir, drop_replaced, start_run
 from .signals import StopSignals
@@ -198,7 +198,7 @@ class Trainer:
         with timer("rollout"):
             rows, rollout = self.rollout(step)
         with timer("score"):
-            scores = self.score(rows, rollout)
+            scores = self.score(step, rows, rollout)
         with timer("advantages"):
             advantages, group_std = self.advantages(scores)
         with timer("reference"):
@@ -229,14 +229,27 @@ class Trainer:
         release_generation_memory()
         return rows, batch
 
-    def score(self, rows: list[dict[str, Any]], rollout: RolloutBatch) -> RewardScores:
-        """Every reward function on every completion (TRL's call: prompts, completions, the row's columns)."""
-        G = self.cfg.grpo.num_generations
+    def score(self, step: int, rows: list[dict[str, Any]], rollout: RolloutBatch) -> RewardScores:
+        """Every reward function on every completion, called as TRL calls it (prompts, completions,
+        completion_ids, the row's columns, trainer_state, log_extra, log_metric)."""
+        cfg, G = self.cfg, self.cfg.grpo.num_generations
         prompts, completions = as_reward_inputs(
             [r["prompt"] for r in rows], rollout.completion_texts, self.conversational
         )
         columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
-        return score_completions(self.reward_funcs, prompts, completions, columns, self.cfg.rewards.on_error)
+        ids = rollout.completion_ids.cpu()
+        mask = rollout.completion_mask.bool().cpu()
+        context = RewardContext(
+            completion_ids=[row[keep].tolist() for row, keep in zip(ids, mask, strict=True)],
+            trainer_state=TrainerState(
+                global_step=(step - 1) * cfg.grpo.num_iterations,
+                max_steps=cfg.optim.max_steps * cfg.grpo.num_iterations,
+                epoch=(step - 1) * cfg.prompts_per_step * self.acc.num_processes / len(self.rows),
+            ),
+        )
+        return score_completions(
+            self.reward_funcs, prompts, completions, columns, cfg.rewards.on_error, context
+        )
 
     def advantages(self, scores: RewardScores) -> tuple[Tensor, Tensor]:
         """This process's advantages and every process's group reward stds, as TRL computes them: on all
@@ -375,11 +388,13 @@ class Trainer:
             "grad_norm": update.grad_norm,
             "learning_rate": update.learning_rate,
             **{f"time/{phase}": s for phase, s in seconds.items()},
+            **scores.metrics,  # the rewards' log_metric values (this process's)
         }
         if self.is_main and _due(step, cfg.logging.log_completions_steps):
             sample = self.task.sample_view(rows[0], rollout.completion_texts[0])
             rewards = {n: float(scores.per_func[0, i]) for i, n in enumerate(scores.names)}
-            self.logger.log_sample({"step": step, **sample, "rewards": rewards})
+            extra = {column: values[0] for column, values in scores.extra.items() if values}
+            self.logger.log_sample({"step": step, **sample, "rewards": rewards, **extra})
         if self.is_main and _due(step, cfg.logging.logging_steps):
             self.logger.log(metrics)
         return metrics

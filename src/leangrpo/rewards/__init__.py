@@ -16,13 +16,15 @@ from leangrpo.rewards.builtin import (
     xmlcount_reward,
 )
 from leangrpo.rewards.registry import BUILTIN_REWARDS, RewardError, RewardFunc, load_reward, load_rewards
-from leangrpo.rewards.scoring import RewardScores, score_completions
+from leangrpo.rewards.scoring import RewardContext, RewardScores, TrainerState, score_completions
 
 __all__ = [
     "BUILTIN_REWARDS",
     "RewardError",
+    "RewardContext",
     "RewardFunc",
     "RewardScores",
+    "TrainerState",
     "answers_match",
     "completion_text",
     "correctness_reward",

@@ -1,9 +1,12 @@
-"""Reward lookup by name: built-ins by short name, user functions by ``package.module:function``."""
+"""Reward lookup by name: built-ins by short name, user functions by ``package.module:function`` (a
+factory when given ``kwargs``), and reward models by hub id or local directory."""
 
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.errors import UserError
@@ -21,7 +24,10 @@ if TYPE_CHECKING:
     from leangrpo.tasks import Task
 
 RewardFunc = Callable[..., list[Any]]
-"""TRL reward signature: ``f(prompts, completions, **columns) -> list[float | None]``."""
+"""TRL reward signature: ``f(prompts, completions, completion_ids, trainer_state, log_extra, log_metric,
+**columns) -> list[float | None]`` (or a coroutine of it)."""
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class RewardError(UserError, ValueError):
@@ -38,25 +44,51 @@ BUILTIN_REWARDS: dict[str, RewardFunc] = {
 }
 
 
-def load_reward(name: str, task_rewards: dict[str, RewardFunc] | None = None) -> RewardFunc:
+def load_reward(
+    name: str, task_rewards: dict[str, RewardFunc] | None = None, kwargs: dict[str, Any] | None = None
+) -> RewardFunc:
     """Resolve a reward by name: one of the task's own, a built-in (``correctness`` or
-    ``correctness_reward``), or an import path ``package.module:function``."""
+    ``correctness_reward``), an import path ``package.module:function``, or a reward model (a local
+    directory or an ``owner/name`` hub id). With ``kwargs`` the named object is a factory, called with
+    them (TRL's ``get_soft_overlong_punishment``); for a reward model they go to ``from_pretrained``."""
     name = name.strip()
     if ":" in name:
-        return _import_reward(name)
-    known = {**BUILTIN_REWARDS, **(task_rewards or {})}
-    func = known.get(name.removesuffix("_reward"))
-    if func is None:
+        func = _import_reward(name)
+    elif Path(name).expanduser().is_dir() or _HUB_ID.match(name):
+        from leangrpo.rewards.model import RewardModel
+
+        return RewardModel(
+            str(Path(name).expanduser()) if Path(name).expanduser().is_dir() else name, **(kwargs or {})
+        )
+    else:
+        known = {**BUILTIN_REWARDS, **(task_rewards or {})}
+        func = known.get(name.removesuffix("_reward"))
+        if func is None:
+            raise RewardError(
+                f"unknown reward {name!r}; known rewards are {', '.join(sorted(known))} "
+                "(or give a user function as 'package.module:function', or a reward model's path or hub id)"
+            )
+    return func if kwargs is None else _from_factory(name, func, kwargs)
+
+
+def _from_factory(name: str, factory: Callable[..., Any], kwargs: dict[str, Any]) -> RewardFunc:
+    """The reward function a factory makes from ``kwargs``; a failing call is a one-line RewardError."""
+    try:
+        func = factory(**kwargs)
+    except Exception as exc:
         raise RewardError(
-            f"unknown reward {name!r}; known rewards are {', '.join(sorted(known))} "
-            "(or give a user function as 'package.module:function')"
+            f"reward {name!r} called with kwargs {kwargs}: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not callable(func):
+        raise RewardError(
+            f"reward {name!r} called with kwargs returned a {type(func).__name__}, not a reward function"
         )
     return func
 
 
 def load_rewards(specs: list[RewardSpec], task: Task) -> list[tuple[str, RewardFunc, float]]:
     """The configured rewards as (name, function, weight)."""
-    return [(s.name, load_reward(s.name, task.rewards()), s.weight) for s in specs]
+    return [(s.name, load_reward(s.name, task.rewards(), s.kwargs), s.weight) for s in specs]
 
 
 def _import_reward(path: str) -> RewardFunc:

@@ -1,12 +1,20 @@
-"""Score a batch of completions with several reward functions, isolating misbehaving ones."""
+"""Score a batch of completions with several reward functions, isolating misbehaving ones.
+
+Each function is called as TRL 1.16 calls it: ``prompts``, ``completions``, ``completion_ids``, every
+column under its own name, ``trainer_state``, ``log_extra`` and ``log_metric``. Async functions are
+awaited, all of a batch's concurrently.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import math
 import numbers
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 from leangrpo.rewards.builtin import completion_text
 from leangrpo.rewards.registry import RewardError, RewardFunc
@@ -27,6 +35,45 @@ class RewardScores:
     total: torch.Tensor  # float32 [N]; weighted nansum over functions; NaN where failed or unscorable
     failed: torch.Tensor  # bool [N]; some function raised or returned garbage (on_error="missing")
     names: list[str]
+    metrics: dict[str, float] = field(default_factory=dict)  # log_metric values, each name's mean
+    extra: dict[str, list] = field(default_factory=dict)  # log_extra columns, one value per completion
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """The part of transformers' ``TrainerState`` that TRL rewards read (e.g. for a schedule)."""
+
+    global_step: int  # optimizer steps done so far
+    max_steps: int  # optimizer steps in the whole run
+    epoch: float  # passes over the training rows so far
+
+
+@dataclass
+class RewardContext:
+    """What a reward receives beside prompts, completions and columns, and what it logs back."""
+
+    completion_ids: list[list[int]] | None = None  # each completion's tokens, without padding
+    trainer_state: TrainerState | None = None
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    extra: dict[str, list] = field(default_factory=dict)
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's ``log_metric``: a scalar logged with the step's metrics (the mean of its calls)."""
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        """TRL's ``log_extra``: a column beside the logged completions (the batch call's values)."""
+        self.extra.setdefault(column, list(values))
+
+    def kwargs(self, indices: list[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "trainer_state": self.trainer_state,
+            "log_extra": self.log_extra,
+            "log_metric": self.log_metric,
+        }
+        if self.completion_ids is not None:
+            out["completion_ids"] = [self.completion_ids[i] for i in indices]
+        return out
 
 
 @dataclass
@@ -44,6 +91,7 @@ def score_completions(
     completions: list,
     columns: dict[str, list],
     on_error: Literal["raise", "missing"],
+    context: RewardContext | None = None,
 ) -> RewardScores:
     """Call each ``(name, func, weight)`` once on the batch, TRL-style, and combine the scores.
 
@@ -57,38 +105,84 @@ def score_completions(
     import torch  # lazy: importing leangrpo.rewards must not pull in torch
 
     n = len(completions)
+    context = context or RewardContext()
     if len(prompts) != n or any(len(values) != n for values in columns.values()):
         raise RewardError(f"prompts and every column must have one entry per completion ({n})")
     per_func = torch.full((n, len(funcs)), math.nan, dtype=torch.float32)
     failed = torch.zeros(n, dtype=torch.bool)
-    for f, (name, func, _) in enumerate(funcs):
-        values = _score_function(name, func, prompts, completions, columns, on_error, failed)
+    batch = _Batch(prompts, completions, columns, context)
+    everyone = list(range(n))
+    outputs = _resolve([batch.invoke(func, everyone) for _, func, _ in funcs])
+    for f, ((name, func, _), output) in enumerate(zip(funcs, outputs, strict=True)):
+        values = _score_function(name, func, batch, _checked(output, everyone), on_error, failed)
         per_func[:, f] = torch.tensor(values, dtype=torch.float32)
     weights = torch.tensor([weight for _, _, weight in funcs], dtype=torch.float32)
     total = torch.nansum(per_func * weights, dim=1)
     total[failed | per_func.isnan().all(dim=1)] = math.nan
-    return RewardScores(per_func, total, failed, [name for name, _, _ in funcs])
+    metrics = {name: sum(values) / len(values) for name, values in context.metrics.items()}
+    return RewardScores(per_func, total, failed, [name for name, _, _ in funcs], metrics, context.extra)
+
+
+@dataclass
+class _Batch:
+    prompts: list
+    completions: list
+    columns: dict[str, list]
+    context: RewardContext
+
+    def invoke(self, func: RewardFunc, indices: list[int]) -> Any:
+        """``func`` on the completions at ``indices``: what it returned (maybe a coroutine), or raised."""
+        try:
+            return func(
+                prompts=[self.prompts[i] for i in indices],
+                completions=[self.completions[i] for i in indices],
+                **{key: [column[i] for i in indices] for key, column in self.columns.items()},
+                **self.context.kwargs(indices),
+            )
+        except Exception as exc:
+            return exc
+
+    def call(self, func: RewardFunc, indices: list[int]) -> list[float] | _Failure:
+        return _checked(_resolve([self.invoke(func, indices)])[0], indices)
+
+
+def _resolve(outputs: list[Any]) -> list[Any]:
+    """The outputs with every awaitable awaited, concurrently, on an event loop of their own (a thread,
+    so that it works under a caller's running loop too); what one raised takes its place."""
+    pending = [i for i, output in enumerate(outputs) if inspect.isawaitable(output)]
+    if not pending:
+        return outputs
+
+    async def gather() -> list[Any]:
+        return await asyncio.gather(*(outputs[i] for i in pending), return_exceptions=True)
+
+    with ThreadPoolExecutor(1) as pool:
+        results = pool.submit(asyncio.run, gather()).result()
+    resolved = list(outputs)
+    for i, result in zip(pending, results, strict=True):
+        resolved[i] = result
+    return resolved
 
 
 def _score_function(
     name: str,
     func: RewardFunc,
-    prompts: list,
-    completions: list,
-    columns: dict[str, list],
+    batch: _Batch,
+    first: list[float] | _Failure,
     on_error: Literal["raise", "missing"],
     failed: torch.Tensor,
 ) -> list[float]:
-    """One column of ``per_func``; sets ``failed`` for the completions it could not score."""
-    batch = _call(func, prompts, completions, columns, list(range(len(completions))))
-    if not isinstance(batch, _Failure):
-        return batch
-    if on_error == "raise" and batch.cause is None:  # bad output: the batch call says it all
-        raise RewardError(_message(name, batch.problem, completions, batch.index))
+    """One column of ``per_func`` from the batch call's result ``first``; sets ``failed`` for the
+    completions it could not score."""
+    if not isinstance(first, _Failure):
+        return first
+    completions = batch.completions
+    if on_error == "raise" and first.cause is None:  # bad output: the batch call says it all
+        raise RewardError(_message(name, first.problem, completions, first.index))
     # Call it on each completion alone to find the one(s) it fails on.
     values: list[float] = []
     for i in range(len(completions)):
-        single = _call(func, prompts, completions, columns, [i])
+        single = batch.call(func, [i])
         if isinstance(single, _Failure):
             message = _message(name, single.problem, completions, i)
             if on_error == "raise":
@@ -98,22 +192,16 @@ def _score_function(
             single = [math.nan]
         values += single
     if on_error == "raise":  # it failed on the batch although it passed on each completion
-        raise RewardError(_message(name, batch.problem, completions, None)) from batch.cause
+        raise RewardError(_message(name, first.problem, completions, None)) from first.cause
     return values
 
 
-def _call(
-    func: RewardFunc, prompts: list, completions: list, columns: dict[str, list], indices: list[int]
-) -> list[float] | _Failure:
-    """Call ``func`` on the completions at ``indices``: their scores (NaN for None), or why not."""
-    try:
-        values = func(
-            prompts=[prompts[i] for i in indices],
-            completions=[completions[i] for i in indices],
-            **{key: [column[i] for i in indices] for key, column in columns.items()},
-        )
-    except Exception as exc:
-        return _Failure(f"raised {type(exc).__name__}: {exc}".replace("\n", "\\n"), cause=exc)
+def _checked(values: Any, indices: list[int]) -> list[float] | _Failure:
+    """A call's output as scores (NaN for None), or why it is not one finite number or None each."""
+    if isinstance(values, Exception):
+        return _Failure(f"raised {type(values).__name__}: {values}".replace("\n", "\\n"), cause=values)
+    if hasattr(values, "tolist"):  # a tensor or an array
+        values = values.tolist()
     try:
         values = list(values)
     except TypeError:

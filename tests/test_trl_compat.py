@@ -1,0 +1,226 @@
+"""A TRL user's data, rewards and config work unchanged: TRL 1.16's own reward functions by import path,
+its reward contract (completion_ids, trainer_state, log_extra, log_metric, async, factories with kwargs,
+reward models), and its dataset formats through `leangrpo train`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+import trl.rewards as trl_rewards
+import yaml
+
+from leangrpo.config import RewardSpec
+from leangrpo.rewards import (
+    RewardContext,
+    RewardError,
+    TrainerState,
+    load_reward,
+    load_rewards,
+    score_completions,
+)
+from leangrpo.tasks import Task
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "assistant", "content": text}]
+
+
+def score(names_kwargs, completions, columns=None, context=None, prompts=None):
+    funcs = [(name, load_reward(name, kwargs=kwargs), 1.0) for name, kwargs in names_kwargs]
+    prompts = prompts or [[{"role": "user", "content": "q"}]] * len(completions)
+    return score_completions(funcs, prompts, completions, columns or {}, "raise", context)
+
+
+def test_every_trl_reward_loads_by_import_path_and_scores_without_a_wrapper():
+    assert sorted(n for n in trl_rewards.__all__ if not n.endswith("_rewards")) == [
+        "accuracy_reward", "get_cosine_scaled_reward", "get_repetition_penalty_reward",
+        "get_soft_overlong_punishment", "reasoning_accuracy_reward", "think_format_reward",
+    ]  # fmt: skip
+    completions = [chat("<think>hm</think> The answer is $\\frac{1}{2}$"), chat("no idea")]
+    context = RewardContext(completion_ids=[[1] * 90, [1, 2, 3, 1, 2, 3, 1, 2, 3]])
+    rewards = [
+        ("trl.rewards:accuracy_reward", None),
+        ("trl.rewards:reasoning_accuracy_reward", None),
+        ("trl.rewards:think_format_reward", None),
+        ("trl.rewards:get_cosine_scaled_reward", {"max_len": 100}),
+        ("trl.rewards:get_repetition_penalty_reward", {"ngram_size": 3, "max_penalty": -1.0}),
+        ("trl.rewards:get_soft_overlong_punishment", {"max_completion_len": 100, "soft_punish_cache": 20}),
+    ]
+    scores = score(rewards, completions, {"solution": ["$0.5$", "$0.5$"]}, context)
+    by_name = dict(zip(scores.names, scores.per_func.T.tolist(), strict=True))
+    assert by_name["trl.rewards:accuracy_reward"] == [1.0, 0.0]
+    assert by_name["trl.rewards:reasoning_accuracy_reward"] == [1.0, 0.0]
+    assert by_name["trl.rewards:think_format_reward"] == [1.0, 0.0]
+    cosine = by_name["trl.rewards:get_cosine_scaled_reward"]
+    assert cosine[0] > 0 > cosine[1]  # correct earns, wrong loses; both scaled by length
+    assert by_name["trl.rewards:get_repetition_penalty_reward"][0] == pytest.approx(-1 + 1 / 88)
+    assert by_name["trl.rewards:get_repetition_penalty_reward"][1] < -0.5  # 7 trigrams, 3 distinct
+    assert by_name["trl.rewards:get_soft_overlong_punishment"] == pytest.approx(
+        [-0.5, 0.0]
+    )  # 90 in (80, 100]
+    assert scores.extra["solution"] == ["$0.5$", "$0.5$"]  # accuracy_reward's log_extra
+
+
+def test_factory_kwargs_errors_are_one_line():
+    with pytest.raises(RewardError, match=r"get_soft_overlong_punishment' called with kwargs .*TypeError"):
+        load_reward("trl.rewards:get_soft_overlong_punishment", kwargs={"max_len": 3})
+    spec = RewardSpec(
+        name="trl.rewards:get_soft_overlong_punishment",
+        kwargs={"max_completion_len": 8, "soft_punish_cache": 2},
+    )
+    ((name, func, weight),) = load_rewards([spec], Task())
+    assert func(completion_ids=[[0] * 7, [0] * 2]) == [-0.5, 0.0]
+
+
+def test_trainer_state_and_logging_callbacks_reach_the_reward():
+    seen = {}
+
+    def reward(prompts, completions, trainer_state, log_extra, log_metric, completion_ids, **kwargs):
+        seen["state"] = trainer_state
+        log_metric("custom/len", sum(map(len, completion_ids)) / len(completion_ids))
+        log_metric("custom/len", 0.0)
+        log_extra("judge", [f"saw {c}" for c in completions])
+        return [1.0] * len(completions)
+
+    state = TrainerState(global_step=3, max_steps=10, epoch=0.5)
+    scores = score_completions(
+        [("r", reward, 1.0)],
+        ["p", "p"],
+        ["a", "b"],
+        {},
+        "raise",
+        RewardContext([[1, 2], [3, 4, 5, 6]], state),
+    )
+    assert seen["state"] == state
+    assert scores.metrics == {"custom/len": 1.5}
+    assert scores.extra == {"judge": ["saw a", "saw b"]}
+
+
+def test_async_rewards_are_awaited_concurrently():
+    async def slow_len(prompts, completions, **kwargs):
+        await asyncio.sleep(0.4)
+        return [float(len(c)) for c in completions]
+
+    async def slow_one(prompts, completions, **kwargs):
+        await asyncio.sleep(0.4)
+        return [1.0] * len(completions)
+
+    start = time.perf_counter()
+    scores = score_completions(
+        [("a", slow_len, 1.0), ("b", slow_one, 2.0)], ["p"] * 2, ["ab", "abc"], {}, "raise"
+    )
+    assert time.perf_counter() - start < 0.75  # the two sleeps overlap
+    assert scores.total.tolist() == [4.0, 5.0]
+
+    async def broken(prompts, completions, **kwargs):
+        raise ValueError("judge offline")
+
+    with pytest.raises(RewardError, match="'broken' raised ValueError: judge offline on completion #0"):
+        score_completions([("broken", broken, 1.0)], ["p"], ["x"], {}, "raise")
+
+    async def outer():  # a caller that runs its own event loop (a notebook) still gets scores
+        return score_completions([("a", slow_len, 1.0)], ["p"], ["xy"], {}, "raise").total.tolist()
+
+    assert asyncio.run(outer()) == [2.0]
+
+
+@pytest.fixture(scope="module")
+def tiny_classifier(tmp_path_factory, real_tokenizer_dir) -> Path:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    tok = AutoTokenizer.from_pretrained(real_tokenizer_dir)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    out = tmp_path_factory.mktemp("tiny-rm")
+    LlamaForSequenceClassification(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_reward_model_by_path_scores_like_the_classifier(tiny_classifier, tmp_path):
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    reward = load_reward(str(tiny_classifier), kwargs={"batch_size": 2})
+    prompts = [[{"role": "user", "content": "Hi"}]] * 3
+    completions = [chat("Hello there, friend"), chat("Go away"), chat("Hi")]
+    got = score_completions([("rm", reward, 1.0)], prompts, completions, {}, "raise").per_func[:, 0]
+    tok = AutoTokenizer.from_pretrained(tiny_classifier)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_classifier).eval()
+    want = []
+    for p, c in zip(prompts, completions, strict=True):  # one at a time: no padding at all
+        text = tok.apply_chat_template(p + c, tokenize=False)
+        with torch.no_grad():
+            want.append(model(**tok(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item())
+    assert got.tolist() == pytest.approx(want, abs=1e-5)
+    assert len(set(want)) == 3
+    with pytest.raises(RewardError, match=f"cannot load reward model '{tmp_path}': "):
+        load_reward(str(tmp_path))  # a directory without a model
+
+
+# --- through `leangrpo train` ----------------------------------------------------------------
+
+
+def run_train(tmp_path: Path, model: Path, rows: list[dict], rewards: list[dict], **extra) -> Path:
+    from test_e2e import run_cli
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    cfg = {
+        "task": "dataset",
+        "model": {"name_or_path": str(model), "gradient_checkpointing": False},
+        "data": {"path": str(data)},
+        "rewards": {"functions": rewards},
+        "grpo": {"num_generations": 4, "max_completion_length": 6, "max_prompt_length": 64},
+        "optim": {"per_device_train_batch_size": 8, "max_steps": 2},
+        "logging": {"log_completions_steps": 1, "progress_bar": False},
+        "output_dir": str(out),
+        **extra,
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    proc = run_cli("train", "-c", str(tmp_path / "run.yaml"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_trl_conversational_data_and_trl_rewards_train_unchanged(tmp_path, tiny_model_dir):
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {i}+{i}?"}], "solution": f"${2 * i}$", "id": i}
+        for i in range(4)
+    ]
+    rewards = [
+        {"name": "trl.rewards:accuracy_reward"},
+        {"name": "trl.rewards:think_format_reward"},
+        {
+            "name": "trl.rewards:get_soft_overlong_punishment",
+            "kwargs": {"max_completion_len": 6, "soft_punish_cache": 4},
+        },
+        {"name": "toy_rewards:async_vowel_share"},
+    ]
+    out = run_train(tmp_path, tiny_model_dir, rows, rewards)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["toy/global_step"] for m in metrics] == [0, 1]  # trainer_state and log_metric
+    assert all(1 <= m["toy/tokens"] <= 6 for m in metrics)  # completion_ids: real token counts
+    assert all(m["rewards/trl.rewards:get_soft_overlong_punishment/mean"] <= 0 for m in metrics)
+    sample = json.loads((out / "completions.jsonl").read_text().splitlines()[0])
+    assert sample["question"].startswith("What is") and sample["solution"] == sample["gold"]  # log_extra
+
+
+@pytest.mark.slow
+def test_trl_standard_format_gives_string_completions(tmp_path, tiny_model_dir):
+    rows = [{"prompt": p} for p in ("The sky is", "Once upon a time", "My favourite food is", "Hello")]
+    out = run_train(tmp_path, tiny_model_dir, rows, [{"name": "toy_rewards:distinct_chars"}])
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["rewards/toy_rewards:distinct_chars/mean"] > 0 for m in metrics)
+    sample = json.loads((out / "completions.jsonl").read_text().splitlines()[0])
+    assert sample["question"] in {r["prompt"] for r in rows} and sample["gold"] is None
