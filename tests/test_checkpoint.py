@@ -92,7 +92,7 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path, monkeypatch):
     real_save = torch.save
 
     def full_disk(obj, path, *args, **kwargs):
-        if Path(path).name == "optimizer.pt":
+        if Path(getattr(path, "name", path)).name == "optimizer.pt":  # a path, or an open file
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(obj, path, *args, **kwargs)
 

@@ -5,30 +5,50 @@ and through the CLI where the order of validation, loading and writing is what m
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 from test_e2e import write_config
 
-from leangrpo.checkpoint import checkpoint_dirs, is_complete
+from leangrpo.checkpoint import (
+    CheckpointError,
+    checkpoint_dirs,
+    is_complete,
+    save_checkpoint,
+    save_final_model,
+)
 from leangrpo.cli import main
 from leangrpo.config import load_config, save_config, validate_config
 from leangrpo.rundir import REPLACED, RunDirError, RunLock, check_output_dir, drop_replaced, start_run
+from leangrpo.tracking import MetricsLogger
 from leangrpo.trainer import Trainer
+
+
+def minimal_cfg(out: Path):
+    rewards = {"functions": [{"name": "correctness"}]}
+    return validate_config(
+        {
+            "model": {"name_or_path": "m"},
+            "data": {"path": "d.jsonl"},
+            "output_dir": str(out),
+            "rewards": rewards,
+        }
+    )
 
 
 def fake_run(run_dir: Path, steps: tuple[int, ...] = (2,)) -> Path:
     """A finished-looking run on disk: config, metrics, a final model and checkpoints (no weights)."""
-    cfg = {"model": {"name_or_path": "m"}, "data": {"path": "d.jsonl"}, "output_dir": str(run_dir),
-           "rewards": {"functions": [{"name": "correctness"}]}}  # fmt: skip
     (run_dir / "model").mkdir(parents=True)
     (run_dir / "model" / "config.json").write_text("{}")
-    save_config(validate_config(cfg), run_dir / "config.yaml")
+    save_config(minimal_cfg(run_dir), run_dir / "config.yaml")
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     (run_dir / "reward_curve.png").write_text("png")
     for step in steps:
@@ -201,3 +221,96 @@ def test_resume_completes_a_final_save_the_run_died_in(tmp_path, tiny_model_dir,
     assert result.exit_code == 0 and "final model was never saved" in result.output, result.output
     assert (run / "model" / "model.safetensors").is_file()
     assert steps_logged(run) == [1, 2]
+
+
+# ------------------------------------------------------------------------------ 4. a full disk
+
+
+@contextmanager
+def file_size_limit(nbytes: int):
+    """Writes past `nbytes` fail with EFBIG, as they would on a full disk (SIGXFSZ ignored meanwhile)."""
+    import resource
+    import signal
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+class _Writes:
+    """A model or tokenizer whose save_pretrained writes `size` float32 zeros as safetensors."""
+
+    def __init__(self, name: str, size: int):
+        self.name, self.size = name, size
+
+    def save_pretrained(self, out: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file({"w": torch.zeros(self.size)}, str(Path(out) / self.name))
+
+
+def save_small_checkpoint(run_dir: Path, step: int, optimizer_floats: int = 4) -> Path:
+    cfg = minimal_cfg(run_dir)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]), lambda s: 1
+    )
+    return save_checkpoint(
+        run_dir, step, model=_Writes("adapter_model.safetensors", 4), tokenizer=_Writes("tok.safetensors", 4),
+        optimizer_state={"state": {0: {"exp_avg": torch.zeros(optimizer_floats)}}}, scheduler=sched, cfg=cfg,
+        state={"world_size": 1, "skipped_steps": 0, "nonfinite_in_a_row": 0}, rank=0, barrier=lambda: None,
+    )  # fmt: skip
+
+
+def test_disk_full_in_torch_save_is_one_line_naming_the_os_reason_and_the_last_checkpoint(tmp_path):
+    save_small_checkpoint(tmp_path, 2)
+    with file_size_limit(64 * 1024), pytest.raises(CheckpointError) as caught:
+        save_small_checkpoint(tmp_path, 4, optimizer_floats=100_000)  # optimizer.pt: 400 kB
+    assert "File too large (errno 27)" in str(caught.value) and "checkpoint-2, is intact" in str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]  # no .checkpoint-4.tmp
+
+
+def test_disk_full_in_safetensors_is_one_line_and_leaves_no_partial_model(tmp_path):
+    save_small_checkpoint(tmp_path, 2)
+    with file_size_limit(64 * 1024), pytest.raises(CheckpointError) as caught:
+        save_final_model(
+            _Writes("model.safetensors", 100_000), _Writes("tok.safetensors", 4), tmp_path / "model"
+        )
+    assert "File too large" in str(caught.value) and "checkpoint-2, is intact" in str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+
+
+def test_disk_full_at_start_leaves_no_partial_config(tmp_path):
+    with file_size_limit(10), pytest.raises(RunDirError, match=r"config.yaml: File too large \(errno 27\)"):
+        save_config(minimal_cfg(tmp_path), tmp_path / "config.yaml")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_report_that_cannot_be_written_is_one_line(tmp_path):
+    run = fake_run(tmp_path / "run")
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "reward": 0.7}\n')
+    (run / "reward_curve.png").unlink()
+    with file_size_limit(0):
+        result = CliRunner().invoke(main, ["report", str(run)])
+    one_line_error(result, "reward_curve.png", "errno 27")
+    assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_write_failing_mid_run_stops_in_one_line_naming_the_last_checkpoint(
+    tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch
+):
+    real_log = MetricsLogger.log
+
+    def log(self, metrics):
+        if metrics["step"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.metrics_path))
+        real_log(self, metrics)
+
+    monkeypatch.setattr(MetricsLogger, "log", log)
+    run = tmp_path / "x"
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, gsm8k_dir, run, logging={"save_steps": 1})
+    one_line_error(train_cli("-c", str(cfg)), "No space left on device (errno 28)", "checkpoint-1, is intact")

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from .errors import UserError
-from .rundir import is_run_dir
-from .rundir import os_reason as _reason
+from .rundir import is_run_dir, write_failure
 
 if TYPE_CHECKING:
     import torch
@@ -109,8 +108,6 @@ def save_checkpoint(
     counters). Older checkpoints beyond `logging.save_total_limit` are deleted after the new one is
     complete. A failed write (disk full...) removes the partial files and raises a CheckpointError.
     """
-    import torch
-
     from .config import save_config
 
     target = run_dir / f"checkpoint-{step}"
@@ -120,28 +117,42 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         barrier()
-        torch.save(rng_state(), tmp / f"rng_state_{rank}.pt")
+        _torch_save(rng_state(), tmp / f"rng_state_{rank}.pt")
         barrier()
         if rank == 0:
             assert model is not None, "rank 0 saves the model"
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            torch.save(optimizer_state, tmp / "optimizer.pt")
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            _torch_save(optimizer_state, tmp / "optimizer.pt")
+            _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
             save_config(cfg, tmp / "config.yaml")
             time.sleep(float(os.environ.get(SAVE_DELAY_ENV, 0)))
             files = {str(p.relative_to(tmp)): p.stat().st_size for p in tmp.rglob("*") if p.is_file()}
             (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "files": files}, indent=1))
             _commit(tmp, target)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - torch and safetensors report a full disk as their own errors
         shutil.rmtree(tmp, ignore_errors=True)
-        previous = last_checkpoint(run_dir)
-        kept = f"the last complete checkpoint, {previous}, is intact" if previous else "no earlier checkpoint"
-        raise CheckpointError(f"cannot save {target}: {_reason(e)}; {kept}") from None
+        raise CheckpointError(f"cannot save {target}: {write_failure(e)}; {what_holds(run_dir)}") from None
     if rank == 0:
         rotate(run_dir, cfg.logging.save_total_limit)
     barrier()
     return target
+
+
+def what_holds(run_dir: Path) -> str:
+    """After a failure: the last complete checkpoint, which a resume continues from, or that there is none."""
+    previous = last_checkpoint(run_dir)
+    if previous is None:
+        return "no complete checkpoint was written"
+    return f"the last complete checkpoint, {previous}, is intact (leangrpo train --resume {run_dir})"
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    """torch.save through a Python file, so that a failed write keeps its OSError (errno) in the chain."""
+    import torch
+
+    with path.open("wb") as f:
+        torch.save(obj, f)
 
 
 def _fsync(path: Path) -> None:
@@ -174,9 +185,12 @@ def save_final_model(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> N
         shutil.rmtree(tmp, ignore_errors=True)
         save_model(model, tokenizer, tmp, merge=True)
         _commit(tmp, out_dir)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - as in save_checkpoint
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"cannot save the final model to {out_dir}: {_reason(e)}") from None
+        holds = what_holds(out_dir.parent)
+        raise CheckpointError(
+            f"cannot save the final model to {out_dir}: {write_failure(e)}; {holds}"
+        ) from None
 
 
 def rotate(run_dir: Path, keep: int | None) -> None:

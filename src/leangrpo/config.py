@@ -473,8 +473,10 @@ def validate_config(data: dict[str, Any], source: str = "config") -> Config:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config (every default filled in) as YAML."""
-    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    """Write the resolved config (every default filled in) as YAML, atomically (never a partial file)."""
+    from .rundir import write_text_atomic
+
+    write_text_atomic(Path(path), yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
 
 def reference() -> str:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import UserError
 from .rewards import soft_format_reward, strict_format_reward
+from .rundir import atomic_path, write_text_atomic
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -46,10 +47,10 @@ class EvalResult:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         records_path = path.with_suffix(".jsonl")
-        with records_path.open("w") as f:
+        with atomic_path(records_path) as tmp, tmp.open("w") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records)
         doc = {**meta, "metrics": self.metrics, "records_file": records_path.name}
-        path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+        write_text_atomic(path, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
         return path
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from .compare import fmt_value
-from .rundir import RunDirError, is_run_dir, read_jsonl
+from .rundir import RunDirError, atomic_path, is_run_dir, read_jsonl, write_text_atomic
 
 SAMPLES_EACH = 3  # sample completions shown from the start and from the end
 
@@ -82,7 +82,8 @@ def plot_curve(rows: list[dict[str, Any]], curve: Curve, out: Path) -> Path | No
     if len(series) > 1:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out, format="png")
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png")
     return out
 
 
@@ -204,7 +205,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, list[str]]:
 </body></html>
 """
     out = run_dir / "report.html"
-    out.write_text(page, encoding="utf-8")
+    write_text_atomic(out, page)
     return out, notes
 
 

@@ -13,6 +13,8 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,39 @@ class RunDirError(UserError, RuntimeError):
 def os_reason(e: OSError) -> str:
     """The OS's words for a failed file operation, with its errno: `No space left on device (errno 28)`."""
     return f"{e.strerror or e} (errno {e.errno})" if e.errno else str(e)
+
+
+def write_failure(e: BaseException) -> str:
+    """Why a write failed, in one line: the OSError in the exception's chain (torch.save wraps it in a
+    RuntimeError, `unexpected pos ...`), else the error's own first line (safetensors puts the OS's words
+    in its message)."""
+    cause: BaseException | None = e
+    while cause is not None:
+        if isinstance(cause, OSError):
+            return os_reason(cause)
+        cause = cause.__cause__ or cause.__context__
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary file beside `path` to write into, renamed to `path` when the block succeeds. On any
+    failure (disk full, read-only...) it is removed and a RunDirError names the file and the OS reason:
+    `path` is either the complete new file or the old one, never a partial one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, UserError):
+            raise
+        raise RunDirError(f"cannot write {path}: {write_failure(e)}") from None
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 # ------------------------------------------------------------------------------ owning a run directory

@@ -31,6 +31,7 @@ from .checkpoint import (
     save_final_model,
     set_rng_state,
     truncate_log,
+    what_holds,
 )
 from .config import Config, save_config
 from .data import PromptSampler, has_chat_template, load_rows, render_prompt
@@ -46,7 +47,7 @@ from .memory import (
 from .models import frozen_copy, is_peft, load_model_and_tokenizer
 from .rewards import RewardContext, RewardScores, TrainerState, load_rewards, score_completions
 from .rollout import RolloutBatch, as_reward_inputs, generate
-from .rundir import RunDirError, RunLock, check_output_dir, drop_replaced, start_run
+from .rundir import RunDirError, RunLock, check_output_dir, drop_replaced, start_run, write_failure
 from .signals import StopSignals
 from .tasks import load_task
 from .tracking import MetricsLogger, check_trackers, open_trackers, peak_memory_mb
@@ -406,6 +407,13 @@ class Trainer:
         the run (after saving a checkpoint and printing how to resume)."""
         try:
             return self._run()
+        except (OSError, RunDirError) as e:  # a full disk or I/O error in a log, an eval, a tracker...
+            why = (
+                str(e)
+                if isinstance(e, RunDirError)
+                else f"cannot write in {self.run_dir}: {write_failure(e)}"
+            )
+            raise TrainingError(f"{why}; {what_holds(self.run_dir)}") from None
         finally:
             if self.is_main:
                 self.logger.close()
