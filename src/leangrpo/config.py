@@ -213,7 +213,7 @@ class GRPOSection(_Section):
     )
     num_iterations: int = Field(1, ge=1, description="updates per generation batch (mu)")
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
-        "dapo", description="how per-token losses are averaged (docs/algorithms.md)"
+        "dapo", description="how per-token losses are averaged (docs/trl.md)"
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="divide advantages by the group's std, the batch's, or not at all"
