@@ -39,8 +39,9 @@ def gguf_cache(tmp_path_factory):
     return root, Path(path)
 
 
-def make_tiny_model(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A 2-layer random Llama with the real tokenizer's vocabulary, saved like a hub checkpoint.
+def make_tiny_model(out: Path, tokenizer_dir: Path, seed: int = 0, num_attention_heads: int = 4) -> Path:
+    """A 2-layer random Llama with the real tokenizer's vocabulary, saved like a hub checkpoint
+    (vLLM's CPU attention needs a head dimension of 32 or more: `num_attention_heads=2`).
 
     The embeddings of the single-letter tokens are scaled up so that sampling favours them: a
     uniform random model spreads its samples over 49k tokens and no toy reward could rise in a
@@ -55,7 +56,7 @@ def make_tiny_model(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=num_attention_heads,
         num_key_value_heads=2,
         max_position_embeddings=1024,
         tie_word_embeddings=True,

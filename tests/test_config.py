@@ -391,3 +391,28 @@ def test_the_config_reference_in_docs_is_current():
     assert not [line for line in text.splitlines() if line.startswith("| `") and line.endswith("|  |")]
     docs = Path(__file__).resolve().parents[1] / "docs" / "config.md"
     assert docs.read_text() == text, "docs/config.md is stale: python -m leangrpo.config > docs/config.md"
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("grpo.vllm_gpu_memory_utilization=0", "grpo.vllm_gpu_memory_utilization: must be in (0, 1]"),
+        ("grpo.vllm_gpu_memory_utilization=1.5", "grpo.vllm_gpu_memory_utilization: must be in (0, 1]"),
+        ("grpo.vllm_mode=server", "grpo.vllm_mode: server is not supported yet"),
+        ("grpo.vllm_importance_sampling_mode=token", "grpo.vllm_importance_sampling_mode"),
+        ("grpo.vllm_max_model_length=100", "vllm_max_model_length=100 is below max_prompt_length"),
+    ],
+)
+def test_vllm_fields_are_checked_in_one_line(minimal_yaml, override, expected):
+    assert expected in config_error(minimal_yaml, [override])
+
+
+def test_vllm_context_window_is_derived_from_the_lengths(minimal_yaml):
+    cfg = load_config(minimal_yaml, ["grpo.max_prompt_length=100", "grpo.max_completion_length=28"])
+    assert (cfg.grpo.use_vllm, cfg.grpo.vllm_mode, cfg.grpo.vllm_gpu_memory_utilization) == (
+        False,
+        "colocate",
+        0.3,
+    )
+    assert cfg.grpo.max_model_length == 128
+    assert load_config(minimal_yaml, ["grpo.vllm_max_model_length=1000"]).grpo.max_model_length == 1000

@@ -16,6 +16,7 @@ from leangrpo.grpo import (
     mask_after_eos,
     mask_truncated,
     normalize_then_sum,
+    sampler_importance_weights,
     sequence_log_ratio,
 )
 from leangrpo.logprobs import token_logprobs
@@ -585,3 +586,46 @@ def test_masked_positions_with_extreme_logprobs_do_not_make_nan(loss_type):
     close(logp.grad, tame.grad)
     assert logp.grad[0, 2] == 0
     assert stats == tame_stats and math.isfinite(stats.kl_sum)
+
+
+# ------------------------------------------------------------------ vLLM importance-sampling correction
+
+LN2 = math.log(2)
+# trainer - sampler log-prob per token: row 0 ratios 2, 1 (third token masked), row 1 ratios 0.5, 8.
+IS_OLD = torch.tensor([[LN2, 0.0, 100.0], [-LN2, 3 * LN2, 5.0]])
+IS_SAMPLER = torch.zeros(2, 3)
+IS_MASK = torch.tensor([[1, 1, 0], [1, 1, 0]])
+
+
+@pytest.mark.parametrize(
+    "mode, clip_min, weights, ratio_mean, clipped_frac",
+    [
+        ("token_truncate", None, [[2, 1, 1], [0.5, 3, 1]], (2 + 1 + 0.5 + 3) / 4, 1 / 4),
+        ("token_truncate", 0.6, [[2, 1, 1], [0.6, 3, 1]], (2 + 1 + 0.6 + 3) / 4, 2 / 4),
+        ("token_mask", None, [[2, 1, 1], [0.5, 0, 1]], (2 + 1 + 0.5) / 4, 1 / 4),
+        ("token_mask", 0.6, [[2, 1, 1], [0, 0, 1]], (2 + 1) / 4, 2 / 4),
+        # sequence ratios: exp(ln 2) = 2 and exp(-ln 2 + 3 ln 2) = 4
+        ("sequence_truncate", None, [[2], [3]], 2.5, 1 / 2),
+        ("sequence_mask", None, [[2], [0]], 1.0, 1 / 2),
+        ("sequence_mask", 2.5, [[0], [0]], 0.0, 1.0),
+    ],
+)
+def test_sampler_importance_weights_hand_computed(mode, clip_min, weights, ratio_mean, clipped_frac):
+    w, stats = sampler_importance_weights(IS_OLD, IS_SAMPLER, IS_MASK, mode, clip_min, 3.0)
+    close(w, weights)
+    close(stats.is_ratio_mean, ratio_mean)
+    close(stats.is_clipped_frac, clipped_frac)
+    close(stats.logprob_diff_mean, (LN2 + 0 + LN2 + 3 * LN2) / 4)  # masked tokens left out
+    close(stats.logprob_diff_max, 3 * LN2)
+
+
+def test_sampler_weights_scale_the_surrogate_not_the_kl():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0]])
+    kw = dict(loss_type="bnpo", epsilon=0.2, epsilon_high=0.2, num_sequences=1, num_tokens=2.0)
+    args = (logp, logp.detach(), ref, torch.tensor([1.5]), torch.ones(1, 2))
+    surrogate = -1.5  # ratio 1 everywhere: per token -A
+    kl = float(kl_k3(logp.detach(), ref).mean())
+    weights = torch.tensor([[2.0, 0.0]])
+    loss, _ = grpo_loss(*args, beta=0.1, max_completion_length=2, sampler_weights=weights, **kw)
+    close(loss.item(), (2 * surrogate + 0 * surrogate) / 2 + 0.1 * kl)

@@ -196,9 +196,10 @@ def test_trainer_frees_generation_memory_before_the_update(tmp_path, tiny_model_
     """Order inside a step: generate (grpo.ignore_eos and packed_generation passed through) → release →
     update, and nothing else: at beta=0 and num_iterations=1 neither reference nor old log-probs are
     computed."""
+    import leangrpo.rollout as rollout_mod
     import leangrpo.trainer as trainer_mod
 
-    events, real_generate, real_logprobs = [], trainer_mod.generate, trainer_mod.micro_batch_logprobs
+    events, real_generate, real_logprobs = [], rollout_mod.generate, trainer_mod.micro_batch_logprobs
 
     def generate(*args, **kwargs):
         events.append(("generate", kwargs["ignore_eos"], kwargs["packed"]))
@@ -208,7 +209,7 @@ def test_trainer_frees_generation_memory_before_the_update(tmp_path, tiny_model_
         events.append(("update", torch.is_grad_enabled()))
         return real_logprobs(policy, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_mod, "generate", generate)
+    monkeypatch.setattr(rollout_mod, "generate", generate)  # what the default HF engine calls
     monkeypatch.setattr(trainer_mod, "release_generation_memory", lambda: events.append(("release", None)))
     monkeypatch.setattr(trainer_mod, "micro_batch_logprobs", logprobs)
     cfg = make_cfg(

@@ -178,6 +178,7 @@ class GRPOSection(_Section):
     max_completion_length: int = Field(256, ge=1, description="completion tokens generated at most")
     temperature: float = Field(1.0, gt=0, description="sampling temperature, also used for the log-probs")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
+    top_k: int = Field(0, ge=0, description="sample among the k most likely tokens only; 0: no limit")
     beta: float = Field(0.0, ge=0, description="KL weight; > 0 needs reference log-probs")
     use_bias_correction_kl: bool = Field(
         True,
@@ -227,6 +228,66 @@ class GRPOSection(_Section):
         description="CPU rollouts with oneDNN-packed weights: faster, one weight copy more while generating",
     )
     ignore_eos: bool = Field(False, description="always generate max_completion_length tokens (benchmarks)")
+    use_vllm: bool = Field(
+        False, description="generate rollouts with vLLM instead of HF generate (docs/vllm.md)"
+    )
+    vllm_mode: Literal["colocate", "server"] = Field(
+        "colocate", description="colocate: one vLLM engine inside the training process (server: not yet)"
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, description="share of the GPU's memory vLLM may take (weights + KV cache), in (0, 1]"
+    )
+    vllm_enable_sleep_mode: bool = Field(
+        False, description="CUDA only: vLLM frees its KV cache and weights during the update"
+    )
+    vllm_max_model_length: int | None = Field(
+        None, ge=1, description="vLLM's context window; default: max_prompt_length + max_completion_length"
+    )
+    vllm_importance_sampling_correction: bool = Field(
+        True, description="weight each token's loss by the trainer/vLLM probability ratio (TIS)"
+    )
+    vllm_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = Field(
+        "sequence_mask", description="ratio per token or per sequence; clip it (truncate) or zero it (mask)"
+    )
+    vllm_importance_sampling_clip_max: float | None = Field(
+        3.0,
+        gt=0,
+        description="upper bound of the importance ratio (truncate: clipped to it; mask: zeroed above)",
+    )
+    vllm_importance_sampling_clip_min: float | None = Field(
+        None, ge=0, description="lower bound of the importance ratio; null: none"
+    )
+
+    @field_validator("vllm_gpu_memory_utilization")
+    @classmethod
+    def _memory_share(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError("must be in (0, 1]: a share of the GPU's memory")
+        return v
+
+    @field_validator("vllm_mode")
+    @classmethod
+    def _colocate_only(cls, v: str) -> str:
+        if v == "server":
+            raise ValueError("server is not supported yet; use colocate (vLLM inside the training process)")
+        return v
+
+    @model_validator(mode="after")
+    def _context_fits(self) -> GRPOSection:
+        needed = self.max_prompt_length + self.max_completion_length
+        if self.vllm_max_model_length is not None and self.vllm_max_model_length < needed:
+            raise ValueError(
+                f"vllm_max_model_length={self.vllm_max_model_length} is below max_prompt_length + "
+                f"max_completion_length = {needed}"
+            )
+        return self
+
+    @property
+    def max_model_length(self) -> int:
+        """vLLM's context window: the configured one, or the longest prompt plus the longest completion."""
+        return self.vllm_max_model_length or self.max_prompt_length + self.max_completion_length
 
     @field_validator("scale_rewards", mode="before")
     @classmethod

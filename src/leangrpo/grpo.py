@@ -5,6 +5,7 @@ Nothing here touches a model object, so every quantity can be checked against nu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -16,6 +17,7 @@ LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
+ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
 def mask_after_eos(completion_ids: Tensor, eos_token_ids: list[int]) -> tuple[Tensor, Tensor]:
@@ -93,6 +95,49 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 
 @dataclass
+class SamplerMismatch:
+    """How far the sampler's log-probs are from the trainer's, and what the correction did (TRL's metrics)."""
+
+    logprob_diff_mean: float  # mean |trainer - sampler| log-prob over completion tokens
+    logprob_diff_max: float
+    is_ratio_mean: float  # mean importance weight after clipping/masking (per token or per sequence)
+    is_clipped_frac: float  # share of ratios clipped (truncate) or zeroed (mask)
+
+
+def sampler_importance_weights(
+    old_logp: Tensor,
+    sampling_logp: Tensor,
+    mask: Tensor,
+    mode: ISMode,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> tuple[Tensor, SamplerMismatch]:
+    """Truncated (or masked) importance weights that correct for sampling with another engine (vLLM).
+
+    The ratio is exp(trainer log-prob - sampler log-prob), per token ([N, C]) or, for sequence modes,
+    of the summed log-probs over each completion ([N, 1]). *_truncate clips it to [clip_min, clip_max];
+    *_mask sets ratios outside that range to 0, so those tokens or sequences teach nothing. TRL's rule.
+    """
+    mask = mask.bool()
+    diff = torch.where(mask, old_logp - sampling_logp, 0.0)
+    sequence = mode.startswith("sequence")
+    ratio = torch.exp(diff.sum(dim=1, keepdim=True) if sequence else diff)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    outside = (ratio < low) | (ratio > high)
+    weights = ratio.clamp(low, high) if mode.endswith("truncate") else ratio.masked_fill(outside, 0.0)
+    counted = torch.ones_like(outside) if sequence else mask
+    abs_diff = diff.abs()[mask]
+    stats = SamplerMismatch(
+        logprob_diff_mean=float(abs_diff.mean()) if abs_diff.numel() else 0.0,
+        logprob_diff_max=float(abs_diff.max()) if abs_diff.numel() else 0.0,
+        is_ratio_mean=float(weights[counted].mean()),
+        is_clipped_frac=float(outside[counted].float().mean()),
+    )
+    return weights, stats
+
+
+@dataclass
 class LossStats:
     """Token sums from one micro-batch of one process, for the kl, clip_ratio and entropy metrics."""
 
@@ -143,6 +188,7 @@ def grpo_loss(
     bias_correction_kl: bool = False,
     entropy: Tensor | None = None,
     top_entropy_quantile: float = 1.0,
+    sampler_weights: Tensor | None = None,
 ) -> tuple[Tensor, LossStats]:
     """The clipped GRPO surrogate (+ beta × k3 KL) of one micro-batch, scaled so that summing it over
     the micro-batches of an accumulated batch gives that batch's loss, as TRL 1.16 computes it.
@@ -157,6 +203,8 @@ def grpo_loss(
     `entropy` [N, C] (per token, no gradient) is summed into the stats; with `top_entropy_quantile` < 1
     only the micro-batch's highest-entropy tokens keep their policy term (`high_entropy_mask`; the KL
     term stays on every token, and the normalisation is unchanged, as in TRL).
+    `sampler_weights` ([N, C] or [N, 1], from `sampler_importance_weights`) scale the surrogate, not
+    the KL term (TRL's vLLM importance-sampling correction).
     """
     # Masked positions (after EOS) hold arbitrary log-probs: they are selected out before any exp, since
     # multiplying by the mask afterwards turns an overflow there into 0 · inf = NaN (loss and gradient).
@@ -173,6 +221,8 @@ def grpo_loss(
         if entropy is None:
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropy")
         per_token = per_token * high_entropy_mask(entropy, keep, top_entropy_quantile)
+    if sampler_weights is not None:
+        per_token = per_token * sampler_weights
     kl = kl_k3(logp, torch.where(keep, ref_logp, logp.detach())) if ref_logp is not None else None
     if kl is not None and bias_correction_kl:
         kl = kl * ratio

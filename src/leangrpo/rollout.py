@@ -1,5 +1,5 @@
 """Generation: prompts → G sampled completions each → a RolloutBatch, the one type that crosses from
-rollout to update."""
+rollout to update. A RolloutEngine runs it: HF generate here (the default), vLLM in vllm_engine.py."""
 
 from __future__ import annotations
 
@@ -7,18 +7,24 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from .grpo import mask_after_eos
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from .config import Config
 
 
 @dataclass
@@ -31,6 +37,7 @@ class RolloutBatch:
     completion_mask: Tensor  # [N, C]: 1 up to and including the first EOS
     truncated: Tensor  # [N] bool: hit max_completion_length without an EOS
     completion_texts: list[str]  # decoded, with the assistant prefix (if any) in front
+    sampling_logprobs: Tensor | None = None  # [N, C]: the sampler's own log-probs (vLLM), 0 past the end
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -48,7 +55,56 @@ class RolloutBatch:
 
     def to(self, device: torch.device) -> RolloutBatch:
         ids = (self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask, self.truncated)
-        return RolloutBatch(*(t.to(device) for t in ids), self.completion_texts)
+        logp = None if self.sampling_logprobs is None else self.sampling_logprobs.to(device)
+        return RolloutBatch(*(t.to(device) for t in ids), self.completion_texts, logp)
+
+
+class RolloutEngine(Protocol):
+    """What the trainer generates with: `generate` takes `generate()`'s keyword arguments (minus model,
+    tokenizer and `packed`); `sync_weights` makes the next rollout use the model's current weights."""
+
+    def generate(self, prompt_texts: list[str], **sampling: Any) -> RolloutBatch: ...
+
+    def sync_weights(self, model: PreTrainedModel) -> None: ...
+
+
+class HFEngine:
+    """transformers' generate on the policy itself: the weights are shared, so there is nothing to sync."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, packed: bool = True):
+        self.model, self.tokenizer, self.packed = model, tokenizer, packed
+
+    def generate(self, prompt_texts: list[str], **sampling: Any) -> RolloutBatch:
+        return generate(self.model, self.tokenizer, prompt_texts, packed=self.packed, **sampling)
+
+    def sync_weights(self, model: PreTrainedModel) -> None:
+        pass
+
+
+def rollout_engine(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> RolloutEngine:
+    """The engine `cfg.grpo.use_vllm` picks, holding `model`'s current weights."""
+    if not cfg.grpo.use_vllm:
+        return HFEngine(model, tokenizer, cfg.grpo.packed_generation)
+    from .vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(cfg, tokenizer, eos_token_ids(tokenizer, model))
+    engine.sync_weights(model)  # a resumed run or an SFT cold start changed them since the load
+    return engine
+
+
+def sampling_kwargs(cfg: Config) -> dict[str, Any]:
+    """The training rollout's sampling settings, as `generate()` / `RolloutEngine.generate` take them."""
+    g = cfg.grpo
+    return dict(
+        num_generations=g.num_generations,
+        max_prompt_length=g.max_prompt_length,
+        max_completion_length=g.max_completion_length,
+        temperature=g.temperature,
+        top_p=g.top_p,
+        top_k=g.top_k,
+        assistant_prefix=cfg.data.assistant_prefix,
+        ignore_eos=g.ignore_eos,
+    )
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
@@ -70,6 +126,7 @@ def generate(
     max_completion_length: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     do_sample: bool = True,
     assistant_prefix: str = "",
     ignore_eos: bool = False,
@@ -82,22 +139,15 @@ def generate(
     copy of their weights while generating).
     """
     device = next(model.parameters()).device
-    enc = tokenizer(
-        prompt_texts,
-        return_tensors="pt",
-        padding=True,
-        truncation=True,
-        max_length=max_prompt_length,
-        add_special_tokens=False,
-    ).to(device)
-    prompt_ids = enc.input_ids.repeat_interleave(num_generations, dim=0)
-    prompt_mask = enc.attention_mask.repeat_interleave(num_generations, dim=0)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompt_texts, max_prompt_length, num_generations)
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     eos = eos_token_ids(tokenizer, model)
     # Sampling runs as logits processors ending in InverseCDFSampler, whose token greedy decoding then picks:
     # generate()'s own sampling (torch.multinomial) costs ~9 ms per token for 8 × 49k on 2 CPU cores.
     processors = []
     if do_sample:
         processors += [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
+        processors += [TopKLogitsWarper(top_k)] if top_k > 0 else []
         processors += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
         processors.append(InverseCDFSampler())
     gen_cfg = GenerationConfig(
@@ -121,11 +171,39 @@ def generate(
             **kv_cache(model, prompt_ids.shape[1] + max_completion_length),
         )
     model.train(was_training)
-
     completion_ids = out[:, prompt_ids.shape[1] :]
+    return finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, ignore_eos, assistant_prefix)
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompt_texts: list[str], max_prompt_length: int, repeat: int
+) -> tuple[Tensor, Tensor]:
+    """Left-padded prompt ids and mask, each prompt repeated `repeat` times (one row per completion)."""
+    enc = tokenizer(
+        prompt_texts,
+        return_tensors="pt",
+        padding=True,
+        truncation=True,
+        max_length=max_prompt_length,
+        add_special_tokens=False,
+    )
+    return enc.input_ids.repeat_interleave(repeat, dim=0), enc.attention_mask.repeat_interleave(repeat, dim=0)
+
+
+def finish_batch(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    eos: list[int],
+    ignore_eos: bool,
+    assistant_prefix: str,
+    sampling_logprobs: Tensor | None = None,
+) -> RolloutBatch:
+    """A RolloutBatch from generated ids: tokens after the first EOS masked, texts decoded."""
     if ignore_eos:
         completion_mask = torch.ones_like(completion_ids)
-        truncated = torch.ones(len(completion_ids), dtype=torch.bool, device=device)
+        truncated = torch.ones(len(completion_ids), dtype=torch.bool, device=completion_ids.device)
     else:
         completion_mask, has_eos = mask_after_eos(completion_ids, eos)
         truncated = ~has_eos
@@ -133,7 +211,11 @@ def generate(
         assistant_prefix + tokenizer.decode(ids[: int(n)], skip_special_tokens=True)
         for ids, n in zip(completion_ids, completion_mask.sum(dim=1), strict=True)
     ]
-    return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts)
+    if sampling_logprobs is not None:
+        sampling_logprobs = sampling_logprobs * completion_mask
+    return RolloutBatch(
+        prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, sampling_logprobs
+    )
 
 
 @contextmanager
@@ -207,7 +289,7 @@ def kv_cache(model: PreTrainedModel, capacity: int) -> dict[str, Any]:
     return {"past_key_values": cache}
 
 
-def _linear_weight(module: torch.nn.Module) -> Tensor | None:
+def linear_weight(module: torch.nn.Module) -> Tensor | None:
     """The weight a Linear, or a peft LoRA Linear with its adapters folded in, applies; None for
     other modules (and for LoRA variants that are more than a weight delta, such as DoRA)."""
     if isinstance(module, torch.nn.Linear):
@@ -243,7 +325,7 @@ def packed_linears(model: torch.nn.Module, batch_hint: int) -> Iterator[None]:
     try:
         with torch.no_grad():
             for module in model.modules() if usable else ():
-                weight = None if id(module) in done else _linear_weight(module)
+                weight = None if id(module) in done else linear_weight(module)
                 if weight is None:
                     continue
                 base = getattr(module, "base_layer", module)

@@ -46,11 +46,12 @@ from .memory import (
 )
 from .models import frozen_copy, is_peft, load_model_and_tokenizer
 from .rewards import RewardContext, RewardScores, TrainerState, load_rewards, score_completions
-from .rollout import RolloutBatch, as_reward_inputs, generate
+from .rollout import RolloutBatch, RolloutEngine, as_reward_inputs, rollout_engine, sampling_kwargs
 from .rundir import RunDirError, RunLock, check_output_dir, drop_replaced, start_run, write_failure
 from .signals import StopSignals
 from .tasks import load_task
 from .tracking import MetricsLogger, check_trackers, open_trackers, peak_memory_mb
+from .vllm_engine import check_vllm
 
 __all__ = ["RunDirError", "Trainer", "TrainingError", "train"]
 
@@ -111,6 +112,7 @@ class Trainer:
         # directory is written only once the model has loaded (see `_take_run_dir`).
         check_device_options(cfg)
         distributed.check_options(self.dist, cfg)
+        check_vllm(cfg, self.acc.num_processes)
         self.task = load_task(cfg.task)
         self.reward_funcs = load_rewards(cfg.rewards.functions, self.task)
         loaded = load_rows(cfg.data, self.task)
@@ -158,6 +160,7 @@ class Trainer:
             self.acc.num_processes,
         )  # fmt: skip
         self.start_step, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0
+        self._engine: RolloutEngine | None = None  # built at the first rollout, after any resume or SFT
         self.last_save = time.monotonic()
         self.lock = RunLock(self.run_dir) if self.is_main else None
         try:
@@ -194,8 +197,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------ one step
 
     def step(self, step: int) -> dict[str, Any]:
-        """One GRPO step, phase by phase; each phase's seconds go into the metrics as time/<phase>."""
-        timer = PhaseTimer()
+        """One GRPO step, phase by phase; each phase's seconds go into the metrics as time/<phase>.
+        With vLLM, a seventh phase (sync) loads the updated weights into its engine."""
+        g, timer = self.cfg.grpo, PhaseTimer()
         with timer("rollout"):
             rows, rollout = self.rollout(step)
         with timer("score"):
@@ -204,9 +208,22 @@ class Trainer:
             advantages, group_std = self.advantages(scores)
         with timer("reference"):
             ref_logp, old_logp = self.reference(rollout)
+            sampler_weights, mismatch = self.sampler_correction(rollout, old_logp)
+            if g.num_iterations == 1:  # the update's ratio is then 1 by construction, as on the HF path
+                old_logp = None
         with timer("update"):
-            update = self.update(rollout, advantages.to(self.acc.device), ref_logp, old_logp)
-        return self.record(step, rows, rollout, scores, group_std, update, timer.seconds)
+            update = self.update(rollout, advantages.to(self.acc.device), ref_logp, old_logp, sampler_weights)
+        if g.use_vllm:
+            with timer("sync"):
+                self.engine.sync_weights(self.unwrapped.lm)
+        return self.record(step, rows, rollout, scores, group_std, update, timer.seconds, mismatch)
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The rollout engine (HF generate, or a colocated vLLM built once and fed the current weights)."""
+        if self._engine is None:
+            self._engine = rollout_engine(self.cfg, self.unwrapped.lm, self.tokenizer)
+        return self._engine
 
     def rollout(self, step: int) -> tuple[list[dict[str, Any]], RolloutBatch]:
         """The step's prompts (a pure function of seed, step and rank) and G sampled completions of each."""
@@ -214,19 +231,7 @@ class Trainer:
         rows = [self.rows[i] for i in self.sampler.indices(step - 1)]
         texts = [render_prompt(self.tokenizer, r["prompt"], cfg.data.assistant_prefix) for r in rows]
         with self.dist.full_weights(self.policy):
-            batch = generate(
-                self.unwrapped.lm,
-                self.tokenizer,
-                texts,
-                num_generations=cfg.grpo.num_generations,
-                max_prompt_length=cfg.grpo.max_prompt_length,
-                max_completion_length=cfg.grpo.max_completion_length,
-                temperature=cfg.grpo.temperature,
-                top_p=cfg.grpo.top_p,
-                assistant_prefix=cfg.data.assistant_prefix,
-                ignore_eos=cfg.grpo.ignore_eos,
-                packed=cfg.grpo.packed_generation,
-            )
+            batch = self.engine.generate(texts, **sampling_kwargs(cfg)).to(self.acc.device)
         release_generation_memory()
         return rows, batch
 
@@ -269,7 +274,8 @@ class Trainer:
     def reference(self, rollout: RolloutBatch) -> tuple[Tensor | None, Tensor | None]:
         """Log-probs the update compares against, once per generation batch: the reference's (adapter
         disabled for LoRA, the frozen copy for full fine-tuning, none at beta = 0) and, with
-        num_iterations > 1, the policy's own before the first update (else the update detaches its own)."""
+        num_iterations > 1 or the vLLM correction on, the policy's own before the first update (else the
+        update detaches its own)."""
         g, micro = self.cfg.grpo, self.cfg.optim.per_device_train_batch_size
         ref_logp = None
         if g.beta > 0 and self.ref_policy is not None:
@@ -277,11 +283,33 @@ class Trainer:
         elif g.beta > 0:
             with self.unwrapped.lm.disable_adapter():
                 ref_logp = batch_logprobs(self.unwrapped, rollout, micro, self.group)
-        old_logp = batch_logprobs(self.policy, rollout, micro, self.group) if g.num_iterations > 1 else None
+        need_old = g.num_iterations > 1 or self._corrects_sampler(rollout)
+        old_logp = batch_logprobs(self.policy, rollout, micro, self.group) if need_old else None
         return ref_logp, old_logp
 
+    def _corrects_sampler(self, rollout: RolloutBatch) -> bool:
+        return rollout.sampling_logprobs is not None and self.cfg.grpo.vllm_importance_sampling_correction
+
+    def sampler_correction(
+        self, rollout: RolloutBatch, old_logp: Tensor | None
+    ) -> tuple[Tensor | None, grpo.SamplerMismatch | None]:
+        """Importance weights for the gap between vLLM's sampling distribution and the trainer's (TRL's
+        truncated/masked IS), and the numbers that make that gap visible; (None, None) on the HF path."""
+        if old_logp is None or not self._corrects_sampler(rollout):
+            return None, None
+        g = self.cfg.grpo
+        return grpo.sampler_importance_weights(
+            old_logp, rollout.sampling_logprobs, rollout.completion_mask, g.vllm_importance_sampling_mode,
+            g.vllm_importance_sampling_clip_min, g.vllm_importance_sampling_clip_max,
+        )  # fmt: skip
+
     def update(
-        self, rollout: RolloutBatch, advantages: Tensor, ref_logp: Tensor | None, old_logp: Tensor | None
+        self,
+        rollout: RolloutBatch,
+        advantages: Tensor,
+        ref_logp: Tensor | None,
+        old_logp: Tensor | None,
+        sampler_weights: Tensor | None = None,
     ) -> Update:
         """`num_iterations` optimizer steps on the rollout, each accumulated over micro-batches. A NaN/inf
         loss or gradient on any process skips that optimizer step on every process."""
@@ -327,6 +355,7 @@ class Trainer:
                         bias_correction_kl=g.use_bias_correction_kl,
                         entropy=entropy,
                         top_entropy_quantile=g.top_entropy_quantile,
+                        sampler_weights=None if sampler_weights is None else sampler_weights[rows, :width],
                     )
                     self.acc.backward(loss)
                 iteration_loss += loss.item()
@@ -356,9 +385,11 @@ class Trainer:
         group_std: Tensor,
         update: Update,
         seconds: dict[str, float],
+        mismatch: grpo.SamplerMismatch | None = None,
     ) -> dict[str, Any]:
         """The step's metrics, reduced over every process (`group_std` holds every process's groups);
-        logged (and a sample completion with them) on the main process when due."""
+        logged (and a sample completion with them) on the main process when due. `mismatch`: the vLLM
+        sampler's gap to the trainer (vllm/*)."""
         cfg, gather, device = self.cfg, self.acc.gather, self.acc.device
         total, per_func = gather(scores.total.to(device)), gather(scores.per_func.to(device))
         lengths = gather(rollout.lengths().float())
@@ -390,6 +421,7 @@ class Trainer:
             "learning_rate": update.learning_rate,
             **{f"time/{phase}": s for phase, s in seconds.items()},
             **scores.metrics,  # the rewards' log_metric values (this process's)
+            **{f"vllm/{k}": v for k, v in (vars(mismatch) if mismatch else {}).items()},
         }
         if self.is_main and _due(step, cfg.logging.log_completions_steps):
             sample = self.task.sample_view(rows[0], rollout.completion_texts[0])

