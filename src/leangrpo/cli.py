@@ -74,14 +74,21 @@ def train(config_path: str | None, overwrite: bool, resume: str | None, override
 @main.command()
 @click.argument("source", metavar="RUN_DIR_OR_CHECKPOINT")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Directory to write (new or empty).")
-@click.option("--merge", is_flag=True, help="Fold a LoRA adapter into the base weights: a standalone model.")
+@click.option(
+    "--merge", is_flag=True,
+    help="Fold a LoRA adapter into the base weights (a 4-bit base dequantized first): a standalone model.",
+)  # fmt: skip
+@click.option(
+    "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+    help="Dtype of a merged or full model; default: the training config's.",
+)  # fmt: skip
 @_user_errors
-def export(source: str, out_dir: str, merge: bool) -> None:
+def export(source: str, out_dir: str, merge: bool, dtype: str | None) -> None:
     """Export a run (its final model, else its last checkpoint) or a checkpoint: the peft adapter, or with
     --merge the full model."""
     from .export import export as run_export
 
-    click.echo(f"exported to {run_export(source, out_dir, merge)}")
+    click.echo(f"exported to {run_export(source, out_dir, merge, dtype)}")
 
 
 @main.command()

@@ -55,12 +55,30 @@ class ModelConfig(_Section):
     )
     activation_offload: bool = Field(False, description="CUDA only: saved activations in pinned CPU RAM")
     trust_remote_code: bool = Field(False, description="allow the model repository's own Python code to run")
+    load_in_4bit: bool = Field(
+        False,
+        description="QLoRA: the frozen base in 4 bits (bitsandbytes, CPU or CUDA), computed in model.dtype; "
+        "needs model.lora.enabled",
+    )
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type (as TRL)")
+    use_bnb_nested_quant: bool = Field(
+        True,
+        description="double quantization: the 4-bit block scales in 8 bits too (QLoRA default; TRL: off)",
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapter settings")
 
     @field_validator("dtype", mode="before")
     @classmethod
     def _dtype_alias(cls, v: Any) -> Any:
         return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(v, v)
+
+    @model_validator(mode="after")
+    def _quantized_needs_lora(self) -> ModelConfig:
+        if self.load_in_4bit and not self.lora.enabled:
+            raise ValueError(
+                "load_in_4bit needs model.lora.enabled: true (the 4-bit base stays frozen; LoRA trains on it)"
+            )
+        return self
 
 
 class TaskConfig(_Section):

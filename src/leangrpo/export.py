@@ -30,9 +30,10 @@ def final_metrics(run_dir: Path | None, step: int) -> dict[str, Any] | None:
     return rows[-1] if rows else None
 
 
-def export(source: str | Path, out_dir: str | Path, merge: bool) -> Path:
+def export(source: str | Path, out_dir: str | Path, merge: bool, dtype: str | None = None) -> Path:
     """Write the adapter (peft format) or, with `merge` or for a full fine-tune, the full model in
-    safetensors; both with the tokenizer (and chat template) and `leangrpo_export.json`."""
+    safetensors (in `dtype`, default the training config's; a 4-bit base is dequantized to it); both
+    with the tokenizer (and chat template) and `leangrpo_export.json`."""
     trained = locate(source)
     if trained is None:
         raise ExportError(f"{source} is neither a leangrpo run directory, a checkpoint nor an export")
@@ -50,7 +51,7 @@ def export(source: str | Path, out_dir: str | Path, merge: bool) -> Path:
                 shutil.copy2(trained.adapter / name, tmp / name)
             load_tokenizer(str(trained.adapter)).save_pretrained(tmp)
         else:
-            model, tokenizer, _ = load_trained(str(source))
+            model, tokenizer, _ = load_trained(str(source), dtype=dtype)
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
         info = {

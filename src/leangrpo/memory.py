@@ -1,4 +1,4 @@
-"""The memory options of the training step that need a GPU: 8-bit AdamW and activation offload;
+"""The memory options of the training step: 8-bit AdamW and (CUDA only) activation offload;
 handing back the memory generation used before the update starts; and having glibc return freed
 activation memory to the OS.
 
@@ -9,7 +9,6 @@ gradient checkpointing) lives where its quantity is computed: `grpo.py`, `models
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import sys
 from collections.abc import Iterable
@@ -34,18 +33,15 @@ class DeviceOptionError(UserError, RuntimeError):
 
 
 def check_device_options(cfg: Config) -> None:
-    """Refuse GPU-only options on a machine without CUDA (or without bitsandbytes), before any model loads."""
+    """Refuse, before any model loads, options this machine cannot provide: bitsandbytes' (8-bit AdamW,
+    a 4-bit base: CPU or CUDA) without bitsandbytes, activation offload without CUDA."""
+    from .models import require_bitsandbytes
+
     cuda = torch.cuda.is_available()
     if cfg.optim.optimizer == "adamw_8bit":
-        if not cuda:
-            raise DeviceOptionError(
-                "optim.optimizer=adamw_8bit needs a CUDA GPU (bitsandbytes); on CPU use optim.optimizer=adamw"
-            )
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise DeviceOptionError(
-                "optim.optimizer=adamw_8bit needs bitsandbytes: pip install 'leangrpo[gpu]' "
-                "(or pip install bitsandbytes)"
-            )
+        require_bitsandbytes("optim.optimizer=adamw_8bit")
+    if cfg.model.load_in_4bit:
+        require_bitsandbytes("model.load_in_4bit")
     if cfg.model.activation_offload and not cuda:
         raise DeviceOptionError(
             "model.activation_offload needs a CUDA GPU (on CPU the activations already live in CPU memory); "

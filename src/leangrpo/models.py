@@ -138,17 +138,11 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
 
 def load_model_and_tokenizer(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the policy as configured: dtype, gradient checkpointing, and LoRA when enabled."""
-    from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(cfg.name_or_path)
     _check_local(path)
     tokenizer = load_tokenizer(path, cfg.trust_remote_code)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code
-        )
-    except Exception as e:  # noqa: BLE001
-        raise ModelError(f"cannot load model from {path!r}: {_describe(e)}") from None
+    model = load_base(path, cfg)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.gradient_checkpointing:
@@ -156,6 +150,54 @@ def load_model_and_tokenizer(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrai
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora)
     return model, tokenizer
+
+
+def require_bitsandbytes(option: str) -> None:
+    """A one-line error naming `option` when bitsandbytes is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ModelError(
+            f"{option} needs bitsandbytes: pip install 'leangrpo[qlora]' (or pip install bitsandbytes)"
+        )
+
+
+def load_base(path: str, cfg: ModelConfig, dtype: str | None = None) -> PreTrainedModel:
+    """The causal LM at `path` in `dtype` (default cfg.dtype), its Linears quantized to 4 bits by
+    bitsandbytes when cfg.load_in_4bit (the embeddings and lm_head stay in `dtype`, the compute dtype)."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = DTYPES[dtype or cfg.dtype]
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        require_bitsandbytes("model.load_in_4bit")
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
+            bnb_4bit_use_double_quant=cfg.use_bnb_nested_quant,
+            bnb_4bit_compute_dtype=torch_dtype,
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"cannot load model from {path!r}: {_describe(e)}") from None
+    if cfg.load_in_4bit:
+        import bitsandbytes as bnb
+
+        quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+        if not quantized:
+            raise ModelError(
+                f"model.load_in_4bit: bitsandbytes quantized none of {path!r}'s layers (it quantizes "
+                "torch.nn.Linear layers); set model.load_in_4bit=false"
+            )
+        # On an AVX512-BF16 CPU, bitsandbytes repacks a 4-bit weight for inference the first time it runs
+        # in eval mode without gradients (generation); from then on its matmul has no backward, and
+        # every gradient through the base weights would be silently dropped (tests/test_quantized.py).
+        for module in quantized:
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def enable_checkpointing(model: PreTrainedModel) -> None:
@@ -198,6 +240,29 @@ def is_peft(model: nn.Module) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
 
 
+def merge_lora(model: nn.Module, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """The peft `model`'s base with its active adapters folded in (in place), cast to `dtype` if given.
+
+    A 4-bit base is dequantized first (to `dtype`, else its compute dtype) and the adapter added to that:
+    peft would requantize each merged weight to 4 bits, which rounds most of a LoRA update away. So the
+    merged model computes what training computed, dequant(W) + BA, up to rounding in the final dtype."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    if getattr(base, "hf_quantizer", None) is None:
+        merged = model.merge_and_unload()
+    else:
+        base.dequantize(dtype=dtype or base.dtype)  # every bitsandbytes Linear, adapters' base layers too
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, LoraLayer):
+                    weight = module.get_base_layer().weight
+                    for name in module.active_adapters:
+                        weight += module.get_delta_weight(name).to(weight.dtype)
+        merged = model.unload()
+    return merged if dtype is None else merged.to(dtype)
+
+
 def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
     """The full-fine-tuning reference: a frozen copy of the starting weights."""
     ref = copy.deepcopy(model).eval()
@@ -220,7 +285,7 @@ def save_model(
         tokenizer.save_pretrained(out / "adapter")
         if not merge:
             return
-        model = copy.deepcopy(model).merge_and_unload()
+        model = merge_lora(copy.deepcopy(model))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -325,11 +390,16 @@ def load_trained(
         try:
             if trained.full is not None:
                 model = AutoModelForCausalLM.from_pretrained(trained.full, **kwargs)
-            else:
-                base = resolve_model_path(trained.config["model"]["name_or_path"])
-                model = _merge_adapter(
-                    AutoModelForCausalLM.from_pretrained(base, **kwargs), str(trained.adapter)
+            else:  # the base as it was trained on (4-bit for QLoRA), then the adapter merged in
+                from .config import ModelConfig
+
+                base_cfg = ModelConfig.model_validate(
+                    {**trained.config["model"], "trust_remote_code": trust_remote_code}
                 )
+                base = resolve_model_path(base_cfg.name_or_path)
+                # A 4-bit base is quantized from the training dtype, exactly as in training.
+                model = load_base(base, base_cfg, None if base_cfg.load_in_4bit else dtype)
+                model = _merge_adapter(model, str(trained.adapter), kwargs["dtype"])
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - truncated or foreign weights raise many kinds
@@ -341,14 +411,15 @@ def load_trained(
     return model.to(device).eval(), tokenizer, trained
 
 
-def _merge_adapter(model: PreTrainedModel, adapter: str) -> PreTrainedModel:
-    """`model` with the peft adapter in `adapter` folded in; a mismatch is a one-line error."""
+def _merge_adapter(model: PreTrainedModel, adapter: str, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """`model` with the peft adapter in `adapter` folded in (then cast to `dtype`); a mismatch is a
+    one-line error."""
     from peft import PeftModel
 
     if not (Path(adapter) / "adapter_config.json").is_file():
         raise ModelError(f"{adapter} is not a peft adapter directory (no adapter_config.json)")
     try:
-        return PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        return merge_lora(PeftModel.from_pretrained(model, adapter), dtype)
     except Exception as e:  # noqa: BLE001 - peft/torch raise many kinds on a mismatch
         detail = _describe(e)
         detail = detail if len(detail) <= 300 else detail[:300] + "..."
