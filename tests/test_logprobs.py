@@ -9,7 +9,7 @@ import pytest
 import torch
 from memtrack import PeakLargeTensors
 
-from leangrpo.logprobs import token_logprobs
+from leangrpo.logprobs import LogitTransform, token_logprobs
 
 # --------------------------------------------------------------------------- token_logprobs
 
@@ -149,3 +149,137 @@ def test_token_logprobs_holds_one_chunk_of_logits_at_a_time(train_weight):
         out.sum().backward()
     assert forward.peak == one_chunk
     assert backward.peak == one_chunk
+
+
+# --------------------------------------------------------------------------- the architecture's lm_head
+
+
+def _naive_head(hidden, weight, bias, targets, temperature, head):
+    logits = (hidden @ weight.T + (0 if bias is None else bias)) * head.scale
+    if head.softcap is not None:
+        logits = torch.tanh(logits / head.softcap) * head.softcap
+    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [LogitTransform(), LogitTransform(scale=0.3), LogitTransform(softcap=2.0), LogitTransform(4.0, 3.0)],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 3, 1000])
+def test_token_logprobs_bias_scale_softcap_values_and_grads(head, with_bias, chunk_size):
+    g = torch.Generator().manual_seed(5)
+    B, T, H, V = 2, 5, 8, 11
+    leaves = [torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g)]
+    leaves += [torch.randn(V, generator=g) * 2] if with_bias else []
+    targets = torch.randint(0, V, (B, T), generator=g)
+    upstream = torch.randn(B, T, generator=g)
+    ours = [t.clone().requires_grad_() for t in leaves]
+    bias = ours[2] if with_bias else None
+    out = token_logprobs(ours[0], ours[1], targets, 0.7, chunk_size, bias=bias, head=head)
+    (out * upstream).sum().backward()
+    want = [t.clone().requires_grad_() for t in leaves]
+    ref = _naive_head(want[0], want[1], want[2] if with_bias else None, targets, 0.7, head)
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(ours, want, strict=True):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_token_logprobs_with_softcap_still_holds_one_chunk_of_logits():
+    chunk, vocab, rows = 16, 512, 64
+    g = torch.Generator().manual_seed(4)  # hidden size 4: the weight stays under the half-chunk threshold
+    hidden = torch.randn(1, rows, 4, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, 4, generator=g, requires_grad=True)
+    targets = torch.randint(0, vocab, (1, rows), generator=g)
+    head = LogitTransform(scale=0.5, softcap=3.0)
+    with PeakLargeTensors(chunk * vocab // 2) as forward:
+        out = token_logprobs(hidden, weight, targets, 0.7, chunk, head=head)
+    with PeakLargeTensors(chunk * vocab // 2) as backward:
+        out.sum().backward()
+    assert forward.peak == backward.peak == chunk * vocab * 4
+
+
+def _tiny_config(name: str):
+    """A one- or two-layer random config of each architecture whose head the log-prob path reproduces,
+    with its logit transform set away from the identity."""
+    import transformers as tf
+
+    small = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=64)  # fmt: skip
+    configs = {
+        "llama": lambda: tf.LlamaConfig(**small),
+        "phi": lambda: tf.PhiConfig(**small),  # lm_head with a bias
+        "gemma2": lambda: tf.Gemma2Config(**small, head_dim=8, final_logit_softcapping=3.0),
+        "gemma3_text": lambda: tf.Gemma3TextConfig(**small, head_dim=8, final_logit_softcapping=3.0),
+        "cohere": lambda: tf.CohereConfig(**small, logit_scale=0.25),
+        "cohere2": lambda: tf.Cohere2Config(**small, logit_scale=0.25),
+        "granite": lambda: tf.GraniteConfig(**small, logits_scaling=4.0),
+        "granitemoe": lambda: tf.GraniteMoeConfig(**small, logits_scaling=4.0, num_local_experts=2),
+        "minicpm3": lambda: tf.MiniCPM3Config(
+            **small | dict(num_key_value_heads=4),
+            dim_model_base=8,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_nope_head_dim=4,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+        ),  # fmt: skip
+        "hyperclovax": lambda: tf.HyperCLOVAXConfig(**small, logits_scaling=2.5),
+        "falcon_h1": lambda: tf.FalconH1Config(
+            **small,
+            lm_head_multiplier=3.0,
+            mamba_d_ssm=32,
+            mamba_n_heads=4,
+            mamba_d_state=8,
+            mamba_chunk_size=16,
+        ),  # fmt: skip
+        "recurrent_gemma": lambda: tf.RecurrentGemmaConfig(
+            **small | dict(num_hidden_layers=3), logits_soft_cap=3.0
+        ),
+    }
+    return configs[name]()
+
+
+ARCHITECTURES = ["llama", "phi", "gemma2", "gemma3_text", "cohere", "cohere2", "granite", "granitemoe",
+                 "minicpm3", "hyperclovax", "falcon_h1", "recurrent_gemma"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_policy_logprobs_equal_the_models_own_logits(name):
+    """Every architecture the log-prob path accepts: its log-probs are log_softmax(model(...).logits / T),
+    the distribution generate() samples, with the lm_head bias, logit scale and soft cap applied."""
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.logprobs import Policy
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny_config(name)).float()
+    lm_head = model.get_output_embeddings()
+    with torch.no_grad():  # logits of tens, where a missing soft cap, scale or bias shows
+        lm_head.weight.normal_(0, 3.0)
+        if lm_head.bias is not None:
+            lm_head.bias.normal_(0, 3.0)
+    ids = torch.randint(0, 96, (2, 10))
+    mask = torch.ones_like(ids)
+    T, C = 0.7, 4
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, -C - 1 : -1].float()
+        want = torch.log_softmax(logits / T, -1).gather(-1, ids[:, -C:, None]).squeeze(-1)
+        got = Policy(model, temperature=T)(ids, mask, C)
+    assert want.std() > 0.5  # really spread out
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_policy_refuses_a_model_whose_logits_it_cannot_reproduce():
+    """A head transform the path does not know (here a hook doubling the logits) is refused in one line
+    when the Policy is built, not trained on silently."""
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.logprobs import HeadError, Policy
+
+    model = AutoModelForCausalLM.from_config(_tiny_config("llama"))
+    model.get_output_embeddings().register_forward_hook(lambda _m, _i, out: out * 2)
+    with pytest.raises(HeadError) as info:
+        Policy(model)
+    assert "LlamaForCausalLM" in str(info.value) and "\n" not in str(info.value)

@@ -10,7 +10,8 @@ come through here.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -32,13 +33,59 @@ class LayoutError(UserError, RuntimeError):
     """The model cannot run the shared-prompt layout it was asked to."""
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
-    """fp32 logits of some rows, divided by the sampling temperature in place (no second copy)."""
-    return (hidden @ weight.T).float().div_(temperature)
+class HeadError(UserError, RuntimeError):
+    """The model computes its logits in a way the chunked log-prob path does not reproduce."""
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What an architecture does to its lm_head's output: logits = cap · tanh(scale · (h @ W.T + b) / cap),
+    without the tanh when `softcap` is None."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+
+# Architectures that scale their logits: model_type → (config field, power), logits × field ** power.
+# MiniCPM3 divides the lm_head's input instead, which is the same for its bias-free lm_head.
+_LOGIT_SCALES: dict[str, tuple[str, int]] = {
+    **dict.fromkeys(["cohere", "cohere2", "cohere2_moe"], ("logit_scale", 1)),
+    **dict.fromkeys(
+        ["granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"],
+        ("logits_scaling", -1),
+    ),
+    "minicpm3": ("logits_scaling", -1),
+    "hyperclovax": ("logits_scaling", 1),
+    "falcon_h1": ("lm_head_multiplier", 1),
+}
+# Config fields of a final tanh soft cap: Gemma 2/3/4, VaultGemma, NanoChat; RecurrentGemma.
+_SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap")
+
+
+def logit_transform(config: Any) -> LogitTransform:
+    """The logit scale and soft cap that the architecture of `config` applies after its lm_head."""
+    field, power = _LOGIT_SCALES.get(config.model_type, (None, 1))
+    scale = float(getattr(config, field)) ** power if field else 1.0
+    softcap = next((getattr(config, f) for f in _SOFTCAP_FIELDS if getattr(config, f, None)), None)
+    return LogitTransform(scale, float(softcap) if softcap else None)
+
+
+def _chunk_logits(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, head: LogitTransform, temperature: float
+) -> Tensor:
+    """fp32 logits of some rows, transformed as the architecture does and divided by the sampling
+    temperature, in place (no second copy)."""
+    logits = (hidden @ weight.T if bias is None else torch.addmm(bias, hidden, weight.T)).float()
+    if head.scale != 1.0:
+        logits.mul_(head.scale)
+    if head.softcap is not None:
+        logits.div_(head.softcap).tanh_().mul_(head.softcap)
+    return logits.div_(temperature)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """log_softmax(h @ W.T / T)[target] computed chunk by chunk; backward recomputes each chunk.
+    """log_softmax(f(h @ W.T + b) / T)[target] computed chunk by chunk, f the architecture's
+    `LogitTransform`; backward recomputes each chunk.
 
     Only one chunk's logits ([chunk, vocab]) exists at any time, in the forward and in the backward,
     so memory does not grow with batch × length × vocab; every step on a chunk works in place.
@@ -47,13 +94,13 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy):  # noqa: D102
+    def forward(ctx, hidden, weight, bias, targets, head, temperature, chunk_size, with_entropy):  # noqa: D102
         logps = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
         lses = torch.empty_like(logps)
         entropies = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = _chunk_logits(hidden[rows], weight, temperature)
+            logits = _chunk_logits(hidden[rows], weight, bias, head, temperature)
             logps[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1)
             top = logits.amax(dim=-1, keepdim=True)  # logsumexp, in place: log(sum(exp(x - max))) + max
             shifted = logits.sub_(top)
@@ -67,32 +114,47 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 lses[rows] = shifted.exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
             logps[rows] -= lses[rows]
             del logits, shifted  # before the next chunk's logits exist
-        ctx.save_for_backward(hidden, weight, targets, lses)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.save_for_backward(hidden, weight, bias, targets, lses)
+        ctx.head, ctx.temperature, ctx.chunk_size = head, temperature, chunk_size
         ctx.mark_non_differentiable(entropies)
         return logps, entropies
 
     @staticmethod
     def backward(ctx, grad_logps, _grad_entropies):  # noqa: D102
-        hidden, weight, targets, lses = ctx.saved_tensors
-        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        hidden, weight, bias, targets, lses = ctx.saved_tensors
+        head, temperature = ctx.head, ctx.temperature
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias else None
+        # A soft cap's derivative needs a second [rows, vocab] buffer: half the rows keep the peak at a chunk.
+        step = ctx.chunk_size if head.softcap is None else max(1, ctx.chunk_size // 2)
+        for start in range(0, hidden.shape[0], step):
+            rows = slice(start, start + step)
             g = grad_logps[rows, None].float()
-            # d logp[target] / d logits = onehot(target) - softmax(logits), then the 1/T of the scaling.
-            grad_logits = _chunk_logits(hidden[rows], weight, ctx.temperature)
+            # d logp[target] / d logits = onehot(target) - softmax(logits), then the chain rule through
+            # the temperature, the scale and the soft cap: d(cap · tanh(x / cap)) / dx = 1 - tanh².
+            grad_logits = _chunk_logits(hidden[rows], weight, bias, head, temperature)
+            slope = None
+            if head.softcap is not None:
+                slope = (grad_logits * (temperature / head.softcap)).square_().neg_().add_(1)
             grad_logits.sub_(lses[rows, None]).exp_().mul_(-g)
-            grad_logits.scatter_add_(-1, targets[rows, None], g).div_(ctx.temperature)
+            grad_logits.scatter_add_(-1, targets[rows, None], g).mul_(head.scale / temperature)
+            if slope is not None:
+                grad_logits.mul_(slope)
+                del slope
             if want_hidden:
                 grad_hidden[rows] = grad_logits.to(hidden.dtype) @ weight
             if want_weight:
                 grad_weight.addmm_(grad_logits.T, hidden[rows].float())
+            if want_bias:
+                grad_bias += grad_logits.sum(dim=0)
             del grad_logits  # before the next chunk's logits exist
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        if want_bias:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def token_logprobs(
@@ -102,17 +164,22 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = LOGPROB_CHUNK_SIZE,
     with_entropy: bool = False,
+    bias: Tensor | None = None,
+    head: LogitTransform = LogitTransform(),
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Per-token log-probs of `targets` [B, T] from hidden states [B, T, H] and the lm_head weight [V, H].
+    """Per-token log-probs of `targets` [B, T] from hidden states [B, T, H] and the lm_head weight [V, H]
+    (and bias [V]), with the architecture's logit transform `head`.
 
-    Equal to `log_softmax(hidden @ weight.T / temperature).gather(targets)` without ever holding the
-    [B, T, V] logits. Returned in float32; `with_entropy`: with the entropy of each position's
-    distribution [B, T] (no gradient), as `(logps, entropies)`.
+    Equal to `log_softmax(head(hidden @ weight.T + bias) / temperature).gather(targets)` without ever
+    holding the [B, T, V] logits. Returned in float32; `with_entropy`: with the entropy of each
+    position's distribution [B, T] (no gradient), as `(logps, entropies)`.
     """
     flat, entropies = _ChunkedTokenLogprobs.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
+        bias,
         targets.reshape(-1),
+        head,
         temperature,
         chunk_size,
         with_entropy,
@@ -120,6 +187,32 @@ def token_logprobs(
     if with_entropy:
         return flat.view(targets.shape), entropies.view(targets.shape)
     return flat.view(targets.shape)
+
+
+def check_head(model: PreTrainedModel, head: LogitTransform) -> None:
+    """Refuse, in one line, a model whose own logits are not the lm_head's output under `head`: the
+    log-probs trained on would then belong to another distribution than the one generate() samples.
+
+    Compares the model's logits on a few tokens with the chunked path's, to within rounding of the
+    model's dtype (the transform runs in float32 here, in the model's dtype there)."""
+    ids = torch.arange(1, 9, device=model.device)[None] % model.config.get_text_config().vocab_size
+    lm_head = model.get_output_embeddings()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            theirs = model(input_ids=ids).logits[0].float()
+            hidden = model.get_decoder()(input_ids=ids).last_hidden_state[0]
+            ours = _chunk_logits(hidden, lm_head.weight, getattr(lm_head, "bias", None), head, 1.0)
+    finally:
+        model.train(was_training)
+    tolerance = 8 * torch.finfo(lm_head.weight.dtype).eps * float(theirs.abs().max())
+    if ours.shape != theirs.shape or float((ours - theirs).abs().max()) > tolerance:
+        raise HeadError(
+            f"{type(model).__name__} transforms its logits in a way leangrpo's log-probs do not reproduce "
+            f"(supported: a linear lm_head with optional bias, the logit scales of "
+            f"{', '.join(sorted(_LOGIT_SCALES))}, and a final tanh soft cap)"
+        )
 
 
 def _base(lm: nn.Module) -> PreTrainedModel:
@@ -144,6 +237,8 @@ class Policy(nn.Module):
     ):
         super().__init__()
         self.lm, self.temperature, self.chunk_size = lm, temperature, chunk_size
+        self.head = logit_transform(self.base.config)
+        check_head(self.base, self.head)
         if share_prompt:
             shared_prompt.use(_base(lm))
 
@@ -197,9 +292,12 @@ class Policy(nn.Module):
             hidden = hidden.reshape(-1, hidden.shape[-1])[predictors]
             width = attention_mask.shape[1]
             targets = input_ids[:, width:].reshape(-1, C)
-        weight = self.base.get_output_embeddings().weight
+        lm_head = self.base.get_output_embeddings()
         temperature = self.temperature if temperature is None else temperature
-        return token_logprobs(hidden, weight, targets, temperature, self.chunk_size, with_entropy)
+        bias = getattr(lm_head, "bias", None)
+        return token_logprobs(
+            hidden, lm_head.weight, targets, temperature, self.chunk_size, with_entropy, bias, self.head
+        )
 
 
 def shared_prompt_group(model: nn.Module, micro_batch: int, num_generations: int) -> tuple[int, str | None]:
