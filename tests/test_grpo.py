@@ -9,9 +9,11 @@ import torch
 
 from leangrpo.grpo import (
     LossStats,
+    fill_groups,
     group_advantages,
     grpo_loss,
     high_entropy_mask,
+    informative_groups,
     kl_k3,
     mask_after_eos,
     mask_truncated,
@@ -203,6 +205,23 @@ def test_normalize_then_sum_none_and_unscored():
     rest = [-d2 - d1 / 2, d1 + d2 - d1 / 2]
     std = math.sqrt(sum(x * x for x in rest))
     close(adv, [0.0, rest[0] / (std + 1e-4), rest[1] / (std + 1e-4)])
+
+
+# --------------------------------------------------------------------------- dynamic sampling
+
+
+def test_informative_groups_uses_trls_zero_test():
+    std = torch.tensor([0.0, 1e-9, 0.5, 1e-7])  # isclose(x, 0): |x| <= 1e-8
+    assert informative_groups(std).tolist() == [False, False, True, True]
+
+
+def test_fill_groups_takes_the_first_informative_groups_then_fills():
+    flags = torch.tensor([False, True, False, True, True, False])
+    assert fill_groups(flags, 3).tolist() == [1, 3, 4]
+    assert fill_groups(flags, 2).tolist() == [1, 3]  # the later informative group is not needed
+    # Only one informative group drawn: the earliest uninformative ones fill the batch, in draw order.
+    assert fill_groups(torch.tensor([False, True, False, False]), 3).tolist() == [0, 1, 2]
+    assert fill_groups(torch.tensor([True, True, True]), 3).tolist() == [0, 1, 2]
 
 
 # --------------------------------------------------------------------------- kl_k3

@@ -10,9 +10,44 @@ import torch
 
 from leangrpo import grpo
 from leangrpo.config import validate_config
+from leangrpo.rewards import RewardScores
+from leangrpo.rollout import RolloutBatch
 from leangrpo.trainer import Trainer
 
-pytestmark = pytest.mark.slow
+
+def test_rollouts_cat_and_select_pad_and_pick_rows():
+    # Batch a: prompts 2 wide, completions 1 wide; batch b: 1 and 3 (left- and right-padded with 0).
+    a = RolloutBatch(
+        torch.tensor([[5, 6], [0, 7]]), torch.tensor([[1, 1], [0, 1]]), torch.tensor([[8], [9]]),
+        torch.tensor([[1], [1]]), torch.tensor([True, True]), ["a0", "a1"],
+    )  # fmt: skip
+    b = RolloutBatch(
+        torch.tensor([[4]]), torch.tensor([[1]]), torch.tensor([[1, 2, 3]]), torch.tensor([[1, 1, 0]]),
+        torch.tensor([False]), ["b0"],
+    )  # fmt: skip
+    both = RolloutBatch.cat([a, b])
+    assert both.prompt_ids.tolist() == [[5, 6], [0, 7], [0, 4]]
+    assert both.prompt_mask.tolist() == [[1, 1], [0, 1], [0, 1]]
+    assert both.completion_ids.tolist() == [[8, 0, 0], [9, 0, 0], [1, 2, 3]]
+    assert both.completion_mask.tolist() == [[1, 0, 0], [1, 0, 0], [1, 1, 0]]
+    picked = both.select(torch.tensor([2, 0]))
+    assert picked.completion_texts == ["b0", "a0"] and picked.truncated.tolist() == [False, True]
+    assert picked.prompt_ids.tolist() == [[0, 4], [5, 6]] and picked.sampling_logprobs is None
+
+
+def test_reward_scores_cat_and_select():
+    nan = float("nan")
+    a = RewardScores(
+        torch.tensor([[1.0], [nan]]), torch.tensor([1.0, 0.0]), torch.tensor([False, False]), ["r"],
+        {"m": 2.0}, {"note": ["x", "y"]},
+    )  # fmt: skip
+    b = RewardScores(torch.tensor([[3.0]]), torch.tensor([3.0]), torch.tensor([True]), ["r"], {"m": 4.0})
+    both = RewardScores.cat([a, b])
+    assert both.total.tolist() == [1.0, 0.0, 3.0] and both.failed.tolist() == [False, False, True]
+    assert both.metrics == {"m": 3.0} and both.extra == {"note": ["x", "y", None]}
+    picked = both.select(torch.tensor([2, 1]))
+    assert picked.total.tolist() == [3.0, 0.0] and picked.extra == {"note": [None, "y"]}
+    assert torch.isnan(picked.per_func[1, 0])
 
 
 def make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, **sections: dict[str, Any]) -> Trainer:
@@ -30,6 +65,7 @@ def make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, **sections: dict[str, Any]
     return Trainer(validate_config(cfg))
 
 
+@pytest.mark.slow
 def test_gspo_delta_and_entropy_reach_the_loss(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
     seen: list[dict[str, Any]] = []
     real_loss = grpo.grpo_loss
@@ -57,6 +93,7 @@ def test_gspo_delta_and_entropy_reach_the_loss(tmp_path, tiny_model_dir, gsm8k_d
     assert seen[0]["entropy"].shape[0] == 8 and not seen[0]["entropy"].requires_grad
 
 
+@pytest.mark.slow
 def test_mask_truncated_completions_leaves_cut_off_completions_out(tmp_path, tiny_model_dir, gsm8k_dir):
     # ignore_eos cuts every completion off at max_completion_length: with the mask, nothing trains.
     grpo_section = {"ignore_eos": True, "mask_truncated_completions": True}
@@ -68,6 +105,7 @@ def test_mask_truncated_completions_leaves_cut_off_completions_out(tmp_path, tin
     assert unmasked["grad_norm"] > 0
 
 
+@pytest.mark.slow
 def test_normalize_then_sum_makes_the_advantages(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
     seen: dict[str, Any] = {}
     real_score, real_update = Trainer.score, Trainer.update
@@ -90,3 +128,41 @@ def test_normalize_then_sum_makes_the_advantages(tmp_path, tiny_model_dir, gsm8k
     torch.testing.assert_close(seen["advantages"].cpu(), expected)
     summed_first, _ = grpo.group_advantages(scores.total, 4)
     assert not torch.allclose(summed_first, expected, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_trains_on_informative_groups(tmp_path, tiny_model_dir, gsm8k_dir):
+    rewards = {"functions": [{"name": "toy_rewards:vowel_share_some_questions"}]}
+    grpo_section = {"dynamic_sampling": True, "max_resample_rounds": 8}
+    trainer = make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, rewards=rewards, grpo=grpo_section)
+    first = [trainer.rows[i]["question"] for i in trainer.sampler.indices(0)]
+    assert any(len(q) % 3 for q in first)  # the first draw holds an uninformative group
+    seen = []
+    real_score = Trainer.score
+
+    def score(self, step, rows, rollout):
+        seen.append([r["question"] for r in rows])
+        return real_score(self, step, rows, rollout)
+
+    trainer.score = score.__get__(trainer)
+    metrics = trainer.step(1)
+    rounds = metrics["dynamic_sampling/rounds"]
+    assert len(seen) == rounds + 1 and seen[0] == first and 1 <= rounds <= 8
+    assert metrics["dynamic_sampling/prompts_drawn"] == 2 * (rounds + 1)
+    drawn = [q for batch in seen for q in batch]
+    assert metrics["dynamic_sampling/groups_dropped"] == sum(len(q) % 3 != 0 for q in drawn)
+    assert metrics["dynamic_sampling/filled"] == 0 and metrics["zero_std_frac"] == 0.0
+    # The extra rounds' prompts come from their own seeded order, a pure function of seed, step and round.
+    assert seen[1] == [trainer.rows[i]["question"] for i in trainer.resampler.indices(0)]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_stops_after_max_resample_rounds(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    monkeypatch.setenv("LEANGRPO_TEST_OUT", str(tmp_path))
+    rewards = {"functions": [{"name": "toy_rewards:record_prompts"}]}  # always 0: no group is informative
+    grpo_section = {"dynamic_sampling": True, "max_resample_rounds": 2}
+    trainer = make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, rewards=rewards, grpo=grpo_section)
+    metrics = trainer.step(1)
+    assert metrics["dynamic_sampling/rounds"] == 2 and metrics["dynamic_sampling/prompts_drawn"] == 6
+    assert metrics["dynamic_sampling/filled"] == 2 and metrics["dynamic_sampling/groups_dropped"] == 4
+    assert metrics["zero_std_frac"] == 1.0 and metrics["loss"] == 0.0

@@ -11,6 +11,12 @@ def vowel_share(prompts, completions, **kwargs):
     return out
 
 
+def vowel_share_some_questions(prompts, completions, question, **kwargs):
+    """vowel_share for questions whose length is a multiple of 3, else 0 (those groups carry no signal)."""
+    shares = vowel_share(prompts, completions)
+    return [share if len(q) % 3 == 0 else 0.0 for share, q in zip(shares, question, strict=True)]
+
+
 def length_share(prompts, completions, **kwargs):
     """The completion's length in characters over 40: a second reward with its own scale."""
     return [len(c[0]["content"] if isinstance(c, list) else c) / 40 for c in completions]

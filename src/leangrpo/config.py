@@ -230,6 +230,17 @@ class GRPOSection(_Section):
         description="only this top fraction of each micro-batch's tokens by entropy keep their policy "
         "term (Beyond the 80/20 rule recommends 0.2); 1.0: every token",
     )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: groups whose rewards all agree (no signal) are dropped and more prompts drawn "
+        "until the generation batch is full of informative groups",
+    )
+    max_resample_rounds: int = Field(
+        3,
+        ge=1,
+        description="dynamic sampling: extra generation rounds per step at most; then the batch is filled up "
+        "with uninformative groups (metric dynamic_sampling/filled)",
+    )
     num_iterations: int = Field(1, ge=1, description="updates per generation batch (mu)")
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
         "dapo", description="how per-token losses are averaged (docs/trl.md)"

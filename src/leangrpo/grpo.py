@@ -76,6 +76,20 @@ def normalize_then_sum(
     return advantages, group_advantages(summed, num_generations, "none")[1]
 
 
+def informative_groups(group_std: Tensor) -> Tensor:
+    """Groups whose rewards differ (std not `isclose` to 0, TRL's zero test): the only ones with an
+    advantage, so the only ones DAPO's dynamic sampling trains on."""
+    return ~torch.isclose(group_std, torch.zeros_like(group_std))
+
+
+def fill_groups(informative: Tensor, wanted: int) -> Tensor:
+    """DAPO's dynamic sampling: the indices, in draw order, of the `wanted` groups a step trains on among
+    those drawn (`informative` [drawn], in draw order): the first informative ones, and when fewer were
+    drawn, the earliest uninformative ones to fill the batch (they teach nothing but keep its size)."""
+    informative_first = torch.argsort((~informative).int(), stable=True)
+    return informative_first[:wanted].sort().values
+
+
 def mask_truncated(mask: Tensor, truncated: Tensor) -> Tensor:
     """The loss mask without the completions cut off at max_completion_length (DAPO): their missing end
     says nothing about whether they were good, so they teach nothing (they still count in advantages)."""

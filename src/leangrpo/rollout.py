@@ -58,6 +58,34 @@ class RolloutBatch:
         logp = None if self.sampling_logprobs is None else self.sampling_logprobs.to(device)
         return RolloutBatch(*(t.to(device) for t in ids), self.completion_texts, logp)
 
+    def select(self, rows: Tensor) -> RolloutBatch:
+        """The completions at `rows` [K], in that order."""
+        ids = (self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask, self.truncated)
+        logp = None if self.sampling_logprobs is None else self.sampling_logprobs[rows]
+        texts = [self.completion_texts[i] for i in rows.tolist()]
+        return RolloutBatch(*(t[rows] for t in ids), texts, logp)
+
+    @staticmethod
+    def cat(batches: list[RolloutBatch]) -> RolloutBatch:
+        """Batches one after another, prompts left-padded and completions right-padded to the widest."""
+        P = max(b.prompt_ids.shape[1] for b in batches)
+        C = max(b.completion_ids.shape[1] for b in batches)
+
+        def cat(tensors: list[Tensor], width: int, left: bool) -> Tensor:
+            pad = [(width - t.shape[1], 0) if left else (0, width - t.shape[1]) for t in tensors]
+            return torch.cat([torch.nn.functional.pad(t, p) for t, p in zip(tensors, pad, strict=True)])
+
+        logps = [b.sampling_logprobs for b in batches]
+        return RolloutBatch(
+            cat([b.prompt_ids for b in batches], P, left=True),
+            cat([b.prompt_mask for b in batches], P, left=True),
+            cat([b.completion_ids for b in batches], C, left=False),
+            cat([b.completion_mask for b in batches], C, left=False),
+            torch.cat([b.truncated for b in batches]),
+            [text for b in batches for text in b.completion_texts],
+            None if any(lp is None for lp in logps) else cat(logps, C, left=False),  # type: ignore[arg-type]
+        )
+
 
 class RolloutEngine(Protocol):
     """What the trainer generates with: `generate` takes `generate()`'s keyword arguments (minus model,

@@ -159,6 +159,12 @@ class Trainer:
             len(self.rows), cfg.prompts_per_step, cfg.seed, self.acc.process_index,
             self.acc.num_processes,
         )  # fmt: skip
+        # Dynamic sampling's extra prompts: their own seeded order, so a step's prompts stay a pure
+        # function of seed, step and round (an exact resume).
+        self.resampler = PromptSampler(
+            len(self.rows), cfg.prompts_per_step, cfg.seed + 2, self.acc.process_index,
+            self.acc.num_processes,
+        )  # fmt: skip
         self.start_step, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0
         self._engine: RolloutEngine | None = None  # built at the first rollout, after any resume or SFT
         self.last_save = time.monotonic()
@@ -204,6 +210,10 @@ class Trainer:
             rows, rollout = self.rollout(step)
         with timer("score"):
             scores = self.score(step, rows, rollout)
+        sampling = None
+        if g.dynamic_sampling:
+            with timer("resample"):
+                rows, rollout, scores, sampling = self.resample(step, rows, rollout, scores)
         with timer("advantages"):
             advantages, group_std = self.advantages(scores)
         with timer("reference"):
@@ -216,7 +226,7 @@ class Trainer:
         if g.use_vllm:
             with timer("sync"):
                 self.engine.sync_weights(self.unwrapped.lm)
-        return self.record(step, rows, rollout, scores, group_std, update, timer.seconds, mismatch)
+        return self.record(step, rows, rollout, scores, group_std, update, timer.seconds, mismatch, sampling)
 
     @property
     def engine(self) -> RolloutEngine:
@@ -225,10 +235,15 @@ class Trainer:
             self._engine = rollout_engine(self.cfg, self.unwrapped.lm, self.tokenizer)
         return self._engine
 
-    def rollout(self, step: int) -> tuple[list[dict[str, Any]], RolloutBatch]:
-        """The step's prompts (a pure function of seed, step and rank) and G sampled completions of each."""
+    def rollout(self, step: int, round_: int = 0) -> tuple[list[dict[str, Any]], RolloutBatch]:
+        """The step's prompts (a pure function of seed, step and rank; `round_` > 0: dynamic sampling's
+        extra draws) and G sampled completions of each."""
         cfg = self.cfg
-        rows = [self.rows[i] for i in self.sampler.indices(step - 1)]
+        if round_:
+            indices = self.resampler.indices((step - 1) * cfg.grpo.max_resample_rounds + round_ - 1)
+        else:
+            indices = self.sampler.indices(step - 1)
+        rows = [self.rows[i] for i in indices]
         texts = [render_prompt(self.tokenizer, r["prompt"], cfg.data.assistant_prefix) for r in rows]
         with self.dist.full_weights(self.policy):
             batch = self.engine.generate(texts, **sampling_kwargs(cfg)).to(self.acc.device)
@@ -257,17 +272,66 @@ class Trainer:
             self.reward_funcs, prompts, completions, columns, cfg.rewards.on_error, context
         )
 
+    def resample(
+        self, step: int, rows: list[dict[str, Any]], rollout: RolloutBatch, scores: RewardScores
+    ) -> tuple[list[dict[str, Any]], RolloutBatch, RewardScores, dict[str, float]]:
+        """DAPO's dynamic sampling: while this process (or any other: they generate together) has fewer
+        informative groups than the batch holds, and at most `max_resample_rounds` times, draw and score
+        another batch of prompts; then keep the first informative groups (`grpo.fill_groups`). Returns
+        the batch to train on and its dynamic_sampling/* metrics, summed over processes."""
+        g = self.cfg.grpo
+        drawn = [(rows, rollout, scores)]
+        informative = [self._informative(scores)]
+        while len(drawn) <= g.max_resample_rounds and self._any_process(
+            int(torch.cat(informative).sum()) < len(rows)
+        ):
+            more_rows, more = self.rollout(step, len(drawn))
+            more_scores = self.score(step, more_rows, more)
+            drawn.append((more_rows, more, more_scores))
+            informative.append(self._informative(more_scores))
+        flags = torch.cat(informative)
+        groups = grpo.fill_groups(flags, len(rows))
+        completions = (groups[:, None] * g.num_generations + torch.arange(g.num_generations)).flatten()
+        every_row = [row for batch_rows, _, _ in drawn for row in batch_rows]
+        rows = [every_row[i] for i in groups.tolist()]
+        rollout = RolloutBatch.cat([batch for _, batch, _ in drawn]).select(
+            completions.to(rollout.prompt_ids.device)
+        )
+        scores = RewardScores.cat([batch_scores for _, _, batch_scores in drawn]).select(completions)
+        filled = int((~flags[groups]).sum())
+        counts = torch.tensor([len(flags), int((~flags).sum()) - filled, filled], device=self.acc.device)
+        prompts, dropped, filled = self.acc.reduce(counts, "sum").tolist()
+        return (
+            rows,
+            rollout,
+            scores,
+            {
+                "dynamic_sampling/rounds": len(drawn) - 1,
+                "dynamic_sampling/prompts_drawn": prompts,
+                "dynamic_sampling/groups_dropped": dropped,
+                "dynamic_sampling/filled": filled,
+            },
+        )
+
+    def _informative(self, scores: RewardScores) -> Tensor:
+        """Which of this process's groups carry a signal, under `rewards.multi_objective_aggregation`."""
+        return grpo.informative_groups(self._combine(scores.per_func, scores.total)[1])
+
+    def _combine(self, per_func: Tensor, total: Tensor) -> tuple[Tensor, Tensor]:
+        """Advantages and group stds, the rewards combined as `rewards.multi_objective_aggregation` says."""
+        G = self.cfg.grpo.num_generations
+        if self.cfg.rewards.multi_objective_aggregation == "normalize_then_sum":
+            weights = torch.tensor([weight for _, _, weight in self.reward_funcs], device=per_func.device)
+            return grpo.normalize_then_sum(per_func, weights, total.isnan(), G)
+        return grpo.group_advantages(total, G, self.cfg.grpo.scale_rewards)
+
     def advantages(self, scores: RewardScores) -> tuple[Tensor, Tensor]:
         """This process's advantages and every process's group reward stds, as TRL computes them: on all
         processes' rewards (`scale_rewards: batch` and normalize_then_sum use the whole batch's std),
         combined as `rewards.multi_objective_aggregation` says."""
-        G, acc = self.cfg.grpo.num_generations, self.acc
+        acc = self.acc
         per_func, total = acc.gather(scores.per_func.to(acc.device)), acc.gather(scores.total.to(acc.device))
-        if self.cfg.rewards.multi_objective_aggregation == "normalize_then_sum":
-            weights = torch.tensor([weight for _, _, weight in self.reward_funcs], device=per_func.device)
-            advantages, group_std = grpo.normalize_then_sum(per_func, weights, total.isnan(), G)
-        else:
-            advantages, group_std = grpo.group_advantages(total, G, self.cfg.grpo.scale_rewards)
+        advantages, group_std = self._combine(per_func, total)
         n = len(scores.total)
         return advantages[acc.process_index * n : (acc.process_index + 1) * n], group_std
 
@@ -386,10 +450,11 @@ class Trainer:
         update: Update,
         seconds: dict[str, float],
         mismatch: grpo.SamplerMismatch | None = None,
+        sampling: dict[str, float] | None = None,
     ) -> dict[str, Any]:
         """The step's metrics, reduced over every process (`group_std` holds every process's groups);
         logged (and a sample completion with them) on the main process when due. `mismatch`: the vLLM
-        sampler's gap to the trainer (vllm/*)."""
+        sampler's gap to the trainer (vllm/*); `sampling`: dynamic sampling's dynamic_sampling/*."""
         cfg, gather, device = self.cfg, self.acc.gather, self.acc.device
         total, per_func = gather(scores.total.to(device)), gather(scores.per_func.to(device))
         lengths = gather(rollout.lengths().float())
@@ -422,6 +487,7 @@ class Trainer:
             **{f"time/{phase}": s for phase, s in seconds.items()},
             **scores.metrics,  # the rewards' log_metric values (this process's)
             **{f"vllm/{k}": v for k, v in (vars(mismatch) if mismatch else {}).items()},
+            **(sampling or {}),
         }
         if self.is_main and _due(step, cfg.logging.log_completions_steps):
             sample = self.task.sample_view(rows[0], rollout.completion_texts[0])

@@ -38,6 +38,32 @@ class RewardScores:
     metrics: dict[str, float] = field(default_factory=dict)  # log_metric values, each name's mean
     extra: dict[str, list] = field(default_factory=dict)  # log_extra columns, one value per completion
 
+    def select(self, rows: torch.Tensor) -> RewardScores:
+        """The scores of the completions at `rows` [K], in that order (the rewards' metrics unchanged)."""
+        extra = {column: [values[i] for i in rows.tolist()] for column, values in self.extra.items()}
+        return RewardScores(
+            self.per_func[rows], self.total[rows], self.failed[rows], self.names, self.metrics, extra
+        )
+
+    @staticmethod
+    def cat(scores: list[RewardScores]) -> RewardScores:
+        """Scores of several batches one after another; each log_metric value is the mean over batches."""
+        import torch
+
+        names = {name for s in scores for name in s.metrics}
+        columns = {column for s in scores for column in s.extra}
+        return RewardScores(
+            torch.cat([s.per_func for s in scores]),
+            torch.cat([s.total for s in scores]),
+            torch.cat([s.failed for s in scores]),
+            scores[0].names,
+            {
+                n: sum(s.metrics[n] for s in scores if n in s.metrics) / sum(n in s.metrics for s in scores)
+                for n in names
+            },
+            {c: [v for s in scores for v in s.extra.get(c, [None] * len(s.total))] for c in columns},
+        )
+
 
 @dataclass(frozen=True)
 class TrainerState:
