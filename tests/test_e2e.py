@@ -24,9 +24,9 @@ METRIC_KEYS = {
 }  # fmt: skip
 
 
-def write_config(path: Path, model: Path, data: Path, out: Path, **sections) -> Path:
+def write_config(path: Path, model_dir: Path, data: Path, out: Path, **sections) -> Path:
     cfg = {
-        "model": {"name_or_path": str(model), "gradient_checkpointing": False},
+        "model": {"name_or_path": str(model_dir), "gradient_checkpointing": False},
         "data": {"path": str(data), "limit": 64},
         "rewards": {"functions": [{"name": "toy_rewards:vowel_share"}]},
         "grpo": {"num_generations": 8, "max_completion_length": 8, "max_prompt_length": 96},

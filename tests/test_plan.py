@@ -373,3 +373,21 @@ def test_shared_prompt_layout_is_planned_and_can_be_turned_off():
                                     "--completion-length", "128"])  # fmt: skip
     assert res.exit_code == 0, res.output
     assert plan.fmt_bytes(per_row.components["activations"]) in res.output
+
+
+def test_fsdp_plans_shards_per_process_and_the_gathered_model():
+    """--fsdp N: persistent state ÷ N (the byte counts themselves are checked against a real 2-process
+    FSDP2 step in test_fsdp), generation holds the whole model next to the shards, the CLI says so."""
+    shape = plan.resolve_shape("Qwen/Qwen2.5-7B")
+    one = plan.estimate(shape, plan.make_knobs(beta=0.04))
+    four = plan.estimate(shape, plan.make_knobs(beta=0.04, fsdp=4))
+    for part in ("weights", "optimizer state", "reference model"):
+        assert four.components[part] == pytest.approx(one.components[part] / 4, abs=1)
+    assert four.components["FSDP gathered"] == one.components["weights"]
+    assert four.peak < one.peak / 2
+    assert four.phases["generation"] > one.components["weights"]  # the gathered model is there to generate
+    res = CliRunner().invoke(main, ["plan", "--model", "Qwen/Qwen2.5-7B", "--fsdp=8", "--gpu-memory", "24G"])
+    assert res.exit_code == 0 and "FSDP2 over 8 processes" in res.output, res.output
+    res = CliRunner().invoke(main, ["plan", "--model", "Qwen/Qwen2.5-7B", "--fsdp", "2", "--optimizer",
+                                    "adamw_8bit"])  # fmt: skip
+    assert res.exit_code != 0 and "adamw_8bit" in res.output.strip().splitlines()[-1]

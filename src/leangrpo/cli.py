@@ -180,6 +180,7 @@ def demo(
 @click.option("--vllm-gpu-memory-utilization", type=float)
 @click.option("--activation-offload", is_flag=True, default=None, help="Saved activations in pinned CPU RAM.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="cpu plans RAM (no CUDA overhead).")
+@click.option("--fsdp", type=click.IntRange(min=1), help="Processes sharding the model (FSDP2).")
 @click.option("--fit", is_flag=True, help="Search the largest G, completion length, batch, method that fit.")
 @click.option("--margin", default=0.1, show_default=True, help="Fraction of the memory kept free.")
 @_user_errors

@@ -219,6 +219,7 @@ class Knobs:
     vllm_gpu_memory_utilization: float = 0.3
     activation_offload: bool = False
     device: Literal["cuda", "cpu"] = "cuda"
+    fsdp: int = 1  # processes sharing the model under FSDP2 (1: not sharded); the plan is per process
 
     @property
     def generation_batch(self) -> int:
@@ -481,7 +482,7 @@ class Estimate:
 
 PHASE_PARTS = {
     "generation": ("weights", "reference model", "optimizer state", "KV cache", "generation workspace",
-                   "trainable params"),
+                   "trainable params", "FSDP gathered"),
     "update": ("weights", "reference model", "optimizer state", "gradients", "activations",
                "log-prob workspace", "trainable params"),
 }  # fmt: skip
@@ -492,6 +493,8 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     optimizer state exists; step 1 peaks no higher)."""
     if k.method == "qlora-4bit" and k.device == "cpu":
         raise PlanError("qlora-4bit needs CUDA (bitsandbytes); plan it with --device cuda")
+    if k.fsdp > 1 and (k.method == "qlora-4bit" or k.optimizer == "adamw_8bit"):
+        raise PlanError("--fsdp: leangrpo's FSDP2 runs neither 4-bit weights nor adamw_8bit")
     e = k.e
     tensors = trainable_tensors(shape, k)
     n_train = sum(n for _, n in tensors)
@@ -501,7 +504,13 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     grads = n_train * tb
     optim = optimizer_bytes(tensors, tb, k.optimizer)
     ref = weights if (k.beta > 0 and k.method == "full") else 0  # LoRA: reference = adapter disabled
-    persistent = weights + adapters + optim + ref
+    n = k.fsdp  # FSDP2 splits every persistent tensor over n processes
+    persistent = math.ceil((weights + adapters + optim + ref) / n)
+    layer_numel = sum(c for _, c in shape.layer_tensors())
+    # FSDP2 in the update: the root group (embeddings, final norm, LM head) stays gathered through forward
+    # and backward, plus two layers (the one computing, the next prefetched) and one layer's full gradient.
+    gathered = (shape.num_params() - (shape.num_hidden_layers - 2) * layer_numel) * e if n > 1 else 0
+    layer_grad = layer_numel * tb if n > 1 and k.method == "full" else 0
 
     B, P, C = k.per_device_train_batch_size, k.max_prompt_length, k.max_completion_length
     N, S = k.generation_batch, P + C - 1
@@ -518,10 +527,15 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     recompute = layer_activation_bytes(shape, k, rows) if on_device_layer else 0
     layer_bwd = rows.tokens * (2 * shape.intermediate_size * e + 2 * shape.hidden_size * 4)
     dequant = max(a * b for a, b in shape.linear_shapes().values()) * e if k.method == "qlora-4bit" else 0
-    update = persistent + max(
-        grads_before + acts + max(lp_fwd, lp_bwd),
-        grads_before + acts + recompute + layer_bwd + dequant,
-        grads,  # the optimizer step: fused AdamW and 8-bit AdamW update in place
+    # FSDP2 keeps accumulated gradients unsharded until the last micro-batch's reduce-scatter.
+    update = (
+        persistent
+        + gathered
+        + max(
+            grads_before + acts + max(lp_fwd, lp_bwd),
+            grads_before + acts + recompute + layer_bwd + layer_grad + dequant,
+            math.ceil(grads / n),  # the optimizer step: fused AdamW and 8-bit AdamW update in place
+        )
     )
 
     kv = kv_cache_bytes(shape, N, S, e)
@@ -530,25 +544,29 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     prefill = forward_transient(shape, k, N * P) + kv_cache_bytes(shape, N, P, e)
     gen_ws = max(prefill, kv + cat + logits + forward_transient(shape, k, N)) - kv
     components = {
-        "weights": weights,
-        "trainable params": adapters,
-        "gradients": grads,
-        "optimizer state": optim,
-        "reference model": ref,
+        "weights": math.ceil(weights / n),
+        "trainable params": math.ceil(adapters / n),
+        "gradients": math.ceil(grads / n) if micro == 1 else grads,
+        "optimizer state": math.ceil(optim / n),
+        "reference model": math.ceil(ref / n),
         "activations": acts,
         "log-prob workspace": max(lp_fwd, lp_bwd),
         "KV cache": kv,
         "generation workspace": gen_ws,
     }
+    if n > 1:  # generation gathers the whole model on every process, next to the shards
+        components["FSDP gathered"] = weights + adapters
     phases = {"update": update}
     if k.rollout == "hf":
-        phases["generation"] = persistent + kv + gen_ws
+        phases["generation"] = persistent + components.get("FSDP gathered", 0) + kv + gen_ws
     else:  # colocated vLLM reserves a fixed share of the card for its own weights and KV cache
         components["KV cache"] = components["generation workspace"] = 0
         components["vllm reservation"] = 0  # filled in by plan_for (needs the card size)
     if k.beta > 0 or k.num_iterations > 1:  # reference / old log-probs: no-grad forward per micro-batch
-        ref_pass = persistent + max(
-            forward_transient(shape, k, rows.tokens), lp_fwd + B * C * shape.hidden_size * e
+        ref_pass = (
+            persistent
+            + gathered
+            + max(forward_transient(shape, k, rows.tokens), lp_fwd + B * C * shape.hidden_size * e)
         )
         phases["reference"] = ref_pass
     return Estimate(shape, k, shape.num_params(), n_train, components, phases, acts_other)
@@ -732,6 +750,7 @@ _NOTES = {
     "KV cache": "DynamicCache, whole generation batch",
     "generation workspace": "prefill / sampling temporaries",
     "vllm reservation": "gpu_memory_utilization share of the card",
+    "FSDP gathered": "the whole model, gathered on each process to generate",
 }
 _OPTIMIZER_NOTES = {"adamw": "AdamW exp_avg + exp_avg_sq", "adamw_8bit": "8-bit AdamW: uint8 states + absmax"}
 
@@ -749,7 +768,7 @@ def render(est: Estimate, memory: int | None, margin: float) -> str:
         f"G={k.num_generations}, micro-batch {k.per_device_train_batch_size} x "
         f"{k.gradient_accumulation_steps} accumulation, prompt {k.max_prompt_length} + completion "
         f"{k.max_completion_length} tokens, beta={k.beta}, optimizer {k.optimizer}, rollout {k.rollout}, "
-        f"device {k.device}",
+        f"device {k.device}" + (f"; FSDP2 over {k.fsdp} processes, bytes per process" if k.fsdp > 1 else ""),
         "",
         f"{'component':<22} {'bytes':>12}  note",
     ]

@@ -1,0 +1,123 @@
+"""FSDP2 for real: 2 CPU processes (gloo), launched by torchrun and by `accelerate launch` with the shipped
+config. Sharded results are compared with one process (or an uninterrupted run), never with constants."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_e2e import PYTHONPATH, TESTS, run_cli, write_config
+
+from leangrpo.distributed import Sharded, check_options, fsdp_requested
+from leangrpo.errors import UserError
+
+pytestmark = pytest.mark.slow
+FSDP2_CONFIG = TESTS.parent / "configs" / "accelerate" / "fsdp2.yaml"
+
+
+def launch(*args: str, port: int) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file <fsdp2.yaml> -m leangrpo train ARGS` on 2 processes."""
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2_CONFIG),
+         "--num_processes", "2", "--main_process_port", str(port),
+         "-m", "leangrpo", "train", *args],
+        capture_output=True, text=True, env=env, timeout=400,
+    )  # fmt: skip
+
+
+def weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_sharded_step_equals_one_process_and_halves_the_bytes(tmp_path, tiny_model_dir):
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541",
+         str(TESTS / "fsdp_worker.py"), str(tiny_model_dir), str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "fsdp_step.json").read_text())
+    assert r["same_names"]
+    assert r["loss_error"] < 1e-5
+    assert r["grad_error"] < 1e-5 and r["grad_scale"] > 1e-3  # gradients that exist, equal within fp32
+    assert 0.48 < r["param_ratio"] < 0.55 and 0.48 < r["optim_ratio"] < 0.55
+    # `leangrpo plan --fsdp 2` predicts those per-process bytes
+    from leangrpo import plan
+
+    est = plan.estimate(plan.resolve_shape(str(tiny_model_dir)), plan.make_knobs(fsdp=2, dtype="float32"))
+    assert est.components["weights"] == pytest.approx(r["rank0_param_bytes"], rel=0.02)
+    assert est.components["optimizer state"] == pytest.approx(r["rank0_optim_bytes"], rel=0.02)
+
+
+def test_fsdp_run_resumes_exactly_and_exports_a_plain_model(tmp_path, tiny_model_dir, gsm8k_dir):
+    """Full fine-tuning with a KL reference (sharded frozen copy) and num_iterations = 2: the run from its
+    step-2 checkpoint ends with the uninterrupted run's weights; the final model loads without FSDP."""
+    run = tmp_path / "run"
+    cfg = write_config(
+        tmp_path / "c.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", run,
+        grpo={"beta": 0.04, "num_iterations": 2},
+        optim={"max_steps": 3, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
+        logging={"save_steps": 2},
+    )  # fmt: skip
+    proc = launch("-c", str(cfg), port=29542)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sharded (FSDP2)" in proc.stdout + proc.stderr
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed, ignore=shutil.ignore_patterns("checkpoint-3", "model"))
+    proc = launch("--resume", str(resumed), port=29543)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stdout + proc.stderr
+    straight, again = weights(run / "model"), weights(resumed / "model")
+    assert straight.keys() == again.keys()
+    start = weights(tiny_model_dir)
+    assert any(not torch.equal(straight[k], start[k]) for k in start)  # it trained
+    for k in straight:
+        torch.testing.assert_close(again[k], straight[k], rtol=0, atol=1e-6)
+    out = run_cli("eval", "--model", str(run), "--data", str(gsm8k_dir), "--limit", "2",
+                  "--max-new-tokens", "4", "--out", str(tmp_path / "e.json"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_lora_trains_under_fsdp(tmp_path, tiny_model_dir, gsm8k_dir):
+    run = tmp_path / "run"
+    cfg = write_config(
+        tmp_path / "c.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", run,
+        model={"lora": {"enabled": True, "r": 4, "alpha": 8}},
+        grpo={"beta": 0.04},
+        optim={"max_steps": 2, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
+    )  # fmt: skip
+    proc = launch("-c", str(cfg), port=29544)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    adapter = load_file(run / "model" / "adapter" / "adapter_model.safetensors")
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())  # B starts at zero
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(run / "model")
+    start = weights(tiny_model_dir)
+    assert any(not torch.equal(p, start[n]) for n, p in merged.state_dict().items() if n in start)
+
+
+def test_fsdp1_and_conflicting_options_are_one_line(monkeypatch, tmp_path, tiny_model_dir, gsm8k_dir):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(UserError, match="fsdp_version: 2"):
+        fsdp_requested()
+    cfg = write_config(tmp_path / "c.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", tmp_path / "run")
+    out = run_cli("train", "-c", str(cfg), env_extra={"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"})
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "fsdp_version: 2" in out.stderr.strip().splitlines()[-1]
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    assert fsdp_requested()
+    from leangrpo.config import load_config
+
+    with pytest.raises(UserError, match="adamw_8bit cannot run under FSDP"):
+        check_options(Sharded(None), load_config(str(cfg), ["optim.optimizer=adamw_8bit"]))  # type: ignore[arg-type]
