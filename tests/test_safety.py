@@ -22,6 +22,8 @@ from leangrpo.checkpoint import (
     CheckpointError,
     checkpoint_dirs,
     is_complete,
+    load_rank_state,
+    resume_config,
     save_checkpoint,
     save_final_model,
 )
@@ -314,3 +316,55 @@ def test_a_write_failing_mid_run_stops_in_one_line_naming_the_last_checkpoint(
     run = tmp_path / "x"
     cfg = tiny_run_config(tmp_path, tiny_model_dir, gsm8k_dir, run, logging={"save_steps": 1})
     one_line_error(train_cli("-c", str(cfg)), "No space left on device (errno 28)", "checkpoint-1, is intact")
+
+
+# ----------------------------------------------------------- 5. integrity, and no code from artifacts
+
+
+def flip_a_byte(path: Path) -> None:
+    """Same-size corruption: one byte in the middle of the file changes."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_checkpoint_is_named_and_the_previous_one_used(tmp_path, tiny_model_dir, gsm8k_dir, caplog):
+    run = tmp_path / "x"
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, gsm8k_dir, run, logging={"save_steps": 1})
+    assert train_cli("-c", str(cfg)).exit_code == 0
+    flip_a_byte(run / "checkpoint-2" / "model.safetensors")
+    flip_a_byte(run / "model" / "model.safetensors")
+    result = CliRunner().invoke(main, ["export", str(run), "--out", str(tmp_path / "out")])
+    one_line_error(result, "model.safetensors is corrupt")
+    result = train_cli("--resume", str(run), "optim.max_steps=3")
+    assert result.exit_code == 0, result.output
+    assert "checkpoint-2/model.safetensors is corrupt" in caplog.text  # a warning on stderr
+    assert f"resuming from {run / 'checkpoint-1'} at step 1" in result.output
+    assert steps_logged(run) == [1, 2, 3]
+
+
+def test_a_crafted_checkpoint_file_cannot_run_code(tmp_path):
+    ckpt = save_small_checkpoint(tmp_path, 2)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save(Payload(), ckpt / "scheduler.pt")
+    with pytest.raises(CheckpointError, match="cannot read .*scheduler.pt"):
+        load_rank_state(ckpt, 0)
+    assert not marker.exists()
+    (ckpt / "optimizer.pt").write_bytes(b"garbage")  # and garbage is one line too
+    with pytest.raises(CheckpointError, match="cannot read .*optimizer.pt"):
+        load_rank_state(ckpt, 0)
+
+
+def test_a_run_directory_cannot_grant_itself_remote_code(tmp_path):
+    run = fake_run(tmp_path / "run")
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["model"]["trust_remote_code"] = True
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(CheckpointError, match="cannot grant itself"):
+        resume_config(None, [], str(run))
+    assert resume_config(None, ["model.trust_remote_code=true"], str(run)).model.trust_remote_code

@@ -9,6 +9,7 @@ any point leaves either the complete new checkpoint or none, and the previous on
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -21,14 +22,16 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from .errors import UserError
-from .rundir import is_run_dir, write_failure
+from .rundir import error_reason, is_run_dir
 
 if TYPE_CHECKING:
     import torch
 
     from .config import Config
 
+log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
+SHA_FILE = "leangrpo_sha256.json"  # in the final model/: every file's sha256
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _PARTIAL = re.compile(r"^\.(checkpoint-\d+|model)\.(tmp|old)$")
 # Keys that may differ on resume: they change neither the weights nor the order of data and samples.
@@ -73,6 +76,45 @@ def is_complete(ckpt: Path) -> bool:
 def last_checkpoint(run_dir: Path) -> Path | None:
     found = checkpoint_dirs(run_dir)
     return found[-1] if found else None
+
+
+def sha256(path: Path) -> str:
+    import hashlib
+
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_hashes(directory: Path) -> dict[str, str]:
+    """The sha256 of every file under `directory`, by relative path: recorded when a save is written
+    (before its rename), verified before its files are used."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != SHA_FILE)
+    return {str(p.relative_to(directory)): sha256(p) for p in files}
+
+
+def corruption(saved: Path) -> str | None:
+    """What is wrong with a checkpoint or final model: a file missing or whose sha256 differs from the one
+    recorded when it was saved (None: intact, or saved before leangrpo recorded hashes)."""
+    if (saved / STATE_FILE).is_file():
+        recorded = read_state(saved).get("sha256", {})
+    else:
+        recorded = json.loads((saved / SHA_FILE).read_text()) if (saved / SHA_FILE).is_file() else {}
+    for name, digest in recorded.items():
+        if not (saved / name).is_file():
+            return f"{saved / name} is missing"
+        if sha256(saved / name) != digest:
+            return f"{saved / name} is corrupt (its sha256 differs from the one recorded when it was saved)"
+    return None
+
+
+def last_good_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint whose files verify; each corrupt one is named in a warning."""
+    for ckpt in reversed(checkpoint_dirs(run_dir)):
+        problem = corruption(ckpt)
+        if problem is None:
+            return ckpt
+        log.warning("%s; using the checkpoint before it", problem)
+    return None
 
 
 def remove_partial(run_dir: Path) -> None:
@@ -128,11 +170,12 @@ def save_checkpoint(
             save_config(cfg, tmp / "config.yaml")
             time.sleep(float(os.environ.get(SAVE_DELAY_ENV, 0)))
             files = {str(p.relative_to(tmp)): p.stat().st_size for p in tmp.rglob("*") if p.is_file()}
-            (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "files": files}, indent=1))
+            info = {**state, "step": step, "files": files, "sha256": file_hashes(tmp)}
+            (tmp / STATE_FILE).write_text(json.dumps(info, indent=1))
             _commit(tmp, target)
     except Exception as e:  # noqa: BLE001 - torch and safetensors report a full disk as their own errors
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"cannot save {target}: {write_failure(e)}; {what_holds(run_dir)}") from None
+        raise CheckpointError(f"cannot save {target}: {error_reason(e)}; {what_holds(run_dir)}") from None
     if rank == 0:
         rotate(run_dir, cfg.logging.save_total_limit)
     barrier()
@@ -184,12 +227,13 @@ def save_final_model(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> N
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         save_model(model, tokenizer, tmp, merge=True)
+        (tmp / SHA_FILE).write_text(json.dumps(file_hashes(tmp), indent=1))
         _commit(tmp, out_dir)
     except Exception as e:  # noqa: BLE001 - as in save_checkpoint
         shutil.rmtree(tmp, ignore_errors=True)
         holds = what_holds(out_dir.parent)
         raise CheckpointError(
-            f"cannot save the final model to {out_dir}: {write_failure(e)}; {holds}"
+            f"cannot save the final model to {out_dir}: {error_reason(e)}; {holds}"
         ) from None
 
 
@@ -210,7 +254,9 @@ def rng_state() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    kind, keys, pos, has_gauss, cached = np.random.get_state()  # as plain types: loads with weights_only
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -221,21 +267,27 @@ def set_rng_state(state: dict[str, Any]) -> None:
     import torch
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def load_rank_state(ckpt: Path, rank: int) -> dict[str, Any]:
-    """What one rank restores: optimizer, scheduler and its own RNG states (weights: `load_trainable`)."""
+    """What one rank restores: optimizer, scheduler and its own RNG states (weights: `load_trainable`).
+    Read with `weights_only=True`: tensors and plain values only, so a crafted file cannot run code."""
+    names = {"optimizer": "optimizer.pt", "scheduler": "scheduler.pt", "rng": f"rng_state_{rank}.pt"}
+    return {key: _torch_load(ckpt / name) for key, name in names.items()}
+
+
+def _torch_load(path: Path) -> Any:
     import torch
 
-    return {
-        "optimizer": torch.load(ckpt / "optimizer.pt", weights_only=False),
-        "scheduler": torch.load(ckpt / "scheduler.pt", weights_only=False),
-        "rng": torch.load(ckpt / f"rng_state_{rank}.pt", weights_only=False),
-    }
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - garbage, truncated or crafted files raise many kinds
+        raise CheckpointError(f"cannot read {path}: {error_reason(e)}") from None
 
 
 def load_trainable(model: torch.nn.Module, ckpt: Path) -> None:
@@ -275,6 +327,12 @@ def resume_config(config_path: str | None, overrides: list[str], resume: str) ->
     if config_path is None and not is_run_dir(run_dir):
         raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
     cfg = load_config(config_path or run_dir / "config.yaml", overrides)
+    granted = any(o.startswith("model.trust_remote_code=") for o in overrides)
+    if config_path is None and cfg.model.trust_remote_code and not granted:
+        raise CheckpointError(
+            f"--resume {run_dir}: its config.yaml sets model.trust_remote_code, which a run directory cannot "
+            "grant itself; pass model.trust_remote_code=true to let the model's own code run"
+        )
     cfg.output_dir = str(run_dir)
     return cfg
 
@@ -283,11 +341,11 @@ def resume_checkpoint(run_dir: Path) -> Path:
     """The last complete checkpoint of a run, or a CheckpointError."""
     if not is_run_dir(run_dir):
         raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
-    ckpt = last_checkpoint(run_dir)
+    ckpt = last_good_checkpoint(run_dir)
     if ckpt is None:
         raise CheckpointError(
-            f"--resume {run_dir}: the run has no complete checkpoint to resume from "
-            "(logging.save_steps and save_minutes were 0); start it again with --overwrite"
+            f"--resume {run_dir}: the run has no complete, intact checkpoint to resume from "
+            "(none was saved, or none verifies); start it again with --overwrite"
         )
     return ckpt
 

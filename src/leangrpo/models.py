@@ -329,7 +329,7 @@ def locate(source: str | Path) -> Trained | None:
     """The trained weights behind `source`, resolved the same way for eval, chat, export and compare:
     a run directory means its final `model/`, else its last complete checkpoint; a checkpoint or a
     leangrpo export means itself. None for anything else (a model directory, hub id or .gguf)."""
-    from .checkpoint import STATE_FILE, last_checkpoint, read_state
+    from .checkpoint import STATE_FILE, corruption, last_good_checkpoint, read_state
     from .rundir import is_run_dir
 
     path = Path(source).expanduser()
@@ -340,16 +340,20 @@ def locate(source: str | Path) -> Trained | None:
                        info["step"], None)  # fmt: skip
     if (path / STATE_FILE).is_file():
         ckpt, run_dir = path, path.parent
+        if problem := corruption(ckpt):
+            raise ModelError(problem)
     elif is_run_dir(path):
         run_dir, final = path, path / "model"
         config = yaml.safe_load((path / "config.yaml").read_text())
         if (final / "config.json").is_file():
+            if problem := corruption(final):
+                raise ModelError(f"{problem}; use one of the run's checkpoints instead")
             adapter = final / "adapter"
             return Trained(path, final, adapter if adapter.is_dir() else None, config,
                            config["optim"]["max_steps"], path)  # fmt: skip
-        found = last_checkpoint(path)
+        found = last_good_checkpoint(path)
         if found is None:
-            raise ModelError(f"{path} has neither a final model nor a complete checkpoint")
+            raise ModelError(f"{path} has neither a final model nor a complete, intact checkpoint")
         ckpt = found
     else:
         return None

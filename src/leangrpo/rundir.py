@@ -43,10 +43,10 @@ def os_reason(e: OSError) -> str:
     return f"{e.strerror or e} (errno {e.errno})" if e.errno else str(e)
 
 
-def write_failure(e: BaseException) -> str:
-    """Why a write failed, in one line: the OSError in the exception's chain (torch.save wraps it in a
-    RuntimeError, `unexpected pos ...`), else the error's own first line (safetensors puts the OS's words
-    in its message)."""
+def error_reason(e: BaseException) -> str:
+    """Why a read or write failed, in one line: the OSError in the exception's chain (torch.save wraps it
+    in a RuntimeError, `unexpected pos ...`), else the error's own first line (safetensors puts the OS's
+    words in its message)."""
     cause: BaseException | None = e
     while cause is not None:
         if isinstance(cause, OSError):
@@ -68,7 +68,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
         if isinstance(e, UserError):
             raise
-        raise RunDirError(f"cannot write {path}: {write_failure(e)}") from None
+        raise RunDirError(f"cannot write {path}: {error_reason(e)}") from None
 
 
 def write_text_atomic(path: Path, text: str) -> None:

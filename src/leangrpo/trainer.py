@@ -47,7 +47,7 @@ from .memory import (
 from .models import frozen_copy, is_peft, load_model_and_tokenizer
 from .rewards import RewardContext, RewardScores, TrainerState, load_rewards, score_completions
 from .rollout import RolloutBatch, RolloutEngine, as_reward_inputs, rollout_engine, sampling_kwargs
-from .rundir import RunDirError, RunLock, check_output_dir, drop_replaced, start_run, write_failure
+from .rundir import RunDirError, RunLock, check_output_dir, drop_replaced, error_reason, start_run
 from .signals import StopSignals
 from .tasks import load_task
 from .tracking import MetricsLogger, check_trackers, open_trackers, peak_memory_mb
@@ -507,9 +507,7 @@ class Trainer:
             return self._run()
         except (OSError, RunDirError) as e:  # a full disk or I/O error in a log, an eval, a tracker...
             why = (
-                str(e)
-                if isinstance(e, RunDirError)
-                else f"cannot write in {self.run_dir}: {write_failure(e)}"
+                str(e) if isinstance(e, RunDirError) else f"cannot write in {self.run_dir}: {error_reason(e)}"
             )
             raise TrainingError(f"{why}; {what_holds(self.run_dir)}") from None
         finally:
