@@ -394,9 +394,9 @@ def test_sampling_is_exactly_the_configured_softmax_whatever_generation_config_s
     tiny_model_dir, tokenizer, monkeypatch, lora
 ):
     """A model whose generation_config sets every sampling and logits-processor default: each token is
-    still drawn from exactly softmax(top_p(logits / T)) with leangrpo's T and top_p, nothing else."""
+    still drawn from exactly softmax(top_p(top_k(logits / T))) with leangrpo's T, top_k and top_p."""
     from transformers import GenerationConfig
-    from transformers.generation.logits_process import TopPLogitsWarper
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
     model = load_tiny(tiny_model_dir)
     eos = tokenizer.eos_token_id
@@ -418,16 +418,16 @@ def test_sampling_is_exactly_the_configured_softmax_whatever_generation_config_s
 
     monkeypatch.setattr(InverseCDFSampler, "draw", staticmethod(recording))
     torch.manual_seed(0)
-    T, top_p = 0.7, 0.95
+    T, top_k, top_p = 0.7, 200, 0.95
     batch = generate(model, tokenizer, PROMPTS[1:], num_generations=2, max_prompt_length=64,
-                     max_completion_length=6, temperature=T, top_p=top_p)  # fmt: skip
+                     max_completion_length=6, temperature=T, top_k=top_k, top_p=top_p)  # fmt: skip
     ids = batch.input_ids
     P = batch.prompt_ids.shape[1]
     assert len(drawn) == batch.completion_ids.shape[1] > 1
     with torch.no_grad():
         for t, (scores, token) in enumerate(drawn):
             logits = model(ids[:, : P + t]).logits[:, -1].float()
-            want = TopPLogitsWarper(top_p)(ids[:, : P + t], logits / T)
+            want = TopPLogitsWarper(top_p)(ids, TopKLogitsWarper(top_k)(ids, logits / T))
             torch.testing.assert_close(scores.log_softmax(-1), want.log_softmax(-1), atol=1e-5, rtol=1e-5)
             assert torch.equal(batch.completion_ids[:, t], token[:, 0])  # nothing overrode the draw
 
