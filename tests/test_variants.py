@@ -166,3 +166,32 @@ def test_dynamic_sampling_stops_after_max_resample_rounds(tmp_path, tiny_model_d
     assert metrics["dynamic_sampling/rounds"] == 2 and metrics["dynamic_sampling/prompts_drawn"] == 6
     assert metrics["dynamic_sampling/filled"] == 2 and metrics["dynamic_sampling/groups_dropped"] == 4
     assert metrics["zero_std_frac"] == 1.0 and metrics["loss"] == 0.0
+
+
+@pytest.mark.slow
+def test_dapo_recipe_example_trains_from_the_cli(tmp_path, tiny_model_dir, gsm8k_dir):
+    from test_e2e import read_metrics, run_cli
+
+    from leangrpo.config import load_config
+
+    example = load_config("configs/dapo_gsm8k.yaml")  # the shipped example validates
+    g = example.grpo
+    assert g.dynamic_sampling and g.beta == 0 and g.loss_type == "dapo" and g.epsilon_high == 0.28
+    out = tmp_path / "run"
+    overlong = "{max_completion_len: 8, soft_punish_cache: 4}"  # the completions here are 8 tokens at most
+    functions = (
+        f"[{{name: xmlcount}}, {{name: trl.rewards:get_soft_overlong_punishment, kwargs: {overlong}}}]"
+    )
+    overrides = [
+        f"model.name_or_path={tiny_model_dir}", "model.lora.enabled=false", "model.dtype=float32",
+        f"data.path={gsm8k_dir / 'train.jsonl'}", "data.limit=16", f"rewards.functions={functions}",
+        "grpo.num_generations=4", "grpo.max_completion_length=8", "grpo.max_resample_rounds=1",
+        "optim.per_device_train_batch_size=8", "optim.gradient_accumulation_steps=1", "optim.max_steps=1",
+        f"output_dir={out}", "logging.progress_bar=false",
+    ]  # fmt: skip
+    proc = run_cli("train", "-c", "configs/dapo_gsm8k.yaml", *overrides)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1]
+    assert rows[0]["dynamic_sampling/rounds"] <= 1 and "time/resample" in rows[0]
+    assert "rewards/trl.rewards:get_soft_overlong_punishment/mean" in rows[0]
