@@ -119,5 +119,8 @@ def test_fsdp1_and_conflicting_options_are_one_line(monkeypatch, tmp_path, tiny_
     assert fsdp_requested()
     from leangrpo.config import load_config
 
-    with pytest.raises(UserError, match="adamw_8bit cannot run under FSDP"):
-        check_options(Sharded(None), load_config(str(cfg), ["optim.optimizer=adamw_8bit"]))  # type: ignore[arg-type]
+    for override, problem in [("optim.optimizer=adamw_8bit", "adamw_8bit"),
+                              ("model.load_in_4bit=true", "load_in_4bit")]:  # fmt: skip
+        with pytest.raises(UserError, match=f"{problem} cannot run under FSDP"):
+            bad = load_config(str(cfg), [override, "model.lora.enabled=true"])
+            check_options(Sharded(None), bad)  # type: ignore[arg-type]

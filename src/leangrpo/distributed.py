@@ -162,6 +162,11 @@ def check_options(strategy: Replicated, cfg: Config) -> None:
     """Options that sharded training cannot honour, refused in one line before the model loads."""
     if not isinstance(strategy, Sharded):
         return
+    if cfg.model.load_in_4bit:
+        raise UserError(
+            "model.load_in_4bit cannot run under FSDP (bitsandbytes' 4-bit weights do not shard here); "
+            "launch without the FSDP config, or train the bf16 model with LoRA"
+        )
     if cfg.optim.optimizer == "adamw_8bit":
         raise UserError(
             "optim.optimizer=adamw_8bit cannot run under FSDP (bitsandbytes' state does not shard); "
