@@ -195,3 +195,33 @@ def test_dapo_recipe_example_trains_from_the_cli(tmp_path, tiny_model_dir, gsm8k
     assert [r["step"] for r in rows] == [1]
     assert rows[0]["dynamic_sampling/rounds"] <= 1 and "time/resample" in rows[0]
     assert "rewards/trl.rewards:get_soft_overlong_punishment/mean" in rows[0]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_with_two_processes(tmp_path, tiny_model_dir, gsm8k_dir):
+    """Ranks may need different numbers of rounds; they run the same number (a hang otherwise) and end with
+    the same weights."""
+    import os
+    import subprocess
+    import sys
+
+    from test_e2e import PYTHONPATH, TESTS, read_metrics, write_config
+
+    cfg = write_config(
+        tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", tmp_path / "run",
+        rewards={"functions": [{"name": "toy_rewards:vowel_share_some_questions"}]},
+        optim={"max_steps": 1, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
+        grpo={"num_generations": 4, "dynamic_sampling": True, "max_resample_rounds": 3},
+    )  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "LEANGRPO_TEST_OUT": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+         str(TESTS / "ddp_worker.py"), str(cfg)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    w0, w1 = ((tmp_path / f"weights-rank{r}.sha256").read_text() for r in (0, 1))
+    assert w0 == w1
+    (row,) = read_metrics(tmp_path / "run")
+    assert row["dynamic_sampling/rounds"] >= 1
+    assert row["dynamic_sampling/prompts_drawn"] == 2 * 2 * (row["dynamic_sampling/rounds"] + 1)
