@@ -224,3 +224,191 @@ def test_trl_standard_format_gives_string_completions(tmp_path, tiny_model_dir):
     assert all(m["rewards/toy_rewards:distinct_chars/mean"] > 0 for m in metrics)
     sample = json.loads((out / "completions.jsonl").read_text().splitlines()[0])
     assert sample["question"] in {r["prompt"] for r in rows} and sample["gold"] is None
+
+
+# --- a flat TRL config, ported -----------------------------------------------------------------
+
+TRL_YAML = {
+    "model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "dataset_name": "trl-lib/DeepMath-103K",
+    "reward_funcs": ["accuracy_reward", "think_format_reward", "my_rewards.length_bonus"],
+    "reward_weights": [1.0, 0.5, 0.1],
+    "learning_rate": 3e-6,
+    "lr_scheduler_type": "cosine",
+    "warmup_steps": 0.1,
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 2,
+    "steps_per_generation": 2,
+    "num_generations": 8,
+    "num_iterations": 2,
+    "max_steps": 40,
+    "num_train_epochs": 1,
+    "bf16": True,
+    "optim": "adamw_torch_fused",
+    "use_peft": True,
+    "lora_r": 8,
+    "top_k": 50,
+    "repetition_penalty": 1.1,
+    "generation_kwargs": {"no_repeat_ngram_size": 4},
+    "chat_template_kwargs": {"enable_thinking": False},
+    "report_to": "none",
+    "logging_steps": 5,
+    "push_to_hub": False,
+    "output_dir": "runs/ported",
+}
+
+
+def write_yaml(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "trl.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_flat_trl_yaml_is_ported_field_by_field(tmp_path):
+    from leangrpo.config import load_config
+
+    cfg = load_config(write_yaml(tmp_path, TRL_YAML))
+    assert cfg.model.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct" and cfg.model.dtype == "bfloat16"
+    assert cfg.model.lora.enabled and cfg.model.lora.r == 8
+    assert cfg.data.path == "trl-lib/DeepMath-103K" and cfg.data.chat_template_kwargs == {
+        "enable_thinking": False
+    }
+    assert cfg.task.name == "dataset" and cfg.data.system_prompt is None
+    assert [(f.name, f.kwargs, f.weight) for f in cfg.rewards.functions] == [
+        ("trl.rewards:accuracy_reward", None, 1.0),
+        ("trl.rewards:think_format_reward", None, 0.5),
+        ("my_rewards:length_bonus", None, 0.1),
+    ]
+    o, g = cfg.optim, cfg.grpo
+    assert (o.learning_rate, o.lr_scheduler_type, o.warmup_steps, o.optimizer) == (
+        3e-6,
+        "cosine",
+        0.1,
+        "adamw",
+    )
+    assert o.max_steps == 20 and g.num_iterations == 2  # 40 optimizer steps = 20 generation batches × 2
+    assert (g.top_k, g.repetition_penalty, g.generation_kwargs) == (50, 1.1, {"no_repeat_ngram_size": 4})
+    assert cfg.logging.report_to == [] and cfg.logging.logging_steps == 5 and cfg.output_dir == "runs/ported"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"torch_compile": True, "eval_strategy": "steps"},
+            "eval_strategy='steps', torch_compile=True",
+        ),
+        ({"max_steps": 41}, "max_steps=41 .*must be a multiple of 2"),
+        ({"steps_per_generation": 4}, "steps_per_generation=4 .*must equal gradient_accumulation_steps=2"),
+        ({"generation_batch_size": 64}, "generation_batch_size=64 .*= 16"),
+        ({"optim": "adafactor"}, "optim='adafactor'"),
+    ],
+)
+def test_flat_trl_yaml_refuses_what_leangrpo_cannot_honour_in_one_line(tmp_path, change, message):
+    from leangrpo.config import load_config
+    from leangrpo.errors import UserError
+
+    with pytest.raises(UserError, match=f"TRL fields leangrpo does not support: .*{message}") as info:
+        load_config(write_yaml(tmp_path, {**TRL_YAML, **change}))
+    assert "\n" not in str(info.value)
+
+
+def test_nested_config_refuses_sampling_knobs_in_generation_kwargs():
+    from leangrpo.config import ConfigError, validate_config
+
+    base = {"model": {"name_or_path": "m"}, "data": {"path": "d.jsonl"}}
+    with pytest.raises(ConfigError, match="grpo.generation_kwargs: temperature, top_k: set the grpo fields"):
+        validate_config({**base, "grpo": {"generation_kwargs": {"top_k": 3, "temperature": 0.5}}})
+    with pytest.raises(ConfigError, match="set warmup_steps or warmup_ratio, not both"):
+        validate_config({**base, "optim": {"warmup_steps": 3, "warmup_ratio": 0.1}})
+
+
+def trl_learning_rates(fields: dict, tmp_path: Path) -> list[float]:
+    """The learning rate of each optimizer step, as TRL's GRPOConfig and transformers' scheduler set it."""
+    import torch
+    import trl
+    from transformers import get_scheduler
+
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to="none", **fields
+    )
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
+    scheduler = get_scheduler(
+        args.lr_scheduler_type, optimizer, args.get_warmup_steps(args.max_steps), args.max_steps
+    )
+    rates = []
+    for _ in range(args.max_steps):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+@pytest.mark.slow
+def test_ported_trl_config_trains_trls_optimizer_steps_on_trls_schedule(tmp_path, tiny_model_dir):
+    from test_e2e import run_cli
+
+    fields = {
+        "learning_rate": 1e-3, "lr_scheduler_type": "cosine", "warmup_steps": 0.25, "max_steps": 8,
+        "num_iterations": 2, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
+        "num_generations": 4, "max_completion_length": 6,
+    }  # fmt: skip
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Count to {i}:"}) + "\n" for i in range(6)))
+    flat = {
+        **fields, "model_name_or_path": str(tiny_model_dir), "dataset_name": str(data),
+        "reward_funcs": ["toy_rewards.async_vowel_share"], "gradient_checkpointing": False,
+        "output_dir": str(tmp_path / "run"), "logging_steps": 1, "report_to": "none",
+    }  # fmt: skip
+    proc = run_cli("train", "-c", str(write_yaml(tmp_path, flat)), "logging.progress_bar=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trl_rates = trl_learning_rates(fields, tmp_path)
+    assert len(trl_rates) == 8 and len(metrics) == 4  # 8 optimizer steps from 4 generation batches
+    assert [m["toy/global_step"] for m in metrics] == [0, 2, 4, 6]
+    # each row logs the learning rate of its generation batch's last optimizer step
+    assert [m["learning_rate"] for m in metrics] == pytest.approx(trl_rates[1::2], rel=1e-6)
+
+
+# --- sampling knobs ----------------------------------------------------------------------------
+
+
+def test_sampling_knobs_and_generation_kwargs_shape_the_rollout(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from leangrpo.rollout import generate
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    common = dict(num_generations=4, max_prompt_length=16, max_completion_length=6, packed=False)
+
+    def ids(**knobs):
+        torch.manual_seed(0)
+        return generate(model, tok, ["Hello there"], **common, **knobs).completion_ids
+
+    sampled = ids()
+    assert len({tuple(r) for r in sampled.tolist()}) > 1  # plain sampling: the 4 completions differ
+    top1 = ids(top_k=1)
+    assert all(r == top1[0].tolist() for r in top1.tolist())  # top-k 1 is greedy
+    assert torch.equal(ids(min_p=1.0), top1)  # min-p 1 keeps only the likeliest token too
+    assert torch.equal(ids(top_k=1, temperature=0.3), top1)
+    prompt = set(tok("Hello there", add_special_tokens=False).input_ids)
+    for row in ids(generation_kwargs={"no_repeat_ngram_size": 1}).tolist():
+        assert len(set(row)) == len(row) and not prompt & set(row)  # a transformers processor, honoured
+    penalised = ids(top_k=1, repetition_penalty=1e6)  # greedy, but never a token already seen
+    assert len(set(penalised[0].tolist())) == 6
+
+
+def test_chat_template_kwargs_reach_the_template():
+    from leangrpo.data import render_prompt
+
+    class Tok:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, **kwargs):
+            return f"{messages[-1]['content']}|thinking={kwargs.get('enable_thinking', True)}"
+
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_prompt(Tok(), messages) == "hi|thinking=True"
+    assert render_prompt(Tok(), messages, "", {"enable_thinking": False}) == "hi|thinking=False"

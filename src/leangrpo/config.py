@@ -7,6 +7,7 @@ stay light: the CLI imports it without importing torch.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -147,6 +148,9 @@ class DataConfig(_Section):
     )
     assistant_prefix: str = Field(
         "", description='text that prefills the assistant turn (e.g. "<reasoning>\\n"); not trained on'
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extra chat-template variables, e.g. {enable_thinking: false} for Qwen3"
     )
     limit: int | None = Field(None, ge=1, description="use the first N usable rows")
     on_bad_row: Literal["skip", "error"] = Field(
@@ -318,6 +322,30 @@ class GRPOSection(_Section):
         """vLLM's context window: the configured one, or the longest prompt plus the longest completion."""
         return self.vllm_max_model_length or self.max_prompt_length + self.max_completion_length
 
+    min_p: float | None = Field(
+        None, ge=0, le=1, description="drop tokens below min_p × the likeliest one's probability"
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0, description="> 1 makes tokens already in the prompt or completion less likely"
+    )
+    generation_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="more transformers GenerationConfig fields for rollouts (e.g. no_repeat_ngram_size, "
+        "suppress_tokens); not the sampling knobs above, which have their own fields",
+    )
+
+    @field_validator("generation_kwargs")
+    @classmethod
+    def _own_fields_first(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        owned = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens"}
+        clash = sorted((v or {}).keys() & (owned | {"do_sample", "num_beams", "num_return_sequences"}))
+        if clash:
+            raise ValueError(
+                f"{', '.join(clash)}: set the grpo fields of the same name instead (the log-probs and "
+                "the group structure depend on them)"
+            )
+        return v
+
     @field_validator("scale_rewards", mode="before")
     @classmethod
     def _scale_bool(cls, v: Any) -> Any:
@@ -340,10 +368,41 @@ class OptimConfig(_Section):
     per_device_train_batch_size: int = Field(8, ge=1, description="completions per micro-batch")
     gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
     warmup_ratio: float = Field(0.0, ge=0, le=1, description="fraction of the updates spent warming up")
+    warmup_steps: float = Field(
+        0,
+        ge=0,
+        description="TRL 1.16's: optimizer steps spent warming up; below 1, a ratio of all of them "
+        "(instead of warmup_ratio)",
+    )
     lr_scheduler_type: Literal["linear", "cosine", "constant"] = Field(
         "linear", description="learning-rate schedule"
     )
-    max_steps: int = Field(100, ge=1, description="training steps (each: one generation batch)")
+    max_steps: int = Field(
+        100,
+        ge=1,
+        description="training steps, each one generation batch and its grpo.num_iterations optimizer "
+        "steps (TRL's max_steps = this × num_iterations)",
+    )
+    num_train_epochs: float | None = Field(
+        None,
+        gt=0,
+        description="train for this many passes over the data instead (sets max_steps from the row "
+        "count; an explicit max_steps wins, as in TRL)",
+    )
+
+    @model_validator(mode="after")
+    def _warmup(self) -> OptimConfig:
+        if self.warmup_steps >= 1 and self.warmup_steps != int(self.warmup_steps):
+            raise ValueError(f"warmup_steps={self.warmup_steps}: a step count (>= 1) must be whole")
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("set warmup_steps or warmup_ratio, not both")
+        return self
+
+    def num_warmup_steps(self, num_updates: int) -> int:
+        """Warm-up length in optimizer steps, as transformers computes it from either field."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil((self.warmup_steps or self.warmup_ratio) * num_updates)
 
     @property
     def generation_batch_size(self) -> int:
@@ -551,6 +610,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {p}{where} is not valid YAML: {_yaml_problem(e)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(data)}")
+        from .trl_config import from_trl, is_trl_config
+
+        if is_trl_config(data):
+            data = from_trl(data, source)
     apply_overrides(data, overrides or [])
     return validate_config(data, source)
 

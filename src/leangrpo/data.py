@@ -309,7 +309,12 @@ def prompt_text(prompt: str | list[Message]) -> str:
     return str(user[-1]["content"])
 
 
-def render_prompt(tokenizer: Any, messages: str | list[Message], assistant_prefix: str = "") -> str:
+def render_prompt(
+    tokenizer: Any,
+    messages: str | list[Message],
+    assistant_prefix: str = "",
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
     """Prompt text for generation, ending where the assistant's answer begins.
 
     A text prompt (TRL's standard format) is used verbatim, followed by ``assistant_prefix``.
@@ -322,7 +327,9 @@ def render_prompt(tokenizer: Any, messages: str | list[Message], assistant_prefi
     if isinstance(messages, str):
         return messages + assistant_prefix
     if has_chat_template(tokenizer):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+        )
         return text + assistant_prefix
     text = "".join(_plain_turn(m) for m in messages)
     return f"{text} {assistant_prefix}" if assistant_prefix else text

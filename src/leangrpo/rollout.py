@@ -14,6 +14,8 @@ from torch import Tensor
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -130,6 +132,9 @@ def sampling_kwargs(cfg: Config) -> dict[str, Any]:
         temperature=g.temperature,
         top_p=g.top_p,
         top_k=g.top_k,
+        min_p=g.min_p,
+        repetition_penalty=g.repetition_penalty,
+        generation_kwargs=g.generation_kwargs,
         assistant_prefix=cfg.data.assistant_prefix,
         ignore_eos=g.ignore_eos,
     )
@@ -155,12 +160,19 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    generation_kwargs: dict[str, Any] | None = None,
     do_sample: bool = True,
     assistant_prefix: str = "",
     ignore_eos: bool = False,
     packed: bool = True,
 ) -> RolloutBatch:
     """Sample `num_generations` completions per prompt. Tokens after the first EOS are masked out.
+
+    The sampling knobs apply in transformers' order (repetition penalty, temperature, top-k, top-p,
+    min-p); `generation_kwargs` are further `GenerationConfig` fields (their logits processors run
+    first).
 
     `ignore_eos` forces every completion to max_completion_length tokens (for benchmarks that must
     compare equal work). `packed`: on CPU, run the Linears through `packed_linears` (faster, one extra
@@ -172,11 +184,14 @@ def generate(
     eos = eos_token_ids(tokenizer, model)
     # Sampling runs as logits processors ending in InverseCDFSampler, whose token greedy decoding then picks:
     # generate()'s own sampling (torch.multinomial) costs ~9 ms per token for 8 × 49k on 2 CPU cores.
-    processors = []
+    processors: list[LogitsProcessor] = []
+    if repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
     if do_sample:
         processors += [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
         processors += [TopKLogitsWarper(top_k)] if top_k > 0 else []
         processors += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
+        processors += [MinPLogitsWarper(min_p)] if min_p else []
         processors.append(InverseCDFSampler())
     gen_cfg = GenerationConfig(
         max_new_tokens=max_completion_length,
@@ -184,6 +199,7 @@ def generate(
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos,
+        **(generation_kwargs or {}),
     )
     was_training = model.training
     model.eval()  # uses the KV cache (disabled under gradient checkpointing in train mode), no dropout

@@ -117,6 +117,9 @@ class Trainer:
         self.reward_funcs = load_rewards(cfg.rewards.functions, self.task)
         loaded = load_rows(cfg.data, self.task)
         self.rows, self.skipped = loaded.rows, loaded.skipped
+        if cfg.optim.num_train_epochs and "max_steps" not in cfg.optim.model_fields_set:
+            per_step = cfg.prompts_per_step * self.acc.num_processes
+            cfg.optim.max_steps = math.ceil(cfg.optim.num_train_epochs * len(self.rows) / per_step)
         check_trackers(cfg.logging.report_to)
         self.evaluator = None
         if cfg.eval.enabled:
@@ -151,7 +154,7 @@ class Trainer:
         self.scheduler = get_scheduler(
             cfg.optim.lr_scheduler_type,
             self.optimizer,
-            num_warmup_steps=math.ceil(cfg.optim.warmup_ratio * total),
+            num_warmup_steps=cfg.optim.num_warmup_steps(total),
             num_training_steps=total,
         )
         set_seed(cfg.seed, device_specific=True)  # different samples on each rank
@@ -244,7 +247,12 @@ class Trainer:
         else:
             indices = self.sampler.indices(step - 1)
         rows = [self.rows[i] for i in indices]
-        texts = [render_prompt(self.tokenizer, r["prompt"], cfg.data.assistant_prefix) for r in rows]
+        texts = [
+            render_prompt(
+                self.tokenizer, r["prompt"], cfg.data.assistant_prefix, cfg.data.chat_template_kwargs
+            )
+            for r in rows
+        ]
         with self.dist.full_weights(self.policy):
             batch = self.engine.generate(texts, **sampling_kwargs(cfg)).to(self.acc.device)
         release_generation_memory()

@@ -93,6 +93,9 @@ class VLLMEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        generation_kwargs: dict[str, Any] | None = None,
         do_sample: bool = True,
         assistant_prefix: str = "",
         ignore_eos: bool = False,
@@ -110,12 +113,15 @@ class VLLMEngine:
             temperature=temperature if do_sample else 0.0,
             top_p=top_p if do_sample else 1.0,
             top_k=top_k if do_sample else 0,
+            min_p=(min_p or 0.0) if do_sample else 0.0,
+            repetition_penalty=repetition_penalty,
             max_tokens=max_completion_length,
             min_tokens=max_completion_length if ignore_eos else 0,
             ignore_eos=ignore_eos,
             stop_token_ids=self.eos,
             logprobs=0,  # the sampled token's own log-prob
             detokenize=False,
+            **(generation_kwargs or {}),  # further SamplingParams fields, as TRL passes them to vLLM
         )
         rows = zip(prompt_ids, prompt_mask.bool(), strict=True)
         requests = [{"prompt_token_ids": ids[mask].tolist()} for ids, mask in rows]
