@@ -424,14 +424,15 @@ def decoder_activation_bytes(shape: ModelShape, k: Knobs, rows: UpdateLayout, co
 
 def logprob_workspace(shape: ModelShape, k: Knobs, rows: int, backward: bool) -> int:
     """grpo._ChunkedTokenLogprobs: one chunk's fp32 logits (and, below fp32, the matmul output they are
-    cast from); backward adds grad_hidden and, when lm_head trains (full fine-tuning), the fp32
-    grad_weight accumulator (and its cast back to the weight's dtype)."""
+    cast from); the update's forward also computes the entropy, from a second fp32 chunk buffer;
+    backward adds grad_hidden and, when lm_head trains (full fine-tuning), the fp32 grad_weight
+    accumulator (and its cast back to the weight's dtype)."""
     chunk = min(k.logprob_chunk_size, rows)
     v, h, e = shape.vocab_size, shape.hidden_size, k.e
     cast = e if e != 4 else 0  # a second, low-precision copy exists only when the model is not fp32
     ws = chunk * v * (4 + cast)
     if not backward:
-        return ws
+        return chunk * v * max(4 + cast, 8)
     ws += rows * h * e
     if k.method == "full":
         ws += v * h * (4 + cast)
