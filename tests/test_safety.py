@@ -28,7 +28,8 @@ from leangrpo.checkpoint import (
     save_final_model,
 )
 from leangrpo.cli import main
-from leangrpo.config import load_config, save_config, validate_config
+from leangrpo.config import ConfigError, load_config, save_config, validate_config
+from leangrpo.rewards import RewardError, score_completions
 from leangrpo.rundir import REPLACED, RunDirError, RunLock, check_output_dir, drop_replaced, start_run
 from leangrpo.tracking import MetricsLogger
 from leangrpo.trainer import Trainer
@@ -368,3 +369,73 @@ def test_a_run_directory_cannot_grant_itself_remote_code(tmp_path):
     with pytest.raises(CheckpointError, match="cannot grant itself"):
         resume_config(None, [], str(run))
     assert resume_config(None, ["model.trust_remote_code=true"], str(run)).model.trust_remote_code
+
+
+# ------------------------------------------------------------ 6. one line, or sane, for the rest
+
+
+def test_non_finite_learning_rate_is_refused(tmp_path):
+    for bad in (".inf", ".nan", "-.inf"):
+        with pytest.raises(ConfigError, match="optim.learning_rate"):
+            load_config(None, ["model.name_or_path=m", "data.path=d", f"optim.learning_rate={bad}"])
+
+
+def test_binary_config_file_is_one_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00")
+    one_line_error(train_cli("-c", str(path)), "is not YAML text", str(path))
+
+
+def test_non_finite_weights_are_never_saved(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    real_step = Trainer.step
+
+    def step(self, n):
+        metrics = real_step(self, n)
+        with torch.no_grad():
+            next(self.policy.parameters()).fill_(float("nan"))  # as an infinite learning rate would
+        return metrics
+
+    monkeypatch.setattr(Trainer, "step", step)
+    run = tmp_path / "x"
+    result = train_cli("-c", str(tiny_run_config(tmp_path, tiny_model_dir, gsm8k_dir, run)))
+    one_line_error(result, "NaN or inf", "checkpoint-2 is not saved")
+    assert not (run / "model").exists() and not checkpoint_dirs(run, complete=False)
+
+
+@pytest.mark.parametrize("args", [["-G", "0"], ["-G", "-4"], ["--batch", "0"], ["--lora-r", "-3"],
+                                  ["--margin", "1.5"]])  # fmt: skip
+def test_plan_refuses_nonsense(args):
+    result = CliRunner().invoke(main, ["plan", "--model", "m", "--gpu-memory", "24GB", *args])
+    assert result.exit_code == 2 and "Invalid value" in result.output and "Traceback" not in result.output
+
+
+def test_a_second_sigterm_aborts():
+    import signal
+
+    from leangrpo.signals import StopSignals
+
+    with StopSignals() as signals, pytest.raises(SystemExit) as caught:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.requested  # the first one asks for a graceful stop
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert caught.value.code == 128 + signal.SIGTERM
+
+
+def test_eval_checks_split_and_output_before_loading_the_model(tmp_path, gsm8k_dir, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output was checked")
+
+    monkeypatch.setattr("leangrpo.models.load_trained", never)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    base = ["eval", "--model", "m", "--data", str(gsm8k_dir)]
+    one_line_error(CliRunner().invoke(main, [*base, "--split", "../x"]), "is not a split name")
+    one_line_error(CliRunner().invoke(main, [*base, "--out", str(blocker / "e.json")]), "cannot write")
+
+
+@pytest.mark.parametrize("reward", [lambda **kw: [10**400] * len(kw["completions"]),
+                                    lambda **kw: __import__("sys").exit(3)])  # fmt: skip
+def test_a_misbehaving_reward_is_named_in_one_line(reward):
+    with pytest.raises(RewardError, match="reward function 'r'") as caught:
+        score_completions([("r", reward, 1.0)], ["p"], ["c"], {}, "raise")
+    assert "\n" not in str(caught.value)

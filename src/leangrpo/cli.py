@@ -15,6 +15,8 @@ from .config import load_config
 from .demo import DEMO_DATA, DEMO_EVAL_DATA
 from .errors import UserError
 
+_POSITIVE = click.IntRange(min=1)
+
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn a UserError into one line on stderr and exit code 2, never a traceback."""
@@ -161,28 +163,31 @@ def demo(
 )
 @click.option("--gpu-memory", help="Card memory, e.g. 24GB (GB = GiB, as card specs mean).")
 @click.option("--method", type=click.Choice(["full", "lora", "qlora-4bit"]))
-@click.option("--lora-r", type=int)
+@click.option("--lora-r", type=_POSITIVE)
 @click.option("--lora-targets", help="all-linear, or comma-separated module names (q_proj,v_proj...).")
-@click.option("--lora-dropout", type=float)
+@click.option("--lora-dropout", type=click.FloatRange(0, 1, max_open=True))
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32", "bf16", "fp16", "fp32"]))
-@click.option("-G", "--num-generations", type=int)
-@click.option("--batch", "per_device_train_batch_size", type=int, help="per_device_train_batch_size.")
-@click.option("--grad-accum", "gradient_accumulation_steps", type=int)
-@click.option("--prompt-length", "max_prompt_length", type=int)
-@click.option("--completion-length", "max_completion_length", type=int)
+@click.option("-G", "--num-generations", type=click.IntRange(min=2))
+@click.option("--batch", "per_device_train_batch_size", type=_POSITIVE, help="per_device_train_batch_size.")
+@click.option("--grad-accum", "gradient_accumulation_steps", type=_POSITIVE)
+@click.option("--prompt-length", "max_prompt_length", type=_POSITIVE)
+@click.option("--completion-length", "max_completion_length", type=_POSITIVE)
 @click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None)
 @click.option("--optimizer", type=click.Choice(["adamw", "adamw_8bit"]))
-@click.option("--beta", type=float, help="KL weight; > 0 needs a reference model.")
-@click.option("--num-iterations", type=int)
-@click.option("--logprob-chunk-size", type=int)
+@click.option("--beta", type=click.FloatRange(min=0), help="KL weight; > 0 needs a reference model.")
+@click.option("--num-iterations", type=_POSITIVE)
+@click.option("--logprob-chunk-size", type=_POSITIVE)
 @click.option("--share-prompt/--no-share-prompt", default=None, help="grpo.share_prompt (default on).")
 @click.option("--rollout", type=click.Choice(["hf", "vllm"]), help="Generation engine (default hf).")
-@click.option("--vllm-gpu-memory-utilization", type=float)
+@click.option("--vllm-gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True))
 @click.option("--activation-offload", is_flag=True, default=None, help="Saved activations in pinned CPU RAM.")
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), help="cpu plans RAM (no CUDA overhead).")
 @click.option("--fsdp", type=click.IntRange(min=1), help="Processes sharding the model (FSDP2).")
 @click.option("--fit", is_flag=True, help="Search the largest G, completion length, batch, method that fit.")
-@click.option("--margin", default=0.1, show_default=True, help="Fraction of the memory kept free.")
+@click.option(
+    "--margin", default=0.1, show_default=True, type=click.FloatRange(0, 1, max_open=True),
+    help="Fraction of the memory kept free.",
+)  # fmt: skip
 @_user_errors
 def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: Any) -> None:
     """Predict the peak memory of a GRPO run, and (--fit) the largest configuration that fits."""

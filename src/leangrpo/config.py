@@ -24,7 +24,7 @@ class ConfigError(UserError, ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class LoraConfig(_Section):
@@ -86,7 +86,7 @@ class TaskConfig(_Section):
     """What to learn: `name` picks a task module (leangrpo/tasks/); the other keys are that task's own
     options, checked by it. `task: gsm8k` is short for `task: {name: gsm8k}`."""
 
-    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False)
 
     name: str = Field(
         "gsm8k",
@@ -603,7 +603,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not YAML text (byte {e.start} is not UTF-8)") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f":{mark.line + 1}" if mark else ""

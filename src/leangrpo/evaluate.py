@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import UserError
 from .rewards import soft_format_reward, strict_format_reward
-from .rundir import atomic_path, write_text_atomic
+from .rundir import atomic_path, check_writable, write_text_atomic
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -314,7 +315,13 @@ def run_eval(
     from .rundir import is_run_dir
     from .tasks import load_task
 
+    if not re.fullmatch(r"\w[\w.-]*", split):
+        raise EvalError(f"--split {split!r} is not a split name (letters, digits, '_', '.', '-')")
     trained = locate(model)
+    if out is None:
+        run_dir = trained.run_dir if trained else None
+        out = str(run_dir / "eval" / f"eval-{split}.json") if run_dir else f"eval-{split}.json"
+    check_writable(Path(out))  # before the evaluation, not after it
     if config:
         cfg: Config | None = load_config(Path(config) / "config.yaml" if is_run_dir(Path(config)) else config)
     else:
@@ -350,8 +357,5 @@ def run_eval(
         top_p=cfg.grpo.top_p if cfg else 1.0,
         seed=seed,
     )
-    if out is None:
-        run_dir = trained.run_dir if trained else None
-        out = str(run_dir / "eval" / f"eval-{split}.json") if run_dir else f"eval-{split}.json"
     meta = {"model": model, "adapter": adapter, "data": source, "split": split, "num_samples": num_samples}
     return result, result.save(out, **meta)

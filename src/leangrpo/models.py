@@ -353,7 +353,7 @@ def locate(source: str | Path) -> Trained | None:
                            config["optim"]["max_steps"], path)  # fmt: skip
         found = last_good_checkpoint(path)
         if found is None:
-            raise ModelError(f"{path} has neither a final model nor a complete, intact checkpoint")
+            raise ModelError(f"{path} has neither a final model nor a complete checkpoint")
         ckpt = found
     else:
         return None

@@ -71,6 +71,17 @@ def atomic_path(path: Path) -> Iterator[Path]:
         raise RunDirError(f"cannot write {path}: {error_reason(e)}") from None
 
 
+def check_writable(path: Path) -> None:
+    """Fail now, in one line, if `path` could not be written later (before a long computation)."""
+    probe = path.with_name(f".{path.name}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise RunDirError(f"cannot write {path}: {os_reason(e)}") from None
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")

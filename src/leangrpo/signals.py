@@ -11,7 +11,7 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopSignals:
-    """While active, the first SIGINT or SIGTERM sets `requested`; a second SIGINT aborts at once.
+    """While active, the first SIGINT or SIGTERM sets `requested`; a second one aborts at once.
 
     The handler only sets a flag and writes with os.write (safe inside a signal handler); the loop
     checks the flag between steps. Outside the main thread (where handlers cannot be set) it is inert.
@@ -35,6 +35,9 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if self.requested:  # a second SIGTERM: the sender means it (the last checkpoint stays intact)
+            os.write(2, b"\nSIGTERM again: aborting now\n")
+            raise SystemExit(128 + signum)
         self.requested = True
         name = signal.Signals(signum).name
         os.write(

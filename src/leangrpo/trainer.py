@@ -568,6 +568,7 @@ class Trainer:
         bar.close()
         final = self.run_dir / "model"
         self.acc.wait_for_everyone()
+        self._check_finite_weights("the final model")
         lm = self.dist.saveable(self.policy)
         if lm is not None:
             save_final_model(lm, self.tokenizer, final)
@@ -629,7 +630,17 @@ class Trainer:
         late = bool(log.save_minutes) and time.monotonic() - self.last_save >= 60 * log.save_minutes
         return self._any_process(late)
 
+    def _check_finite_weights(self, what: str) -> None:
+        """Refuse to save non-finite weights (NaN or inf in any trainable parameter, on any process)."""
+        bad = any(not bool(torch.isfinite(p).all()) for p in self.policy.parameters() if p.requires_grad)
+        if self._any_process(bad):
+            holds = what_holds(self.run_dir)
+            raise TrainingError(
+                f"the trained weights are not finite (NaN or inf), so {what} is not saved; {holds}"
+            )
+
     def save_checkpoint(self, step: int) -> Path:
+        self._check_finite_weights(f"checkpoint-{step}")
         state = {
             "world_size": self.acc.num_processes,
             "skipped_steps": self.skipped_steps,

@@ -108,7 +108,7 @@ class _Failure:
 
     problem: str
     index: int | None = None  # the offending completion, when the call's output tells
-    cause: Exception | None = None  # what the function raised, if it raised
+    cause: BaseException | None = None  # what the function raised, if it raised
 
 
 def score_completions(
@@ -165,7 +165,7 @@ class _Batch:
                 **{key: [column[i] for i in indices] for key, column in self.columns.items()},
                 **self.context.kwargs(indices),
             )
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a reward calling sys.exit must not end the run unnamed
             return exc
 
     def call(self, func: RewardFunc, indices: list[int]) -> list[float] | _Failure:
@@ -224,7 +224,7 @@ def _score_function(
 
 def _checked(values: Any, indices: list[int]) -> list[float] | _Failure:
     """A call's output as scores (NaN for None), or why it is not one finite number or None each."""
-    if isinstance(values, Exception):
+    if isinstance(values, BaseException):
         return _Failure(f"raised {type(values).__name__}: {values}".replace("\n", "\\n"), cause=values)
     if hasattr(values, "tolist"):  # a tensor or an array
         values = values.tolist()
@@ -240,11 +240,18 @@ def _checked(values: Any, indices: list[int]) -> list[float] | _Failure:
             checked.append(math.nan)
         elif not isinstance(value, numbers.Real):
             return _Failure(f"returned a non-number {value!r:.50}", index=i)
-        elif not math.isfinite(value):
-            return _Failure(f"returned {value}", index=i)
+        elif not math.isfinite(number := _as_float(value)):
+            return _Failure(f"returned {value!s:.50}", index=i)
         else:
-            checked.append(float(value))
+            checked.append(number)
     return checked
+
+
+def _as_float(value: numbers.Real) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int like 10**400
+        return math.inf
 
 
 def _message(name: str, problem: str, completions: list, index: int | None) -> str:
