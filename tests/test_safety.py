@@ -439,3 +439,23 @@ def test_a_misbehaving_reward_is_named_in_one_line(reward):
     with pytest.raises(RewardError, match="reward function 'r'") as caught:
         score_completions([("r", reward, 1.0)], ["p"], ["c"], {}, "raise")
     assert "\n" not in str(caught.value)
+
+
+def test_a_huge_question_is_abridged_in_the_logs(tmp_path):
+    lines: list[str] = []
+    logger = MetricsLogger(tmp_path, write=lines.append)
+    huge = "x" * 1_000_000
+    logger.log_sample({"step": 1, "question": huge, "completion": "c", "extracted": "1", "gold": "1",
+                       "rewards": {"r": 1.0}})  # fmt: skip
+    assert len((tmp_path / "completions.jsonl").read_text()) < 10_000 and len(lines[0]) < 10_000
+    assert "[996000 more characters]" in lines[0]
+
+
+def test_prompts_longer_than_max_prompt_length_are_counted_once(tmp_path, tiny_model_dir, gsm8k_dir):
+    run = tmp_path / "x"
+    cfg = tiny_run_config(tmp_path, tiny_model_dir, gsm8k_dir, run, grpo={"max_prompt_length": 8},
+                          optim={"max_steps": 1})  # fmt: skip
+    result = train_cli("-c", str(cfg))
+    assert result.exit_code == 0, result.output
+    assert result.output.count("prompts are longer than grpo.max_prompt_length=8") == 1
+    assert "64 of 64 prompts" in result.output  # write_config limits the data to 64 rows

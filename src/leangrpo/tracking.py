@@ -29,6 +29,7 @@ CONSOLE_COLUMNS = (
     ("step_seconds", "s/step"),
 )
 HEADER_EVERY = 20  # rows between repeated headers
+SAMPLE_CHARS = 4000  # longest text of a logged sample kept (console, completions.jsonl, the report)
 
 
 class TrackerError(UserError, RuntimeError):
@@ -159,6 +160,7 @@ class MetricsLogger:
             tracker.close()
 
     def log_sample(self, sample: dict[str, Any]) -> None:
+        sample = {k: abridge(v) if isinstance(v, str) else v for k, v in sample.items()}
         with self.samples_path.open("a") as f:
             f.write(json.dumps(sample, ensure_ascii=False) + "\n")
         rewards = " ".join(f"{k}={v:.3g}" for k, v in sample["rewards"].items())
@@ -167,3 +169,11 @@ class MetricsLogger:
             f"Q: {sample['question']}\nA: {sample['completion']}\n"
             f"extracted={sample['extracted']!r} gold={sample['gold']!r} | {rewards}"
         )
+
+
+def abridge(text: str, limit: int = SAMPLE_CHARS) -> str:
+    """`text`, cut to `limit` characters with a note of how much was left out: a 50 MB question must not
+    be echoed whole to the console, completions.jsonl and the report."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… [{len(text) - limit} more characters]"

@@ -129,6 +129,8 @@ class Trainer:
 
         model, self.tokenizer = load_model_and_tokenizer(cfg.model)
         self.conversational = has_chat_template(self.tokenizer)
+        if self.is_main:
+            self._warn_long_prompts()
         g, micro = cfg.grpo, cfg.optim.per_device_train_batch_size
         self.group, why_not = (
             shared_prompt_group(model, micro, g.num_generations) if g.share_prompt else (1, None)
@@ -684,6 +686,24 @@ class Trainer:
         set_rng_state(rank_state["rng"])  # last: nothing may draw random numbers after this
 
     # ---------------------------------------------------------------------------------- helpers
+
+    def _warn_long_prompts(self) -> None:
+        """Say once how many prompts are longer than max_prompt_length (rollouts keep only their end)."""
+        limit, prefix = self.cfg.grpo.max_prompt_length, self.cfg.data.assistant_prefix
+        texts = (render_prompt(self.tokenizer, r["prompt"], prefix) for r in self.rows)
+
+        def too_long(text: str) -> bool:  # past 64 characters a token, no need to tokenize (50 MB questions)
+            return (
+                len(text) > 64 * limit
+                or len(self.tokenizer(text, add_special_tokens=False).input_ids) > limit
+            )
+
+        long = sum(map(too_long, texts))
+        if long:
+            self._write(
+                f"warning: {long} of {len(self.rows)} prompts are longer than grpo.max_prompt_length={limit} "
+                "tokens; their start is cut off in rollouts"
+            )
 
     @property
     def unwrapped(self) -> Policy:
