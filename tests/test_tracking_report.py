@@ -56,25 +56,31 @@ def test_train_with_eval_trackers_and_report(tmp_path, tiny_model_dir, gsm8k_dir
 
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
-    assert [(e.step, round(e.value, 5)) for e in events.Scalars("reward")] == [
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("train/reward")] == [
         (r["step"], round(r["reward"], 5)) for r in train
-    ]
+    ]  # HF/TRL's tags: train/..., eval/...
     assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 2, 3]
+    assert [e.step for e in events.Tensors("completions/text_summary")] == [1, 2, 3]
+    first = events.Tensors("completions/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert first.startswith("| step | question | completion |") and "reward/strict_format" in first
 
     # W&B offline: the run's .wandb log holds every logged row.
     (log,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     history = [(step, row) for step, row in wandb_history(log)]
-    assert [(s, round(r["reward"], 5)) for s, r in history if "reward" in r] == [
+    assert [(s, round(r["train/reward"], 5)) for s, r in history if "train/reward" in r] == [
         (r["step"], round(r["reward"], 5)) for r in train
     ]
     assert [s for s, r in history if "eval/accuracy" in r] == [0, 2, 3]
+    tables = [(s, r["completions/nrows"]) for s, r in history if r.get("completions/_type") == "table-file"]
+    assert tables == [(1, 1), (2, 1), (3, 1)]  # a one-row wandb.Table at each sample
 
     # trackio: its local SQLite database has one metrics row per logged row.
     (db,) = (tmp_path / "trackio").glob("*.db")
     logged = sqlite3.connect(db).execute("select step, metrics from metrics where run_name='t1'").fetchall()
     by_step = [(step, json.loads(m)) for step, m in logged]
-    assert [s for s, m in by_step if "reward" in m] == [1, 2, 3]
+    assert [s for s, m in by_step if "train/reward" in m] == [1, 2, 3]
     assert [s for s, m in by_step if "eval/accuracy" in m] == [0, 2, 3]
+    assert [s for s, m in by_step if "completions" in m] == [1, 2, 3]
 
     # The report is written at the end, with the reward curve beside it.
     assert (out / "report.html").is_file() and (out / "reward_curve.png").is_file()

@@ -55,6 +55,19 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def tracker_tag(key: str) -> str:
+    """A metric's name in the trackers, as HF's Trainer and TRL name it: `eval/...` as it is, every
+    other under `train/` (metrics.jsonl keeps the bare names)."""
+    return key if key.startswith(("eval/", "train/")) else f"train/{key}"
+
+
+def _sample_table(sample: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """A logged sample as one table row (columns, values): nested values (rewards, extras) as JSON."""
+    columns = [k for k in sample if k != "rewards"] + [f"reward/{k}" for k in sample.get("rewards", {})]
+    values = [sample[k] for k in sample if k != "rewards"] + list(sample.get("rewards", {}).values())
+    return columns, [v if isinstance(v, (str, int, float)) else json.dumps(v) for v in values]
+
+
 class TensorBoardTracker:
     """Scalars into `RUN/tensorboard/` (event files), one tag per metric key."""
 
@@ -66,8 +79,17 @@ class TensorBoardTracker:
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         for key, value in _scalars(metrics).items():
-            self.writer.add_scalar(key, value, step)
+            self.writer.add_scalar(tracker_tag(key), value, step)
         self.writer.flush()
+
+    def log_sample(self, sample: dict[str, Any], step: int) -> None:
+        """The sample as a markdown table under the `completions` text tag."""
+        columns, values = _sample_table(sample)
+        cells = [str(v).replace("|", "\\|").replace("\n", "<br>") for v in values]
+        table = "\n".join(
+            ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|", "| " + " | ".join(cells) + " |"]
+        )
+        self.writer.add_text("completions", table, step)
 
     def close(self) -> None:
         self.writer.close()
@@ -83,7 +105,12 @@ class WandbLikeTracker:
         self.lib.init(project=project, name=run_name, config=config, **where)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        self.lib.log(_scalars(metrics), step=step)
+        self.lib.log({tracker_tag(k): v for k, v in _scalars(metrics).items()}, step=step)
+
+    def log_sample(self, sample: dict[str, Any], step: int) -> None:
+        """The sample as a one-row `completions` table (as TRL logs its completions to W&B)."""
+        columns, values = _sample_table(sample)
+        self.lib.log({"completions": self.lib.Table(columns=columns, data=[values])}, step=step)
 
     def close(self) -> None:
         self.lib.finish()
@@ -163,6 +190,8 @@ class MetricsLogger:
         sample = {k: abridge(v) if isinstance(v, str) else v for k, v in sample.items()}
         with self.samples_path.open("a") as f:
             f.write(json.dumps(sample, ensure_ascii=False) + "\n")
+        for tracker in self.trackers:
+            tracker.log_sample(sample, sample["step"])
         rewards = " ".join(f"{k}={v:.3g}" for k, v in sample["rewards"].items())
         self.write(
             f"--- sample at step {sample['step']} ---\n"
