@@ -139,7 +139,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             if head.softcap is not None:
                 slope = (grad_logits * (temperature / head.softcap)).square_().neg_().add_(1)
             grad_logits.sub_(lses[rows, None]).exp_().mul_(-g)
-            grad_logits.scatter_add_(-1, targets[rows, None], g).mul_(head.scale / temperature)
+            grad_logits.scatter_add_(-1, targets[rows, None], g).div_(temperature)
+            if head.scale != 1.0:
+                grad_logits.mul_(head.scale)
             if slope is not None:
                 grad_logits.mul_(slope)
                 del slope
