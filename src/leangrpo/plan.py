@@ -2,7 +2,7 @@
 shape alone (config.json, never the weights), and a search for the largest configuration that fits.
 
 Every term follows the code path it models, and says which: trainer.py (phases, micro-batches,
-reference), models.Policy + grpo._ChunkedTokenLogprobs (the log-prob workspace), rollout.generate (HF
+reference), logprobs.Policy + logprobs._ChunkedTokenLogprobs (the log-prob workspace), rollout.generate (HF
 generate with a DynamicCache), peft (fp32 adapters) and the optimizers (torch AdamW, bitsandbytes 8-bit
 AdamW). The formulas are plain arithmetic: no torch import.
 """
@@ -423,7 +423,7 @@ def decoder_activation_bytes(shape: ModelShape, k: Knobs, rows: UpdateLayout, co
 
 
 def logprob_workspace(shape: ModelShape, k: Knobs, rows: int, backward: bool) -> int:
-    """grpo._ChunkedTokenLogprobs: one chunk's fp32 logits (and, below fp32, the matmul output they are
+    """logprobs._ChunkedTokenLogprobs: one chunk's fp32 logits (and, below fp32, the matmul output they are
     cast from); the update's forward also computes the entropy, from a second fp32 chunk buffer;
     backward adds grad_hidden and, when lm_head trains (full fine-tuning), the fp32 grad_weight
     accumulator (and its cast back to the weight's dtype)."""
