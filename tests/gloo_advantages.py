@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -37,5 +38,6 @@ def advantages_on_rank(rank: int, port: int, rewards: torch.Tensor, out: str) ->
             "grpo": {"num_generations": 4, "scale_rewards": "batch"},
         })  # fmt: skip
         trainer = SimpleNamespace(acc=acc, cfg=cfg, reward_funcs=[(None, None, 1.0)] * 2)
+        trainer._combine = partial(Trainer._combine, trainer)
         results[aggregation] = Trainer.advantages(trainer, scores)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
