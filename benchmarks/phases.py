@@ -26,10 +26,10 @@ from vs_trl import build_model, default_data  # noqa: E402
 from leangrpo import rollout  # noqa: E402
 from leangrpo.config import LoraConfig, validate_config  # noqa: E402
 from leangrpo.data import load_rows, render_prompt  # noqa: E402
-from leangrpo.logprobs import LOGPROB_CHUNK_SIZE  # noqa: E402
-from leangrpo.models import Policy, apply_lora, cache_root, load_tokenizer  # noqa: E402
+from leangrpo.logprobs import LOGPROB_CHUNK_SIZE, Policy, micro_batch_logprobs  # noqa: E402
+from leangrpo.models import apply_lora, cache_root, load_tokenizer  # noqa: E402
 from leangrpo.rollout import generate  # noqa: E402
-from leangrpo.trainer import _micro_batch_logprobs  # noqa: E402
+from leangrpo.tasks import load_task  # noqa: E402
 
 G = 8
 
@@ -54,10 +54,11 @@ def main() -> None:
     p.add_argument("--completion-length", type=int, default=96)
     p.add_argument("--lora", action="store_true", help="LoRA r=16 on all linears (else full fine-tuning)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--model", type=Path, help="a model directory (default: vs_trl.py's random SmolLM2)")
     a = p.parse_args()
     from transformers import AutoModelForCausalLM
 
-    model_dir = build_model(cache_root() / "bench")
+    model_dir = a.model or build_model(cache_root() / "bench")
     tok = load_tokenizer(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if a.lora:
@@ -66,7 +67,8 @@ def main() -> None:
     data = {"path": str(default_data()), "limit": 1}  # vs_trl.py's prompt: GSM8K's first question
     cfg = validate_config({"model": {"name_or_path": str(model_dir)}, "data": data,
                            "rewards": {"functions": [{"name": "correctness"}]}})  # fmt: skip
-    prompt = render_prompt(tok, load_rows(cfg).rows[0]["prompt"], cfg.data.assistant_prefix)
+    row = load_rows(cfg.data, load_task(cfg.task)).rows[0]
+    prompt = render_prompt(tok, row["prompt"], cfg.data.assistant_prefix)
     times: dict[str, list[float]] = {}
 
     def timed(name: str, fn) -> object:
@@ -89,10 +91,10 @@ def main() -> None:
         for on in (False, True):
             with nullcontext() if on else transformers_cache_and_sampling():
                 timed(f"generate, in-place cache + ICDF {'on' if on else 'off'}", rollout_batch)
-    policy = Policy(model.train())
+    policy = Policy(model.train(), share_prompt=True)
 
     def update(group: int) -> None:
-        logp, mask = _micro_batch_logprobs(policy, batch, slice(None), group=group)
+        logp, mask = micro_batch_logprobs(policy, batch, slice(None), group=group)
         (logp * mask).sum().backward()
         model.zero_grad(set_to_none=True)
 

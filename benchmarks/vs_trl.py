@@ -207,13 +207,15 @@ def run_trl(s: Settings, out_dir: Path) -> dict:
     from leangrpo.config import validate_config
     from leangrpo.data import load_rows
     from leangrpo.rewards import load_reward
+    from leangrpo.tasks import load_task
     from leangrpo.tracking import peak_memory_mb
 
     data_cfg = validate_config(
         {"model": {"name_or_path": "x"}, "data": {"path": s.data_path, "limit": s.prompts},
          "rewards": {"functions": [{"name": "int"}]}}
     )  # fmt: skip
-    rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in load_rows(data_cfg).rows]
+    task = load_task(data_cfg.task)
+    rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in load_rows(data_cfg.data, task).rows]
     C, G = s.row.completion_length, s.num_generations
     args = GRPOConfig(
         output_dir=str(out_dir),
@@ -266,7 +268,7 @@ def run_trl(s: Settings, out_dir: Path) -> dict:
 
     trainer = GRPOTrainer(
         model=s.model_dir,
-        reward_funcs=[load_reward(n) for n in REWARDS],
+        reward_funcs=[load_reward(n, task.rewards()) for n in REWARDS],
         args=args,
         train_dataset=Dataset.from_list(rows),
         peft_config=peft_config,

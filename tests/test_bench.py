@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_e2e import PYTHONPATH
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_trl.py"
 
@@ -109,3 +111,15 @@ def test_plan_accuracy_measures_a_tiny_point(tmp_path):
     result = json.loads((tmp_path / "tiny_4_32_lora_on.json").read_text())
     assert result["malloc_env"] == {"MALLOC_MMAP_THRESHOLD_": str(2**16)}
     assert result["rss_peak_kib"] > result["rss_loaded_kib"] > 0
+
+
+def test_phases_script_runs(tiny_model_dir):
+    """benchmarks/phases.py imports the core's internals: a refactor must not break it silently."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "phases.py"), "--model", str(tiny_model_dir), "--repeats", "1",
+         "--completion-length", "4"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": PYTHONPATH}, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in ("generate, packed Linears on", "update, shared prompt on", "update, log-prob chunk 256"):
+        assert line in proc.stdout
