@@ -459,3 +459,26 @@ def test_prompts_longer_than_max_prompt_length_are_counted_once(tmp_path, tiny_m
     assert result.exit_code == 0, result.output
     assert result.output.count("prompts are longer than grpo.max_prompt_length=8") == 1
     assert "64 of 64 prompts" in result.output  # write_config limits the data to 64 rows
+
+
+def test_a_hanging_reward_is_named_after_timeout_s():
+    import time
+
+    def stuck(**kw):
+        time.sleep(30)
+
+    def fine(**kw):
+        return [1.0] * len(kw["completions"])
+
+    start = time.monotonic()
+    with pytest.raises(
+        RewardError, match="reward function 'stuck' did not return within rewards.timeout_s=0.2s"
+    ):
+        score_completions([("stuck", stuck, 1.0)], ["p"], ["c"], {}, "raise", timeout_s=0.2)
+    scores = score_completions([("stuck", stuck, 1.0), ("fine", fine, 1.0)], ["p", "q"], ["c", "d"], {},
+                               "missing", timeout_s=0.2)  # fmt: skip
+    assert scores.failed.all() and scores.per_func[:, 1].tolist() == [1.0, 1.0]
+    assert time.monotonic() - start < 5
+    assert score_completions(
+        [("fine", fine, 1.0)], ["p"], ["c"], {}, "raise", timeout_s=5
+    ).total.tolist() == [1.0]

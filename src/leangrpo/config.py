@@ -190,6 +190,12 @@ class RewardsConfig(_Section):
     on_error: Literal["raise", "missing"] = Field(
         "raise", description="a reward that raises stops the run, or marks that completion unscored"
     )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="seconds a reward function's call may take; a call past it is named and handled "
+        "per on_error (its batch unscored). Set, each call runs in a worker thread. null: no limit",
+    )
 
 
 class GRPOSection(_Section):

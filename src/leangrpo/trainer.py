@@ -279,7 +279,13 @@ class Trainer:
             ),
         )
         return score_completions(
-            self.reward_funcs, prompts, completions, columns, cfg.rewards.on_error, context
+            self.reward_funcs,
+            prompts,
+            completions,
+            columns,
+            cfg.rewards.on_error,
+            context,
+            cfg.rewards.timeout_s,
         )
 
     def resample(

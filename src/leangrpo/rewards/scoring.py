@@ -8,10 +8,13 @@ awaited, all of a batch's concurrently.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import math
 import numbers
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -118,6 +121,7 @@ def score_completions(
     columns: dict[str, list],
     on_error: Literal["raise", "missing"],
     context: RewardContext | None = None,
+    timeout_s: float | None = None,
 ) -> RewardScores:
     """Call each ``(name, func, weight)`` once on the batch, TRL-style, and combine the scores.
 
@@ -127,6 +131,8 @@ def score_completions(
     ``on_error``: "raise" raises a one-line RewardError naming the function and, when it can be found, the
     completion; "missing" re-runs it on each completion alone, marks those that still fail as
     failed (total NaN) and keeps the individual scores of the rest.
+    A call that takes longer than ``timeout_s`` is a failure of the whole batch (no
+    per-completion retry: each would wait as long again).
     """
     import torch  # lazy: importing leangrpo.rewards must not pull in torch
 
@@ -136,7 +142,7 @@ def score_completions(
         raise RewardError(f"prompts and every column must have one entry per completion ({n})")
     per_func = torch.full((n, len(funcs)), math.nan, dtype=torch.float32)
     failed = torch.zeros(n, dtype=torch.bool)
-    batch = _Batch(prompts, completions, columns, context)
+    batch = _Batch(prompts, completions, columns, context, timeout_s)
     everyone = list(range(n))
     outputs = _resolve([batch.invoke(func, everyone) for _, func, _ in funcs])
     for f, ((name, func, _), output) in enumerate(zip(funcs, outputs, strict=True)):
@@ -155,21 +161,53 @@ class _Batch:
     completions: list
     columns: dict[str, list]
     context: RewardContext
+    timeout_s: float | None = None
 
     def invoke(self, func: RewardFunc, indices: list[int]) -> Any:
-        """``func`` on the completions at ``indices``: what it returned (maybe a coroutine), or raised."""
+        """``func`` on the completions at ``indices``: what it returned (maybe a coroutine), or raised
+        (or, past ``timeout_s``, a _Timeout)."""
+        call = functools.partial(
+            func,
+            prompts=[self.prompts[i] for i in indices],
+            completions=[self.completions[i] for i in indices],
+            **{key: [column[i] for i in indices] for key, column in self.columns.items()},
+            **self.context.kwargs(indices),
+        )
+        if self.timeout_s is not None:
+            return _bounded(call, self.timeout_s)
         try:
-            return func(
-                prompts=[self.prompts[i] for i in indices],
-                completions=[self.completions[i] for i in indices],
-                **{key: [column[i] for i in indices] for key, column in self.columns.items()},
-                **self.context.kwargs(indices),
-            )
+            return call()
         except (Exception, SystemExit) as exc:  # a reward calling sys.exit must not end the run unnamed
             return exc
 
     def call(self, func: RewardFunc, indices: list[int]) -> list[float] | _Failure:
         return _checked(_resolve([self.invoke(func, indices)])[0], indices)
+
+
+class _Timeout(Exception):
+    """A reward call that did not return within rewards.timeout_s."""
+
+
+def _bounded(call: Callable[[], Any], timeout_s: float) -> Any:
+    """``call()`` (awaited, if it returns an awaitable) in a daemon thread, given ``timeout_s`` seconds: what
+    it returned or raised, or a _Timeout. A stuck call is left running: Python cannot stop a thread."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            out = call()
+            box.append(asyncio.run(_awaited(out)) if inspect.isawaitable(out) else out)
+        except (Exception, SystemExit) as exc:
+            box.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True, name="leangrpo-reward")
+    thread.start()
+    thread.join(timeout_s)
+    return box[0] if box else _Timeout(f"did not return within rewards.timeout_s={timeout_s:g}s")
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def _resolve(outputs: list[Any]) -> list[Any]:
@@ -205,6 +243,13 @@ def _score_function(
     completions = batch.completions
     if on_error == "raise" and first.cause is None:  # bad output: the batch call says it all
         raise RewardError(_message(name, first.problem, completions, first.index))
+    if isinstance(first.cause, _Timeout):  # a retry on each completion would wait as long again, each
+        message = _message(name, first.problem, completions, None)
+        if on_error == "raise":
+            raise RewardError(message)
+        logger.warning("%s; scoring the batch's completions as failed", message)
+        failed[:] = True
+        return [math.nan] * len(completions)
     # Call it on each completion alone to find the one(s) it fails on.
     values: list[float] = []
     for i in range(len(completions)):
@@ -224,6 +269,8 @@ def _score_function(
 
 def _checked(values: Any, indices: list[int]) -> list[float] | _Failure:
     """A call's output as scores (NaN for None), or why it is not one finite number or None each."""
+    if isinstance(values, _Timeout):
+        return _Failure(str(values), cause=values)
     if isinstance(values, BaseException):
         return _Failure(f"raised {type(values).__name__}: {values}".replace("\n", "\\n"), cause=values)
     if hasattr(values, "tolist"):  # a tensor or an array
