@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 
+# tests/real_vllm/ runs real vLLM, which lives in its own environment (.venv-vllm: scripts/setup-vllm.sh);
+# scripts/test.sh runs it there.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["real_vllm"]
 GSM8K = Path(__file__).resolve().parent / "data" / "gsm8k"  # a sample shipped with the tests (MIT)
 
 

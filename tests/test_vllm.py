@@ -1,5 +1,5 @@
 """vLLM rollouts, the parts that need no vLLM: its one-line refusal when missing. The real engine is tested
-in tests/vllm/ (run in .venv-vllm by scripts/test.sh, see docs/vllm.md)."""
+in tests/real_vllm/ (run in .venv-vllm by scripts/test.sh, see docs/vllm.md)."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ parameter into vLLM's copy, LoRA streams each adapted Linear with its adapter me
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -82,6 +83,8 @@ class VLLMEngine:
             detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise VLLMError(f"vLLM could not load model.name_or_path={path}: {detail}") from e
         self.weights_asleep = False
+        # Each reload warns about the layers it is not sent (rotary tables, a tied lm_head): expected here.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
     def generate(
         self,
@@ -148,29 +151,52 @@ class VLLMEngine:
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         """Load `model`'s current weights into vLLM's copy, one tensor at a time, and drop its prefix cache
-        (cached prompt states were computed with the old weights)."""
+        (cached prompt states were computed with the old weights).
+
+        vLLM's in-place reload takes checkpoint-format tensors and redoes its own per-layer processing
+        (the CPU backend, for one, repacks each Linear for oneDNN), so every weight is sent, LoRA ones
+        merged: a layer sent in part would be rebuilt with the rest uninitialised."""
         if self.weights_asleep:
             self.llm.wake_up(tags=["weights"])
             self.weights_asleep = False
-        weights = merged_lora_weights(model) if is_peft(model) else model.named_parameters()
         with torch.no_grad():
-            self.llm.apply_model(lambda vllm_model: vllm_model.load_weights(_detached(weights)))
+            weights = applied_weights(model)
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+            )
+            self.llm.apply_model(_repack_tied_head)
         self.llm.reset_prefix_cache()
 
 
-def _detached(weights: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-    for name, tensor in weights:
-        yield name, tensor.detach()
+def _repack_tied_head(vllm_model: torch.nn.Module) -> None:
+    """A tied lm_head is skipped by vLLM's loader, yet its CPU backend keeps its own packed copy of the
+    embedding for the output matmul: rebuild that copy from the reloaded embedding (a no-op on GPUs)."""
+    head = getattr(vllm_model, "lm_head", None)
+    embed = getattr(getattr(vllm_model, "model", None), "embed_tokens", None)
+    if head is not None and embed is not None and head.weight.data_ptr() == embed.weight.data_ptr():
+        head.quant_method.process_weights_after_loading(head)
 
 
-def merged_lora_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """(name, weight) of each LoRA-adapted Linear of a peft model, adapter merged in, under the base
-    model's names. Only these differ from the base checkpoint vLLM loaded (the rest is frozen); each
-    merged weight exists only while vLLM copies it, so the peak is one layer's weight, not a model."""
+def applied_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) of every weight the model applies, under the base checkpoint's names; a peft
+    model's LoRA Linears with their adapter merged in. A merged weight exists only while vLLM copies it,
+    so the extra memory is one layer's weight, never a second model."""
+    if not is_peft(model):
+        for name, param in model.named_parameters():
+            yield name, param.detach()
+        return
+    merged: set[str] = set()  # LoRA layers, whose own parameters (base_layer, lora_A/B) are not sent
     for name, module in model.get_base_model().named_modules():
-        if not hasattr(module, "lora_A"):
+        if any(name.startswith(m + ".") for m in merged):
             continue
-        weight = linear_weight(module)
-        if weight is None:
-            raise VLLMError(f"grpo.use_vllm: cannot merge the adapter of {name} (DoRA or a non-Linear layer)")
-        yield f"{name}.weight", weight
+        if hasattr(module, "lora_A"):
+            weight = linear_weight(module)
+            if weight is None:
+                raise VLLMError(f"grpo.use_vllm: cannot merge the adapter of {name} (DoRA or not a Linear)")
+            merged.add(name)
+            yield f"{name}.weight", weight.detach()
+            if module.base_layer.bias is not None:
+                yield f"{name}.bias", module.base_layer.bias.detach()
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            yield f"{name}.{pname}" if name else pname, param.detach()

