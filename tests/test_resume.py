@@ -72,17 +72,30 @@ def prompts_seen(tmp_path: Path, name: str) -> list[str]:
     [
         {"grpo": {"beta": 0.04, "num_iterations": 2}},  # full fine-tune: the KL reference stays the start
         {"model": {"lora": {"enabled": True, "r": 4, "dropout": 0.1}}, "grpo": {"beta": 0.04}},
+        # the extra prompts of dynamic sampling's rounds are drawn again, the same, after a resume
+        {
+            "grpo": {"dynamic_sampling": True, "max_resample_rounds": 2},
+            "rewards": {
+                "functions": [
+                    {"name": "toy_rewards:vowel_share_some_questions"},
+                    {"name": "toy_rewards:record_prompts"},
+                ]
+            },
+        },
     ],
-    ids=["full", "lora"],
+    ids=["full", "lora", "dynamic_sampling"],
 )
 def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch,
                                                           sections):  # fmt: skip
-    rewards = {"functions": [{"name": "toy_rewards:vowel_share"}, {"name": "toy_rewards:record_prompts"}]}
+    sections = {
+        "rewards": {
+            "functions": [{"name": "toy_rewards:vowel_share"}, {"name": "toy_rewards:record_prompts"}]
+        },
+        **sections,
+    }
     runs = {}
     for name in ("straight", "resumed"):
-        runs[name] = load_config(
-            make_config(tmp_path, tiny_model_dir, gsm8k_dir, name, rewards=rewards, **sections)
-        )
+        runs[name] = load_config(make_config(tmp_path, tiny_model_dir, gsm8k_dir, name, **sections))
         (tmp_path / name).mkdir()
     monkeypatch.setenv("LEANGRPO_TEST_OUT", str(tmp_path / "straight"))
     assert Trainer(runs["straight"], overwrite=True).train() == tmp_path / "straight" / "model"
@@ -113,6 +126,8 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_model_d
         )
     assert len({r["learning_rate"] for r in rows["straight"]}) > 1  # the schedule did move
     assert prompts_seen(tmp_path, "straight") == prompts_seen(tmp_path, "resumed")
+    if "dynamic_sampling" in sections["grpo"]:  # resampling happened, after the resume too
+        assert rows["straight"][2]["dynamic_sampling/rounds"] > 0
 
 
 def test_resume_refuses_a_changed_config_and_a_finished_run(tmp_path, tiny_model_dir, gsm8k_dir):
