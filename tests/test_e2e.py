@@ -134,3 +134,19 @@ def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, tiny_model_di
     p0, p1 = (set((tmp_path / f"prompts-rank{r}.txt").read_text().splitlines()) for r in (0, 1))
     assert len(p0) == len(p1) == 2  # 1 prompt × G=8 per step, 2 steps
     assert not p0 & p1
+
+
+def test_model_whose_logits_the_logprob_path_cannot_reproduce_is_refused(tmp_path, tiny_model_dir, gsm8k_dir):
+    """A config that names a soft cap its architecture never applies (Llama ignores final_logit_softcapping):
+    training would optimise another distribution than the one sampled, so `train` refuses in one line."""
+    import shutil
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "final_logit_softcapping": 1.0}))
+    cfg = write_config(tmp_path / "run.yaml", model, gsm8k_dir / "train.jsonl", tmp_path / "r")
+    proc = run_cli("train", "-c", str(cfg))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    (error,) = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert error.startswith("error: LlamaForCausalLM transforms its logits"), proc.stderr

@@ -211,9 +211,10 @@ def check_head(model: PreTrainedModel, head: LogitTransform) -> None:
     tolerance = 8 * torch.finfo(lm_head.weight.dtype).eps * float(theirs.abs().max())
     if ours.shape != theirs.shape or float((ours - theirs).abs().max()) > tolerance:
         raise HeadError(
-            f"{type(model).__name__} transforms its logits in a way leangrpo's log-probs do not reproduce "
-            f"(supported: a linear lm_head with optional bias, the logit scales of "
-            f"{', '.join(sorted(_LOGIT_SCALES))}, and a final tanh soft cap)"
+            f"{type(model).__name__} transforms its logits in a way leangrpo's log-probs do not reproduce, "
+            "so it cannot be trained (supported: a linear lm_head with optional bias, then the logit "
+            "scale of Cohere, Granite, MiniCPM3, HyperCLOVAX, Falcon-H1 or the soft cap of Gemma 2-4 and "
+            "RecurrentGemma)"
         )
 
 
