@@ -482,3 +482,12 @@ def test_a_hanging_reward_is_named_after_timeout_s():
     assert score_completions(
         [("fine", fine, 1.0)], ["p"], ["c"], {}, "raise", timeout_s=5
     ).total.tolist() == [1.0]
+
+
+def test_export_to_a_full_disk_is_one_line(tmp_path, tiny_model_dir, gsm8k_dir):
+    run = tmp_path / "x"
+    assert train_cli("-c", str(tiny_run_config(tmp_path, tiny_model_dir, gsm8k_dir, run))).exit_code == 0
+    with file_size_limit(64 * 1024):
+        result = CliRunner().invoke(main, ["export", str(run), "--out", str(tmp_path / "out")])
+    one_line_error(result, "cannot export to", "File too large")
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.tmp").exists()

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointError
+from .errors import UserError
 from .models import EXPORT_INFO, PACKAGED_HUB_ID, load_tokenizer, load_trained, locate
+from .rundir import error_reason
 
 
 class ExportError(CheckpointError):
@@ -77,7 +79,10 @@ def export(source: str | Path, out_dir: str | Path, merge: bool, dtype: str | No
         if out.exists():
             out.rmdir()
         tmp.rename(out)
-    except OSError as e:
+    except UserError:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"cannot export to {out}: {e.strerror or e}") from None
+        raise
+    except Exception as e:  # noqa: BLE001 - a full disk surfaces as torch's or safetensors' own errors
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"cannot export to {out}: {error_reason(e)}") from None
     return out
