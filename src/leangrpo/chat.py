@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from .config import TaskConfig
 from .data import render_prompt
 from .models import load_trained
@@ -20,7 +22,9 @@ class Chat:
         trust_remote_code: bool = False,
     ):
         self.model, self.tokenizer, trained = load_trained(source, trust_remote_code=trust_remote_code)
-        data = trained.config["data"] if trained else {"system_prompt": load_task(TaskConfig()).system_prompt}
+        data: dict[str, Any] = (
+            trained.config["data"] if trained else {"system_prompt": load_task(TaskConfig()).system_prompt}
+        )
         self.system_prompt = system_prompt if system_prompt is not None else data.get("system_prompt")
         self.assistant_prefix = data.get("assistant_prefix", "")
         self.max_new_tokens, self.temperature = max_new_tokens, temperature

@@ -212,6 +212,7 @@ def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: 
     click.echo(planner.render(est, memory, margin))
     if not fit:
         return
+    assert memory is not None  # --fit without --gpu-memory was refused above
     result = planner.search_fit(shape, k, memory, margin)
     click.echo("")
     if result.knobs is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from .rundir import RunDirError, eval_files, is_run_dir, read_jsonl
 
@@ -72,6 +72,10 @@ def load_side(source: str) -> Side:
     return side
 
 
+def _is_number(value: Any) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def fmt_value(value: Any) -> str:
     """A metric for a table: 4 significant digits, '-' for none."""
     if value is None:
@@ -100,19 +104,21 @@ def metrics_table(a: Side, b: Side) -> str:
     rows = []
     for key in keys:
         va, vb = a.metrics.get(key), b.metrics.get(key)
-        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb))
-        delta = f"{vb - va:+.4g}" if numeric else ""
+        delta = f"{vb - va:+.4g}" if _is_number(va) and _is_number(vb) else ""
         rows.append([key, fmt_value(va), fmt_value(vb), delta])
     return format_table(["metric", "A", "B", "B - A"], rows)
 
 
-def flips(a: Side, b: Side) -> tuple[list[tuple[dict, dict]], list[tuple[dict, dict]]]:
+def flips(
+    a: Side, b: Side
+) -> tuple[list[tuple[dict[str, Any], dict[str, Any]]], list[tuple[dict[str, Any], dict[str, Any]]]]:
     """(wrong→right, right→wrong) pairs of records of the same question, in A's order."""
     if a.records is None or b.records is None:
         return [], []
     by_question = {(r["question"], str(r["gold"])): r for r in b.records}
-    pairs = [(ra, by_question.get((ra["question"], str(ra["gold"])))) for ra in a.records]
-    pairs = [(ra, rb) for ra, rb in pairs if rb is not None]
+    pairs = [
+        (ra, rb) for ra in a.records if (rb := by_question.get((ra["question"], str(ra["gold"])))) is not None
+    ]
     better = [(ra, rb) for ra, rb in pairs if not ra["correct"] and rb["correct"]]
     worse = [(ra, rb) for ra, rb in pairs if ra["correct"] and not rb["correct"]]
     return better, worse

@@ -88,7 +88,7 @@ def evaluate(
     texts = [render_prompt(tokenizer, r["prompt"], assistant_prefix) for r in rows]
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
     order = sorted(range(len(rows)), key=lambda i: lengths[i])  # similar lengths share a batch
-    gen = dict(
+    gen: dict[str, Any] = dict(
         model=model,
         tokenizer=tokenizer,
         texts=texts,

@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -57,7 +57,7 @@ def build_optimizer(
 
     The AdamW is torch's fused kernel (as transformers' Trainer uses by default): one pass over each
     parameter, where the plain one allocates temporaries as large as the parameter."""
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "lr": cfg.learning_rate if learning_rate is None else learning_rate,
         "betas": (cfg.adam_beta1, cfg.adam_beta2),
         "weight_decay": cfg.weight_decay,

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from .errors import UserError
 
 Method = Literal["full", "lora", "qlora-4bit"]
-METHODS: tuple[str, ...] = ("full", "lora", "qlora-4bit")  # heaviest first: --fit falls back in this order
+METHODS: tuple[Method, ...] = ("full", "lora", "qlora-4bit")  # heaviest first: --fit falls back in this order
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS workspace: an estimate, not measured here
@@ -615,7 +615,7 @@ def search_fit(
     smallest = None
     for method in methods:
 
-        def knobs(g: int, c: int, b: int = 1, method: str = method) -> Knobs:
+        def knobs(g: int, c: int, b: int = 1, method: Method = method) -> Knobs:
             n = prompts * g
             return replace(k, method=method, num_generations=g, max_completion_length=c,
                            per_device_train_batch_size=b, gradient_accumulation_steps=n // b)  # fmt: skip
@@ -690,7 +690,7 @@ def yaml_snippet(k: Knobs, model: str) -> str:
     if k.method != "full":
         targets = "all-linear" if k.lora_targets == LINEARS else list(k.lora_targets)
         lora.update(r=k.lora_r, dropout=k.lora_dropout, target_modules=targets)
-    doc = {
+    doc: dict[str, dict[str, Any]] = {
         "model": {"name_or_path": model, "dtype": k.dtype, "gradient_checkpointing": k.gradient_checkpointing,
                   "lora": lora},
         "grpo": {"num_generations": k.num_generations, "max_prompt_length": k.max_prompt_length,

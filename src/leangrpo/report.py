@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import yaml
 
@@ -44,7 +44,7 @@ CURVES = (
 )
 
 
-def _numeric(v: Any) -> bool:
+def _numeric(v: Any) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -183,7 +183,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, list[str]]:
     cfg_path = run_dir / "config.yaml"
     config = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else {}
     last = train[-1] if train else {}
-    summary = [
+    summary: list[list[Any]] = [
         ["steps logged", len(train)],
         [
             "reward, first → last step",

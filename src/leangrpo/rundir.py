@@ -180,24 +180,25 @@ class RunLock:
     def __init__(self, run_dir: Path):
         import fcntl
 
-        path, self.fd = run_dir / LOCK_FILE, None
+        path = run_dir / LOCK_FILE
+        self.fd: int | None = None
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self.fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            self.fd = fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise RunDirError(f"output_dir {run_dir} is not writable: {os_reason(e)}") from None
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = os.read(self.fd, 32).decode(errors="replace").strip() or "unknown"
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
             self.release()
             raise RunDirError(
                 f"output_dir {run_dir} is in use by another leangrpo process (PID {holder}, holding {path}); "
                 "wait for it to end, or choose another output_dir"
             ) from None
         try:
-            os.ftruncate(self.fd, 0)
-            os.write(self.fd, f"{os.getpid()}\n".encode())
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
         except OSError as e:
             self.release()
             raise RunDirError(f"output_dir {run_dir} is not writable: {os_reason(e)}") from None

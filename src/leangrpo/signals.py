@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
+from typing import Any
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# What signal.signal returns and accepts: a function, SIG_DFL/SIG_IGN, or None (set outside Python).
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
 class StopSignals:
@@ -19,7 +23,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, _Handler] = {}
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():

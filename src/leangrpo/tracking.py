@@ -11,8 +11,9 @@ import json
 import math
 import resource
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,7 +37,15 @@ class TrackerError(UserError, RuntimeError):
     """An experiment tracker in logging.report_to cannot be used."""
 
 
-def check_trackers(names: list[str]) -> None:
+class Tracker(Protocol):
+    """An experiment tracker: scalars per step, closed at the end of the run."""
+
+    def log(self, metrics: dict[str, Any], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def check_trackers(names: Sequence[str]) -> None:
     """Fail early, in one line, when a tracker's package (named like the tracker) is missing; without
     importing it."""
     for name in names:
@@ -116,7 +125,8 @@ class WandbLikeTracker:
         self.lib.finish()
 
 
-TRACKERS = {
+# name -> opener(run_dir, config, project, run_name)
+TRACKERS: dict[str, Callable[[Path, dict[str, Any], str, str], Tracker]] = {
     "tensorboard": TensorBoardTracker,
     "wandb": functools.partial(WandbLikeTracker, "wandb"),
     "trackio": functools.partial(WandbLikeTracker, "trackio"),
@@ -124,8 +134,8 @@ TRACKERS = {
 
 
 def open_trackers(
-    names: list[str], run_dir: Path, config: dict[str, Any], project: str, run_name: str
-) -> list[Any]:
+    names: Sequence[str], run_dir: Path, config: dict[str, Any], project: str, run_name: str
+) -> list[Tracker]:
     check_trackers(names)
     return [TRACKERS[name](run_dir, config, project, run_name) for name in names]
 
@@ -149,7 +159,7 @@ class MetricsLogger:
     """Appends one JSON object per logged step to metrics.jsonl (and to each tracker), prints it as a
     row of a compact console table, and appends samples to completions.jsonl."""
 
-    def __init__(self, run_dir: Path, write: Any = print, trackers: list[Any] | None = None):
+    def __init__(self, run_dir: Path, write: Any = print, trackers: list[Tracker] | None = None):
         self.metrics_path = run_dir / "metrics.jsonl"
         self.samples_path = run_dir / "completions.jsonl"
         self.write = write

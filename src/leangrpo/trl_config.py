@@ -12,6 +12,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
 from .errors import UserError
 
 _SECTIONS_SEARCHED = ("grpo", "optim", "logging", "rewards", "data", "model")
@@ -76,13 +79,21 @@ def is_trl_config(data: dict[str, Any]) -> bool:
     unknown = data.keys() - Config.model_fields.keys()
     known = {*_RENAMED, *_SPECIAL}
     for section in _SECTIONS_SEARCHED:
-        known |= Config.model_fields[section].annotation.model_fields.keys()
+        known |= _section_fields(section).keys()
     return bool(unknown & known) or isinstance(data.get("optim"), str)
+
+
+def _section_fields(section: str) -> dict[str, FieldInfo]:
+    """The fields of one of Config's sections (each a pydantic model)."""
+    from .config import Config
+
+    model = Config.model_fields[section].annotation
+    assert isinstance(model, type) and issubclass(model, BaseModel), section
+    return model.model_fields
 
 
 def from_trl(flat: dict[str, Any], source: str) -> dict[str, Any]:
     """The nested leangrpo config for a flat TRL one; unsupported fields raise one TRLConfigError."""
-    from .config import Config
 
     flat = dict(flat)
     out: dict[str, Any] = {"task": "dataset", "data": {"system_prompt": None}}
@@ -96,7 +107,7 @@ def from_trl(flat: dict[str, Any], source: str) -> dict[str, Any]:
         node[leaf] = value
 
     _translate_special(flat, put, refused)
-    fields = {s: Config.model_fields[s].annotation.model_fields for s in _SECTIONS_SEARCHED}
+    fields = {s: _section_fields(s) for s in _SECTIONS_SEARCHED}
     for key, value in flat.items():
         if key in _RENAMED:
             put(_RENAMED[key], value)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from leangrpo.rewards.registry import RewardError
 
@@ -56,5 +56,6 @@ class RewardModel:
             return prompt + str(completion)
         messages = [*prompt, *completion]
         if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+            # tokenize=False returns the rendered string; transformers types every return form
+            return cast(str, self.tokenizer.apply_chat_template(messages, tokenize=False))
         return "\n".join(str(m["content"]) for m in messages)

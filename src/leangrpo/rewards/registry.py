@@ -62,12 +62,12 @@ def load_reward(
         )
     else:
         known = {**BUILTIN_REWARDS, **(task_rewards or {})}
-        func = known.get(name.removesuffix("_reward"))
-        if func is None:
+        if name.removesuffix("_reward") not in known:
             raise RewardError(
                 f"unknown reward {name!r}; known rewards are {', '.join(sorted(known))} "
                 "(or give a user function as 'package.module:function', or a reward model's path or hub id)"
             )
+        func = known[name.removesuffix("_reward")]
     return func if kwargs is None else _from_factory(name, func, kwargs)
 
 
