@@ -130,7 +130,8 @@ def test_rows_report_the_median_of_alternating_pairs_with_their_range():
 
     def run(peak: float, step: float, length: float, load: float) -> dict:
         return {"peak_mb": peak, "median_step_s": step, "median_cpu_s": step, "mean_length": length,
-                "tokens_per_s": 8 * length / step, "load_before": load, "step_seconds": [step] * 3}  # fmt: skip
+                "tokens_per_s": 8 * length / step, "load_before": load,
+                "step_seconds": [step] * 3}  # fmt: skip
 
     ours = [run(500, 1.0, 40, 2.0), run(600, 3.0, 40, 6.0), run(700, 1.2, 50, 1.0)]
     trl = [run(1000, 2.0, 80, 2.5), run(1000, 4.0, 80, 5.0), run(1000, 2.0, 80, 1.5)]
