@@ -112,14 +112,12 @@ class HFEngine:
 
 
 def rollout_engine(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> RolloutEngine:
-    """The engine `cfg.grpo.use_vllm` picks, holding `model`'s current weights."""
+    """The engine `cfg.grpo.use_vllm` picks (vLLM's holds the checkpoint's weights until its first sync)."""
     if not cfg.grpo.use_vllm:
         return HFEngine(model, tokenizer, cfg.grpo.packed_generation)
     from .vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(cfg, tokenizer, eos_token_ids(tokenizer, model))
-    engine.sync_weights(model)  # a resumed run or an SFT cold start changed them since the load
-    return engine
+    return VLLMEngine(cfg, tokenizer, eos_token_ids(tokenizer, model))
 
 
 def sampling_kwargs(cfg: Config) -> dict[str, Any]:

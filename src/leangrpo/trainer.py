@@ -51,7 +51,7 @@ from .rundir import RunDirError, RunLock, check_output_dir, drop_replaced, error
 from .signals import StopSignals
 from .tasks import load_task
 from .tracking import MetricsLogger, check_trackers, open_trackers, peak_memory_mb
-from .vllm_engine import check_vllm
+from .vllm_engine import VLLMError, check_vllm
 
 __all__ = ["RunDirError", "Trainer", "TrainingError", "train"]
 
@@ -209,8 +209,12 @@ class Trainer:
 
     def step(self, step: int) -> dict[str, Any]:
         """One GRPO step, phase by phase; each phase's seconds go into the metrics as time/<phase>.
-        With vLLM, a seventh phase (sync) loads the updated weights into its engine."""
+        With vLLM, a first phase (sync) loads the policy's current weights into its engine (at step one
+        of a run it also builds the engine)."""
         g, timer = self.cfg.grpo, PhaseTimer()
+        if g.use_vllm:
+            with timer("sync"):
+                self.engine.sync_weights(self.unwrapped.lm)
         with timer("rollout"):
             rows, rollout = self.rollout(step)
         with timer("score"):
@@ -228,9 +232,6 @@ class Trainer:
                 old_logp = None
         with timer("update"):
             update = self.update(rollout, advantages.to(self.acc.device), ref_logp, old_logp, sampler_weights)
-        if g.use_vllm:
-            with timer("sync"):
-                self.engine.sync_weights(self.unwrapped.lm)
         return self.record(step, rows, rollout, scores, group_std, update, timer.seconds, mismatch, sampling)
 
     @property
@@ -538,6 +539,8 @@ class Trainer:
         self._write(f"training on {self.dist.describe()}, device {self.acc.device}")
         if self.is_main and self.skipped:
             self._write(f"data: skipped {len(self.skipped)} bad rows (first: {self.skipped[0]})")
+        if cfg.grpo.use_vllm:  # before any work, so that a model vLLM cannot load stops the run at once
+            self._engine = rollout_engine(cfg, self.unwrapped.lm, self.tokenizer)
         if not self.resume_from:  # a resumed run went through these already
             self.maybe_evaluate(0)  # the starting model, before any training (SFT included)
         if cfg.sft.steps and not self.resume_from:
@@ -551,7 +554,10 @@ class Trainer:
         )
         with StopSignals() as signals:
             for step in range(self.start_step + 1, cfg.optim.max_steps + 1):
-                metrics = self.step(step)
+                try:
+                    metrics = self.step(step)
+                except VLLMError as e:  # the engine fails before the step's update: keep the last one's
+                    raise self._engine_failed(step, e) from e
                 if self.is_main and step == self.start_step + 1:
                     drop_replaced(self.run_dir)  # the run this one replaced: it has now started
                 bar.update(1)
@@ -584,6 +590,14 @@ class Trainer:
 
             write_report_after_training(self.run_dir, self._write)
         return final
+
+    def _engine_failed(self, step: int, error: VLLMError) -> TrainingError:
+        """After vLLM failed during `step`: checkpoint the weights of the step before (unless one holds
+        them already) and say, in one line, what failed and how to resume."""
+        done = step - 1
+        if done > 0 and not (self.run_dir / f"checkpoint-{done}").is_dir():
+            self.save_checkpoint(done)
+        return TrainingError(f"stopped at step {step}: {error}; {what_holds(self.run_dir)}")
 
     def cold_start(self) -> None:
         """`sft.steps` supervised steps on the task's worked solutions, before the first GRPO step."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,8 +81,7 @@ class VLLMEngine:
                 enforce_eager=not torch.cuda.is_available(),  # CUDA graphs pay off on GPUs only
             )
         except Exception as e:  # vLLM raises many types for a model it cannot run
-            detail = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise VLLMError(f"vLLM could not load model.name_or_path={path}: {detail}") from e
+            raise VLLMError(f"vLLM could not load model.name_or_path={path}: {_last_line(e)}") from e
         self.weights_asleep = False
         # Each reload warns about the layers it is not sent (rotary tables, a tied lm_head): expected here.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
@@ -131,7 +131,8 @@ class VLLMEngine:
         params = [SamplingParams(seed=seed, **common) for seed in seeds]
         if self.sleep_mode:
             self.llm.wake_up(tags=["kv_cache"])
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        with _failure("generating"):
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         if self.sleep_mode:  # level 2 also drops the weights: the update then has the GPU to itself
             self.llm.sleep(level=2)
             self.weights_asleep = True
@@ -159,13 +160,29 @@ class VLLMEngine:
         if self.weights_asleep:
             self.llm.wake_up(tags=["weights"])
             self.weights_asleep = False
-        with torch.no_grad():
+        with torch.no_grad(), _failure("loading the updated weights"):
             weights = applied_weights(model)
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
             )
             self.llm.apply_model(_repack_tied_head)
         self.llm.reset_prefix_cache()
+
+
+@contextmanager
+def _failure(doing: str) -> Iterator[None]:
+    """Any error inside vLLM becomes one VLLMError line (the trainer then checkpoints and stops)."""
+    try:
+        yield
+    except VLLMError:
+        raise
+    except Exception as e:
+        raise VLLMError(f"vLLM failed while {doing}: {_last_line(e)}") from e
+
+
+def _last_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[-1]}" if text else type(e).__name__
 
 
 def _repack_tied_head(vllm_model: torch.nn.Module) -> None:

@@ -160,24 +160,42 @@ def test_bad_inputs_get_one_line(model_dir, tmp_path, tokenizer):
     assert "\n" not in str(info.value)
 
 
-def test_train_and_resume_with_vllm_from_the_cli(tmp_path, model_dir, gsm8k_dir):
-    """`leangrpo train` with grpo.use_vllm for 2 steps, then resumed for a 3rd: every step logs the
-    sampler/trainer mismatch, and it stays at float32 noise only if vLLM got the weights of the step
-    before (the update moves them far more at this learning rate), the resumed ones included."""
-    from test_e2e import read_metrics, run_cli, write_config
+def test_train_fail_and_resume_with_vllm_from_the_cli(tmp_path, model_dir, gsm8k_dir, monkeypatch):
+    """`leangrpo train` with grpo.use_vllm (in this process, so vLLM is imported once): vLLM fails while
+    generating step 3, the run saves step 2 and stops in one line, and a resume finishes step 3. Every
+    step logs the sampler/trainer mismatch, which stays at float32 noise only if vLLM got the weights of
+    the step before (the update moves them far more at this learning rate), the resumed ones included."""
+    import vllm
+    from click.testing import CliRunner
+    from test_e2e import read_metrics, write_config
+
+    from leangrpo.cli import main
 
     run = tmp_path / "run"
     cfg = write_config(
         tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run,
         grpo={"use_vllm": True, "num_generations": 4, "max_completion_length": 8, "max_prompt_length": 96},
-        optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 2,
+        optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 3,
                "learning_rate": 1e-2},
-        logging={"save_steps": 1, "progress_bar": False},
+        logging={"progress_bar": False},
     )  # fmt: skip
-    first = run_cli("train", "-c", str(cfg))
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = run_cli("train", "--resume", str(run), "optim.max_steps=3")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    real_generate, calls = vllm.LLM.generate, []
+
+    def generate(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        return real_generate(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(vllm.LLM, "generate", generate)
+        failed = CliRunner().invoke(main, ["train", "-c", str(cfg)])
+    assert failed.exit_code == 2, failed.output
+    line = failed.output.strip().splitlines()[-1]
+    assert line.startswith("error: stopped at step 3: vLLM failed while generating: RuntimeError: injected")
+    assert f"{run / 'checkpoint-2'}, is intact" in line
+    resumed = CliRunner().invoke(main, ["train", "--resume", str(run)])
+    assert resumed.exit_code == 0, resumed.output
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
