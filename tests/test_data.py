@@ -426,3 +426,13 @@ def test_local_formats_load_through_datasets(tmp_path, kind):
         assert len(load(path, task="dataset", split="test").rows) == 1
         with pytest.raises(DataError, match="has no split 'dev'.*its splits: train, test"):
             load(path, task="dataset", split="dev")
+
+
+def test_eval_split_of_a_saved_dataset_dict(tmp_path):
+    from leangrpo.evaluate import load_eval_rows
+
+    table = datasets.Dataset.from_list(TRL_ROWS)
+    datasets.DatasetDict({"train": table, "test": table.select([1])}).save_to_disk(tmp_path / "dd")
+    data = DataConfig(path=str(tmp_path / "dd"), system_prompt=None)
+    rows = load_eval_rows(data, load_task(TaskConfig(name="dataset")), str(tmp_path / "dd"), "test", None)
+    assert [r["solution"] for r in rows] == ["2"]

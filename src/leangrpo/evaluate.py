@@ -220,10 +220,10 @@ def summarize(records: list[dict[str, Any]], reward_funcs: RewardFuncs, num_samp
 
 
 def resolve_data_path(path: str, split: str) -> str:
-    """A directory holding `{split}.jsonl` (or .parquet/.json) resolves to that file; a file or hub id
-    passes through."""
+    """A directory holding `{split}.jsonl` (or .parquet/.json) resolves to that file; a file, hub id or
+    `save_to_disk` directory (whose split `data.load_rows` picks) passes through."""
     p = Path(path).expanduser()
-    if not p.is_dir():
+    if not p.is_dir() or (p / "dataset_dict.json").is_file():
         return path
     for suffix in DATA_SUFFIXES:
         if (p / f"{split}{suffix}").is_file():
