@@ -38,9 +38,11 @@ class TrackerError(UserError, RuntimeError):
 
 
 class Tracker(Protocol):
-    """An experiment tracker: scalars per step, closed at the end of the run."""
+    """An experiment tracker: scalars and sample completions per step, closed at the end of the run."""
 
     def log(self, metrics: dict[str, Any], step: int) -> None: ...
+
+    def log_sample(self, sample: dict[str, Any], step: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -70,7 +72,7 @@ def tracker_tag(key: str) -> str:
     return key if key.startswith(("eval/", "train/")) else f"train/{key}"
 
 
-def _sample_table(sample: dict[str, Any]) -> tuple[list[str], list[str]]:
+def _sample_table(sample: dict[str, Any]) -> tuple[list[str], list[str | int | float]]:
     """A logged sample as one table row (columns, values): nested values (rewards, extras) as JSON."""
     columns = [k for k in sample if k != "rewards"] + [f"reward/{k}" for k in sample.get("rewards", {})]
     values = [sample[k] for k in sample if k != "rewards"] + list(sample.get("rewards", {}).values())
