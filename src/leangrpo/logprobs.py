@@ -89,7 +89,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     Only one chunk's logits ([chunk, vocab]) exists at any time, in the forward and in the backward,
     so memory does not grow with batch × length × vocab; every step on a chunk works in place.
-    `with_entropy` also returns each row's entropy (no gradient), at the cost of a second chunk buffer;
+    `with_entropy` also returns each row's entropy (no gradient), at the cost of a second fp32 chunk buffer;
     otherwise the second output is empty.
     """
 
@@ -107,7 +107,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             if with_entropy:  # H = log Z - sum(e^s · s) / Z, with s = x - max and Z = sum(e^s)
                 exp = shifted.exp()
                 z = exp.sum(dim=-1)
-                entropies[rows] = z.log() - torch.linalg.vecdot(exp, shifted) / z
+                # e^s · s in place in e^s: a product of its own would be a third chunk-sized buffer
+                entropies[rows] = z.log() - exp.mul_(shifted).sum(dim=-1) / z
                 lses[rows] = z.log_().add_(top.squeeze(-1))
                 del exp
             else:

@@ -422,17 +422,17 @@ def decoder_activation_bytes(shape: ModelShape, k: Knobs, rows: UpdateLayout, co
     return body + shared + final_norm + ids + completion
 
 
-def logprob_workspace(shape: ModelShape, k: Knobs, rows: int, backward: bool) -> int:
-    """logprobs._ChunkedTokenLogprobs: one chunk's fp32 logits (and, below fp32, the matmul output they are
-    cast from); the update's forward also computes the entropy, from a second fp32 chunk buffer;
+def logprob_workspace(shape: ModelShape, k: Knobs, rows: int, backward: bool, entropy: bool = False) -> int:
+    """logprobs._ChunkedTokenLogprobs: one chunk's fp32 logits (and, below fp32, the matmul output they
+    are cast from); with `entropy` (the update's forward) a second fp32 chunk, their exponentials;
     backward adds grad_hidden and, when lm_head trains (full fine-tuning), the fp32 grad_weight
     accumulator (and its cast back to the weight's dtype)."""
     chunk = min(k.logprob_chunk_size, rows)
     v, h, e = shape.vocab_size, shape.hidden_size, k.e
     cast = e if e != 4 else 0  # a second, low-precision copy exists only when the model is not fp32
-    ws = chunk * v * (4 + cast)
+    ws = chunk * v * max(4 + cast, 8 if entropy else 0)
     if not backward:
-        return chunk * v * max(4 + cast, 8)
+        return ws
     ws += rows * h * e
     if k.method == "full":
         ws += v * h * (4 + cast)
@@ -492,8 +492,6 @@ PHASE_PARTS = {
 def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     """Predict every component and each phase's peak of one steady-state GRPO step (step ≥ 2: the
     optimizer state exists; step 1 peaks no higher)."""
-    if k.method == "qlora-4bit" and k.device == "cpu":
-        raise PlanError("qlora-4bit needs CUDA (bitsandbytes); plan it with --device cuda")
     if k.fsdp > 1 and (k.method == "qlora-4bit" or k.optimizer == "adamw_8bit"):
         raise PlanError("--fsdp: leangrpo's FSDP2 runs neither 4-bit weights nor adamw_8bit")
     e = k.e
@@ -519,7 +517,7 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     acts = decoder_activation_bytes(shape, k, rows, B * C)
     flipped = replace(k, gradient_checkpointing=not k.gradient_checkpointing)
     acts_other = decoder_activation_bytes(shape, flipped, rows, B * C)
-    lp_fwd = logprob_workspace(shape, k, B * C, backward=False)
+    lp_fwd = logprob_workspace(shape, k, B * C, backward=False, entropy=True)  # the update logs entropy
     lp_bwd = logprob_workspace(shape, k, B * C, backward=True)
     micro = k.gradient_accumulation_steps
     grads_before = grads if micro > 1 else 0  # accumulated grads live through later micro-batches
@@ -567,7 +565,10 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
         ref_pass = (
             persistent
             + gathered
-            + max(forward_transient(shape, k, rows.tokens), lp_fwd + B * C * shape.hidden_size * e)
+            + max(
+                forward_transient(shape, k, rows.tokens),
+                logprob_workspace(shape, k, B * C, backward=False) + B * C * shape.hidden_size * e,
+            )
         )
         phases["reference"] = ref_pass
     return Estimate(shape, k, shape.num_params(), n_train, components, phases, acts_other)
@@ -660,7 +661,7 @@ def knobs_from_config(cfg: Any, **overrides: Any) -> Knobs:
     """Knobs of a validated leangrpo Config. `optim.optimizer` is read when the config has it."""
     m, g, o = cfg.model, cfg.grpo, cfg.optim
     values = dict(
-        method="lora" if m.lora.enabled else "full",
+        method="qlora-4bit" if getattr(m, "load_in_4bit", False) else "lora" if m.lora.enabled else "full",
         lora_r=m.lora.r,
         lora_targets=parse_targets(m.lora.target_modules),
         lora_dropout=m.lora.dropout,
@@ -707,7 +708,7 @@ def yaml_snippet(k: Knobs, model: str) -> str:
     if k.optimizer != "adamw":
         doc["optim"]["optimizer"] = k.optimizer
     if k.method == "qlora-4bit":
-        notes.append("# planned as QLoRA (4-bit base): leangrpo train loads the base in `dtype`, not 4-bit")
+        doc["model"]["load_in_4bit"] = True
     if k.rollout == "vllm":
         notes.append("# planned with a colocated vLLM rollout: leangrpo train generates with HF generate")
     return "\n".join([*notes, yaml.safe_dump(doc, sort_keys=False).rstrip()])

@@ -1,0 +1,82 @@
+"""benchmarks/live_peak.py's tracker: live tensor storages counted once, from creation to the last tensor."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "live_peak.py"
+MIB = 2**20
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("live_peak", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["live_peak"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_live_tensors_counts_each_storage_while_any_tensor_on_it_lives():
+    live_peak = load_script()
+    before = torch.zeros(MIB // 4)  # 1 MiB alive when tracking starts
+    tracker = live_peak.LiveTensors()
+    with tracker:
+        assert tracker.start >= MIB
+        a = torch.ones(2 * MIB // 4)  # 2 MiB
+        view = a[:10]
+        a.mul_(2)  # in place: same storage
+        assert tracker.now - tracker.start == 2 * MIB
+        del a
+        assert tracker.now - tracker.start == 2 * MIB  # the view keeps the storage alive
+        del view
+        assert tracker.now == tracker.start
+        del before
+        assert tracker.now == tracker.start - MIB
+        b = torch.ones(3 * MIB // 4)
+        del b
+    assert tracker.peak - tracker.start == 2 * MIB  # the 3 MiB came after the 1 MiB was gone
+
+
+def test_live_tensors_sees_what_autograd_saves_until_the_backward():
+    live_peak = load_script()
+    x = torch.randn(MIB // 4, requires_grad=True)
+    tracker = live_peak.LiveTensors()
+    with tracker:
+        y = x.exp()  # exp saves its output for the backward
+        z = y.sin()  # sin saves its input, y
+        del y
+        assert tracker.now - tracker.start == 2 * MIB  # y (saved) and z
+        z.sum().backward()
+        del z
+        assert tracker.now - tracker.start == MIB  # x.grad only
+    assert tracker.peak - tracker.start >= 3 * MIB  # y, z and a gradient at once in the backward
+
+
+def test_logprob_workspace_of_the_update_forward_matches_the_plan():
+    """The update's forward (log-probs + entropy) holds two fp32 chunks of logits at most, as planned."""
+    from leangrpo import plan
+    from leangrpo.logprobs import token_logprobs
+
+    live_peak = load_script()
+    shape = plan.ModelShape.from_config(plan._llama(32, 64, 1, 4, 4, 40_000, True), "toy")
+    knobs = plan.Knobs(dtype="bfloat16", logprob_chunk_size=64)
+    hidden, weight = (
+        torch.randn(1, 128, 32, dtype=torch.bfloat16),
+        torch.randn(40_000, 32, dtype=torch.bfloat16),
+    )
+    targets = torch.randint(0, 40_000, (1, 128))
+    for entropy in (False, True):
+        tracker = live_peak.LiveTensors()
+        with tracker, torch.no_grad():
+            out = token_logprobs(hidden, weight, targets, chunk_size=64, with_entropy=entropy)
+        del out
+        want = plan.logprob_workspace(shape, knobs, 128, backward=False, entropy=entropy)
+        assert abs((tracker.peak - tracker.start) / want - 1) < 0.02, (
+            entropy,
+            tracker.peak - tracker.start,
+            want,
+        )
