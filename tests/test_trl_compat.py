@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -464,3 +465,44 @@ def test_gguf_export_loads_back_in_transformers_with_the_same_greedy_tokens(tmp_
         main, ["export", str(run), "--out", str(tmp_path / "bad"), "--gguf", "--outtype", "q4"]
     )
     assert result.exit_code == 2 and "'q4' is not one of" in result.output
+
+
+# --- processes ---------------------------------------------------------------------------------
+
+
+def test_launcher_process_count_is_read_from_accelerate_launch():
+    from leangrpo.distributed import launcher_processes
+
+    launch = ["/venv/bin/python", "/venv/bin/accelerate", "launch"]
+    assert launcher_processes([*launch, "--num_processes", "2", "--cpu", "-m", "leangrpo"]) == 2
+    assert launcher_processes([*launch, "--num_processes=4", "train.py"]) == 4
+    assert launcher_processes([*launch, "-m", "leangrpo"]) is None
+    assert launcher_processes(["bash", "-c", "leangrpo train --num_processes 2"]) is None
+
+
+@pytest.mark.slow
+def test_accelerate_launch_cpu_that_forms_one_process_says_so(tmp_path, tiny_model_dir):
+    import os
+    import shutil
+    import subprocess
+
+    from test_e2e import PYTHONPATH
+
+    rows = [{"prompt": "Hello"}] * 4
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {
+        "task": "dataset", "model": {"name_or_path": str(tiny_model_dir), "gradient_checkpointing": False},
+        "data": {"path": str(data)}, "rewards": {"functions": [{"name": "toy_rewards:distinct_chars"}]},
+        "grpo": {"num_generations": 2, "max_completion_length": 2},
+        "optim": {"per_device_train_batch_size": 4, "max_steps": 1},
+        "logging": {"progress_bar": False}, "output_dir": str(tmp_path / "run"),
+    }  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable))
+    command = [accelerate, "launch", "--num_processes", "2", "--cpu", "-m", "leangrpo", "train", "-c"]
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    proc = subprocess.run([*command, str(tmp_path / "run.yaml")], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "training on 1 process" in proc.stdout
+    assert "accelerate launch asked for 2 processes but 1 formed" in proc.stdout

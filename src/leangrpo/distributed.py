@@ -14,6 +14,7 @@ import copy
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +39,27 @@ def fsdp_requested() -> bool:
             "(see configs/accelerate/fsdp2.yaml)"
         )
     return True
+
+
+def launcher_processes(cmdline: list[str] | None = None) -> int | None:
+    """How many processes the `accelerate launch` that started this one asked for (`--num_processes N`),
+    read from the parent's command line (Linux); None when unknown. `accelerate launch --cpu` starts one
+    process whatever N says, so a mismatch is worth a line."""
+    if cmdline is None:
+        try:
+            raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+        except OSError:
+            return None
+        cmdline = raw.decode(errors="replace").split("\0")
+    if not any("accelerate" in arg for arg in cmdline[:2]) or "launch" not in cmdline:
+        return None
+    for i, arg in enumerate(cmdline):
+        value = arg.partition("=")[2] if arg.startswith("--num_processes=") else None
+        if arg == "--num_processes" and i + 1 < len(cmdline):
+            value = cmdline[i + 1]
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
 
 
 class Replicated:
