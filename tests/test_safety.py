@@ -491,3 +491,21 @@ def test_export_to_a_full_disk_is_one_line(tmp_path, tiny_model_dir, gsm8k_dir):
         result = CliRunner().invoke(main, ["export", str(run), "--out", str(tmp_path / "out")])
     one_line_error(result, "cannot export to", "File too large")
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.tmp").exists()
+
+
+def test_a_huge_prompt_is_not_tokenized_whole(real_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from leangrpo.rollout import encode_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(real_tokenizer_dir, padding_side="left", truncation_side="left")
+    seen: list[int] = []
+
+    def spy(texts, **kwargs):
+        seen.extend(map(len, texts))
+        return tokenizer(texts, **kwargs)
+
+    huge = "What is 2 + 2? " * 400_000  # 6 MB
+    ids, _ = encode_prompts(spy, [huge], max_prompt_length=32, repeat=1)
+    assert max(seen) <= 64 * 32
+    assert ids[0].tolist() == tokenizer(huge[-20_000:], add_special_tokens=False).input_ids[-32:]

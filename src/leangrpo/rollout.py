@@ -217,12 +217,18 @@ def generate(
     return finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, ignore_eos, assistant_prefix)
 
 
+# No text averages more characters a token, so a text's last 64·N characters hold its last N tokens.
+MAX_CHARS_PER_TOKEN = 64
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompt_texts: list[str], max_prompt_length: int, repeat: int
 ) -> tuple[Tensor, Tensor]:
-    """Left-padded prompt ids and mask, each prompt repeated `repeat` times (one row per completion)."""
+    """Left-padded prompt ids and mask, each prompt repeated `repeat` times (one row per completion).
+    Left truncation keeps the last `max_prompt_length` tokens, so only the text's end is tokenized: a
+    50 MB question costs no more memory than a long one."""
     enc = tokenizer(
-        prompt_texts,
+        [text[-MAX_CHARS_PER_TOKEN * max_prompt_length :] for text in prompt_texts],
         return_tensors="pt",
         padding=True,
         truncation=True,

@@ -46,7 +46,14 @@ from .memory import (
 )
 from .models import frozen_copy, is_peft, load_model_and_tokenizer
 from .rewards import RewardContext, RewardScores, TrainerState, load_rewards, score_completions
-from .rollout import RolloutBatch, RolloutEngine, as_reward_inputs, rollout_engine, sampling_kwargs
+from .rollout import (
+    MAX_CHARS_PER_TOKEN,
+    RolloutBatch,
+    RolloutEngine,
+    as_reward_inputs,
+    rollout_engine,
+    sampling_kwargs,
+)
 from .rundir import RunDirError, RunLock, check_output_dir, drop_replaced, error_reason, start_run
 from .signals import StopSignals
 from .tasks import load_task
@@ -719,9 +726,9 @@ class Trainer:
         limit, prefix = self.cfg.grpo.max_prompt_length, self.cfg.data.assistant_prefix
         texts = (render_prompt(self.tokenizer, r["prompt"], prefix) for r in self.rows)
 
-        def too_long(text: str) -> bool:  # past 64 characters a token, no need to tokenize (50 MB questions)
+        def too_long(text: str) -> bool:  # too many characters for `limit` tokens: no need to tokenize it
             return (
-                len(text) > 64 * limit
+                len(text) > MAX_CHARS_PER_TOKEN * limit
                 or len(self.tokenizer(text, add_special_tokens=False).input_ids) > limit
             )
 
