@@ -20,3 +20,23 @@ def test_missing_vllm_stops_in_one_line_with_the_install_command(tmp_path, monke
     msg = str(info.value)
     assert "\n" not in msg
     assert msg.startswith("grpo.use_vllm needs vLLM") and INSTALL in msg
+
+
+def test_hf_top_k_one_samples_the_greedy_completion(tiny_model_dir):
+    """top_k (TRL's name, passed to both engines) reaches HF sampling: k = 1 leaves only the argmax."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.models import load_tokenizer
+    from leangrpo.rollout import generate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tok = load_tokenizer(str(tiny_model_dir))
+    kw = dict(num_generations=3, max_prompt_length=16, max_completion_length=6)
+    greedy = generate(model, tok, ["a b c"], do_sample=False, **kw)
+    torch.manual_seed(0)
+    top1 = generate(model, tok, ["a b c"], temperature=2.0, top_k=1, **kw)
+    torch.manual_seed(0)
+    sampled = generate(model, tok, ["a b c"], temperature=2.0, **kw)
+    assert torch.equal(top1.completion_ids, greedy.completion_ids)
+    assert not torch.equal(sampled.completion_ids, greedy.completion_ids)  # at T=2 sampling differs

@@ -203,3 +203,17 @@ def test_train_fail_and_resume_with_vllm_from_the_cli(tmp_path, model_dir, gsm8k
         assert r["vllm/logprob_diff_max"] < 1e-3, r  # the engine samples from the trainer's weights
         assert r["vllm/is_ratio_mean"] == pytest.approx(1.0, abs=1e-3) and r["vllm/is_clipped_frac"] == 0
     assert rows[0]["grad_norm"] > 0 and (run / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sleep mode needs CUDA")
+def test_sleep_mode_frees_the_engine_between_rollouts_and_the_sync_wakes_it(model_dir, tokenizer):
+    engine = VLLMEngine(config(model_dir, vllm_enable_sleep_mode=True), tokenizer, [tokenizer.eos_token_id])
+    model = load(model_dir).cuda()
+    engine.sync_weights(model)
+    first = engine.generate(PROMPTS, num_generations=1, do_sample=False, **LENGTHS)
+    assert engine.weights_asleep  # level 2 after the rollout: KV cache and weights released
+    engine.sync_weights(model)
+    assert not engine.weights_asleep
+    again = engine.generate(PROMPTS, num_generations=1, do_sample=False, **LENGTHS)
+    torch.testing.assert_close(again.completion_ids, first.completion_ids)
