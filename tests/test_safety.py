@@ -509,3 +509,14 @@ def test_a_huge_prompt_is_not_tokenized_whole(real_tokenizer_dir):
     ids, _ = encode_prompts(spy, [huge], max_prompt_length=32, repeat=1)
     assert max(seen) <= 64 * 32
     assert ids[0].tolist() == tokenizer(huge[-20_000:], add_special_tokens=False).input_ids[-32:]
+
+
+def test_a_disk_failing_as_the_run_starts_is_one_line(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("leangrpo.trainer.open_trackers", full)  # the first write after the config
+    run = tmp_path / "x"
+    one_line_error(
+        train_cli("-c", str(tiny_run_config(tmp_path, tiny_model_dir, gsm8k_dir, run))), "errno 28"
+    )

@@ -183,6 +183,9 @@ class Trainer:
         self.lock = RunLock(self.run_dir) if self.is_main else None
         try:
             self._take_run_dir(overwrite)
+        except OSError as e:  # a tracker's directory, a log... on a full or read-only disk
+            self.release()
+            raise RunDirError(f"cannot write in {self.run_dir}: {error_reason(e)}") from None
         except BaseException:
             self.release()
             raise
