@@ -80,3 +80,21 @@ def test_logprob_workspace_of_the_update_forward_matches_the_plan():
             tracker.peak - tracker.start,
             want,
         )
+
+
+def test_logprob_backward_workspace_with_a_trained_head_matches_the_plan():
+    """Full fine-tuning: the fp32 lm_head gradient lives through every chunk, then through its bf16 cast."""
+    from leangrpo import plan
+    from leangrpo.logprobs import token_logprobs
+
+    live_peak = load_script()
+    shape = plan.ModelShape.from_config(plan._llama(64, 64, 1, 4, 4, 40_000, True), "toy")
+    knobs = plan.Knobs(method="full", dtype="bfloat16", logprob_chunk_size=32)
+    hidden = torch.randn(1, 128, 64, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(40_000, 64, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 40_000, (1, 128))
+    tracker = live_peak.LiveTensors()
+    with tracker:
+        token_logprobs(hidden, weight, targets, chunk_size=32).sum().backward()
+    want = plan.logprob_workspace(shape, knobs, 128, backward=True)
+    assert abs((tracker.peak - tracker.start) / want - 1) < 0.03, (tracker.peak - tracker.start, want)

@@ -426,17 +426,17 @@ def logprob_workspace(shape: ModelShape, k: Knobs, rows: int, backward: bool, en
     """logprobs._ChunkedTokenLogprobs: one chunk's fp32 logits (and, below fp32, the matmul output they
     are cast from); with `entropy` (the update's forward) a second fp32 chunk, their exponentials;
     backward adds grad_hidden and, when lm_head trains (full fine-tuning), the fp32 grad_weight
-    accumulator (and its cast back to the weight's dtype)."""
+    accumulator, which lives through every chunk and then through its cast back to the weight's dtype
+    (made once the last chunk is freed)."""
     chunk = min(k.logprob_chunk_size, rows)
     v, h, e = shape.vocab_size, shape.hidden_size, k.e
     cast = e if e != 4 else 0  # a second, low-precision copy exists only when the model is not fp32
     ws = chunk * v * max(4 + cast, 8 if entropy else 0)
     if not backward:
         return ws
-    ws += rows * h * e
     if k.method == "full":
-        ws += v * h * (4 + cast)
-    return ws
+        return rows * h * e + v * h * 4 + max(chunk * v * (4 + cast), v * h * cast)
+    return rows * h * e + ws
 
 
 def forward_transient(shape: ModelShape, k: Knobs, tokens: int) -> int:
