@@ -182,6 +182,13 @@ def test_epsilon_high_below_epsilon(minimal_yaml):
     assert load_config(minimal_yaml, ["grpo.epsilon_high=0.2"]).grpo.epsilon_high == 0.2
 
 
+def test_cispo_and_sapo_options(minimal_yaml):
+    cfg = load_config(minimal_yaml, ["grpo.loss_type=sapo", "grpo.sapo_temperature_neg=2"])
+    assert cfg.grpo.loss_type == "sapo" and cfg.grpo.sapo_temperature_neg == 2.0
+    msg = config_error(minimal_yaml, ["grpo.loss_type=cispo", "grpo.epsilon_high=5", "grpo.delta=8"])
+    assert "grpo.delta clips the ratio, which loss_type cispo does not" in msg
+
+
 def test_delta_must_exceed_the_upper_clip(minimal_yaml):
     msg = config_error(minimal_yaml, ["grpo.epsilon_high=0.28", "grpo.delta=1.2"])
     assert "grpo.delta=1.2 must exceed 1 + epsilon_high = 1.28" in msg

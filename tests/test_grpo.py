@@ -483,6 +483,43 @@ def test_top_entropy_quantile_keeps_the_policy_term_of_high_entropy_tokens_only(
         _loss(logp, old, ref, adv, mask, "dapo", top_entropy_quantile=0.4)
 
 
+def test_cispo_hand_computed():
+    # Cap epsilon_high = 1.28 on the tiny example: weights seq 0 [1.1, 1.28 (capped, A > 0: clipped), 0.5],
+    # seq 1 [0.5, 1.1]; per token -w · A · logp with logp = log r; dapo: / 5. The weight is a constant:
+    # d/dlogp = -w · A / 5.
+    logp, old, ref, adv, mask = _tiny()
+    loss, stats = grpo_loss(
+        logp, old, ref, adv, mask, loss_type="cispo", epsilon=EPS, epsilon_high=1.28, beta=0.0,
+        num_sequences=2, num_tokens=5.0, max_completion_length=MAX_LEN,
+    )  # fmt: skip
+    w = [[1.1, 1.28, 0.5], [0.5, 1.1, 0.0]]
+    lr = [[math.log(r) for r in row] for row in RATIOS]
+    expected = -sum(w[0][t] * lr[0][t] for t in range(3)) + sum(w[1][t] * lr[1][t] for t in range(2))
+    close(loss, expected / 5, atol=1e-9)
+    assert stats.clipped_tokens == 1.0
+    loss.backward()
+    close(logp.grad, [[-x / 5 for x in w[0]], [x / 5 for x in w[1]]], atol=1e-9)
+
+
+def test_sapo_hand_computed():
+    # Per token -sigmoid(tau (r - 1)) · 4 / tau · A, tau = 1 for A > 0 and 1.05 otherwise; grpo normalisation;
+    # d/dlogp = -4 A · s (1 - s) · r with s the sigmoid. No clipping.
+    logp, old, ref, adv, mask = _tiny()
+    loss, stats = _loss(logp, old, ref, adv, mask, "sapo")
+
+    def sig(x):
+        return 1 / (1 + math.exp(-x))
+
+    terms, grads = [], []
+    for ratios, a, n, tau in ((RATIOS[0], 1.0, 3, 1.0), (RATIOS[1][:2], -1.0, 2, 1.05)):
+        terms.append(sum(-sig(tau * (r - 1)) * 4 / tau * a for r in ratios) / n)
+        grads.append([-4 * a * sig(tau * (r - 1)) * (1 - sig(tau * (r - 1))) * r / (n * 2) for r in ratios])
+    close(loss, sum(terms) / 2, atol=1e-9)
+    assert stats.clipped_tokens == 0.0
+    loss.backward()
+    close(logp.grad, [grads[0], grads[1] + [0.0]], atol=1e-9)
+
+
 def test_mask_truncated_drops_cut_off_rows():
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
     out = mask_truncated(mask, torch.tensor([True, False, False]))

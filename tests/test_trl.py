@@ -25,6 +25,7 @@ def trl_loss(
     logp, old, ref, adv, mask, *, loss_type, bias_correction_kl, accumulation_steps, num_items, max_len,
     eps=EPS, eps_high=EPS_HIGH, beta=BETA,
     importance_sampling_level="token", delta=None, entropy=None, top_entropy_quantile=1.0,
+    sapo_temperatures=(1.0, 1.05),
 ):  # fmt: skip
     """TRL 1.16's `_compute_loss` on one micro-batch of one process: (loss, TRL's metrics dict)."""
     metrics = defaultdict(list)
@@ -36,7 +37,11 @@ def trl_loss(
         importance_sampling_level=importance_sampling_level,
         beta=beta,
         args=SimpleNamespace(
-            use_bias_correction_kl=bias_correction_kl, delta=delta, steps_per_generation=accumulation_steps
+            use_bias_correction_kl=bias_correction_kl,
+            delta=delta,
+            steps_per_generation=accumulation_steps,
+            sapo_temperature_pos=sapo_temperatures[0],
+            sapo_temperature_neg=sapo_temperatures[1],
         ),
         loss_type=loss_type,
         epsilon_low=eps,
@@ -148,6 +153,36 @@ def test_variants_match_trl(loss_type, variant):
         assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-12)
     torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-12, rtol=0)
     assert (ours.grad - plain.grad).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+def test_cispo_and_sapo_match_trl(loss_type, level):
+    """TRL's other two cheap loss types, token and sequence level, with the entropy mask, off-policy,
+    GA = 2, beta > 0: the same loss and gradient (cispo's cap epsilon_high = 1.5 clips some tokens)."""
+    base, old, ref, adv, mask = _batch(5)
+    old = base + (old - base) * 3
+    entropy = torch.rand(base.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64) * 4
+    n, c = base.shape
+    options = {"importance_sampling_level": level, "top_entropy_quantile": 0.6}
+    ours, theirs = base.clone().requires_grad_(), base.clone().requires_grad_()
+    for rows in (slice(0, 3), slice(3, 6)):
+        loss, _ = grpo_loss(
+            ours[rows], old[rows], ref[rows], adv[rows], mask[rows],
+            loss_type=loss_type, epsilon=EPS, epsilon_high=1.5, beta=BETA, num_sequences=n,
+            num_tokens=float(mask.sum()), max_completion_length=c, accumulation_steps=2,
+            bias_correction_kl=True, entropy=entropy[rows], sapo_temperatures=(0.9, 1.2), **options,
+        )  # fmt: skip
+        loss.backward()
+        ref_loss, _ = trl_loss(
+            theirs[rows], old[rows], ref[rows], adv[rows], mask[rows], loss_type=loss_type,
+            bias_correction_kl=True, accumulation_steps=2, num_items=mask.sum(), max_len=c, eps_high=1.5,
+            entropy=entropy[rows], sapo_temperatures=(0.9, 1.2), **options,
+        )  # fmt: skip
+        ref_loss.backward()
+        assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-12)
+    torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-12, rtol=0)
+    assert ours.grad.abs().sum() > 0
 
 
 def test_bias_correction_changes_the_kl_gradient_even_on_policy():

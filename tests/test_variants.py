@@ -94,6 +94,17 @@ def test_gspo_delta_and_entropy_reach_the_loss(tmp_path, tiny_model_dir, gsm8k_d
 
 
 @pytest.mark.slow
+def test_sapo_temperatures_reach_the_loss(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    seen: list[dict[str, Any]] = []
+    real_loss = grpo.grpo_loss
+    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: seen.append(k) or real_loss(*a, **k))
+    grpo_section = {"loss_type": "sapo", "sapo_temperature_pos": 0.9, "sapo_temperature_neg": 1.2}
+    metrics = make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, grpo=grpo_section).step(1)
+    assert [(k["loss_type"], k["sapo_temperatures"]) for k in seen] == [("sapo", (0.9, 1.2))]
+    assert metrics["grad_norm"] > 0
+
+
+@pytest.mark.slow
 def test_mask_truncated_completions_leaves_cut_off_completions_out(tmp_path, tiny_model_dir, gsm8k_dir):
     # ignore_eos cuts every completion off at max_completion_length: with the mask, nothing trains.
     grpo_section = {"ignore_eos": True, "mask_truncated_completions": True}

@@ -252,8 +252,16 @@ class GRPOSection(_Section):
         "with uninformative groups (metric dynamic_sampling/filled)",
     )
     num_iterations: int = Field(1, ge=1, description="updates per generation batch (mu)")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
-        "dapo", description="how per-token losses are averaged (docs/trl.md)"
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = Field(
+        "dapo",
+        description="how per-token losses are averaged (docs/trl.md); cispo: the ratio capped at "
+        "epsilon_high (ScaleRL: 5) weights the log-prob; sapo: a sigmoid gate instead of the clip",
+    )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0, description="sapo: the gate's temperature, positive advantages"
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0, description="sapo: the gate's temperature, non-positive advantages"
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="divide advantages by the group's std, the batch's, or not at all"
@@ -534,6 +542,8 @@ class Config(_Section):
             raise ValueError(
                 f"grpo.epsilon_high={self.grpo.epsilon_high} is below grpo.epsilon={self.grpo.epsilon}"
             )
+        if self.grpo.delta is not None and self.grpo.loss_type in ("cispo", "sapo"):
+            raise ValueError(f"grpo.delta clips the ratio, which loss_type {self.grpo.loss_type} does not")
         upper = 1 + (self.grpo.epsilon_high or self.grpo.epsilon)
         if self.grpo.delta is not None and self.grpo.delta <= upper:
             raise ValueError(

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
@@ -203,6 +203,7 @@ def grpo_loss(
     entropy: Tensor | None = None,
     top_entropy_quantile: float = 1.0,
     sampler_weights: Tensor | None = None,
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
 ) -> tuple[Tensor, LossStats]:
     """The clipped GRPO surrogate (+ beta × k3 KL) of one micro-batch, scaled so that summing it over
     the micro-batches of an accumulated batch gives that batch's loss, as TRL 1.16 computes it.
@@ -219,6 +220,9 @@ def grpo_loss(
     term stays on every token, and the normalisation is unchanged, as in TRL).
     `sampler_weights` ([N, C] or [N, 1], from `sampler_importance_weights`) scale the surrogate, not
     the KL term (TRL's vLLM importance-sampling correction).
+    cispo (MiniMax-M1) weights each token's log-prob by its ratio capped at `epsilon_high`, a constant
+    (no gradient through the weight), normalised as dapo; sapo (Qwen) replaces the clip by a sigmoid gate
+    with `sapo_temperatures` (positive, non-positive advantages), normalised as grpo. As in TRL.
     """
     # Masked positions (after EOS) hold arbitrary log-probs: they are selected out before any exp, since
     # multiplying by the mask afterwards turns an overflow there into 0 · inf = NaN (loss and gradient).
@@ -228,9 +232,22 @@ def grpo_loss(
         log_ratio = sequence_log_ratio(log_ratio, keep)
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
-    clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    capped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
-    per_token = -torch.min(capped_ratio * adv, clipped_ratio * adv)
+    # is_clipped: where a clip zeroes the gradient (with GSPO, every token of a clipped completion).
+    if loss_type == "cispo":
+        weight = torch.clamp(ratio, max=epsilon_high).detach()
+        per_token = -weight * adv * torch.where(keep, logp, 0.0)
+        is_clipped = (ratio > epsilon_high) & (adv > 0)
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, *sapo_temperatures)
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+        is_clipped = torch.zeros_like(adv, dtype=torch.bool)  # a gate, no clip
+    else:
+        clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+        capped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
+        per_token = -torch.min(capped_ratio * adv, clipped_ratio * adv)
+        is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
+        if delta is not None:
+            is_clipped |= (ratio > delta) & (adv < 0)
     if top_entropy_quantile < 1.0:
         if entropy is None:
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropy")
@@ -244,11 +261,11 @@ def grpo_loss(
         per_token = per_token + beta * kl
     per_token = torch.where(keep, per_token, 0.0)
 
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         loss = (per_token.sum(1) / keep.sum(1).clamp(min=1)).sum() / num_sequences
     elif loss_type == "bnpo":
         loss = per_token.sum() / keep.sum().clamp(min=1) / accumulation_steps
-    elif loss_type == "dapo":
+    elif loss_type in ("dapo", "cispo"):
         loss = per_token.sum() / max(num_tokens, 1.0)
     elif loss_type == "dr_grpo":
         loss = per_token.sum() / (num_sequences * max_completion_length)
@@ -256,10 +273,6 @@ def grpo_loss(
         raise ValueError(f"unknown loss_type {loss_type!r}")
 
     with torch.no_grad():
-        # Tokens whose gradient a clip zeroes (with GSPO, every token of a clipped completion).
-        is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
-        if delta is not None:
-            is_clipped |= (ratio > delta) & (adv < 0)
         stats = LossStats(
             kl_sum=float(kl[keep].sum()) if kl is not None else 0.0,
             clipped_tokens=float((is_clipped & keep).sum()),

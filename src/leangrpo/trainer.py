@@ -434,6 +434,7 @@ class Trainer:
                         advantages[rows],
                         mask[rows, :width],
                         loss_type=g.loss_type,
+                        sapo_temperatures=(g.sapo_temperature_pos, g.sapo_temperature_neg),
                         epsilon=g.epsilon,
                         epsilon_high=g.epsilon_high or g.epsilon,
                         beta=g.beta,
