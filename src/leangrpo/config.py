@@ -360,6 +360,12 @@ class GRPOSection(_Section):
             )
         return v
 
+    shuffle_rewards: bool = Field(
+        False,
+        description="control experiment: permute each group's rewards at random before the advantages, so "
+        "no completion is credited for its own reward (metrics log the true rewards)",
+    )
+
     @field_validator("scale_rewards", mode="before")
     @classmethod
     def _scale_bool(cls, v: Any) -> Any:

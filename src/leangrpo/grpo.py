@@ -29,6 +29,15 @@ def mask_after_eos(completion_ids: Tensor, eos_token_ids: list[int]) -> tuple[Te
     return (positions[None, :] <= first[:, None]).long(), has_eos
 
 
+def shuffle_within_groups(num_rows: int, num_generations: int, generator: torch.Generator) -> Tensor:
+    """Row indices that put each group's rows (laid out group by group) in a random order: indexing the
+    rewards with them is the random-reward control, where the same rewards reach a group but not the
+    completions that earned them."""
+    groups = num_rows // num_generations
+    order = torch.rand(groups, num_generations, generator=generator).argsort(dim=1)
+    return (order + torch.arange(groups).unsqueeze(1) * num_generations).flatten()
+
+
 def group_advantages(
     rewards: Tensor,
     num_generations: int,

@@ -68,6 +68,7 @@ def _series(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, tupl
 def plot_curve(rows: list[dict[str, Any]], curve: Curve, out: Path) -> Path | None:
     """Draw one curve into `out` (PNG); None when the run recorded none of its metrics."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no display needed (Agg)
+    from matplotlib.ticker import MaxNLocator
 
     series = _series(rows, curve.keys)
     if not series:
@@ -78,6 +79,7 @@ def plot_curve(rows: list[dict[str, Any]], curve: Curve, out: Path) -> Path | No
         ax.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3, label=key)
     ax.set_title(curve.title)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.grid(alpha=0.3)
     if len(series) > 1:
         ax.legend(fontsize=7)

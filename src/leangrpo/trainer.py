@@ -121,6 +121,7 @@ class Trainer:
         distributed.check_options(self.dist, cfg)
         check_vllm(cfg, self.acc.num_processes)
         self.task = load_task(cfg.task)
+        self.shuffle_generator = torch.Generator().manual_seed(cfg.seed)  # grpo.shuffle_rewards only
         self.reward_funcs = load_rewards(cfg.rewards.functions, self.task)
         loaded = load_rows(cfg.data, self.task)
         self.rows, self.skipped = loaded.rows, loaded.skipped
@@ -358,6 +359,10 @@ class Trainer:
         combined as `rewards.multi_objective_aggregation` says."""
         acc = self.acc
         per_func, total = acc.gather(scores.per_func.to(acc.device)), acc.gather(scores.total.to(acc.device))
+        if self.cfg.grpo.shuffle_rewards:
+            G = self.cfg.grpo.num_generations
+            rows = grpo.shuffle_within_groups(len(total), G, self.shuffle_generator).to(total.device)
+            per_func, total = per_func[rows], total[rows]
         advantages, group_std = self._combine(per_func, total)
         n = len(scores.total)
         return advantages[acc.process_index * n : (acc.process_index + 1) * n], group_std

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import pkgutil
+import re
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -25,6 +26,9 @@ from ..rewards.builtin import (
 if TYPE_CHECKING:
     from ..config import TaskConfig
     from ..rewards import RewardFunc
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 class TaskError(UserError, ValueError):
@@ -82,6 +86,12 @@ class Task:
     def is_correct(self, completion: str, row: dict[str, Any]) -> bool:
         """The evaluation's correctness: math-verify finds the answer equal to the gold one."""
         return "answer" in row and answers_match(predicted_answer(completion), str(row["answer"]))
+
+    def is_correct_lenient(self, completion: str, row: dict[str, Any]) -> bool:
+        """Correctness whatever the format: the answer tags' content when they are closed, else the last
+        number in the completion (lm-eval's "flexible extract"), judged by `is_correct`."""
+        answer = extract_xml_answer(completion) or next(reversed(_NUMBER.findall(completion)), "")
+        return self.is_correct(f"<answer>\n{answer}\n</answer>", row)
 
     def sample_view(self, row: dict[str, Any], completion: str) -> dict[str, Any]:
         """What a logged sample (completions.jsonl, eval records) shows of a row and its completion."""
