@@ -104,8 +104,8 @@ def test_plots_have_integer_step_ticks(tmp_path, monkeypatch):
 
     from leangrpo.report import CURVES, plot_curve
 
-    saved = []
-    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    saved, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig) or savefig(fig, *a, **k))
     plot_curve([{"step": s, "reward": s / 3} for s in range(1, 21)], CURVES[0], tmp_path / "r.png")
     ticks = saved[0].axes[0].get_xticks()
     assert len(ticks) > 2 and all(t == int(t) for t in ticks)
