@@ -506,3 +506,30 @@ def test_accelerate_launch_cpu_that_forms_one_process_says_so(tmp_path, tiny_mod
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "training on 1 process" in proc.stdout
     assert "accelerate launch asked for 2 processes but 1 formed" in proc.stdout
+
+
+def test_evaluation_passes_completion_ids_to_trl_rewards(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from leangrpo.evaluate import evaluate
+    from leangrpo.tasks.dataset import TASK
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    rows = [{"prompt": [{"role": "user", "content": q}], "answer": "1"} for q in ("Hi", "Hello there", "Yo")]
+    overlong = load_reward(
+        "trl.rewards:get_soft_overlong_punishment", kwargs={"max_completion_len": 5, "soft_punish_cache": 4}
+    )
+    result = evaluate(
+        model,
+        tok,
+        rows,
+        [("overlong", overlong, 1.0)],
+        TASK(),
+        max_new_tokens=5,
+        batch_size=2,
+        progress=False,
+    )
+    for record in result.records:  # -(length - 1) / 4 past 1 token: the ids reached the reward
+        assert record["rewards"]["overlong"] == pytest.approx(-max(record["length"] - 1, 0) / 4)
+    assert any(record["length"] > 1 for record in result.records)

@@ -123,12 +123,15 @@ def evaluate(
         bar.close()
 
     completions = [g[0][0] for g in greedy]
-    records = score(rows, completions, reward_funcs, task, has_chat_template(tokenizer), on_error)
-    for record, [(_, length, truncated)] in zip(records, greedy, strict=True):
+    conversational = has_chat_template(tokenizer)
+    records = score(
+        rows, completions, reward_funcs, task, conversational, on_error, [g[0][3] for g in greedy]
+    )
+    for record, [(_, length, truncated, _)] in zip(records, greedy, strict=True):
         record.update(length=length, truncated=truncated)
     if sampled is not None:
         for record, row, samples in zip(records, rows, sampled, strict=True):
-            record["samples_correct"] = sum(task.is_correct(text, row) for text, _, _ in samples)
+            record["samples_correct"] = sum(task.is_correct(text, row) for text, _, _, _ in samples)
     return EvalResult(summarize(records, reward_funcs, num_samples), records)
 
 
@@ -142,18 +145,27 @@ def _generate_all(
     prompts_per_call: int,
     bar: Any,
     **kwargs: Any,
-) -> list[list[tuple[str, int, bool]]]:
-    """(text, token length, truncated) of `per_prompt` completions for each prompt, in `texts` order."""
+) -> list[list[tuple[str, int, bool, list[int]]]]:
+    """(text, token length, truncated, token ids) of `per_prompt` completions for each prompt, in `texts`
+    order."""
     from .rollout import generate
 
-    out: list[list[tuple[str, int, bool]]] = [[] for _ in texts]
+    out: list[list[tuple[str, int, bool, list[int]]]] = [[] for _ in texts]
     for start in range(0, len(order), prompts_per_call):
         idx = order[start : start + prompts_per_call]
         batch = generate(model, tokenizer, [texts[i] for i in idx], num_generations=per_prompt, **kwargs)
         lengths, truncated = batch.lengths().tolist(), batch.truncated.tolist()
         for j, i in enumerate(idx):
             group = range(j * per_prompt, (j + 1) * per_prompt)
-            out[i] = [(batch.completion_texts[c], int(lengths[c]), bool(truncated[c])) for c in group]
+            out[i] = [
+                (
+                    batch.completion_texts[c],
+                    int(lengths[c]),
+                    bool(truncated[c]),
+                    batch.completion_ids[c, : lengths[c]].tolist(),
+                )
+                for c in group
+            ]
         bar.update(len(idx) * per_prompt)
     return out
 
@@ -165,15 +177,17 @@ def score(
     task: Task,
     conversational: bool,
     on_error: Literal["raise", "missing"] = "missing",
+    completion_ids: list[list[int]] | None = None,
 ) -> list[dict[str, Any]]:
     """One record per (row, completion): the task's view of it (question, completion, extracted answer,
-    gold), whether it is correct, each reward (None where not applicable or failed) and their total."""
-    from .rewards import score_completions
+    gold), whether it is correct, each reward (None where not applicable or failed) and their total.
+    Rewards get `completion_ids` when given (no `trainer_state` outside training)."""
+    from .rewards import RewardContext, score_completions
     from .rollout import as_reward_inputs
 
     prompts, comps = as_reward_inputs([r["prompt"] for r in rows], completions, conversational)
     columns = {k: [r.get(k) for r in rows] for k in rows[0] if k != "prompt"}
-    scores = score_completions(reward_funcs, prompts, comps, columns, on_error)
+    scores = score_completions(reward_funcs, prompts, comps, columns, on_error, RewardContext(completion_ids))
     records = []
     for i, (row, text) in enumerate(zip(rows, completions, strict=True)):
         rewards = {name: _finite(scores.per_func[i, f]) for f, name in enumerate(scores.names)}
