@@ -190,6 +190,9 @@ def test_checkpointing_and_chunking_shrink_the_update_peak():
     assert plan.estimate(shape, plan.replace(base, beta=0.04)).components["reference model"] == 0
     full_kl = plan.estimate(shape, plan.replace(base, method="full", beta=0.04))
     assert full_kl.components["reference model"] == full_kl.components["weights"]
+    fp32 = plan.replace(base, method="full", beta=0.04, dtype="float32")
+    bf16_ref = plan.estimate(shape, plan.replace(fp32, reference_dtype="bfloat16"))
+    assert bf16_ref.components["reference model"] * 2 == plan.estimate(shape, fp32).components["weights"]
 
 
 def test_fit_searches_g_then_completion_then_batch():

@@ -208,6 +208,12 @@ class GRPOSection(_Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
     top_k: int = Field(0, ge=0, description="sample among the k most likely tokens only; 0: no limit")
     beta: float = Field(0.0, ge=0, description="KL weight; > 0 needs reference log-probs")
+    reference_dtype: Literal["auto", "bfloat16"] = Field(
+        "auto",
+        description="full fine-tuning with beta > 0: the frozen reference copy's weight dtype. auto: "
+        "model.dtype; bfloat16: half the copy's memory when the policy trains in fp32, at a small KL "
+        "error (docs/memory.md); its log-probs stay fp32",
+    )
     use_bias_correction_kl: bool = Field(
         True,
         description="multiply the per-token KL by the importance ratio: the unbiased KL gradient, TRL's "

@@ -263,9 +263,16 @@ def merge_lora(model: nn.Module, dtype: torch.dtype | None = None) -> PreTrained
     return merged if dtype is None else merged.to(dtype)
 
 
-def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
-    """The full-fine-tuning reference: a frozen copy of the starting weights."""
-    ref = copy.deepcopy(model).eval()
+def frozen_copy(model: PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """The full-fine-tuning reference: a frozen copy of the starting weights, its floating-point
+    parameters cast to `dtype` if given. Each parameter is copied straight into `dtype` (never a
+    transient full-precision copy); buffers (rotary frequencies) keep their dtype, as when loading."""
+    memo: dict[int, Any] = {}
+    if dtype is not None:
+        for p in model.parameters():
+            if p.is_floating_point():
+                memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False)
+    ref = copy.deepcopy(model, memo).eval()
     ref.requires_grad_(False)
     return ref
 

@@ -212,6 +212,7 @@ class Knobs:
     gradient_checkpointing: bool = True
     optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
     beta: float = 0.0
+    reference_dtype: Literal["auto", "bfloat16"] = "auto"  # the full-fine-tuning reference copy's weights
     num_iterations: int = 1
     logprob_chunk_size: int = 256
     share_prompt: bool = True
@@ -502,7 +503,8 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     adapters = n_train * tb if k.method != "full" else 0
     grads = n_train * tb
     optim = optimizer_bytes(tensors, tb, k.optimizer)
-    ref = weights if (k.beta > 0 and k.method == "full") else 0  # LoRA: reference = adapter disabled
+    ref_bytes = DTYPE_BYTES["bfloat16"] if k.reference_dtype == "bfloat16" else k.e
+    ref = shape.num_params() * ref_bytes if (k.beta > 0 and k.method == "full") else 0  # LoRA: adapter off
     n = k.fsdp  # FSDP2 splits every persistent tensor over n processes
     persistent = math.ceil((weights + adapters + optim + ref) / n)
     layer_numel = sum(c for _, c in shape.layer_tensors())
@@ -675,6 +677,7 @@ def knobs_from_config(cfg: Any, **overrides: Any) -> Knobs:
         optimizer=getattr(o, "optimizer", "adamw"),
         activation_offload=getattr(m, "activation_offload", False),
         beta=g.beta,
+        reference_dtype=g.reference_dtype,
         num_iterations=g.num_iterations,
         logprob_chunk_size=g.logprob_chunk_size,
         share_prompt=g.share_prompt,
@@ -746,7 +749,7 @@ _NOTES = {
     "trainable params": "LoRA adapters (fp32)",
     "gradients": "one per trainable parameter",
     "optimizer state": "",
-    "reference model": "frozen copy of the weights (full fine-tuning with beta > 0)",
+    "reference model": "frozen copy of the weights (full fine-tuning with beta > 0), in grpo.reference_dtype",
     "activations": "saved for backward, one micro-batch",
     "log-prob workspace": "chunked logits (+ fp32 lm_head grad when it trains)",
     "KV cache": "DynamicCache, whole generation batch",

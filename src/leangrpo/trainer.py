@@ -150,7 +150,8 @@ class Trainer:
         shared = self.group > 1
         self.ref_policy = None
         if g.beta > 0 and not is_peft(model):
-            ref = Policy(frozen_copy(model), g.temperature, g.logprob_chunk_size, shared)
+            dtype = None if g.reference_dtype == "auto" else getattr(torch, g.reference_dtype)
+            ref = Policy(frozen_copy(model, dtype), g.temperature, g.logprob_chunk_size, shared)
             self.ref_policy = self.dist.place_frozen(ref)
         if self.resume_from:  # into the whole model, before sharding (the reference keeps the start)
             self._check_steps_left(self.resume_from)
