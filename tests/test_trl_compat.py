@@ -255,6 +255,11 @@ TRL_YAML = {
     "report_to": "none",
     "logging_steps": 5,
     "push_to_hub": False,
+    "eval_strategy": "no",
+    "log_level": "info",
+    "gradient_checkpointing_kwargs": {"use_reentrant": False},
+    "dataset_prompt_column": "problem",
+    "system_prompt": "Think, then answer.",
     "output_dir": "runs/ported",
 }
 
@@ -274,7 +279,8 @@ def test_flat_trl_yaml_is_ported_field_by_field(tmp_path):
     assert cfg.data.path == "trl-lib/DeepMath-103K" and cfg.data.chat_template_kwargs == {
         "enable_thinking": False
     }
-    assert cfg.task.name == "dataset" and cfg.data.system_prompt is None
+    assert cfg.task.name == "dataset" and cfg.data.system_prompt == "Think, then answer."
+    assert cfg.data.prompt_column == "problem"
     assert [(f.name, f.kwargs, f.weight) for f in cfg.rewards.functions] == [
         ("trl.rewards:accuracy_reward", None, 1.0),
         ("trl.rewards:think_format_reward", None, 0.5),

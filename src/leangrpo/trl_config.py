@@ -31,6 +31,7 @@ _RENAMED = {
     "dataset_name": "data.path",
     "dataset_config": "data.hub_config",
     "dataset_train_split": "data.split",
+    "dataset_prompt_column": "data.prompt_column",  # open-r1's recipes
 }
 
 _TOP_LEVEL = ("output_dir", "seed")
@@ -38,9 +39,17 @@ _TOP_LEVEL = ("output_dir", "seed")
 _NEUTRAL = {
     "bf16": False, "fp16": False, "tf32": None, "push_to_hub": False, "use_vllm": False, "do_train": True,
     "use_liger_kernel": False, "logging_strategy": "steps", "save_strategy": "steps",
-    "remove_unused_columns": False, "overwrite_output_dir": True, "log_completions": True,
+    "remove_unused_columns": False, "log_completions": True, "do_eval": False, "eval_strategy": "no",
+    "model_revision": "main",
 }  # fmt: skip
 """TRL fields whose value (here) asks for what leangrpo does anyway: accepted and dropped."""
+
+_NO_EFFECT = (
+    "log_level", "logging_first_step", "gradient_checkpointing_kwargs", "per_device_eval_batch_size",
+    "overwrite_output_dir", "hub_model_id", "hub_strategy", "dataloader_num_workers",
+)  # fmt: skip
+"""TRL fields that change nothing a leangrpo run does, whatever their value (leangrpo logs step 1, picks
+non-reentrant checkpointing, never overwrites a run without --overwrite, pushes nothing): dropped."""
 
 _OPTIMIZERS = {
     "adamw_torch": "adamw", "adamw_torch_fused": "adamw",
@@ -115,7 +124,7 @@ def from_trl(flat: dict[str, Any], source: str) -> dict[str, Any]:
             out[key] = value
         elif section := next((s for s in _SECTIONS_SEARCHED if key in fields[s]), None):
             put(f"{section}.{key}", value)
-        elif key in _NEUTRAL and value == _NEUTRAL[key]:
+        elif (key in _NEUTRAL and value == _NEUTRAL[key]) or key in _NO_EFFECT:
             continue
         else:
             refused.append(f"{key}={value!r}")
