@@ -44,6 +44,13 @@ def test_load_in_4bit_without_lora_is_one_line():
     )
 
 
+def test_load_in_4bit_with_vllm_is_one_line():
+    data = {"model": {"name_or_path": "m", **QLORA}, "data": {"path": "d.jsonl"}, "grpo": {"use_vllm": True}}
+    with pytest.raises(ConfigError, match="grpo.use_vllm with model.load_in_4bit") as err:
+        validate_config(data)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 def test_load_in_4bit_quantizes_every_decoder_linear(tiny_model_dir, quant_type):
     model, _ = load_model_and_tokenizer(qlora_cfg(tiny_model_dir, bnb_4bit_quant_type=quant_type))
