@@ -98,7 +98,11 @@ def main() -> None:
     )
     for name in a.engines.split(","):
         build_start = time.perf_counter()
-        engine = HFEngine(model, tok) if name == "hf" else VLLMEngine(cfg, tok, eos_token_ids(tok, model))
+        engine = (
+            HFEngine(model, tok)
+            if name == "hf"
+            else VLLMEngine.from_config(cfg, tok, eos_token_ids(tok, model))
+        )
         engine.sync_weights(model)
         sampling = dict(num_generations=a.num_generations, max_prompt_length=64, ignore_eos=True)
         engine.generate([text], max_completion_length=8, **sampling)  # warm-up

@@ -272,6 +272,10 @@ def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: 
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Default: the config's.")
 @click.option("--out", help="Output JSON (records go to the .jsonl beside it).")
 @click.option("--trust-remote-code", is_flag=True, help="Let the model repository's own code run.")
+@click.option(
+    "--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
+    help="Generate with HF generate or vLLM (docs/vllm.md).",
+)  # fmt: skip
 @_user_errors
 def eval_cmd(model: str, pass_k: int, **options: Any) -> None:
     """Evaluate a model on held-out questions: accuracy, pass@k, format rates, rewards, lengths."""

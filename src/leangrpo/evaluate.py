@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from .config import Config, DataConfig
+    from .rollout import RolloutEngine
     from .tasks import Task
 
 RewardFuncs = list[tuple[str, Callable[..., list[Any]], float]]
@@ -74,16 +75,18 @@ def evaluate(
     seed: int = 0,
     on_error: Literal["raise", "missing"] = "missing",
     progress: bool = True,
+    engine: RolloutEngine | None = None,
 ) -> EvalResult:
     """Greedy-decode one completion per row (rows as `data.load_rows` makes them), score it with
     `reward_funcs` and the task's correctness, and with `num_samples = k > 0` also sample k completions
     per row for pass@k. Batched (`batch_size` prompts per call, left-padded, shortest padding first) under
     `inference_mode`; sampling uses its own seeded RNG stream, so a training run's randomness is
-    untouched."""
+    untouched. `engine` generates (default: HF generate on `model`; a VLLMEngine holding its weights)."""
     import torch
     from tqdm import tqdm
 
     from .data import has_chat_template, render_prompt
+    from .rollout import HFEngine
 
     if not rows:
         raise EvalError("no rows to evaluate")
@@ -91,8 +94,7 @@ def evaluate(
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
     order = sorted(range(len(rows)), key=lambda i: lengths[i])  # similar lengths share a batch
     gen: dict[str, Any] = dict(
-        model=model,
-        tokenizer=tokenizer,
+        engine=engine or HFEngine(model, tokenizer),
         texts=texts,
         order=order,
         max_prompt_length=max_prompt_length,
@@ -137,8 +139,7 @@ def evaluate(
 
 def _generate_all(
     *,
-    model: Any,
-    tokenizer: Any,
+    engine: RolloutEngine,
     texts: list[str],
     order: list[int],
     per_prompt: int,
@@ -148,12 +149,10 @@ def _generate_all(
 ) -> list[list[tuple[str, int, bool, list[int]]]]:
     """(text, token length, truncated, token ids) of `per_prompt` completions for each prompt, in `texts`
     order."""
-    from .rollout import generate
-
     out: list[list[tuple[str, int, bool, list[int]]]] = [[] for _ in texts]
     for start in range(0, len(order), prompts_per_call):
         idx = order[start : start + prompts_per_call]
-        batch = generate(model, tokenizer, [texts[i] for i in idx], num_generations=per_prompt, **kwargs)
+        batch = engine.generate([texts[i] for i in idx], num_generations=per_prompt, **kwargs)
         lengths, truncated = batch.lengths().tolist(), batch.truncated.tolist()
         for j, i in enumerate(idx):
             group = range(j * per_prompt, (j + 1) * per_prompt)
@@ -323,6 +322,7 @@ def run_eval(
     seed: int = 0,
     dtype: str | None = None,
     trust_remote_code: bool = False,
+    engine: Literal["hf", "vllm"] = "hf",
 ) -> tuple[EvalResult, Path]:
     """`leangrpo eval`: task, prompt format, rewards and lengths come from `config` (a run config YAML or
     run directory; by default the training config of `model` when it is a run, checkpoint or export),
@@ -330,8 +330,10 @@ def run_eval(
     from .config import DataConfig, RewardSpec, TaskConfig, load_config, validate_config
     from .models import load_trained, locate
     from .rewards import load_rewards
+    from .rollout import eos_token_ids
     from .rundir import is_run_dir
     from .tasks import load_task
+    from .vllm_engine import VLLMEngine, import_vllm
 
     if not re.fullmatch(r"\w[\w.-]*", split):
         raise EvalError(f"--split {split!r} is not a split name (letters, digits, '_', '.', '-')")
@@ -359,7 +361,20 @@ def run_eval(
     rows = load_eval_rows(data_cfg, task, source, split, limit)
 
     dtype = dtype or (cfg.model.dtype if cfg else None)
+    if engine == "vllm":
+        import_vllm()  # its one-line error before the model loads
     lm, tokenizer, _ = load_trained(model, dtype=dtype, adapter=adapter, trust_remote_code=trust_remote_code)
+    max_new_tokens = max_new_tokens or (cfg.grpo.max_completion_length if cfg else 256)
+    max_prompt_length = cfg.grpo.max_prompt_length if cfg else 512
+    generator = None
+    if engine == "vllm":  # vLLM loads the checkpoint, then takes the weights evaluated (adapter merged)
+        generator = VLLMEngine(
+            lm.name_or_path, tokenizer, eos_token_ids(tokenizer, lm),
+            max_model_len=max_prompt_length + max_new_tokens, dtype=dtype or "float32", seed=seed,
+            trust_remote_code=trust_remote_code,
+            gpu_memory_utilization=cfg.grpo.vllm_gpu_memory_utilization if cfg else 0.3,
+        )  # fmt: skip
+        generator.sync_weights(lm)
     result = evaluate(
         lm,
         tokenizer,
@@ -367,13 +382,14 @@ def run_eval(
         reward_funcs,
         task,
         assistant_prefix=data_cfg.assistant_prefix,
-        max_new_tokens=max_new_tokens or (cfg.grpo.max_completion_length if cfg else 256),
-        max_prompt_length=cfg.grpo.max_prompt_length if cfg else 512,
+        max_new_tokens=max_new_tokens,
+        max_prompt_length=max_prompt_length,
         batch_size=batch_size,
         num_samples=num_samples,
         temperature=cfg.grpo.temperature if cfg else 1.0,
         top_p=cfg.grpo.top_p if cfg else 1.0,
         seed=seed,
+        engine=generator,
     )
     meta = {"model": model, "adapter": adapter, "data": source, "split": split, "num_samples": num_samples}
     return result, result.save(out, **meta)

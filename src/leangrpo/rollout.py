@@ -117,7 +117,7 @@ def rollout_engine(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTok
         return HFEngine(model, tokenizer, cfg.grpo.packed_generation)
     from .vllm_engine import VLLMEngine
 
-    return VLLMEngine(cfg, tokenizer, eos_token_ids(tokenizer, model))
+    return VLLMEngine.from_config(cfg, tokenizer, eos_token_ids(tokenizer, model))
 
 
 def sampling_kwargs(cfg: Config) -> dict[str, Any]:

@@ -61,30 +61,51 @@ def check_vllm(cfg: Config, num_processes: int) -> None:
 class VLLMEngine:
     """A RolloutEngine on one colocated `vllm.LLM`."""
 
-    def __init__(self, cfg: Config, tokenizer: PreTrainedTokenizerBase, eos: list[int]):
+    def __init__(
+        self,
+        path: str,
+        tokenizer: PreTrainedTokenizerBase,
+        eos: list[int],
+        *,
+        max_model_len: int,
+        dtype: str = "float32",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.3,
+        sleep_mode: bool = False,
+        trust_remote_code: bool = False,
+    ):
+        """`path`: a model directory (or hub id) for vLLM to load; `sync_weights` replaces its weights."""
         vllm = import_vllm()
-        g = cfg.grpo
-        self.tokenizer, self.eos, self.sleep_mode = tokenizer, eos, g.vllm_enable_sleep_mode
-        path = resolve_model_path(cfg.model.name_or_path)
+        self.tokenizer, self.eos, self.sleep_mode = tokenizer, eos, sleep_mode
         try:
             self.llm = vllm.LLM(
                 model=path,
-                dtype=cfg.model.dtype,
-                seed=cfg.seed,
-                max_model_len=g.max_model_length,
-                gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-                enable_sleep_mode=self.sleep_mode,
-                trust_remote_code=cfg.model.trust_remote_code,
+                dtype=dtype,
+                seed=seed,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_sleep_mode=sleep_mode,
+                trust_remote_code=trust_remote_code,
                 # the log-probs of the distribution actually sampled (after temperature), as the trainer's
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",  # our sampling settings only, not the model's defaults
                 enforce_eager=not torch.cuda.is_available(),  # CUDA graphs pay off on GPUs only
             )
         except Exception as e:  # vLLM raises many types for a model it cannot run
-            raise VLLMError(f"vLLM could not load model.name_or_path={path}: {_last_line(e)}") from e
+            raise VLLMError(f"vLLM could not load {path}: {_last_line(e)}") from e
         self.weights_asleep = False
         # Each reload warns about the layers it is not sent (rotary tables, a tied lm_head): expected here.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+
+    @classmethod
+    def from_config(cls, cfg: Config, tokenizer: PreTrainedTokenizerBase, eos: list[int]) -> VLLMEngine:
+        """The training run's engine: its model, dtype, seed, context window and vLLM settings."""
+        g = cfg.grpo
+        return cls(
+            resolve_model_path(cfg.model.name_or_path), tokenizer, eos, max_model_len=g.max_model_length,
+            dtype=cfg.model.dtype, seed=cfg.seed, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+            sleep_mode=g.vllm_enable_sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
+        )  # fmt: skip
 
     def generate(
         self,
