@@ -89,7 +89,7 @@ def test_threads_leave_busy_cores_alone(monkeypatch):
 def test_demo_recipes():
     default = demo_config("chain_sum", 20, False, "runs/demo")
     assert default.data.path == "reasoning_gym:chain_sum" and default.eval.limit == 100
-    assert default.task.options()["config"]["chain_sum"]["min_digits"] == 2 and default.sft.steps == 0
+    assert default.task.options()["config"]["chain_sum"]["min_digits"] == 2 and default.sft.steps == 8
     assert not default.grpo.shuffle_rewards
     assert demo_config("chain_sum", 20, False, "o", control="random-reward").grpo.shuffle_rewards
     gsm8k = demo_config("gsm8k", 20, False, "o")
@@ -117,11 +117,12 @@ def test_default_demo_runs_from_any_directory_with_a_control(tmp_path, tiny_mode
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(TESTS, "..", "src"), TESTS])}
     proc = subprocess.run(
         [sys.executable, "-m", "leangrpo", "demo", "--model", str(tiny_model_dir), "--max-steps", "2",
-         "--eval-limit", "4", "--control", "random-reward", "--output-dir", "out"],
+         "--sft-steps", "1", "--eval-limit", "4", "--control", "random-reward", "--output-dir", "out"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "torch threads:" in proc.stdout and "expected time: about" in proc.stdout
+    assert "sft step    1" in proc.stdout
     assert "== 4 held-out questions" in proc.stdout and "McNemar p=" in proc.stdout
     assert "correct, lenient (any format)" in proc.stdout
     cfg = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())

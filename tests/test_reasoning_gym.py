@@ -55,6 +55,8 @@ def test_correctness_is_reasoning_gyms_score_of_the_answer_tags():
     reward = task.rewards()["correctness"]
     columns = {k: [row[k]] * 2 for k in ("question", "answer", "metadata")}
     assert reward(["p", "p"], [right, wrong], **columns) == [2.0, 0.0]
+    # the cold start's target is the format around the gold answer, and the task scores it correct
+    assert task.solution(row).startswith("<reasoning>\n") and task.is_correct(task.solution(row), row)
 
 
 def test_a_mix_of_datasets_scores_each_problem_with_its_own_generator():

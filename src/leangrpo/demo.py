@@ -53,8 +53,10 @@ def demo_config(
     """The demo recipe for `task`, tuned so that the reward rises within minutes on a 2-core CPU.
 
     chain_sum: out of the box the model writes the sum inside `<answer>` but keeps talking and never
-    closes the tag, so the answer is rarely readable; the format rewards and reasoning-gym's score (partial
-    credit for the right number inside a longer answer) give GRPO its signal, with no cold start.
+    closes the tag (measured: 0 of 48 closed it), so every completion of a group scores the same and GRPO
+    has no signal. An 8-step cold start on the answer format (`<answer>` holding the gold sum, no worked
+    reasoning) fixes that; the `--control random-reward` run gets the same cold start, so the two runs'
+    difference is GRPO's.
 
     gsm8k: the model almost never writes the tags, so every group scores the same and GRPO has no signal;
     a prefilled `<reasoning>` tag, an 8-step supervised cold start on GSM8K's worked solutions in the tag
@@ -90,6 +92,7 @@ def demo_config(
             "task": {"name": "reasoning_gym", "config": {task: CHAIN_SUM if task == "chain_sum" else {}}},
             "data": {"path": f"reasoning_gym:{task}", "assistant_prefix": "<reasoning>\n"},
             "grpo": {"num_generations": 4, "max_completion_length": 48, "max_prompt_length": 256},
+            "sft": {"steps": sft_steps, "learning_rate": 5e-5 if full_finetune else 5e-4, "batch_size": 8},
             "optim": {"per_device_train_batch_size": 16},
             "eval": {"enabled": True, "limit": eval_limit, "batch_size": 25},
         }

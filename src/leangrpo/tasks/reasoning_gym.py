@@ -65,6 +65,7 @@ class ReasoningGym(Task):
     Options = ReasoningGymOptions
     options: ReasoningGymOptions
     default_rewards = ("xmlcount", "soft_format", "strict_format", "correctness")
+    has_solutions = True  # format-only: reasoning-gym has no worked solutions (see `solution`)
 
     def check_data(self, path: str) -> None:
         """One-line errors, before any model loads: not a reasoning-gym source, an unknown generator (with
@@ -138,6 +139,12 @@ class ReasoningGym(Task):
             ]
 
         return {"correctness": correctness}
+
+    def solution(self, row: dict[str, Any]) -> str:
+        """The cold start's target: the gold answer in the answer format, with no worked reasoning
+        (generators give none): a cold start teaches the format, and the answers of the problems it sees."""
+        answer = row["answer"]
+        return f"<reasoning>\nThe answer is {answer}.\n</reasoning>\n<answer>\n{answer}\n</answer>\n"
 
     def is_correct(self, completion: str, row: dict[str, Any]) -> bool:
         return self.score(extract_xml_answer(completion), row) == 1.0
