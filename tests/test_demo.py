@@ -99,6 +99,17 @@ def test_demo_recipes():
     assert gsm8k.task.name == "gsm8k" and gsm8k.sft.steps == 8 and gsm8k.eval.path.endswith("test.jsonl")
 
 
+def test_gsm8k_demo_data_ships_with_the_package():
+    from leangrpo.data import load_rows
+    from leangrpo.tasks import load_task
+
+    cfg = demo_config("gsm8k", 20, False, "o")
+    task = load_task(cfg.task)
+    assert len(load_rows(cfg.data, task).rows) == 1961  # every easy training problem, none left out
+    held_out = cfg.data.model_copy(update={"path": cfg.eval.path})
+    assert len(load_rows(held_out, task).rows) == 326
+
+
 def test_plots_have_integer_step_ticks(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 

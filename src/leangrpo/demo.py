@@ -3,8 +3,8 @@ with no network: the GGUF is dequantized once and cached.
 
 The default task is reasoning-gym's `chain_sum` (two-digit sums such as `58 + 26 =`), generated on the
 spot, so the demo runs from any directory; held-out problems come from another seed. `--task gsm8k` is
-the GSM8K recipe (local JSONL files, a supervised cold start). The held-out table separates correctness
-from format, pairs each question before and after, and gives a 95% interval for the change.
+the GSM8K recipe (its easy problems ship with the package). The held-out table separates correctness from
+format, pairs each question before and after, and gives a 95% interval for the change.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from .config import Config, validate_config
 from .rundir import read_jsonl
 
 FIXED_QUESTIONS = 3  # the first held-out questions, shown before and after training
-DEMO_DATA = "../shared/data/gsm8k/train.jsonl"
-DEMO_EVAL_DATA = "../shared/data/gsm8k/test.jsonl"
+_PACKAGED_GSM8K = Path(__file__).resolve().parent / "demo_data" / "gsm8k"  # the easy problems (MIT)
+DEMO_DATA = str(_PACKAGED_GSM8K / "train.jsonl")
+DEMO_EVAL_DATA = str(_PACKAGED_GSM8K / "test.jsonl")
 DEMO_TASKS = ("chain_sum", "gsm8k")
 CHAIN_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}
 """The default task's difficulty, picked by measurement (benchmarks/RESULTS.md, 2026-11-25)."""
