@@ -40,7 +40,12 @@ CURVES = (
     ),
     Curve("clip_ratio", "Clip ratio", ("clip_ratio",)),
     Curve("phase_seconds", "Seconds per step, by phase", ("time/",)),
-    Curve("eval_accuracy", "Held-out evaluation", ("eval/accuracy", "eval/pass@", "eval/format/"), True),
+    Curve(
+        "eval_accuracy",
+        "Held-out evaluation",
+        ("eval/accuracy", "eval/accuracy/lenient", "eval/pass@", "eval/format/"),
+        True,
+    ),
 )
 
 
