@@ -280,8 +280,13 @@ class TrainingEvaluator:
         return step in (0, self.cfg.optim.max_steps) or bool(every and step % every == 0)
 
     def __call__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        step: int,
+        engine: RolloutEngine | None = None,
     ) -> dict[str, Any]:
+        """`engine`: the training run's (vLLM's, holding `model`'s weights); default HF generate."""
         cfg, ev = self.cfg, self.cfg.eval
         result = evaluate(
             model,
@@ -298,6 +303,7 @@ class TrainingEvaluator:
             top_p=cfg.grpo.top_p,
             seed=cfg.seed,
             progress=False,
+            engine=engine,
         )
         result.save(self.run_dir / "eval" / f"step-{step}.json", step=step, data=self.source, split=ev.split)
         return {"step": step, **{f"eval/{k}": v for k, v in result.metrics.items()}}

@@ -658,9 +658,13 @@ class Trainer:
         """Evaluate on the held-out subset when `eval` says so (step 0 = before training); main process."""
         if self.evaluator is None or not self.evaluator.due(step):
             return
+        engine = None
+        if self.cfg.grpo.use_vllm:  # the run's engine, given the weights of the step just trained
+            engine = self.engine
+            engine.sync_weights(self.unwrapped.lm)
         with self.dist.full_weights(self.policy):
             if self.is_main:
-                self.logger.log(self.evaluator(self.unwrapped.lm, self.tokenizer, step))
+                self.logger.log(self.evaluator(self.unwrapped.lm, self.tokenizer, step, engine))
             self.acc.wait_for_everyone()
 
     # ------------------------------------------------------------------------------ checkpoints

@@ -99,10 +99,13 @@ class VLLMEngine:
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: PreTrainedTokenizerBase, eos: list[int]) -> VLLMEngine:
-        """The training run's engine: its model, dtype, seed, context window and vLLM settings."""
-        g = cfg.grpo
+        """The training run's engine: its model, dtype, seed, context window (long enough for the
+        evaluation during training too) and vLLM settings."""
+        g, ev = cfg.grpo, cfg.eval
+        eval_length = g.max_prompt_length + (ev.max_new_tokens or 0) if ev.enabled else 0
         return cls(
-            resolve_model_path(cfg.model.name_or_path), tokenizer, eos, max_model_len=g.max_model_length,
+            resolve_model_path(cfg.model.name_or_path), tokenizer, eos,
+            max_model_len=max(g.max_model_length, eval_length),
             dtype=cfg.model.dtype, seed=cfg.seed, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
             sleep_mode=g.vllm_enable_sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
         )  # fmt: skip

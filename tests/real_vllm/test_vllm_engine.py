@@ -178,12 +178,13 @@ def test_train_fail_and_resume_with_vllm_from_the_cli(tmp_path, model_dir, gsm8k
         optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 3,
                "learning_rate": 1e-2},
         logging={"progress_bar": False},
+        eval={"enabled": True, "path": str(gsm8k_dir), "limit": 2, "max_new_tokens": 8},
     )  # fmt: skip
     real_generate, calls = vllm.LLM.generate, []
 
-    def generate(self, *args, **kwargs):
+    def generate(self, *args, **kwargs):  # calls: the step-0 evaluation (through vLLM too), steps 1, 2, 3
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 4:
             raise RuntimeError("injected failure")
         return real_generate(self, *args, **kwargs)
 
@@ -196,13 +197,14 @@ def test_train_fail_and_resume_with_vllm_from_the_cli(tmp_path, model_dir, gsm8k
     assert f"{run / 'checkpoint-2'}, is intact" in line
     resumed = CliRunner().invoke(main, ["train", "--resume", str(run)])
     assert resumed.exit_code == 0, resumed.output
-    rows = read_metrics(run)
+    rows = [r for r in read_metrics(run) if "loss" in r]  # the steps' rows, not the evaluations'
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["time/sync"] > 0 and r["time/rollout"] > 0
         assert r["vllm/logprob_diff_max"] < 1e-3, r  # the engine samples from the trainer's weights
         assert r["vllm/is_ratio_mean"] == pytest.approx(1.0, abs=1e-3) and r["vllm/is_clipped_frac"] == 0
     assert rows[0]["grad_norm"] > 0 and (run / "model" / "model.safetensors").is_file()
+    assert {p.name for p in (run / "eval").glob("*.json")} == {"step-0.json", "step-3.json"}
 
 
 @pytest.mark.gpu
