@@ -4,6 +4,7 @@ training run (tiny model) on a generated dataset with held-out evaluation."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -94,14 +95,15 @@ def test_training_run_on_generated_problems(tmp_path, tiny_model_dir):
     from test_e2e import read_metrics, run_cli
 
     out = tmp_path / "run"
-    example = load_config("configs/reasoning_gym_chain_sum.yaml")  # the shipped example validates
+    config_path = str(Path(__file__).resolve().parents[1] / "configs" / "reasoning_gym_chain_sum.yaml")
+    example = load_config(config_path)  # the shipped example validates
     assert example.task.name == "reasoning_gym" and example.eval.enabled
     overrides = [
         f"model.name_or_path={tiny_model_dir}", "model.lora.enabled=false", "task.size=40",
         "grpo.max_completion_length=8", "optim.per_device_train_batch_size=8", "optim.max_steps=2",
         "eval.limit=4", f"output_dir={out}", "logging.progress_bar=false",
     ]  # fmt: skip
-    proc = run_cli("train", "-c", "configs/reasoning_gym_chain_sum.yaml", *overrides)
+    proc = run_cli("train", "-c", config_path, *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [r for r in read_metrics(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2] and "rewards/correctness/mean" in steps[-1]
