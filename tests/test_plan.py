@@ -348,6 +348,9 @@ def test_vllm_rollout_reserves_its_share_instead_of_a_kv_cache():
     assert est.components["vllm reservation"] == int(0.3 * memory) and est.components["KV cache"] == 0
     assert "generation" not in est.phases
     assert est.total == est.peak + est.overhead + int(0.3 * memory)
+    knobs = plan.Knobs(method="lora", rollout="vllm", vllm_gpu_memory_utilization=0.3)
+    grpo = yaml.safe_load(plan.yaml_snippet(knobs, "m"))["grpo"]  # the config that trains what was planned
+    assert grpo["use_vllm"] is True and grpo["vllm_gpu_memory_utilization"] == 0.3
 
 
 def test_memory_options_of_the_config_are_planned():

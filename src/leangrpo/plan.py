@@ -713,7 +713,7 @@ def yaml_snippet(k: Knobs, model: str) -> str:
     if k.method == "qlora-4bit":
         doc["model"]["load_in_4bit"] = True
     if k.rollout == "vllm":
-        notes.append("# planned with a colocated vLLM rollout: leangrpo train generates with HF generate")
+        doc["grpo"].update(use_vllm=True, vllm_gpu_memory_utilization=k.vllm_gpu_memory_utilization)
     return "\n".join([*notes, yaml.safe_dump(doc, sort_keys=False).rstrip()])
 
 
