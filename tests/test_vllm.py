@@ -40,3 +40,15 @@ def test_hf_top_k_one_samples_the_greedy_completion(tiny_model_dir):
     sampled = generate(model, tok, ["a b c"], temperature=2.0, **kw)
     assert torch.equal(top1.completion_ids, greedy.completion_ids)
     assert not torch.equal(sampled.completion_ids, greedy.completion_ids)  # at T=2 sampling differs
+
+
+def test_eval_with_the_vllm_engine_but_no_vllm_is_one_line(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    from click.testing import CliRunner
+
+    from leangrpo.cli import main
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    args = ["eval", "--model", str(tiny_model_dir), "--data", str(gsm8k_dir), "--limit", "1"]
+    result = CliRunner().invoke(main, [*args, "--engine", "vllm", "--out", str(tmp_path / "e.json")])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    assert INSTALL in result.output
