@@ -17,7 +17,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import yaml
 
@@ -26,6 +26,7 @@ from .rundir import error_reason, is_run_dir
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
     from .config import Config
 
@@ -132,7 +133,7 @@ def save_checkpoint(
     run_dir: Path,
     step: int,
     *,
-    model: torch.nn.Module | None,
+    model: PreTrainedModel | None,
     tokenizer: Any,
     optimizer_state: dict[str, Any],
     scheduler: Any,
@@ -219,7 +220,7 @@ def _commit(tmp: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_final_model(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> None:
+def save_final_model(model: PreTrainedModel, tokenizer: Any, out_dir: Path) -> None:
     """The final model (merged, plus `adapter/` for LoRA: see `models.save_model`), written atomically."""
     from .models import save_model
 
@@ -254,7 +255,10 @@ def rng_state() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    kind, keys, pos, has_gauss, cached = np.random.get_state()  # as plain types: loads with weights_only
+    # legacy=True (the default) gives MT19937's tuple (numpy's stubs also allow legacy=False's dict); it is
+    # saved as plain types, so it loads with weights_only
+    legacy = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
+    kind, keys, pos, has_gauss, cached = legacy
     numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
     state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -300,7 +304,8 @@ def load_trainable(model: torch.nn.Module, ckpt: Path) -> None:
         from peft import set_peft_model_state_dict
 
         result = set_peft_model_state_dict(model, load_file(ckpt / "adapter_model.safetensors"))
-        problems = list(result.unexpected_keys)
+        # peft annotates the result as `namedtuple`; it is torch's load_state_dict result
+        problems = list(result.unexpected_keys)  # type: ignore[attr-defined]
     else:
         state: dict[str, Any] = {}
         for path in sorted(ckpt.glob("*.safetensors")):

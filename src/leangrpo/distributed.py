@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from .errors import UserError
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
+    from transformers import PreTrainedModel
 
     from .config import Config
     from .logprobs import Policy
@@ -91,7 +92,7 @@ class Replicated:
     def clip_grad_norm(self, policy: nn.Module, max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
 
-    def saveable(self, policy: nn.Module) -> nn.Module | None:
+    def saveable(self, policy: nn.Module) -> PreTrainedModel | None:
         """The causal LM to save (adapter included), on the main process; None on the others.
         Every process must call it (the sharded version gathers)."""
         return self.acc.unwrap_model(policy).lm if self.acc.is_main_process else None
@@ -153,7 +154,7 @@ class Sharded(Replicated):
         torch.nn.utils.clip_grads_with_norm_(policy.parameters(), max_norm, norm)
         return float(norm)
 
-    def saveable(self, policy: nn.Module) -> nn.Module | None:
+    def saveable(self, policy: nn.Module) -> PreTrainedModel | None:
         """An unsharded copy of the causal LM on the main process, built from the gathered full state dict
         (offloaded to CPU, so no process holds two copies on its device)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -162,7 +163,7 @@ class Sharded(Replicated):
         state = get_model_state_dict(policy, options=options)
         if not self.acc.is_main_process:
             return None
-        return _unsharded_copy(policy.lm, {k.removeprefix("lm."): v for k, v in state.items()})
+        return _unsharded_copy(_as_policy(policy).lm, {k.removeprefix("lm."): v for k, v in state.items()})
 
     def optimizer_state(self, policy: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The full optimizer state keyed by parameter name (gathered; complete on the main process)."""
@@ -215,31 +216,37 @@ def _shard(policy: nn.Module) -> nn.Module:
     for layer in layers:
         fully_shard(layer)
     fully_shard(policy)
-    policy._get_fsdp_state()._lazy_init()  # type: ignore[operator]
+    policy._get_fsdp_state()._lazy_init()  # type: ignore[operator]  # fully_shard adds it to the class
     return policy
 
 
-def _base_model(policy: nn.Module) -> nn.Module:
+def _as_policy(module: nn.Module) -> Policy:
+    """The Policy that `wrap` sharded in place (FSDP2 makes its class a subclass)."""
     from .logprobs import Policy
 
-    assert isinstance(policy, Policy)
-    return policy.base
+    assert isinstance(module, Policy)
+    return module
 
 
-def _unsharded_copy(lm: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+def _base_model(policy: nn.Module) -> nn.Module:
+    return _as_policy(policy).base
+
+
+def _unsharded_copy(lm: PreTrainedModel, state: dict[str, Any]) -> PreTrainedModel:
     """A plain (unsharded) model of `lm`'s class and config (its LoRA adapter too), holding `state`.
 
     Built on the meta device, then given the gathered tensors. Buffers that are not in the state dict
     (non-persistent ones, e.g. rotary frequencies) come from `lm`, where FSDP leaves them whole."""
-    from .models import is_peft
+    from .models import is_peft, peft_base
 
-    base = lm.get_base_model() if is_peft(lm) else lm
+    base = peft_base(lm) if is_peft(lm) else lm
     with torch.device("meta"):
         clone = type(base)._from_config(base.config, dtype=base.dtype)
         if is_peft(lm):
             from peft import get_peft_model
 
-            clone = get_peft_model(clone, copy.deepcopy(lm.peft_config["default"]))
+            # the peft model stands in for the transformers model, as in models.apply_lora
+            clone = cast("PreTrainedModel", get_peft_model(clone, copy.deepcopy(lm.peft_config["default"])))
     clone.load_state_dict(state, assign=True, strict=False)
     buffers = dict(lm.named_buffers())
     for name, buf in list(clone.named_buffers()):

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from . import shared_prompt
 from .errors import UserError
+from .models import is_peft, peft_base
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -221,7 +222,7 @@ def check_head(model: PreTrainedModel, head: LogitTransform) -> None:
 
 def _base(lm: nn.Module) -> PreTrainedModel:
     """The transformers model under a peft wrapper (or the model itself)."""
-    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # type: ignore[return-value]
+    return peft_base(lm) if is_peft(lm) else cast("PreTrainedModel", lm)
 
 
 class Policy(nn.Module):

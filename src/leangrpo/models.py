@@ -12,7 +12,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 import yaml
@@ -21,6 +21,7 @@ from torch import nn
 from .errors import UserError
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from .config import LoraConfig, ModelConfig
@@ -98,8 +99,9 @@ def gguf_to_safetensors(gguf_path: str | Path) -> Path:
         raise ModelError(f"cannot read GGUF file {gguf_path}: {_describe(e)}") from None
     # Drop the GGUF quantization flag: the weights are plain float tensors now.
     del model.config.quantization_config
-    model.hf_quantizer = None
-    model.is_quantized = False
+    # torch types Module.__setattr__'s value as Tensor | Module; plain attributes are set as on any object
+    model.hf_quantizer = None  # type: ignore[assignment]
+    model.is_quantized = False  # type: ignore[assignment]
 
     tmp = cache.with_name(cache.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -217,7 +219,7 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
 
     peft_cfg = PeftLoraConfig(
         r=cfg.r,
-        lora_alpha=cfg.alpha,
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # peft annotates it int; it only divides it by r
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
         task_type="CAUSAL_LM",
@@ -228,19 +230,25 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
     except ValueError as e:
         raise ModelError(f"model.lora.target_modules: {_describe(e, with_type=False)}") from None
     # Checked on the result, so a regex or suffix that happens to match the head is caught too.
-    if wrapped.get_base_model().get_output_embeddings() is not head:
+    if peft_base(wrapped).get_output_embeddings() is not head:
         raise ModelError(
             f"model.lora.target_modules={cfg.target_modules!r} puts LoRA on lm_head, which is not supported "
             "(the memory-lean log-prob path uses the lm_head weight directly); leave lm_head out of it"
         )
-    return wrapped
+    # The peft model stands in for the transformers model: it forwards every other attribute to it.
+    return cast("PreTrainedModel", wrapped)
 
 
-def is_peft(model: nn.Module) -> bool:
+def is_peft(model: nn.Module) -> TypeGuard[PeftModel]:
     return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
 
 
-def merge_lora(model: nn.Module, dtype: torch.dtype | None = None) -> PreTrainedModel:
+def peft_base(model: PeftModel) -> PreTrainedModel:
+    """The transformers model a peft model wraps (peft types it as any nn.Module)."""
+    return cast("PreTrainedModel", model.get_base_model())
+
+
+def merge_lora(model: PeftModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
     """The peft `model`'s base with its active adapters folded in (in place), cast to `dtype` if given.
 
     A 4-bit base is dequantized first (to `dtype`, else its compute dtype) and the adapter added to that:
@@ -248,7 +256,7 @@ def merge_lora(model: nn.Module, dtype: torch.dtype | None = None) -> PreTrained
     merged model computes what training computed, dequant(W) + BA, up to rounding in the final dtype."""
     from peft.tuners.lora import LoraLayer
 
-    base = model.get_base_model()
+    base = peft_base(model)
     if getattr(base, "hf_quantizer", None) is None:
         merged = model.merge_and_unload()
     else:
@@ -258,7 +266,9 @@ def merge_lora(model: nn.Module, dtype: torch.dtype | None = None) -> PreTrained
                 if isinstance(module, LoraLayer):
                     weight = module.get_base_layer().weight
                     for name in module.active_adapters:
-                        weight += module.get_delta_weight(name).to(weight.dtype)
+                        # every LoraLayer subclass (Linear, Embedding, Conv) defines it; LoraLayer does not
+                        delta = module.get_delta_weight(name)  # type: ignore[operator]
+                        weight += delta.to(weight.dtype)
         merged = model.unload()
     return merged if dtype is None else merged.to(dtype)
 
@@ -288,7 +298,7 @@ def save_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if is_peft(model):
-        model.save_pretrained(out / "adapter")
+        model.save_pretrained(str(out / "adapter"))
         tokenizer.save_pretrained(out / "adapter")
         if not merge:
             return
@@ -395,7 +405,7 @@ def load_trained(
         )  # fmt: skip
         model, tokenizer = load_model_and_tokenizer(cfg)
     else:
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "dtype": DTYPES[dtype or trained.config["model"]["dtype"]],
             "trust_remote_code": trust_remote_code,
         }
@@ -421,7 +431,8 @@ def load_trained(
     if adapter:
         model = _merge_adapter(model, adapter)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return model.to(device).eval(), tokenizer, trained
+    # transformers wraps PreTrainedModel.to with functools.wraps, which the stubs do not bind as a method
+    return model.to(device).eval(), tokenizer, trained  # type: ignore[arg-type]
 
 
 def _merge_adapter(model: PreTrainedModel, adapter: str, dtype: torch.dtype | None = None) -> PreTrainedModel:
