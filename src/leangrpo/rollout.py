@@ -3,11 +3,11 @@ rollout to update. A RolloutEngine runs it: HF generate here (the default), vLLM
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -22,9 +22,11 @@ from transformers.generation.logits_process import (
 )
 
 from .grpo import mask_after_eos
+from .models import is_peft, peft_base
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from peft.tuners.lora import Linear as LoraLinear
+    from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
     from .config import Config
 
@@ -56,16 +58,19 @@ class RolloutBatch:
         return self.completion_mask.sum(dim=1)
 
     def to(self, device: torch.device) -> RolloutBatch:
-        ids = (self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask, self.truncated)
-        logp = None if self.sampling_logprobs is None else self.sampling_logprobs.to(device)
-        return RolloutBatch(*(t.to(device) for t in ids), self.completion_texts, logp)
+        return self._map(lambda t: t.to(device), self.completion_texts)
 
     def select(self, rows: Tensor) -> RolloutBatch:
         """The completions at `rows` [K], in that order."""
-        ids = (self.prompt_ids, self.prompt_mask, self.completion_ids, self.completion_mask, self.truncated)
-        logp = None if self.sampling_logprobs is None else self.sampling_logprobs[rows]
-        texts = [self.completion_texts[i] for i in rows.tolist()]
-        return RolloutBatch(*(t[rows] for t in ids), texts, logp)
+        return self._map(lambda t: t[rows], [self.completion_texts[i] for i in rows.tolist()])
+
+    def _map(self, f: Callable[[Tensor], Tensor], texts: list[str]) -> RolloutBatch:
+        """Every tensor through `f`, with `texts`."""
+        logp = None if self.sampling_logprobs is None else f(self.sampling_logprobs)
+        return RolloutBatch(
+            f(self.prompt_ids), f(self.prompt_mask), f(self.completion_ids), f(self.completion_mask),
+            f(self.truncated), texts, logp,
+        )  # fmt: skip
 
     @staticmethod
     def cat(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -77,7 +82,7 @@ class RolloutBatch:
             pad = [(width - t.shape[1], 0) if left else (0, width - t.shape[1]) for t in tensors]
             return torch.cat([torch.nn.functional.pad(t, p) for t, p in zip(tensors, pad, strict=True)])
 
-        logps = [b.sampling_logprobs for b in batches]
+        logps = [b.sampling_logprobs for b in batches if b.sampling_logprobs is not None]
         return RolloutBatch(
             cat([b.prompt_ids for b in batches], P, left=True),
             cat([b.prompt_mask for b in batches], P, left=True),
@@ -85,7 +90,7 @@ class RolloutBatch:
             cat([b.completion_mask for b in batches], C, left=False),
             torch.cat([b.truncated for b in batches]),
             [text for b in batches for text in b.completion_texts],
-            None if any(lp is None for lp in logps) else cat(logps, C, left=False),  # type: ignore[arg-type]
+            None if len(logps) < len(batches) else cat(logps, C, left=False),
         )
 
 
@@ -93,7 +98,8 @@ class RolloutEngine(Protocol):
     """What the trainer generates with: `generate` takes `generate()`'s keyword arguments (minus model,
     tokenizer and `packed`); `sync_weights` makes the next rollout use the model's current weights."""
 
-    def generate(self, prompt_texts: list[str], **sampling: Any) -> RolloutBatch: ...
+    # (*args, **sampling) is any signature: each engine names the keyword arguments it takes
+    def generate(self, prompt_texts: list[str], *args: Any, **sampling: Any) -> RolloutBatch: ...
 
     def sync_weights(self, model: PreTrainedModel) -> None: ...
 
@@ -205,7 +211,8 @@ def generate(
         only_generation_config(model, gen_cfg),
         packed_linears(model, len(prompt_ids)) if packed else nullcontext(),
     ):
-        out = model.generate(
+        # a causal LM (or the peft model standing in for one) has it; PreTrainedModel does not declare it
+        out = cast("GenerationMixin", model).generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             generation_config=gen_cfg,
@@ -256,7 +263,8 @@ def finish_batch(
         completion_mask, has_eos = mask_after_eos(completion_ids, eos)
         truncated = ~has_eos
     texts = [
-        assistant_prefix + tokenizer.decode(ids[: int(n)], skip_special_tokens=True)
+        assistant_prefix
+        + cast(str, tokenizer.decode(ids[: int(n)], skip_special_tokens=True))  # one sequence
         for ids, n in zip(completion_ids, completion_mask.sum(dim=1), strict=True)
     ]
     if sampling_logprobs is not None:
@@ -274,7 +282,7 @@ def only_generation_config(model: PreTrainedModel, gen_cfg: GenerationConfig) ->
     checkpoint's generation_config.json: repetition_penalty, min_length, no_repeat_ngram_size, ...), and
     each of those adds a logits processor; GRPO must sample from exactly softmax(logits / T) after the
     configured top-p, the distribution the log-probs are computed for, so nothing may be inherited."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
+    base = peft_base(model) if is_peft(model) else model
     saved, base.generation_config = base.generation_config, gen_cfg
     try:
         yield
@@ -328,7 +336,8 @@ class PreallocatedLayer(DynamicLayer):
 def kv_cache(model: PreTrainedModel, capacity: int) -> dict[str, Any]:
     """generate()'s `past_key_values`: a DynamicCache whose full-attention layers are PreallocatedLayers of
     `capacity` positions. Empty (generate() builds its own) for models that take no DynamicCache."""
-    if not model._supports_default_dynamic_cache():
+    # a GenerationMixin classmethod, whose `cls` transformers types as its own private Protocol
+    if not cast("GenerationMixin", model)._supports_default_dynamic_cache():  # type: ignore[misc]
         return {}
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     cache.layers = [
@@ -345,12 +354,13 @@ def linear_weight(module: torch.nn.Module) -> Tensor | None:
     base = getattr(module, "base_layer", None)
     if not (isinstance(base, torch.nn.Linear) and hasattr(module, "get_delta_weight")):
         return None
-    if module.disable_adapters or module.merged:
+    lora = cast("LoraLinear", module)  # a peft LoRA layer over a Linear
+    if lora.disable_adapters or lora.merged:
         return base.weight
-    active = [a for a in module.active_adapters if a in module.lora_A]
-    if any(module.use_dora.get(a, False) for a in active):
+    active = [a for a in lora.active_adapters if a in lora.lora_A]
+    if any(lora.use_dora.get(a, False) for a in active):
         return None
-    return base.weight + sum(module.get_delta_weight(a) for a in active)
+    return base.weight + sum(lora.get_delta_weight(a) for a in active)
 
 
 @contextmanager
@@ -363,20 +373,21 @@ def packed_linears(model: torch.nn.Module, batch_hint: int) -> Iterator[None]:
     The packed copies (one set of weights) live only inside the context. Elsewhere a no-op.
     """
     pack = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    usable = (
-        pack is not None
-        and torch.backends.mkldnn.is_available()
+    if pack is None or not (
+        torch.backends.mkldnn.is_available()
         and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
-    )
+    ):
+        yield
+        return
     patched: list[torch.nn.Module] = []
     done: set[int] = set()  # a LoRA layer's own Linears (base, A, B) are folded into its packed weight
     try:
         with torch.no_grad():
-            for module in model.modules() if usable else ():
+            for module in model.modules():
                 weight = None if id(module) in done else linear_weight(module)
                 if weight is None:
                     continue
-                base = getattr(module, "base_layer", module)
+                base = cast(torch.nn.Linear, getattr(module, "base_layer", module))  # as linear_weight found
                 done.update(id(m) for m in module.modules())
                 module.forward = partial(_packed_forward, pack(weight, batch_hint), base.bias)
                 patched.append(module)
