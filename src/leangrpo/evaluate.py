@@ -374,6 +374,7 @@ def run_eval(
     max_prompt_length = cfg.grpo.max_prompt_length if cfg else 512
     generator = None
     if engine == "vllm":  # vLLM loads the checkpoint, then takes the weights evaluated (adapter merged)
+        assert lm.name_or_path is not None, "from_pretrained sets it"
         generator = VLLMEngine(
             lm.name_or_path, tokenizer, eos_token_ids(tokenizer, lm),
             max_model_len=max_prompt_length + max_new_tokens, dtype=dtype or "float32", seed=seed,

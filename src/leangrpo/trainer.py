@@ -378,7 +378,9 @@ class Trainer:
         if g.beta > 0 and self.ref_policy is not None:
             ref_logp = batch_logprobs(self.ref_policy, rollout, micro, self.group)
         elif g.beta > 0:
-            with self.unwrapped.lm.disable_adapter():
+            lm = self.unwrapped.lm
+            assert is_peft(lm), "without a reference copy the policy is LoRA (see __init__)"
+            with lm.disable_adapter():
                 ref_logp = batch_logprobs(self.unwrapped, rollout, micro, self.group)
         need_old = g.num_iterations > 1 or self._corrects_sampler(rollout)
         old_logp = batch_logprobs(self.policy, rollout, micro, self.group) if need_old else None
@@ -392,7 +394,7 @@ class Trainer:
     ) -> tuple[Tensor | None, grpo.SamplerMismatch | None]:
         """Importance weights for the gap between vLLM's sampling distribution and the trainer's (TRL's
         truncated/masked IS), and the numbers that make that gap visible; (None, None) on the HF path."""
-        if old_logp is None or not self._corrects_sampler(rollout):
+        if old_logp is None or rollout.sampling_logprobs is None or not self._corrects_sampler(rollout):
             return None, None
         g = self.cfg.grpo
         return grpo.sampler_importance_weights(
