@@ -703,7 +703,6 @@ def yaml_snippet(k: Knobs, model: str) -> str:
         "optim": {"per_device_train_batch_size": k.per_device_train_batch_size,
                   "gradient_accumulation_steps": k.gradient_accumulation_steps},
     }  # fmt: skip
-    notes = []
     if k.activation_offload:
         doc["model"]["activation_offload"] = True
     if not k.share_prompt:
@@ -714,7 +713,7 @@ def yaml_snippet(k: Knobs, model: str) -> str:
         doc["model"]["load_in_4bit"] = True
     if k.rollout == "vllm":
         doc["grpo"].update(use_vllm=True, vllm_gpu_memory_utilization=k.vllm_gpu_memory_utilization)
-    return "\n".join([*notes, yaml.safe_dump(doc, sort_keys=False).rstrip()])
+    return yaml.safe_dump(doc, sort_keys=False).rstrip()
 
 
 def startup_warning(cfg: Any, total_memory: int) -> str | None:
