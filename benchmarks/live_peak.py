@@ -133,10 +133,10 @@ def worker(config_path: str, result_path: str) -> None:
 
 def grid(only: list[str] | None, layers: int | None) -> list[dict]:
     """model × G × completion × method × checkpointing, or the points named in `only`
-    (model/G/C/method/ckpt, e.g. qwen2.5-0.5b/4/128/qlora/on)."""
+    (model/G/C/method/ckpt, e.g. qwen2.5-0.5b/4/128/qlora/on; `tiny` is for the test suite)."""
     points = {}
     for (name, (arch, dims)), g, c, method, ckpt in itertools.product(
-        MODELS["cuda"].items(), (4, 8), (128, 256), METHODS, ("on", "off")
+        {**MODELS["cpu"], **MODELS["cuda"]}.items(), (4, 8), (128, 256), METHODS, ("on", "off")
     ):
         dims = {**dims, **({"num_hidden_layers": layers} if layers else {})}
         key = f"{name}/{g}/{c}/{method}/{ckpt}"

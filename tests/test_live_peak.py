@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "live_peak.py"
@@ -98,3 +99,21 @@ def test_logprob_backward_workspace_with_a_trained_head_matches_the_plan():
         token_logprobs(hidden, weight, targets, chunk_size=32).sum().backward()
     want = plan.logprob_workspace(shape, knobs, 128, backward=True)
     assert abs((tracker.peak - tracker.start) / want - 1) < 0.03, (tracker.peak - tracker.start, want)
+
+
+@pytest.mark.slow
+def test_live_peak_script_measures_a_tiny_qlora_point(tmp_path):
+    """The whole benchmark on a tiny model (4-bit base, LoRA, 8-bit AdamW, bf16): it runs, and the plan
+    is within 10% of the measured live peak."""
+    import json
+    import subprocess
+
+    out = tmp_path / "points.jsonl"
+    args = ["--only", "tiny/4/128/qlora/on", "--work", str(tmp_path), "--json", str(out)]
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worst error" in proc.stdout
+    point = json.loads(out.read_text())
+    assert point["completion_length_mean"] == 128
+    measured = max(point["phases"].values())
+    assert abs(max(point["plan"].values()) / measured - 1) < 0.10, point
