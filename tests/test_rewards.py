@@ -417,3 +417,20 @@ def test_import_does_not_pull_in_torch_or_sympy() -> None:
     code = "import sys, leangrpo.rewards; print('torch' in sys.modules, 'sympy' in sys.modules)"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert output.stdout.split() == ["False", "False"]
+
+
+def test_builtin_soft_overlong_punishment_equals_trls():
+    """DAPO's overlong shaping, built in (no TRL needed), gives TRL's values at every length."""
+    from trl.rewards import get_soft_overlong_punishment
+
+    ours = load_reward("soft_overlong_punishment", kwargs={"max_completion_len": 20, "soft_punish_cache": 8})
+    theirs = get_soft_overlong_punishment(max_completion_len=20, soft_punish_cache=8)
+    ids = [[7] * n for n in range(25)]
+    assert ours(prompts=[""] * 25, completions=[""] * 25, completion_ids=ids) == theirs(completion_ids=ids)
+    assert ours(prompts=[""], completions=[""], completion_ids=[[7] * 16]) == [-0.5]
+    for kwargs, problem in [
+        (None, "needs kwargs"),
+        ({"max_completion_len": 4, "soft_punish_cache": 9}, "<="),
+    ]:
+        with pytest.raises(RewardError, match=problem):
+            load_reward("soft_overlong_punishment", kwargs=kwargs)

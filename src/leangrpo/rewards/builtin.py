@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 ANSWER_FORMAT_PROMPT = (
@@ -171,6 +172,27 @@ def math_verify_reward(prompts: list, completions: list, answer: list[str], **kw
         2.0 if answers_match(predicted_answer(text), str(gold)) else 0.0
         for text, gold in zip(_texts(completions), answer, strict=True)
     ]
+
+
+def soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> Callable[..., list[float]]:
+    """DAPO's overlong shaping, a reward factory configured by ``kwargs`` (TRL's
+    ``get_soft_overlong_punishment``, the same values): 0 up to ``max_completion_len - soft_punish_cache``
+    completion tokens, then linearly down to -1 at ``max_completion_len``, and -1 beyond."""
+    if not 0 < soft_punish_cache <= max_completion_len:
+        raise ValueError("needs 0 < soft_punish_cache <= max_completion_len")
+    free = max_completion_len - soft_punish_cache
+
+    def soft_overlong_punishment_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+        return [
+            0.0
+            if len(ids) <= free
+            else -1.0
+            if len(ids) > max_completion_len
+            else (free - len(ids)) / soft_punish_cache
+            for ids in completion_ids
+        ]
+
+    return soft_overlong_punishment_reward
 
 
 def predicted_answer(text: str) -> str:

@@ -15,6 +15,7 @@ from leangrpo.rewards.builtin import (
     int_reward,
     math_verify_reward,
     soft_format_reward,
+    soft_overlong_punishment,
     strict_format_reward,
     xmlcount_reward,
 )
@@ -42,6 +43,10 @@ BUILTIN_REWARDS: dict[str, RewardFunc] = {
     "correctness": correctness_reward,
     "math_verify": math_verify_reward,
 }
+# Built-in factories: configured by the spec's `kwargs`, which they require.
+BUILTIN_FACTORIES: dict[str, Callable[..., RewardFunc]] = {
+    "soft_overlong_punishment": soft_overlong_punishment,
+}
 
 
 def load_reward(
@@ -60,11 +65,18 @@ def load_reward(
         return RewardModel(
             str(Path(name).expanduser()) if Path(name).expanduser().is_dir() else name, **(kwargs or {})
         )
+    elif name in BUILTIN_FACTORIES:
+        if kwargs is None:
+            raise RewardError(
+                f"reward {name!r} needs kwargs, e.g. {{max_completion_len: 512, soft_punish_cache: 128}}"
+            )
+        func = BUILTIN_FACTORIES[name]
     else:
         known = {**BUILTIN_REWARDS, **(task_rewards or {})}
         if name.removesuffix("_reward") not in known:
+            names = ", ".join(sorted({**known, **BUILTIN_FACTORIES}))
             raise RewardError(
-                f"unknown reward {name!r}; known rewards are {', '.join(sorted(known))} "
+                f"unknown reward {name!r}; known rewards are {names} "
                 "(or give a user function as 'package.module:function', or a reward model's path or hub id)"
             )
         func = known[name.removesuffix("_reward")]
