@@ -185,8 +185,9 @@ def test_qlora_8bit_bf16_trains_resumes_exports_and_chats(tmp_path, tiny_model_d
     with torch.no_grad():
         assert torch.equal(merged.generate(**enc, **kw), with_adapter.generate(**enc, **kw))
         got, want = merged(**enc).logits.float(), with_adapter(**enc).logits.float()
-    # Rounding W + BA to bf16 vs Wx + BAx in bf16: a few bf16 ulps (2^-8 relative) per logit.
-    torch.testing.assert_close(got, want, rtol=0.02, atol=0.05)
+    # Rounding W + BA to bf16 vs Wx + BAx in bf16: the error grows with the hidden states, not with each
+    # logit, so it is bounded against the largest logit.
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
     result = cli.invoke(main, ["chat", str(run), "What is 2+2?", "--max-new-tokens", "4"])
     assert result.exit_code == 0 and result.output.strip(), result.output
