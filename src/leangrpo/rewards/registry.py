@@ -70,7 +70,7 @@ def load_reward(
             raise RewardError(
                 f"reward {name!r} needs kwargs, e.g. {{max_completion_len: 512, soft_punish_cache: 128}}"
             )
-        func = BUILTIN_FACTORIES[name]
+        return _from_factory(name, BUILTIN_FACTORIES[name], kwargs)
     else:
         known = {**BUILTIN_REWARDS, **(task_rewards or {})}
         if name.removesuffix("_reward") not in known:
