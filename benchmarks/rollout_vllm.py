@@ -55,7 +55,7 @@ def build(name: str, dtype: str) -> Path:
     )
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    model = model_cls(config_cls(vocab_size=len(tok), max_position_embeddings=2048, **ids, **dims))
+    model = model_cls(config_cls(vocab_size=len(tok), **{"max_position_embeddings": 2048, **dims}, **ids))
     tmp = out.with_name(out.name + ".tmp")
     model.to(getattr(torch, dtype)).save_pretrained(tmp)
     tok.save_pretrained(tmp)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Installs everything, then runs lint and the whole test suite (CPU; GPU tests skip without CUDA),
+# Installs everything, then runs lint, the type checker and the whole test suite (CPU; GPU tests skip without CUDA),
 # then the real vLLM tests in their own environment (.venv-vllm, see docs/vllm.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check src tests
-.venv/bin/ruff format --check src tests
+.venv/bin/ruff check src tests benchmarks
+.venv/bin/ruff format --check src tests benchmarks
+.venv/bin/python -m mypy  # [tool.mypy] in pyproject.toml: src/leangrpo
 .venv/bin/python -m pytest -q "$@"
 bash scripts/setup-vllm.sh
 .venv-vllm/bin/python -m pytest -q tests/real_vllm
