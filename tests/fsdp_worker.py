@@ -66,3 +66,4 @@ if rank == 0:
     with open(os.path.join(out, "fsdp_step.json"), "w") as f:
         json.dump(report, f)
 acc.wait_for_everyone()
+torch.distributed.destroy_process_group()

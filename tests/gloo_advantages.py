@@ -41,3 +41,4 @@ def advantages_on_rank(rank: int, port: int, rewards: torch.Tensor, out: str) ->
         trainer._combine = partial(Trainer._combine, trainer)
         results[aggregation] = Trainer.advantages(trainer, scores)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()  # gloo threads left at exit can abort the process

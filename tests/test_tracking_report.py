@@ -7,7 +7,7 @@ import json
 import shutil
 import sqlite3
 import struct
-import time
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,6 +37,10 @@ def test_train_with_eval_trackers_and_report(tmp_path, tiny_model_dir, gsm8k_dir
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    # trackio reads TRACKIO_DIR once, at import: when another test imported it first, move it here too.
+    for module in [m for name, m in sys.modules.items() if name.startswith("trackio")]:
+        if hasattr(module, "TRACKIO_DIR"):
+            monkeypatch.setattr(module, "TRACKIO_DIR", tmp_path / "trackio")
     train(load_config(cfg))
     printed = "".join(capsys.readouterr())
 
@@ -75,17 +79,9 @@ def test_train_with_eval_trackers_and_report(tmp_path, tiny_model_dir, gsm8k_dir
     tables = [(s, r["completions/nrows"]) for s, r in history if r.get("completions/_type") == "table-file"]
     assert tables == [(1, 1), (2, 1), (3, 1)]  # a one-row wandb.Table at each sample
 
-    # trackio: its local SQLite database has one metrics row per logged row. Its sender thread writes
-    # asynchronously and finish() waits for it only 30 s, which a loaded machine can exceed: poll.
-    logged: list = []
-    for _ in range(120):
-        dbs = list((tmp_path / "trackio").glob("*.db"))
-        if dbs:
-            query = "select step, metrics from metrics where run_name='t1'"
-            logged = sqlite3.connect(dbs[0]).execute(query).fetchall()
-            if sum("train/reward" in json.loads(m) for _, m in logged) == 3:
-                break
-        time.sleep(1)
+    # trackio: its local SQLite database has one metrics row per logged row.
+    (db,) = (tmp_path / "trackio").glob("*.db")
+    logged = sqlite3.connect(db).execute("select step, metrics from metrics where run_name='t1'").fetchall()
     by_step = [(step, json.loads(m)) for step, m in logged]
     assert [s for s, m in by_step if "train/reward" in m] == [1, 2, 3]
     assert [s for s, m in by_step if "eval/accuracy" in m] == [0, 2, 3]

@@ -777,5 +777,12 @@ def _due(step: int, every: int) -> bool:
 
 def train(cfg: Config, overwrite: bool = False, resume: bool = False) -> Path | None:
     """Train as configured (or resume the run in `cfg.output_dir`); returns the final model's directory,
-    or None when a signal stopped the run after saving a checkpoint."""
-    return Trainer(cfg, overwrite, resume).train()
+    or None when a signal stopped the run after saving a checkpoint.
+
+    Ends by tearing down the process group of a multi-process run: gloo's threads left running at
+    interpreter exit can abort the process (SIGABRT) after the work is done."""
+    try:
+        return Trainer(cfg, overwrite, resume).train()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
