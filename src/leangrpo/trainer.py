@@ -780,9 +780,11 @@ def train(cfg: Config, overwrite: bool = False, resume: bool = False) -> Path | 
     or None when a signal stopped the run after saving a checkpoint.
 
     Ends by tearing down the process group of a multi-process run: gloo's threads left running at
-    interpreter exit can abort the process (SIGABRT) after the work is done."""
+    interpreter exit can abort the process (SIGABRT) after the work is done. Only the group accelerate
+    formed: a colocated vLLM's own single-process group stays for the next engine in this process."""
+    trainer = Trainer(cfg, overwrite, resume)
     try:
-        return Trainer(cfg, overwrite, resume).train()
+        return trainer.train()
     finally:
-        if torch.distributed.is_initialized():
+        if trainer.acc.num_processes > 1:
             torch.distributed.destroy_process_group()
