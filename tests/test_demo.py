@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 import yaml
 
@@ -63,6 +65,11 @@ def test_before_after_text_shows_fixed_questions_and_counts():
     assert "correct, strict (answer tags)  before   0/4   after   3/4   change +75 pts" in text
     assert "correct, lenient (any format)  before   1/4   after   3/4   change +50 pts" in text
     assert "format: strict                 before   0/4   after   3/4" in text
+    assert "GRPO's own change" not in text  # no cold start evaluated
+    cold = [record("<answer>72</answer>", True, 0.5)] + [record("x", False, 0.0)] * 3
+    text = before_after_text(before, after, cold)
+    assert "correct, strict (answer tags)  before   0/4   after   3/4" in text  # the whole recipe's
+    assert "correct, strict (answer tags)  cold start   1/4   after   3/4   change +50 pts" in text
 
 
 def test_paired_change_interval_and_mcnemar():
@@ -78,10 +85,13 @@ def test_paired_change_interval_and_mcnemar():
 def test_threads_leave_busy_cores_alone(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (11.0, 9.0, 5.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval: 100.0)  # both cores busy
     assert choose_threads()[0] == 1
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
-    assert choose_threads() == (2, "torch threads: 2 (2 cores, load average 0.1)")
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval: 40.0)  # 0.8 of a core busy
+    assert choose_threads()[0] == 1
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval: 5.0)
+    assert choose_threads() == (2, "torch threads: 2 (2 cores, 0.1 busy now)")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert choose_threads()[0] == 3
 
@@ -91,11 +101,19 @@ def test_demo_recipes():
     assert default.data.path == "reasoning_gym:chain_sum" and default.eval.limit == 100
     assert default.task.options()["config"]["chain_sum"]["min_digits"] == 2 and default.sft.steps == 8
     assert not default.grpo.shuffle_rewards
+    assert (
+        default.optim.learning_rate == 5e-5
+        and demo_config("gsm8k", 20, False, "o").optim.learning_rate == 2e-4
+    )
     assert demo_config("chain_sum", 20, False, "o", control="random-reward").grpo.shuffle_rewards
     gsm8k = demo_config("gsm8k", 20, False, "o")
-    # the expected time is calibrated on the GSM8K demo's measured 12 minutes (50 held-out questions)
-    assert 11 < expected_minutes(demo_config("gsm8k", 20, False, "o", eval_limit=50), threads=2) < 13
-    assert expected_minutes(gsm8k, threads=1) == pytest.approx(2 * expected_minutes(gsm8k, threads=2))
+    # the expected time reproduces the measured runs: the default's 412.9 s with one thread, and the
+    # GSM8K demo's 12m03s with two (50 questions, before its cold-start evaluation was added: 1 min)
+    assert expected_minutes(default, "chain_sum", threads=1) == pytest.approx(412.9 / 60, rel=0.05)
+    assert expected_minutes(default, "chain_sum", threads=2) == expected_minutes(default, "chain_sum", 1)
+    gsm8k_50 = demo_config("gsm8k", 20, False, "o", eval_limit=50)
+    assert expected_minutes(gsm8k_50, "gsm8k", threads=2) == pytest.approx(12.05 + 50 * 1.25 / 60, rel=0.05)
+    assert expected_minutes(gsm8k, "gsm8k", 1) == pytest.approx(2 * expected_minutes(gsm8k, "gsm8k", 2))
     assert gsm8k.task.name == "gsm8k" and gsm8k.sft.steps == 8 and gsm8k.eval.path.endswith("test.jsonl")
 
 
@@ -136,6 +154,10 @@ def test_default_demo_runs_from_any_directory_with_a_control(tmp_path, tiny_mode
     assert "sft step    1" in proc.stdout
     assert "== 4 held-out questions" in proc.stdout and "McNemar p=" in proc.stdout
     assert "correct, lenient (any format)" in proc.stdout
+    assert "eval after the cold start: " in proc.stdout and "GRPO's own change" in proc.stdout
+    assert (tmp_path / "out" / "eval" / "cold-start.jsonl").is_file()
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    assert [r["step"] for r in metrics if "eval/accuracy" in r] == [0, 2]  # the cold start's is kept apart
     cfg = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())
     assert cfg["grpo"]["shuffle_rewards"] is True and cfg["data"]["path"] == "reasoning_gym:chain_sum"
     for png in ("correctness_curve.png", "format_curve.png"):
@@ -162,3 +184,28 @@ def test_gsm8k_demo_command_runs_two_steps(tmp_path, gguf_cache, gsm8k_dir):
     assert (out / "correctness_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "eval" / "step-0.jsonl").is_file() and (out / "eval" / "step-2.jsonl").is_file()
     assert (out / "model" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_demo_seeds_table_pairs_each_seed_with_its_control(tmp_path):
+    """benchmarks/demo_seeds.py: GRPO's own change, the control's, and demo - control, on the eval files."""
+
+    def write(run: str, name: str, hits: int) -> None:
+        (tmp_path / run / "eval").mkdir(parents=True, exist_ok=True)
+        rows = [{"correct_lenient": i < hits} for i in range(10)]
+        (tmp_path / run / "eval" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write("none-s1", "cold-start", 3)
+    write("none-s1", "step-2", 1)  # an earlier evaluation: the table takes the last one
+    write("none-s1", "step-20", 6)
+    write("random-reward-s1", "step-20", 1)
+    script = os.path.join(TESTS, "..", "benchmarks", "demo_seeds.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--runs", str(tmp_path), "--seeds", "1"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": os.path.join(TESTS, "..", "src")},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| 1 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1:3] == ["3", "6"] and cells[3].startswith("+30.0") and cells[4] == "1"
+    assert cells[5].startswith("-20.0") and cells[6].startswith("+50.0")

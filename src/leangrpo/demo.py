@@ -28,12 +28,26 @@ DEMO_EVAL_DATA = str(_PACKAGED_GSM8K / "test.jsonl")
 DEMO_TASKS = ("chain_sum", "gsm8k")
 CHAIN_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}
 """The default task's difficulty, picked by measurement (benchmarks/RESULTS.md, 2026-11-25)."""
-STEP_SECONDS_PER_TOKEN = 28.6 / 768
-"""A GRPO step's seconds per completion token budget, measured with the GSM8K recipe (8 completions of up
-to 96 tokens: 28.6 s a step; 2-core CPU, nothing else running, 2026-11-21, docs/demo.md)."""
-EVAL_SECONDS_PER_TOKEN = 0.013
-"""Greedy held-out evaluation, seconds per question and token budget (the same run: the ~150 s of its
-12m03s not spent in GRPO steps, for 2 x 50 questions of up to 96 tokens and 8 cold-start steps)."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """A demo recipe's measured seconds on an idle 2-core CPU, with `threads` torch threads."""
+
+    grpo_step: float
+    sft_step: float
+    eval_question: float  # one held-out question, greedy
+    startup: float  # loading the model and the data, saving and plotting
+    threads: int
+
+
+RATES = {
+    # `leangrpo demo --seed 1`, 2026-11-25 (benchmarks/RESULTS.md): 412.9 s in all, one thread
+    "chain_sum": Rates(grpo_step=12.6, sft_step=5.6, eval_question=0.30, startup=20, threads=1),
+    # `leangrpo demo` with the GSM8K recipe, 2026-11-21 (docs/demo.md): 12m03s for 20 steps of 28.6 s and
+    # 2 x 50 questions; the cold start and start-up (26 s together) were not timed apart
+    "gsm8k": Rates(grpo_step=28.6, sft_step=0.0, eval_question=1.25, startup=26, threads=2),
+}
 Control = Literal["none", "random-reward"]
 
 
@@ -56,8 +70,8 @@ def demo_config(
     chain_sum: out of the box the model writes the sum inside `<answer>` but keeps talking and never
     closes the tag (measured: 0 of 48 closed it), so every completion of a group scores the same and GRPO
     has no signal. An 8-step cold start on the answer format (`<answer>` holding the gold sum, no worked
-    reasoning) fixes that; the `--control random-reward` run gets the same cold start, so the two runs'
-    difference is GRPO's.
+    reasoning) fixes that. It also teaches some sums, so the held-out set is evaluated after it too, and
+    the `--control random-reward` run gets the same cold start: the two runs' difference is GRPO's.
 
     gsm8k: the model almost never writes the tags, so every group scores the same and GRPO has no signal;
     a prefilled `<reasoning>` tag, an 8-step supervised cold start on GSM8K's worked solutions in the tag
@@ -65,16 +79,13 @@ def demo_config(
 
     Both: LoRA r=16 (`full_finetune` trains every weight), gradient checkpointing off (a 135M model does
     not need it and it costs a quarter of the step time on a CPU), greedy held-out evaluation before
-    training and at the end. `control: random-reward` shuffles each group's rewards (grpo.shuffle_rewards).
+    training, after the cold start and at the end. `control: random-reward` shuffles each group's
+    rewards (grpo.shuffle_rewards).
     """
     lora = {"enabled": not full_finetune, "r": 16, "alpha": 32, "dropout": 0.0}
     common: dict[str, Any] = {
         "model": {"name_or_path": model, "gradient_checkpointing": False, "lora": lora},
-        "optim": {
-            "learning_rate": 2e-5 if full_finetune else 2e-4,
-            "max_steps": max_steps,
-            "lr_scheduler_type": "constant",
-        },
+        "optim": {"max_steps": max_steps, "lr_scheduler_type": "constant"},
         "logging": {"log_completions_steps": 5},
         "output_dir": output_dir,
         "seed": seed,
@@ -85,7 +96,7 @@ def demo_config(
             "data": {"path": data_path, "assistant_prefix": "<reasoning>\n"},
             "grpo": {"num_generations": 4, "max_completion_length": 96, "max_prompt_length": 256},
             "sft": {"steps": sft_steps, "learning_rate": 5e-5 if full_finetune else 5e-4, "batch_size": 8},
-            "optim": {"per_device_train_batch_size": 8},
+            "optim": {"per_device_train_batch_size": 8, "learning_rate": 2e-5 if full_finetune else 2e-4},
             "eval": {"enabled": True, "path": eval_path, "limit": eval_limit, "batch_size": 25},
         }
     else:
@@ -94,7 +105,8 @@ def demo_config(
             "data": {"path": f"reasoning_gym:{task}", "assistant_prefix": "<reasoning>\n"},
             "grpo": {"num_generations": 4, "max_completion_length": 48, "max_prompt_length": 256},
             "sft": {"steps": sft_steps, "learning_rate": 5e-5 if full_finetune else 5e-4, "batch_size": 8},
-            "optim": {"per_device_train_batch_size": 16},
+            # 2e-4 let the training samples' correctness fall to 0 within 5 steps (benchmarks/RESULTS.md)
+            "optim": {"per_device_train_batch_size": 16, "learning_rate": 2e-5 if full_finetune else 5e-5},
             "eval": {"enabled": True, "limit": eval_limit, "batch_size": 25},
         }
     recipe["grpo"]["shuffle_rewards"] = control == "random-reward"
@@ -104,24 +116,33 @@ def demo_config(
 
 def choose_threads() -> tuple[int, str]:
     """Torch threads for this machine now: one per core that other processes leave idle (at least one),
-    because oversubscribed threads were measured 4x slower than one thread on a busy 2-core CPU. An
-    explicit OMP_NUM_THREADS wins. Returns the count and a line saying why."""
+    because oversubscribed threads were measured 4x slower than one thread on a busy 2-core CPU. Busy
+    cores are sampled over half a second (the load average lags by a minute: right after another job
+    it gave one thread on an idle machine). An explicit OMP_NUM_THREADS wins. Returns the count and a
+    line saying why."""
+    import psutil
+
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     explicit = os.environ.get("OMP_NUM_THREADS", "")
     if explicit.isdigit() and int(explicit) > 0:
         return int(explicit), f"torch threads: {explicit} (OMP_NUM_THREADS)"
-    load = os.getloadavg()[0]
-    threads = max(1, min(cores, math.floor(cores - load + 0.5)))
-    return threads, f"torch threads: {threads} ({cores} cores, load average {load:.1f})"
+    busy = psutil.cpu_percent(interval=0.5) / 100 * (os.cpu_count() or cores)
+    threads = max(1, min(cores, math.floor(cores - busy + 0.5)))
+    return threads, f"torch threads: {threads} ({cores} cores, {busy:.1f} busy now)"
 
 
-def expected_minutes(cfg: Config, threads: int) -> float:
-    """The run's wall time expected from the rates measured on an idle 2-core CPU, scaled to this run's
-    token budget and to `threads` (a rough guide for SmolLM2-135M: longer completions cost more)."""
-    budget = cfg.grpo.max_completion_length
-    steps = cfg.optim.max_steps * cfg.optim.generation_batch_size * budget * STEP_SECONDS_PER_TOKEN
-    evals = 2 * cfg.eval.limit * budget * EVAL_SECONDS_PER_TOKEN
-    return (steps + evals) * 2 / min(threads, 2) / 60
+def expected_minutes(cfg: Config, task: str, threads: int) -> float:
+    """The run's wall time from the task's measured rates, scaled to its steps and questions. Fewer
+    threads than measured scale it up linearly; more are not assumed to be faster."""
+    r = RATES[task]
+    evals = 2 + (cfg.sft.steps > 0)  # before, after the cold start, at the end
+    seconds = (
+        cfg.optim.max_steps * r.grpo_step
+        + cfg.sft.steps * r.sft_step
+        + evals * cfg.eval.limit * r.eval_question
+        + r.startup
+    )
+    return seconds * max(1.0, r.threads / threads) / 60
 
 
 def run_demo(cfg: Config, task: str, write: Callable[[str], None]) -> Path | None:
@@ -136,17 +157,18 @@ def run_demo(cfg: Config, task: str, write: Callable[[str], None]) -> Path | Non
     threads, why = choose_threads()
     torch.set_num_threads(threads)
     write(why)
-    minutes = expected_minutes(cfg, threads)
+    minutes = expected_minutes(cfg, task, threads)
     write(
-        f"expected time: about {minutes:.0f} min at an idle 2-core CPU's rates, {threads} thread(s); "
-        "other load makes it longer (the first run also unpacks the model, ~30 s)"
+        f"expected time: about {minutes:.0f} min with {threads} thread(s), from the rates measured on an "
+        "idle 2-core CPU; other load makes it longer (the first run also unpacks the model, ~30 s)"
     )
     final = train(cfg, overwrite=True)
     if final is None:
         return None
     run_dir = Path(cfg.output_dir)
     before, after = (read_jsonl(run_dir / "eval" / f"step-{s}.jsonl").rows for s in (0, cfg.optim.max_steps))
-    write(before_after_text(before, after))
+    cold = run_dir / "eval" / "cold-start.jsonl"
+    write(before_after_text(before, after, read_jsonl(cold).rows if cold.is_file() else None))
     train_rows = [r for r in read_jsonl(run_dir / "metrics.jsonl").rows if "reward" in r]
     if len(train_rows) >= 2:
         write(reward_rise_text([r["reward"] for r in train_rows]))
@@ -215,10 +237,17 @@ def _one_line(text: str, width: int) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
-def before_after_text(before: list[dict[str, Any]], after: list[dict[str, Any]], width: int = 110) -> str:
+def before_after_text(
+    before: list[dict[str, Any]],
+    after: list[dict[str, Any]],
+    cold_start: list[dict[str, Any]] | None = None,
+    width: int = 110,
+) -> str:
     """The fixed questions with the greedy answers before and after training, then the held-out table:
     correctness (strict: the task's, read from the answer tags; lenient: whatever the format) with its
-    paired change and interval, then the format rates."""
+    paired change and interval, then the format rates. With the evaluation after the SFT cold start,
+    also GRPO's own change (cold start -> after), which the cold start's supervised answers do not
+    count in."""
     lines = ["", f"== before / after training (greedy), first {FIXED_QUESTIONS} held-out questions =="]
     for i, (b, a) in enumerate(zip(before[:FIXED_QUESTIONS], after[:FIXED_QUESTIONS], strict=True), 1):
         lines.append(f"Q{i}. {_one_line(b['question'], width)}  [gold: {b['gold']}]")
@@ -228,20 +257,31 @@ def before_after_text(before: list[dict[str, Any]], after: list[dict[str, Any]],
                 f"          answer={r['extracted']!r}  correct={r['correct']}  reward={r['reward'] or 0:.3g}"
             )
     n = len(before)
-    lines.append(f"== {n} held-out questions (greedy; change after - before, 95% bootstrap interval) ==")
-    for what, key in (
+    correctness = (
         ("correct, strict (answer tags)", "correct"),
         ("correct, lenient (any format)", "correct_lenient"),
-    ):
-        c = paired_change([bool(r.get(key)) for r in before], [bool(r.get(key)) for r in after])
-        lines.append(
-            f"  {what:<30} before {c.before:>3}/{n}   after {c.after:>3}/{n}   "
-            f"change {100 * c.change:+.0f} pts [{100 * c.low:+.0f}, {100 * c.high:+.0f}]  "
-            f"McNemar p={c.p_value:.2g}"
-        )
+    )
+    lines.append(f"== {n} held-out questions (greedy; change after - before, 95% bootstrap interval) ==")
+    lines += [_change_line(what, "before", before, after, key) for what, key in correctness]
     for what, name in (("format: strict", "strict_format"), ("format: both tags (soft)", "soft_format")):
         hit = lambda r, name=name: (r["rewards"].get(name) or 0) > 0  # noqa: E731
         lines.append(
             f"  {what:<30} before {sum(map(hit, before)):>3}/{n}   after {sum(map(hit, after)):>3}/{n}"
         )
+    if cold_start is not None:
+        lines.append("== GRPO's own change: from the end of the SFT cold start to after ==")
+        lines += [_change_line(what, "cold start", cold_start, after, key) for what, key in correctness]
     return "\n".join(lines)
+
+
+def _change_line(
+    what: str, label: str, before: list[dict[str, Any]], after: list[dict[str, Any]], key: str
+) -> str:
+    """One correctness row: both counts, the paired change with its interval, and McNemar's p."""
+    n = len(before)
+    c = paired_change([bool(r.get(key)) for r in before], [bool(r.get(key)) for r in after])
+    return (
+        f"  {what:<30} {label} {c.before:>3}/{n}   after {c.after:>3}/{n}   "
+        f"change {100 * c.change:+.0f} pts [{100 * c.low:+.0f}, {100 * c.high:+.0f}]  "
+        f"McNemar p={c.p_value:.2g}"
+    )

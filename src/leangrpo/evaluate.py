@@ -265,8 +265,9 @@ def load_eval_rows(
 
 
 class TrainingEvaluator:
-    """Evaluates the policy on a fixed held-out subset before step 1, every `eval.eval_steps`, and at
-    the end; writes `RUN/eval/step-N.json(l)` and returns the `eval/...` metrics for metrics.jsonl."""
+    """Evaluates the policy on a fixed held-out subset before step 1 (and after the SFT cold start, if
+    any), every `eval.eval_steps`, and at the end; writes `RUN/eval/step-N.json(l)` and returns the
+    `eval/...` metrics for metrics.jsonl."""
 
     def __init__(self, cfg: Config, run_dir: Path, reward_funcs: RewardFuncs, task: Task):
         ev = cfg.eval
@@ -285,8 +286,10 @@ class TrainingEvaluator:
         tokenizer: PreTrainedTokenizerBase,
         step: int,
         engine: RolloutEngine | None = None,
+        name: str | None = None,
     ) -> dict[str, Any]:
-        """`engine`: the training run's (vLLM's, holding `model`'s weights); default HF generate."""
+        """`engine`: the training run's (vLLM's, holding `model`'s weights); default HF generate.
+        `name`: the files' stem (default `step-N`)."""
         cfg, ev = self.cfg, self.cfg.eval
         result = evaluate(
             model,
@@ -305,7 +308,8 @@ class TrainingEvaluator:
             progress=False,
             engine=engine,
         )
-        result.save(self.run_dir / "eval" / f"step-{step}.json", step=step, data=self.source, split=ev.split)
+        stem = name or f"step-{step}"
+        result.save(self.run_dir / "eval" / f"{stem}.json", step=step, data=self.source, split=ev.split)
         return {"step": step, **{f"eval/{k}": v for k, v in result.metrics.items()}}
 
 

@@ -157,6 +157,12 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def eval_line(title: str, metrics: dict[str, Any]) -> str:
+    """An evaluation's `eval/...` metrics on one console line."""
+    shown = "  ".join(f"{k[5:]}={v:.4g}" for k, v in _scalars(metrics).items() if k.startswith("eval/"))
+    return f"{title}: {shown}"
+
+
 class MetricsLogger:
     """Appends one JSON object per logged step to metrics.jsonl (and to each tracker), prints it as a
     row of a compact console table, and appends samples to completions.jsonl."""
@@ -174,10 +180,7 @@ class MetricsLogger:
         for tracker in self.trackers:
             tracker.log(metrics, metrics["step"])
         if any(k.startswith("eval/") for k in metrics):
-            shown = "  ".join(
-                f"{k[5:]}={v:.4g}" for k, v in _scalars(metrics).items() if k.startswith("eval/")
-            )
-            self.write(f"eval at step {metrics['step']}: {shown}")
+            self.write(eval_line(f"eval at step {metrics['step']}", metrics))
         else:
             self.write(self._table_row(metrics))
 

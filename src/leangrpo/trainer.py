@@ -57,7 +57,7 @@ from .rollout import (
 from .rundir import RunDirError, RunLock, check_output_dir, drop_replaced, error_reason, start_run
 from .signals import StopSignals
 from .tasks import load_task
-from .tracking import MetricsLogger, check_trackers, open_trackers, peak_memory_mb
+from .tracking import MetricsLogger, check_trackers, eval_line, open_trackers, peak_memory_mb
 from .vllm_engine import VLLMError, check_vllm
 
 __all__ = ["RunDirError", "Trainer", "TrainingError", "train"]
@@ -571,6 +571,7 @@ class Trainer:
             self.maybe_evaluate(0)  # the starting model, before any training (SFT included)
         if cfg.sft.steps and not self.resume_from:
             self.cold_start()
+            self.maybe_evaluate(0, name="cold-start")  # GRPO's own starting point, to tell its change apart
         bar = tqdm(
             total=cfg.optim.max_steps,
             initial=self.start_step,
@@ -656,8 +657,10 @@ class Trainer:
             if (step + 1) % cfg.logging.logging_steps == 0 or step + 1 == s.steps:
                 self._write(f"sft step {step + 1:>4} | loss={loss.item():.4g}")
 
-    def maybe_evaluate(self, step: int) -> None:
-        """Evaluate on the held-out subset when `eval` says so (step 0 = before training); main process."""
+    def maybe_evaluate(self, step: int, name: str | None = None) -> None:
+        """Evaluate on the held-out subset when `eval` says so (step 0 = before training); main process.
+        A `name`d evaluation (after the cold start) is saved as `eval/NAME.json(l)` and printed, but kept
+        out of metrics.jsonl, whose evaluations are one per step."""
         if self.evaluator is None or not self.evaluator.due(step):
             return
         engine = None
@@ -666,7 +669,11 @@ class Trainer:
             engine.sync_weights(self.unwrapped.lm)
         with self.dist.full_weights(self.policy):
             if self.is_main:
-                self.logger.log(self.evaluator(self.unwrapped.lm, self.tokenizer, step, engine))
+                metrics = self.evaluator(self.unwrapped.lm, self.tokenizer, step, engine, name=name)
+                if name is None:
+                    self.logger.log(metrics)
+                else:
+                    self._write(eval_line(f"eval after the {name.replace('-', ' ')}", metrics))
             self.acc.wait_for_everyone()
 
     # ------------------------------------------------------------------------------ checkpoints

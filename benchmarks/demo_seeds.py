@@ -1,0 +1,80 @@
+"""The demo on several seeds with its random-reward control, and the table of benchmarks/RESULTS.md.
+
+    python benchmarks/demo_seeds.py --runs runs/seeds --seeds 1,2,3 --train   # 6 demo runs, then the table
+    python benchmarks/demo_seeds.py --runs runs/seeds --seeds 1,2,3           # the table of finished runs
+
+Each run directory (RUNS/none-sN, RUNS/random-reward-sN) holds the demo's evaluations: before anything
+(eval/step-0), after the cold start (eval/cold-start) and after GRPO (eval/step-M). Per seed and pooled
+over the seeds: the cold start's level, GRPO's own change (cold start -> after), the control's, and the
+demo against the control after training, on the same held-out questions (paired). A seed's control
+starts from the demo's cold start (the same seed gives the same cold start), so the control's own change
+is taken from the demo's cold-start evaluation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from leangrpo.demo import paired_change
+
+CONTROLS = ("none", "random-reward")
+
+
+def correct(run: Path, name: str) -> list[bool]:
+    """Per held-out question: lenient correctness in the run's evaluation `name`."""
+    if name == "last":
+        name = max((p.stem for p in (run / "eval").glob("step-*.jsonl")), key=lambda s: int(s[5:]))
+    return [bool(json.loads(line)["correct_lenient"]) for line in (run / "eval" / f"{name}.jsonl").open()]
+
+
+def change(before: list[bool], after: list[bool]) -> str:
+    c = paired_change(before, after)
+    return f"{100 * c.change:+.1f} [{100 * c.low:+.1f}, {100 * c.high:+.1f}], p={c.p_value:.2g}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", required=True, type=Path)
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--train", action="store_true", help="run the demos first (one after another)")
+    a = ap.parse_args()
+    seeds = [int(s) for s in a.seeds.split(",")]
+    if a.train:
+        for seed in seeds:
+            for control in CONTROLS:
+                out = a.runs / f"{control}-s{seed}"
+                cmd = [
+                    "leangrpo",
+                    "demo",
+                    "--seed",
+                    str(seed),
+                    "--control",
+                    control,
+                    "--output-dir",
+                    str(out),
+                ]
+                subprocess.run([sys.executable, "-m", *cmd], check=True)
+    pooled: dict[str, list[bool]] = {k: [] for k in ("cold", "demo", "control")}
+    header = "seed | cold start | demo after | GRPO's own | control after | control's own | demo - control"
+    print(f"| {header} |\n" + "|---" * 7 + "|")
+    for seed in seeds:
+        demo, control = (a.runs / f"{c}-s{seed}" for c in CONTROLS)
+        cold, after, ctrl = correct(demo, "cold-start"), correct(demo, "last"), correct(control, "last")
+        for key, values in (("cold", cold), ("demo", after), ("control", ctrl)):
+            pooled[key] += values
+        print(f"| {seed} | {sum(cold)} | {sum(after)} | {change(cold, after)} | {sum(ctrl)} "
+              f"| {change(cold, ctrl)} | {change(ctrl, after)} |")  # fmt: skip
+    cold, after, ctrl = pooled["cold"], pooled["demo"], pooled["control"]
+    print(f"\npooled over {len(seeds)} seeds ({len(cold)} question-runs; the same questions in every seed):")
+    print(
+        f"  GRPO's own change {change(cold, after)}; the control's {change(cold, ctrl)}; "
+        f"after, demo - control {change(ctrl, after)} (points, 95% bootstrap interval, McNemar p)"
+    )
+
+
+if __name__ == "__main__":
+    main()
