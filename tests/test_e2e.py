@@ -53,6 +53,19 @@ def run_cli(*args: str, env_extra: dict | None = None, timeout: int = 300) -> su
     )
 
 
+def torchrun(
+    script: Path, *args: str, port: int, env_extra: dict | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    """`script` in 2 CPU processes under torchrun (what `accelerate launch` runs; gloo on CPU); `port`
+    differs per test, so that tests in parallel do not meet on one rendezvous."""
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+         str(script), *args],
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )  # fmt: skip
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -121,13 +134,9 @@ def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, tiny_model_di
         optim={"max_steps": 2, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
         grpo={"num_iterations": 2, "loss_type": "dapo"},
     )  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "LEANGRPO_TEST_OUT": str(tmp_path)}
-    proc = subprocess.run(
-        # torchrun is what `accelerate launch` runs; on CPU, Accelerator picks the gloo backend.
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-         str(TESTS / "ddp_worker.py"), str(cfg)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+    proc = torchrun(
+        TESTS / "ddp_worker.py", str(cfg), port=29517, env_extra={"LEANGRPO_TEST_OUT": str(tmp_path)}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     w0, w1 = ((tmp_path / f"weights-rank{r}.sha256").read_text() for r in (0, 1))
     assert w0 == w1

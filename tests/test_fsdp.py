@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_e2e import PYTHONPATH, TESTS, run_cli, write_config
+from test_e2e import PYTHONPATH, TESTS, run_cli, torchrun, write_config
 
 from leangrpo.distributed import Sharded, check_options, fsdp_requested
 from leangrpo.errors import UserError
@@ -38,12 +38,13 @@ def weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_sharded_step_equals_one_process_and_halves_the_bytes(tmp_path, tiny_model_dir):
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541",
-         str(TESTS / "fsdp_worker.py"), str(tiny_model_dir), str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+    proc = torchrun(
+        TESTS / "fsdp_worker.py",
+        str(tiny_model_dir),
+        str(tmp_path),
+        port=29541,
+        env_extra={"OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "fsdp_step.json").read_text())
     assert r["same_names"]

@@ -212,11 +212,7 @@ def test_dapo_recipe_example_trains_from_the_cli(tmp_path, tiny_model_dir, gsm8k
 def test_dynamic_sampling_with_two_processes(tmp_path, tiny_model_dir, gsm8k_dir):
     """Ranks may need different numbers of rounds; they run the same number (a hang otherwise) and end with
     the same weights."""
-    import os
-    import subprocess
-    import sys
-
-    from test_e2e import PYTHONPATH, TESTS, read_metrics, write_config
+    from test_e2e import TESTS, read_metrics, torchrun, write_config
 
     cfg = write_config(
         tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", tmp_path / "run",
@@ -224,12 +220,9 @@ def test_dynamic_sampling_with_two_processes(tmp_path, tiny_model_dir, gsm8k_dir
         optim={"max_steps": 1, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
         grpo={"num_generations": 4, "dynamic_sampling": True, "max_resample_rounds": 3},
     )  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "LEANGRPO_TEST_OUT": str(tmp_path)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
-         str(TESTS / "ddp_worker.py"), str(cfg)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+    proc = torchrun(
+        TESTS / "ddp_worker.py", str(cfg), port=29531, env_extra={"LEANGRPO_TEST_OUT": str(tmp_path)}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     w0, w1 = ((tmp_path / f"weights-rank{r}.sha256").read_text() for r in (0, 1))
     assert w0 == w1
