@@ -14,12 +14,12 @@ is taken from the demo's cold-start evaluation.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 from leangrpo.demo import paired_change
+from leangrpo.rundir import read_jsonl
 
 CONTROLS = ("none", "random-reward")
 
@@ -28,7 +28,7 @@ def correct(run: Path, name: str) -> list[bool]:
     """Per held-out question: lenient correctness in the run's evaluation `name`."""
     if name == "last":
         name = max((p.stem for p in (run / "eval").glob("step-*.jsonl")), key=lambda s: int(s[5:]))
-    return [bool(json.loads(line)["correct_lenient"]) for line in (run / "eval" / f"{name}.jsonl").open()]
+    return [bool(r["correct_lenient"]) for r in read_jsonl(run / "eval" / f"{name}.jsonl").rows]
 
 
 def change(before: list[bool], after: list[bool]) -> str:
