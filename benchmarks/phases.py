@@ -1,7 +1,8 @@
 """Our speed-ups, each on and off, on vs_trl.py's model: generation with and without the oneDNN-packed
-Linears, and with and without the in-place KV cache + inverse-CDF sampling (off: transformers' own
-DynamicCache and torch.multinomial); one update forward + backward with and without the shared-prompt
-layout; and what the default log-prob chunk (256 rows) costs in update time against 1024-row chunks.
+Linears, with and without the in-place KV cache + inverse-CDF sampling (off: transformers' own
+DynamicCache and torch.multinomial), and with the prompt prefilled once per group or on every row; one
+update forward + backward with and without the shared-prompt layout; and what the default log-prob chunk
+(256 rows) costs in update time against 1024-row chunks.
 
     python benchmarks/phases.py [--completion-length 96] [--lora] [--repeats 2]
 
@@ -43,10 +44,14 @@ def multinomial(scores: torch.Tensor) -> torch.Tensor:
 def transformers_cache_and_sampling():
     """generate() with transformers' own DynamicCache (torch.cat per token) and torch.multinomial."""
     with (
-        mock.patch.object(rollout, "kv_cache", lambda model, capacity: {}),
+        mock.patch.object(rollout, "kv_cache", lambda model, capacity: None),
         mock.patch.object(rollout.InverseCDFSampler, "draw", staticmethod(multinomial)),
     ):
         yield
+
+
+def no_prefill(*args: object) -> None:
+    """In prefill_once_per_group's place: generate() then prefills the prompt on every row of a group."""
 
 
 def main() -> None:
@@ -91,6 +96,9 @@ def main() -> None:
         for on in (False, True):
             with nullcontext() if on else transformers_cache_and_sampling():
                 timed(f"generate, in-place cache + ICDF {'on' if on else 'off'}", rollout_batch)
+        for on in (False, True):
+            with nullcontext() if on else mock.patch.object(rollout, "prefill_once_per_group", no_prefill):
+                timed(f"generate, prompt prefilled once {'on' if on else 'off'}", rollout_batch)
     policy = Policy(model.train(), share_prompt=True)
 
     def update(group: int) -> None:

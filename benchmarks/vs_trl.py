@@ -196,16 +196,17 @@ def run_ours(s: Settings, out_dir: Path) -> dict:
     cfg = validate_config(data, "benchmark")
     trainer = Trainer(cfg, overwrite=True)
     after_load = peak_memory_mb()
-    seconds, cpu, lengths = [], [], []
+    seconds, cpu, lengths, phases = [], [], [], []
     for step in range(1, s.steps + 1):
         cpu_start = time.process_time()
         m = trainer.step(step)
         cpu.append(time.process_time() - cpu_start)
         seconds.append(m["step_seconds"])
         lengths.append(m["completion_length/mean"])
+        phases.append({k: v for k, v in m.items() if k.startswith("time/")})
     return {"step_seconds": seconds, "cpu_seconds": cpu, "completion_lengths": lengths,
             "peak_mb": peak_memory_mb(), "peak_after_load_mb": after_load,
-            "shared_prompt_group": trainer.group}  # fmt: skip
+            "shared_prompt_group": trainer.group, "phase_seconds": phases}  # fmt: skip
 
 
 def run_trl(s: Settings, out_dir: Path) -> dict:

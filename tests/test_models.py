@@ -343,7 +343,7 @@ def test_preallocated_layer_appends_in_place():
 def test_generate_uses_the_preallocated_cache(tiny_model_dir, tokenizer, monkeypatch):
     """Same tokens as generate() with its own DynamicCache, written in place."""
     model = load_tiny(tiny_model_dir)
-    cache = kv_cache(model, 20)["past_key_values"]
+    cache = kv_cache(model, 20)
     assert [type(layer) for layer in cache.layers] == [PreallocatedLayer] * model.config.num_hidden_layers
     ids = tokenizer(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
     plain = model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -355,6 +355,38 @@ def test_generate_uses_the_preallocated_cache(tiny_model_dir, tokenizer, monkeyp
                     max_completion_length=6, do_sample=False, ignore_eos=True)  # fmt: skip
     assert torch.equal(ours.completion_ids, plain[:, ids.input_ids.shape[1] :])
     assert len(updates) == 6 * model.config.num_hidden_layers  # prefill + 5 decoding steps, every layer
+
+
+def test_groups_prefill_their_prompt_once(tiny_model_dir, tokenizer, monkeypatch):
+    """With G completions per prompt the prompt's forward runs on one row per group, into the cache that
+    generate()'s own prefill of every row writes (prompts of different lengths, so left padding too),
+    and greedy completions are the same."""
+    from leangrpo.rollout import CACHE_KWARG, encode_prompts, prefill_once_per_group
+
+    model = load_tiny(tiny_model_dir).eval()
+    ids, mask = encode_prompts(tokenizer, PROMPTS, 64, 3)
+    ours = kv_cache(model, 64)
+    rows_seen: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda m, a, k: rows_seen.append(k["input_ids"].shape[0]), with_kwargs=True
+    )
+    prefill_once_per_group(model, ids, mask, 3, ours)
+    hook.remove()
+    assert rows_seen == [len(PROMPTS)]
+    theirs = kv_cache(model, 64)
+    model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False, **{CACHE_KWARG: theirs}
+    )
+    real = mask[:, :-1].bool()  # the prompt's tokens, not its padding
+    for a, b in zip(ours.layers, theirs.layers, strict=True):
+        assert a.keys.shape[0] == len(ids)
+        torch.testing.assert_close(a.keys.transpose(1, 2)[real], b.keys[:, :, :-1].transpose(1, 2)[real])
+        torch.testing.assert_close(a.values.transpose(1, 2)[real], b.values[:, :, :-1].transpose(1, 2)[real])
+    kwargs = dict(num_generations=3, max_prompt_length=64, max_completion_length=6, do_sample=False)
+    shared = generate(model, tokenizer, PROMPTS, ignore_eos=True, **kwargs)
+    monkeypatch.setattr("leangrpo.rollout.prefill_once_per_group", lambda *a: None)
+    every_row = generate(model, tokenizer, PROMPTS, ignore_eos=True, **kwargs)
+    assert torch.equal(shared.completion_ids, every_row.completion_ids)
 
 
 @pytest.mark.parametrize("knob", [{"temperature": 1e-4}, {"top_p": 1e-6}])

@@ -3,6 +3,7 @@ rollout to update. A RolloutEngine runs it: HF generate here (the default), vLLM
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -26,7 +27,7 @@ from .models import is_peft, peft_base
 
 if TYPE_CHECKING:
     from peft.tuners.lora import Linear as LoraLinear
-    from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from .config import Config
 
@@ -207,17 +208,20 @@ def generate(
     )
     was_training = model.training
     model.eval()  # uses the KV cache (disabled under gradient checkpointing in train mode), no dropout
+    cache = kv_cache(model, prompt_ids.shape[1] + max_completion_length)
     with (
         only_generation_config(model, gen_cfg),
         packed_linears(model, len(prompt_ids)) if packed else nullcontext(),
     ):
+        if cache is not None and num_generations > 1:
+            prefill_once_per_group(model, prompt_ids, prompt_mask, num_generations, cache)
         # a causal LM (or the peft model standing in for one) has it; PreTrainedModel does not declare it
         out = cast("GenerationMixin", model).generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             generation_config=gen_cfg,
             logits_processor=LogitsProcessorList(processors),
-            **kv_cache(model, prompt_ids.shape[1] + max_completion_length),
+            **({CACHE_KWARG: cache} if cache is not None else {}),
         )
     model.train(was_training)
     completion_ids = out[:, prompt_ids.shape[1] :]
@@ -332,18 +336,51 @@ class PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
         return self.keys, self.values
 
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row `repeats` times in a row, buffers included (after a prefill shared by a group)."""
+        if self.is_initialized:
+            end = self.get_seq_length()
+            self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
+            self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
+            self.keys, self.values = self.key_buffer[:, :, :end], self.value_buffer[:, :, :end]
 
-def kv_cache(model: PreTrainedModel, capacity: int) -> dict[str, Any]:
-    """generate()'s `past_key_values`: a DynamicCache whose full-attention layers are PreallocatedLayers of
-    `capacity` positions. Empty (generate() builds its own) for models that take no DynamicCache."""
+
+# generate()'s and forward()'s name for the KV cache: transformers 5.24 renamed `past_key_values` to `cache`
+# (the old name still works there, with a FutureWarning).
+CACHE_KWARG = (
+    "cache"
+    if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
+)
+
+
+def kv_cache(model: PreTrainedModel, capacity: int) -> DynamicCache | None:
+    """A KV cache for generate() whose full-attention layers are PreallocatedLayers of `capacity` positions;
+    None (generate() builds its own) for models that take no DynamicCache."""
     # a GenerationMixin classmethod, whose `cls` transformers types as its own private Protocol
     if not cast("GenerationMixin", model)._supports_default_dynamic_cache():  # type: ignore[misc]
-        return {}
+        return None
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     cache.layers = [
         PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers
     ]
-    return {"past_key_values": cache}
+    return cache
+
+
+@torch.no_grad()
+def prefill_once_per_group(
+    model: PreTrainedModel, prompt_ids: Tensor, prompt_mask: Tensor, group: int, cache: DynamicCache
+) -> None:
+    """Fill `cache` with all but the last prompt token, running each group's prompt once instead of
+    `group` times, then repeat its entries for the group's rows; generate() then starts from the last
+    prompt token. The rows of a group hold the same prompt (encode_prompts repeats them), so this is the
+    same cache for 1/`group` of the prefill's work: 8 rows × 82 tokens took 1.5-1.7 s, 1 row 0.3 s."""
+    if prompt_ids.shape[1] < 2:
+        return
+    ids, mask = prompt_ids[::group, :-1], prompt_mask[::group, :-1]
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
+    model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{CACHE_KWARG: cache})
+    cache.batch_repeat_interleave(group)
 
 
 def linear_weight(module: torch.nn.Module) -> Tensor | None:
