@@ -90,6 +90,54 @@ def test_a_reasoning_gym_path_with_another_task_is_refused():
         config(name="gsm8k")
 
 
+def test_a_bad_cold_start_task_is_one_line():
+    base = {"model": {"name_or_path": "m"}, "data": {"path": f"{RG}chain_sum"}}
+    for sft_task, message in (
+        ({"config": {"chain_sum": {"min_digits": 0}}}, "sft.task: bad reasoning-gym generator config"),
+        ({"digits": 1}, "sft.task: task reasoning_gym has no option 'digits'"),
+    ):
+        with pytest.raises(ConfigError, match="^config error") as err:
+            validate_config({**base, "sft": {"steps": 2, "task": sft_task}})
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_cold_start_trains_on_sft_task_problems(tmp_path, tiny_model_dir, monkeypatch):
+    """sft.task's settings (one-digit sums) give the cold start its problems; GRPO keeps two-digit ones."""
+    from leangrpo import sft
+    from leangrpo.trainer import Trainer
+
+    two_digits = {"chain_sum": {**CHAIN_SUM["chain_sum"], "min_digits": 2, "max_digits": 2}}
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "gradient_checkpointing": False},
+            "task": {"name": "reasoning_gym", "size": 40, "config": two_digits},
+            "data": {"path": f"{RG}chain_sum"},
+            "grpo": {"num_generations": 2, "max_completion_length": 32},
+            "sft": {"steps": 2, "batch_size": 4, "task": {"config": CHAIN_SUM}},
+            "logging": {"progress_bar": False},
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
+    trainer = Trainer(cfg)
+    taught: list[str] = []
+    real_batch = sft.sft_batch
+    monkeypatch.setattr(
+        sft,
+        "sft_batch",
+        lambda tok, p, solutions, **k: taught.extend(solutions) or real_batch(tok, p, solutions, **k),
+    )
+    trainer.cold_start()
+
+    def operands(question: str) -> list[str]:
+        return question.split(":")[-1].replace("=", " ").replace("+", " ").replace("-", " ").split()
+
+    assert len(taught) == 8 and all(t.startswith("<reasoning>") for t in taught)
+    assert all(len(n) == 1 for r in trainer.sft_rows for n in operands(r["question"]))
+    assert all(len(n) == 2 for r in trainer.rows for n in operands(r["question"]))
+    sft_answers = {r["answer"] for r in trainer.sft_rows}
+    assert all(any(f"<answer>\n{a}\n" in t for a in sft_answers) for t in taught)
+
+
 @pytest.mark.slow
 def test_training_run_on_generated_problems(tmp_path, tiny_model_dir):
     from test_e2e import read_metrics, run_cli

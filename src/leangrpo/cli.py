@@ -147,7 +147,7 @@ def chat(
     help="chain_sum: generated two-digit sums (reasoning-gym); gsm8k: GSM8K with a cold start.",
 )
 @click.option("--max-steps", default=20, show_default=True, help="GRPO steps.")
-@click.option("--sft-steps", default=8, show_default=True, help="gsm8k: supervised cold-start steps.")
+@click.option("--sft-steps", default=8, show_default=True, help="Supervised cold-start steps.")
 @click.option("--full-finetune", is_flag=True, help="Train every weight instead of a LoRA adapter.")
 @click.option("--data", "data_path", default=DEMO_DATA, show_default=True, help="gsm8k: training file.")
 @click.option("--eval-data", default=DEMO_EVAL_DATA, show_default=True, help="gsm8k: held-out file.")

@@ -442,6 +442,12 @@ class SFTConfig(_Section):
     steps: int = Field(0, ge=0, description="supervised steps before GRPO; 0 = no cold start")
     learning_rate: float = Field(1e-4, gt=0, description="its learning rate")
     batch_size: int = Field(8, ge=1, description="examples per step on each process")
+    task: dict[str, Any] | None = Field(
+        None,
+        description="task options for the cold start's problems, over `task`'s (e.g. {config: {chain_sum: "
+        "{max_digits: 1}}}): the format taught on other problems than GRPO's, so that the skill the "
+        "held-out set measures is not supervised; null: GRPO's own problems",
+    )
 
 
 class LoggingConfig(_Section):
@@ -569,12 +575,26 @@ class Config(_Section):
             )
         if self.sft.steps and not task.has_solutions:
             raise ValueError(f"sft.steps needs worked solutions, which task {task.name} does not have")
+        if self.sft.task is not None:
+            try:
+                load_task(self.sft_task).check_data(self.data.path)
+            except ValidationError as e:
+                raise ValueError(f"sft.task: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+            except TaskError as e:
+                raise ValueError(f"sft.task: {e}") from None
         if self.eval.enabled and self.eval.path is None and Path(self.data.path).suffix in _LOCAL_SUFFIXES:
             raise ValueError(
                 "eval.enabled needs eval.path (a held-out file, or a directory holding "
                 f"{self.eval.split}.jsonl): data.path is a local file, the training data itself"
             )
         return self
+
+    @property
+    def sft_task(self) -> TaskConfig:
+        """The task the cold start draws its problems from: `task` with `sft.task`'s options over it."""
+        return TaskConfig.model_validate(
+            {**self.task.options(), **(self.sft.task or {}), "name": self.task.name}
+        )
 
     @property
     def prompts_per_step(self) -> int:

@@ -28,6 +28,8 @@ DEMO_EVAL_DATA = str(_PACKAGED_GSM8K / "test.jsonl")
 DEMO_TASKS = ("chain_sum", "gsm8k")
 CHAIN_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}
 """The default task's difficulty, picked by measurement (benchmarks/RESULTS.md, 2026-11-25)."""
+SFT_CHAIN_SUM = {**CHAIN_SUM, "min_digits": 1, "max_digits": 1}
+"""The cold start's problems: one-digit sums teach the answer format, not the two-digit sums held out."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,10 @@ def demo_config(
     chain_sum: out of the box the model writes the sum inside `<answer>` but keeps talking and never
     closes the tag (measured: 0 of 48 closed it), so every completion of a group scores the same and GRPO
     has no signal. An 8-step cold start on the answer format (`<answer>` holding the gold sum, no worked
-    reasoning) fixes that. It also teaches some sums, so the held-out set is evaluated after it too, and
-    the `--control random-reward` run gets the same cold start: the two runs' difference is GRPO's.
+    reasoning) fixes that. Its problems are one-digit sums (`sft.task`), so that it teaches the format
+    and not the two-digit sums held out; the held-out set is evaluated after it too, and the
+    `--control random-reward` run gets the same cold start: the two runs' difference is GRPO's. GRPO
+    samples 8 completions per prompt at temperature 1.2: at 1.0 most groups wrote one answer 8 times.
 
     gsm8k: the model almost never writes the tags, so every group scores the same and GRPO has no signal;
     a prefilled `<reasoning>` tag, an 8-step supervised cold start on GSM8K's worked solutions in the tag
@@ -101,12 +105,22 @@ def demo_config(
         }
     else:
         recipe = {
-            "task": {"name": "reasoning_gym", "config": {task: CHAIN_SUM if task == "chain_sum" else {}}},
+            "task": {"name": "reasoning_gym", "config": {task: CHAIN_SUM}},
             "data": {"path": f"reasoning_gym:{task}", "assistant_prefix": "<reasoning>\n"},
-            "grpo": {"num_generations": 4, "max_completion_length": 48, "max_prompt_length": 256},
-            "sft": {"steps": sft_steps, "learning_rate": 5e-5 if full_finetune else 5e-4, "batch_size": 8},
-            # 2e-4 let the training samples' correctness fall to 0 within 5 steps (benchmarks/RESULTS.md)
-            "optim": {"per_device_train_batch_size": 16, "learning_rate": 2e-5 if full_finetune else 5e-5},
+            # temperature 1.2: at 1.0 after the cold start, most groups of 8 wrote the same answer
+            "grpo": {
+                "num_generations": 8,
+                "max_completion_length": 48,
+                "max_prompt_length": 256,
+                "temperature": 1.2,
+            },  # fmt: skip
+            "sft": {
+                "steps": sft_steps,
+                "learning_rate": 2e-5 if full_finetune else 2e-4,
+                "batch_size": 8,
+                "task": {"config": {task: SFT_CHAIN_SUM}},
+            },  # fmt: skip
+            "optim": {"per_device_train_batch_size": 32, "learning_rate": 2e-5 if full_finetune else 1e-4},
             "eval": {"enabled": True, "limit": eval_limit, "batch_size": 25},
         }
     recipe["grpo"]["shuffle_rewards"] = control == "random-reward"

@@ -125,6 +125,10 @@ class Trainer:
         self.reward_funcs = load_rewards(cfg.rewards.functions, self.task)
         loaded = load_rows(cfg.data, self.task)
         self.rows, self.skipped = loaded.rows, loaded.skipped
+        self.sft_task, self.sft_rows = self.task, self.rows  # the cold start's problems
+        if cfg.sft.steps and cfg.sft.task is not None and not self.resume_from:
+            self.sft_task = load_task(cfg.sft_task)
+            self.sft_rows = load_rows(cfg.data, self.sft_task).rows
         if cfg.optim.num_train_epochs and "max_steps" not in cfg.optim.model_fields_set:
             per_step = cfg.prompts_per_step * self.acc.num_processes
             cfg.optim.max_steps = math.ceil(cfg.optim.num_train_epochs * len(self.rows) / per_step)
@@ -627,23 +631,24 @@ class Trainer:
         return TrainingError(f"stopped at step {step}: {error}; {what_holds(self.run_dir)}")
 
     def cold_start(self) -> None:
-        """`sft.steps` supervised steps on the task's worked solutions, before the first GRPO step."""
+        """`sft.steps` supervised steps on the task's worked solutions (of `sft.task`'s problems, if set),
+        before the first GRPO step."""
         from tqdm import trange
 
         cfg, s = self.cfg, self.cfg.sft
         params = [p for p in self.policy.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, cfg.optim, learning_rate=s.learning_rate)
         order = PromptSampler(
-            len(self.rows), s.batch_size, cfg.seed + 1, self.acc.process_index, self.acc.num_processes
+            len(self.sft_rows), s.batch_size, cfg.seed + 1, self.acc.process_index, self.acc.num_processes
         )
         self.policy.train()
         show = self.is_main and cfg.logging.progress_bar
         for step in trange(s.steps, desc="SFT cold start", disable=not show, dynamic_ncols=True):
-            rows = [self.rows[i] for i in order.indices(step)]
+            rows = [self.sft_rows[i] for i in order.indices(step)]
             batch = sft.sft_batch(
                 self.tokenizer,
                 [r["prompt"] for r in rows],
-                [self.task.solution(r) for r in rows],
+                [self.sft_task.solution(r) for r in rows],
                 assistant_prefix=cfg.data.assistant_prefix,
                 max_prompt_length=cfg.grpo.max_prompt_length,
                 max_completion_length=cfg.grpo.max_completion_length,
