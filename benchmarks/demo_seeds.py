@@ -5,8 +5,9 @@
 
 Each run directory (RUNS/none-sN, RUNS/random-reward-sN) holds the demo's evaluations: before anything
 (eval/step-0), after the cold start (eval/cold-start) and after GRPO (eval/step-M). Per seed and pooled
-over the seeds: the cold start's level, GRPO's own change (cold start -> after), the control's, and the
-demo against the control after training, on the same held-out questions (paired). A seed's control
+over the seeds: the whole recipe's change (before -> after) of the demo and of the control, GRPO's own
+change (cold start -> after) and the control's, and the demo against the control after training, on
+the same held-out questions (paired). A seed's control
 starts from the demo's cold start (the same seed gives the same cold start), so the control's own change
 is taken from the demo's cold-start evaluation.
 """
@@ -58,21 +59,27 @@ def main() -> None:
                     str(out),
                 ]
                 subprocess.run([sys.executable, "-m", *cmd], check=True)
-    pooled: dict[str, list[bool]] = {k: [] for k in ("cold", "demo", "control")}
-    header = "seed | cold start | demo after | GRPO's own | control after | control's own | demo - control"
-    print(f"| {header} |\n" + "|---" * 7 + "|")
+    pooled: dict[str, list[bool]] = {k: [] for k in ("before", "cold", "demo", "control")}
+    header = (
+        "seed | before | cold start | demo after | whole recipe | GRPO's own | control after "
+        "| control, whole recipe | control's own | demo - control"
+    )
+    print(f"| {header} |\n" + "|---" * 10 + "|")
     for seed in seeds:
         demo, control = (a.runs / f"{c}-s{seed}" for c in CONTROLS)
-        cold, after, ctrl = correct(demo, "cold-start"), correct(demo, "last"), correct(control, "last")
-        for key, values in (("cold", cold), ("demo", after), ("control", ctrl)):
+        before, cold = correct(demo, "step-0"), correct(demo, "cold-start")
+        after, ctrl = correct(demo, "last"), correct(control, "last")
+        for key, values in (("before", before), ("cold", cold), ("demo", after), ("control", ctrl)):
             pooled[key] += values
-        print(f"| {seed} | {sum(cold)} | {sum(after)} | {change(cold, after)} | {sum(ctrl)} "
-              f"| {change(cold, ctrl)} | {change(ctrl, after)} |")  # fmt: skip
-    cold, after, ctrl = pooled["cold"], pooled["demo"], pooled["control"]
+        print(f"| {seed} | {sum(before)} | {sum(cold)} | {sum(after)} | {change(before, after)} "
+              f"| {change(cold, after)} | {sum(ctrl)} | {change(before, ctrl)} | {change(cold, ctrl)} "
+              f"| {change(ctrl, after)} |")  # fmt: skip
+    before, cold, after, ctrl = (pooled[k] for k in ("before", "cold", "demo", "control"))
     print(f"\npooled over {len(seeds)} seeds ({len(cold)} question-runs; the same questions in every seed):")
     print(
-        f"  GRPO's own change {change(cold, after)}; the control's {change(cold, ctrl)}; "
-        f"after, demo - control {change(ctrl, after)} (points, 95% bootstrap interval, McNemar p)"
+        f"  whole recipe {change(before, after)} (control {change(before, ctrl)}); GRPO's own change "
+        f"{change(cold, after)}; the control's {change(cold, ctrl)}; after, demo - control "
+        f"{change(ctrl, after)} (points, 95% bootstrap interval, McNemar p)"
     )
 
 

@@ -103,17 +103,14 @@ def test_demo_recipes():
     # the cold start teaches the format on one-digit sums; GRPO's held-out problems have two digits
     assert default.sft_task.options()["config"]["chain_sum"]["max_digits"] == 1
     assert not default.grpo.shuffle_rewards
-    assert (default.grpo.num_generations, default.grpo.temperature, default.optim.learning_rate) == (
-        8,
-        1.2,
-        1e-4,
-    )
+    grpo = default.grpo
+    assert (grpo.num_generations, grpo.temperature, default.optim.learning_rate) == (8, 1.2, 2e-4)
     assert demo_config("gsm8k", 20, False, "o").optim.learning_rate == 2e-4
     assert demo_config("chain_sum", 20, False, "o", control="random-reward").grpo.shuffle_rewards
     gsm8k = demo_config("gsm8k", 20, False, "o")
-    # the expected time reproduces the measured runs: the default's 412.9 s with one thread, and the
-    # GSM8K demo's 12m03s with two (50 questions, before its cold-start evaluation was added: 1 min)
-    assert expected_minutes(default, "chain_sum", threads=1) == pytest.approx(412.9 / 60, rel=0.05)
+    # the expected time reproduces the measured runs: the default's 644 and 637 s with one thread, and
+    # the GSM8K demo's 12m03s with two (50 questions, before its cold-start evaluation was added: 1 min)
+    assert expected_minutes(default, "chain_sum", threads=1) == pytest.approx(640 / 60, rel=0.05)
     assert expected_minutes(default, "chain_sum", threads=2) == expected_minutes(default, "chain_sum", 1)
     gsm8k_50 = demo_config("gsm8k", 20, False, "o", eval_limit=50)
     assert expected_minutes(gsm8k_50, "gsm8k", threads=2) == pytest.approx(12.05 + 50 * 1.25 / 60, rel=0.05)
@@ -198,6 +195,7 @@ def test_demo_seeds_table_pairs_each_seed_with_its_control(tmp_path):
         rows = [{"correct_lenient": i < hits} for i in range(10)]
         (tmp_path / run / "eval" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
+    write("none-s1", "step-0", 0)
     write("none-s1", "cold-start", 3)
     write("none-s1", "step-2", 1)  # an earlier evaluation: the table takes the last one
     write("none-s1", "step-20", 6)
@@ -211,5 +209,6 @@ def test_demo_seeds_table_pairs_each_seed_with_its_control(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| 1 |"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
-    assert cells[1:3] == ["3", "6"] and cells[3].startswith("+30.0") and cells[4] == "1"
-    assert cells[5].startswith("-20.0") and cells[6].startswith("+50.0")
+    assert cells[1:4] == ["0", "3", "6"] and cells[4].startswith("+60.0") and cells[5].startswith("+30.0")
+    assert cells[6] == "1" and cells[7].startswith("+10.0") and cells[8].startswith("-20.0")
+    assert cells[9].startswith("+50.0")

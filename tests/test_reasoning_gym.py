@@ -95,6 +95,7 @@ def test_a_bad_cold_start_task_is_one_line():
     for sft_task, message in (
         ({"config": {"chain_sum": {"min_digits": 0}}}, "sft.task: bad reasoning-gym generator config"),
         ({"digits": 1}, "sft.task: task reasoning_gym has no option 'digits'"),
+        ({"name": "gsm8k"}, "sft.task: holds options of the task, not another task name"),
     ):
         with pytest.raises(ConfigError, match="^config error") as err:
             validate_config({**base, "sft": {"steps": 2, "task": sft_task}})

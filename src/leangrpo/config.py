@@ -576,6 +576,8 @@ class Config(_Section):
         if self.sft.steps and not task.has_solutions:
             raise ValueError(f"sft.steps needs worked solutions, which task {task.name} does not have")
         if self.sft.task is not None:
+            if "name" in self.sft.task:
+                raise ValueError("sft.task: holds options of the task, not another task name")
             try:
                 load_task(self.sft_task).check_data(self.data.path)
             except ValidationError as e:

@@ -44,8 +44,9 @@ class Rates:
 
 
 RATES = {
-    # `leangrpo demo --seed 1`, 2026-11-25 (benchmarks/RESULTS.md): 412.9 s in all, one thread
-    "chain_sum": Rates(grpo_step=12.6, sft_step=5.6, eval_question=0.30, startup=20, threads=1),
+    # `leangrpo demo --seed 1` and `--seed 3`, 2026-11-25 evening (benchmarks/RESULTS.md): 644 and 637 s in
+    # all, one thread pinned to a core while another demo ran on the other one
+    "chain_sum": Rates(grpo_step=23.8, sft_step=5.5, eval_question=0.35, startup=20, threads=1),
     # `leangrpo demo` with the GSM8K recipe, 2026-11-21 (docs/demo.md): 12m03s for 20 steps of 28.6 s and
     # 2 x 50 questions; the cold start and start-up (26 s together) were not timed apart
     "gsm8k": Rates(grpo_step=28.6, sft_step=0.0, eval_question=1.25, startup=26, threads=2),
@@ -107,20 +108,19 @@ def demo_config(
         recipe = {
             "task": {"name": "reasoning_gym", "config": {task: CHAIN_SUM}},
             "data": {"path": f"reasoning_gym:{task}", "assistant_prefix": "<reasoning>\n"},
-            # temperature 1.2: at 1.0 after the cold start, most groups of 8 wrote the same answer
             "grpo": {
                 "num_generations": 8,
                 "max_completion_length": 48,
                 "max_prompt_length": 256,
                 "temperature": 1.2,
-            },  # fmt: skip
+            },
             "sft": {
                 "steps": sft_steps,
                 "learning_rate": 2e-5 if full_finetune else 2e-4,
                 "batch_size": 8,
                 "task": {"config": {task: SFT_CHAIN_SUM}},
-            },  # fmt: skip
-            "optim": {"per_device_train_batch_size": 32, "learning_rate": 2e-5 if full_finetune else 1e-4},
+            },
+            "optim": {"per_device_train_batch_size": 32, "learning_rate": 2e-5 if full_finetune else 2e-4},
             "eval": {"enabled": True, "limit": eval_limit, "batch_size": 25},
         }
     recipe["grpo"]["shuffle_rewards"] = control == "random-reward"
