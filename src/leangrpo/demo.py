@@ -44,9 +44,9 @@ class Rates:
 
 
 RATES = {
-    # `leangrpo demo --seed 1` and `--seed 3`, 2026-11-25 evening (benchmarks/RESULTS.md): 644 and 637 s in
-    # all, one thread pinned to a core while another demo ran on the other one
-    "chain_sum": Rates(grpo_step=23.8, sft_step=5.5, eval_question=0.35, startup=20, threads=1),
+    # `leangrpo demo --seed 4`, 2026-11-25 evening, alone on the idle machine (benchmarks/RESULTS.md): 367 s
+    # in all with two threads (one thread, the other core busy: 637-644 s, under these rates' 736)
+    "chain_sum": Rates(grpo_step=13.6, sft_step=2.8, eval_question=0.20, startup=14, threads=2),
     # `leangrpo demo` with the GSM8K recipe, 2026-11-21 (docs/demo.md): 12m03s for 20 steps of 28.6 s and
     # 2 x 50 questions; the cold start and start-up (26 s together) were not timed apart
     "gsm8k": Rates(grpo_step=28.6, sft_step=0.0, eval_question=1.25, startup=26, threads=2),
