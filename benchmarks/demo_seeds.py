@@ -7,9 +7,8 @@ Each run directory (RUNS/none-sN, RUNS/random-reward-sN) holds the demo's evalua
 (eval/step-0), after the cold start (eval/cold-start) and after GRPO (eval/step-M). Per seed and pooled
 over the seeds: the whole recipe's change (before -> after) of the demo and of the control, GRPO's own
 change (cold start -> after) and the control's, and the demo against the control after training, on
-the same held-out questions (paired). A seed's control
-starts from the demo's cold start (the same seed gives the same cold start), so the control's own change
-is taken from the demo's cold-start evaluation.
+the same held-out questions (paired). A seed's control starts from the demo's cold start (the same seed
+gives the same cold start), so the control's own change is taken from the demo's cold-start evaluation.
 """
 
 from __future__ import annotations

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
-from leangrpo.config import validate_config
-from leangrpo.demo import CHAIN_SUM, demo_config
-from leangrpo.rundir import read_jsonl
-from leangrpo.trainer import train
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from demo_seeds import correct  # noqa: E402
+
+from leangrpo.config import validate_config  # noqa: E402
+from leangrpo.demo import CHAIN_SUM, demo_config  # noqa: E402
+from leangrpo.trainer import train  # noqa: E402
 
 
 def main() -> None:
@@ -44,15 +47,13 @@ def main() -> None:
     start = time.perf_counter()
     train(validate_config(cfg, source="demo_tuning"), overwrite=True)
 
-    def correct(name: str) -> int:
-        return sum(bool(r["correct_lenient"]) for r in read_jsonl(run / "eval" / f"{name}.jsonl").rows)
-
     result = {
         **{k: str(v) for k, v in vars(a).items()},
         "seconds": round(time.perf_counter() - start),
-        "before": correct("step-0"),
-        "cold_start": correct("cold-start"),
-        "after": correct(f"step-{a.steps}"),
+        **{
+            key: sum(correct(run, name))
+            for key, name in (("before", "step-0"), ("cold_start", "cold-start"), ("after", "last"))
+        },
     }
     print(json.dumps(result))
     with (a.out / "results.jsonl").open("a") as f:
