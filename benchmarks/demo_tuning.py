@@ -67,7 +67,7 @@ def main() -> None:
     start = time.perf_counter()
     train(validate_config(cfg, source="demo_tuning"), overwrite=True)
 
-    steps = sorted(int(p.stem[5:]) for p in (run / "eval").glob("step-*.jsonl"))
+    steps = sorted(int(f.stem[5:]) for f in (run / "eval").glob("step-*.jsonl"))
     result = {
         **{k: str(v) for k, v in vars(a).items()},
         "seconds": round(time.perf_counter() - start),
