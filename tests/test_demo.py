@@ -98,7 +98,7 @@ def test_threads_leave_busy_cores_alone(monkeypatch):
 
 def test_demo_recipes():
     default = demo_config("chain_sum", 20, False, "runs/demo")
-    assert default.data.path == "reasoning_gym:chain_sum" and default.eval.limit == 100
+    assert default.data.path == "reasoning_gym:chain_sum" and default.eval.limit == 300
     assert default.task.options()["config"]["chain_sum"]["min_digits"] == 2 and default.sft.steps == 8
     # the cold start teaches the format on one-digit sums; GRPO's held-out problems have two digits
     assert default.sft_task.options()["config"]["chain_sum"]["max_digits"] == 1
@@ -108,14 +108,17 @@ def test_demo_recipes():
     assert demo_config("gsm8k", 20, False, "o").optim.learning_rate == 2e-4
     assert demo_config("chain_sum", 20, False, "o", control="random-reward").grpo.shuffle_rewards
     gsm8k = demo_config("gsm8k", 20, False, "o")
-    # the expected time reproduces the measured runs: the default's 367 s with two threads, and the
-    # GSM8K demo's 12m03s with two (50 questions, before its cold-start evaluation was added: 1 min)
-    assert expected_minutes(default, "chain_sum", threads=2) == pytest.approx(367 / 60, rel=0.05)
+    # the expected time reproduces the measured runs: the default's 367 s with two threads (then with
+    # 100 held-out questions), and the GSM8K demo's 12m03s with two (50 questions, before its
+    # cold-start evaluation was added: 1 min)
+    default_100 = demo_config("chain_sum", 20, False, "runs/demo", eval_limit=100)
+    assert expected_minutes(default_100, "chain_sum", threads=2) == pytest.approx(367 / 60, rel=0.05)
     assert expected_minutes(default, "chain_sum", threads=4) == expected_minutes(default, "chain_sum", 2)
     gsm8k_50 = demo_config("gsm8k", 20, False, "o", eval_limit=50)
     assert expected_minutes(gsm8k_50, "gsm8k", threads=2) == pytest.approx(12.05 + 50 * 1.25 / 60, rel=0.05)
     assert expected_minutes(gsm8k, "gsm8k", 1) == pytest.approx(2 * expected_minutes(gsm8k, "gsm8k", 2))
     assert gsm8k.task.name == "gsm8k" and gsm8k.sft.steps == 8 and gsm8k.eval.path.endswith("test.jsonl")
+    assert gsm8k.eval.limit == 100
 
 
 def test_gsm8k_demo_data_ships_with_the_package():

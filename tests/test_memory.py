@@ -19,7 +19,7 @@ from leangrpo.memory import (
     activation_offload,
     build_optimizer,
     check_device_options,
-    release_generation_memory,
+    release_freed_memory,
 )
 
 CUDA = torch.cuda.is_available()
@@ -110,11 +110,11 @@ def test_activation_offload_disabled_is_a_no_op():
     assert torch.equal(x.grad, 2 * torch.ones(3))
 
 
-def test_release_generation_memory_empties_the_cuda_cache(monkeypatch):
+def test_release_freed_memory_empties_the_cuda_cache(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
-    release_generation_memory()
+    release_freed_memory()
     assert calls == ["empty"]
 
 
@@ -202,9 +202,11 @@ def test_activation_offload_gives_the_same_gradients_on_gpu(tiny_model_dir):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_trainer_frees_generation_memory_before_the_update(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+def test_trainer_releases_freed_memory_after_generation_and_update(
+    tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch
+):
     """Order inside a step: generate (grpo.ignore_eos and packed_generation passed through) → release →
-    update, and nothing else: at beta=0 and num_iterations=1 neither reference nor old log-probs are
+    update → release, and nothing else: at beta=0 and num_iterations=1 neither reference nor old log-probs are
     computed."""
     import leangrpo.rollout as rollout_mod
     import leangrpo.trainer as trainer_mod
@@ -220,7 +222,7 @@ def test_trainer_frees_generation_memory_before_the_update(tmp_path, tiny_model_
         return real_logprobs(policy, *args, **kwargs)
 
     monkeypatch.setattr(rollout_mod, "generate", generate)  # what the default HF engine calls
-    monkeypatch.setattr(trainer_mod, "release_generation_memory", lambda: events.append(("release", None)))
+    monkeypatch.setattr(trainer_mod, "release_freed_memory", lambda: events.append(("release", None)))
     monkeypatch.setattr(trainer_mod, "micro_batch_logprobs", logprobs)
     cfg = make_cfg(
         model={"name_or_path": str(tiny_model_dir)},
@@ -236,7 +238,7 @@ def test_trainer_frees_generation_memory_before_the_update(tmp_path, tiny_model_
         output_dir=str(tmp_path / "run"),
     )
     metrics = trainer_mod.Trainer(cfg).step(1)
-    assert events == [("generate", True, False), ("release", None), ("update", True)]
+    assert events == [("generate", True, False), ("release", None), ("update", True), ("release", None)]
     assert metrics["completion_length/mean"] == 4.0
 
 
@@ -268,6 +270,32 @@ before = rss()
 del x
 print(applied, (before - rss()) // 2**20)
 """
+
+
+FREED_SMALL = """
+import psutil, torch
+from leangrpo.memory import release_freed_memory, return_freed_memory
+rss = lambda: psutil.Process().memory_info().rss
+return_freed_memory()
+blocks = [torch.ones(2**19) for _ in range(100)]  # 200 MiB in 2 MiB blocks: under the threshold, on the heap
+keep = torch.ones(2**18)  # 1 MiB above them that stays: the heap's top cannot shrink
+del blocks
+before = rss()
+release_freed_memory()
+print((before - rss()) // 2**20)
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
+def test_release_freed_memory_returns_freed_heap_blocks_with_glibc():
+    """Blocks under the mmap threshold (a packed Linear weight, a small activation) stay resident when
+    freed in the middle of the heap; release_freed_memory hands their pages back (malloc_trim)."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    proc = subprocess.run(
+        [sys.executable, "-c", FREED_SMALL], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout) >= 150
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's allocator only")
@@ -340,3 +368,82 @@ def test_bf16_reference_copy_keeps_fp32_logprobs_and_a_small_kl(tmp_path, tiny_m
     # bf16 rounding shows, within the bounds measured on the real SmolLM2-135M (docs/memory.md)
     assert 0 < float(diff.max()) < 0.25
     assert float(kl_k3(logp, ref_logp)[mask].max()) < 0.02
+
+
+def in_backward_cfg(tmp_path, tiny_model_dir, gsm8k_dir, name, in_backward, optimizer="adamw"):
+    return make_cfg(
+        model={"name_or_path": str(tiny_model_dir)},  # full fine-tuning, tied embeddings
+        data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 8},
+        grpo={"num_generations": 4, "max_completion_length": 8, "ignore_eos": True},
+        optim={"per_device_train_batch_size": 4, "max_steps": 2, "learning_rate": 1e-3,
+               "optimizer": optimizer, "max_grad_norm": None, "optimizer_in_backward": in_backward},
+        logging={"progress_bar": False, "log_completions_steps": 0},
+        output_dir=str(tmp_path / name),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit"])
+def test_optimizer_in_backward_trains_as_stepping_after_it(tmp_path, tiny_model_dir, gsm8k_dir, optimizer):
+    """optim.optimizer_in_backward: two steps give the weights and gradient norms of the usual step
+    (no clipping in either), every trainable tensor stepped once per step (the tied embedding once,
+    after both its uses), and each step seeing no gradient but its own parameter's."""
+    import leangrpo.trainer as trainer_mod
+
+    runs = {}
+    for in_backward in (False, True):
+        cfg = in_backward_cfg(tmp_path, tiny_model_dir, gsm8k_dir, f"ib{in_backward}", in_backward, optimizer)
+        trainer = trainer_mod.Trainer(cfg)
+        params = [p for p in trainer.unwrapped.parameters() if p.requires_grad]
+        with_grad: list[int] = []
+        step = trainer.optimizer.step
+
+        def counting_step(*args, step=step, params=params, with_grad=with_grad, **kwargs):
+            with_grad.append(sum(p.grad is not None for p in params))
+            return step(*args, **kwargs)
+
+        trainer.optimizer.step = counting_step
+        norms = [trainer.step(s)["grad_norm"] for s in (1, 2)]
+        assert all(p.grad is None for p in params)
+        runs[in_backward] = (norms, [p.detach().clone() for p in params], with_grad, len(params))
+    (norms, weights, with_grad, n), (ib_norms, ib_weights, ib_with_grad, _) = runs[False], runs[True]
+    assert with_grad == [n, n]  # the usual step: every gradient at once
+    assert ib_with_grad == [1] * (2 * n)  # in the backward: one parameter at a time, each once a step
+    assert ib_norms == pytest.approx(norms, rel=1e-4)
+    for a, b in zip(weights, ib_weights, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_optimizer_in_backward_leaves_the_cold_start_alone(tmp_path, tiny_model_dir, gsm8k_dir):
+    """The hooks step only inside the update's backward: another backward through the same weights
+    (the cold start's, with its own optimizer) leaves the gradients to that optimizer."""
+    import leangrpo.trainer as trainer_mod
+
+    trainer = trainer_mod.Trainer(in_backward_cfg(tmp_path, tiny_model_dir, gsm8k_dir, "run", True))
+    params = [p for p in trainer.unwrapped.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    _, rollout = trainer.rollout(1)
+    from leangrpo.logprobs import micro_batch_logprobs
+
+    logp, _ = micro_batch_logprobs(trainer.policy, rollout, slice(None), group=trainer.group)
+    logp.sum().backward()
+    assert all(p.grad is not None for p in params)
+    assert all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("optim", "needle"),
+    [
+        ({"optimizer_in_backward": True}, "set max_grad_norm: null"),
+        ({"optimizer_in_backward": True, "max_grad_norm": None, "gradient_accumulation_steps": 2},
+         "set gradient_accumulation_steps: 1"),
+    ],
+)  # fmt: skip
+def test_optimizer_in_backward_refuses_clipping_and_accumulation(optim, needle):
+    with pytest.raises(UserError, match=needle) as e:
+        make_cfg(optim=optim)
+    assert "\n" not in str(e.value) and "optim" in str(e.value)
+
+
+def test_max_grad_norm_zero_turns_clipping_off_as_in_trl():
+    assert make_cfg(optim={"max_grad_norm": 0}).optim.max_grad_norm is None
+    assert make_cfg().optim.max_grad_norm == 1.0

@@ -364,6 +364,30 @@ def test_memory_options_of_the_config_are_planned():
     assert snippet["optim"]["optimizer"] == "adamw_8bit" and snippet["model"]["activation_offload"] is True
 
 
+def test_optimizer_in_backward_plans_one_gradient_at_a_time(gsm8k_dir):
+    """optim.optimizer_in_backward: the optimizer step holds the largest tensor's gradient (SmolLM2's tied
+    embedding), not all of them; the CLI flag, the config key and the pasted snippet agree, and the
+    planner refuses accumulation as the config does."""
+    shape = plan.resolve_shape("HuggingFaceTB/SmolLM2-135M")
+    base = plan.Knobs(method="full", dtype="float32", device="cpu")
+    usual, in_backward = (
+        plan.estimate(shape, base),
+        plan.estimate(shape, plan.replace(base, optimizer_in_backward=True)),
+    )
+    assert usual.components["gradients"] == shape.num_params() * 4
+    assert in_backward.components["gradients"] == shape.embedding_numel() * 4
+    assert in_backward.phases["update"] < usual.phases["update"]
+    snippet = yaml.safe_load(plan.yaml_snippet(plan.replace(base, optimizer_in_backward=True), "m"))
+    snippet.update(data={"path": str(gsm8k_dir / "train.jsonl")}, rewards={"functions": [{"name": "x"}]})
+    cfg = validate_config(snippet)  # pastes into a config as is (clipping off, as it must be)
+    assert cfg.optim.optimizer_in_backward and plan.knobs_from_config(cfg).optimizer_in_backward
+    args = ["plan", "--model", "HuggingFaceTB/SmolLM2-135M", "--method", "full", "--optimizer-in-backward"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0 and "each freed once stepped" in res.output, res.output
+    res = CliRunner().invoke(main, [*args, "--grad-accum", "2"])
+    assert res.exit_code != 0 and "--grad-accum 1" in res.output
+
+
 def test_shared_prompt_layout_is_planned_and_can_be_turned_off():
     shape = plan.resolve_shape("Qwen/Qwen2.5-0.5B")
     base = plan.Knobs(method="lora", max_prompt_length=512, max_completion_length=128)

@@ -389,7 +389,15 @@ class OptimConfig(_Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
     adam_beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2")
-    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping by global norm")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="gradient clipping by global norm; null (or TRL's 0): no clipping"
+    )
+    optimizer_in_backward: bool = Field(
+        False,
+        description="step each parameter as soon as its gradient is ready and free that gradient, so "
+        "the gradients of all parameters are never held at once (saves about one copy of the trainable "
+        "weights); needs max_grad_norm: null, gradient_accumulation_steps: 1 and one process",
+    )
     max_nonfinite_steps: int = Field(3, ge=1, description="stop after this many skipped steps in a row")
     per_device_train_batch_size: int = Field(8, ge=1, description="completions per micro-batch")
     gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
@@ -415,6 +423,25 @@ class OptimConfig(_Section):
         description="train for this many passes over the data instead (sets max_steps from the row "
         "count; an explicit max_steps wins, as in TRL)",
     )
+
+    @field_validator("max_grad_norm", mode="before")
+    @classmethod
+    def _no_clipping(cls, v: Any) -> Any:
+        return None if v == 0 else v  # TRL (transformers) turns clipping off with 0
+
+    @model_validator(mode="after")
+    def _in_backward(self) -> OptimConfig:
+        if self.optimizer_in_backward and self.max_grad_norm is not None:
+            raise ValueError(
+                "optimizer_in_backward steps each parameter before the others' gradients exist, so there "
+                "is no global norm to clip by: set max_grad_norm: null"
+            )
+        if self.optimizer_in_backward and self.gradient_accumulation_steps > 1:
+            raise ValueError(
+                "optimizer_in_backward steps during each backward, so it cannot accumulate micro-batches: "
+                "set gradient_accumulation_steps: 1 (and per_device_train_batch_size to the whole batch)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _warmup(self) -> OptimConfig:

@@ -1,6 +1,6 @@
-"""The memory options of the training step: 8-bit AdamW and (CUDA only) activation offload;
-handing back the memory generation used before the update starts; and having glibc return freed
-activation memory to the OS.
+"""The memory options of the training step: 8-bit AdamW, optimizer steps inside the backward and
+(CUDA only) activation offload; handing back what each phase freed before the next one starts; and
+having glibc return freed activation memory to the OS.
 
 Everything else that keeps the step lean (chunked log-probs, completion-only positions, micro-batches,
 gradient checkpointing) lives where its quantity is computed: `grpo.py`, `models.Policy`, `trainer.py`.
@@ -9,10 +9,11 @@ gradient checkpointing) lives where its quantity is computed: `grpo.py`, `models
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
-from collections.abc import Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,6 +70,49 @@ def build_optimizer(
     return torch.optim.AdamW(params, **kwargs, fused=True)
 
 
+class StepInBackward:
+    """`optim.optimizer_in_backward`: each parameter takes its optimizer step as soon as its gradient is
+    complete, and that gradient is freed at once, so the full set of gradients (one more copy of the
+    trainable weights) is never alive together (torchtune's `optimizer_in_bwd`).
+
+    The hooks act only inside `stepping()`, so the cold start's own optimizer is left alone. With no
+    gradients held, there is no global norm to clip by before stepping: the config requires
+    `max_grad_norm: null` and one micro-batch per optimizer step. The norm is still summed for the
+    metrics. A non-finite gradient stops the stepping for the rest of that backward; parameters stepped
+    before it keep their step (a non-finite loss makes the first gradient non-finite, so nothing steps)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]):
+        self.optimizer, self.active = optimizer, False
+        self.squared_norm, self.finite = 0.0, True
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._step)
+
+    def _step(self, param: torch.Tensor) -> None:
+        if not self.active:
+            return
+        assert param.grad is not None  # the hook runs right after the gradient was accumulated
+        norm = float(torch.linalg.vector_norm(param.grad, dtype=torch.float32))
+        self.finite = self.finite and math.isfinite(norm)
+        if self.finite:
+            self.squared_norm += norm**2
+            self.optimizer.step()  # steps only `param`: every other gradient is None at this point
+        param.grad = None
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Around one optimizer step's backward."""
+        self.active, self.squared_norm, self.finite = True, 0.0, True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    @property
+    def grad_norm(self) -> float:
+        """The global gradient norm of the last `stepping()` (NaN if a gradient was not finite)."""
+        return math.sqrt(self.squared_norm) if self.finite else math.nan
+
+
 def activation_offload(enabled: bool) -> AbstractContextManager:
     """Around a training forward + backward: tensors saved for the backward go to pinned CPU memory and
     come back asynchronously when the backward needs them.
@@ -82,12 +126,26 @@ def activation_offload(enabled: bool) -> AbstractContextManager:
     return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
 
-def release_generation_memory() -> None:
-    """On CUDA, hand the blocks generation cached (KV cache, sampling buffers) back before the update
-    allocates its activations. Generation's tensors are already freed when it returns (it leaves no
-    reference cycles, see tests/test_memory.py), so on CPU there is nothing to do."""
+def release_freed_memory() -> None:
+    """Hand back what a phase freed before the next one allocates: called after the rollout and after
+    the update. On CUDA, the allocator's cached blocks (KV cache, sampling buffers, activations). With
+    glibc, the heap pages of freed blocks below the mmap threshold (`malloc_trim`): generation's packed
+    weight copies (each Linear's under 4 MiB) and the update's small tensors stay resident otherwise,
+    and RSS carries one phase's high-water mark into the next (benchmark row a, full fine-tuning with
+    optim.optimizer_in_backward: peak RSS 2693 -> 2622 MiB, benchmarks/RESULTS.md). Generation's and the
+    update's tensors are already freed when they return (no reference cycles, see tests/test_memory.py)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    trim = _glibc("malloc_trim")
+    if trim is not None:
+        trim(0)
+
+
+def _glibc(name: str) -> Any:
+    """A glibc function by name, or None on other systems."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return getattr(ctypes.CDLL(None), name, None)
 
 
 def return_freed_memory() -> int | None:
@@ -102,9 +160,11 @@ def return_freed_memory() -> int | None:
     the environment wins. Returns the threshold set, or None when the environment or a non-glibc
     system decides.
     """
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
-        return None
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None or mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1:
+    mallopt = _glibc("mallopt")
+    if (
+        "MALLOC_MMAP_THRESHOLD_" in os.environ
+        or mallopt is None
+        or mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1
+    ):
         return None
     return MMAP_THRESHOLD

@@ -211,6 +211,7 @@ class Knobs:
     max_completion_length: int = 256
     gradient_checkpointing: bool = True
     optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
+    optimizer_in_backward: bool = False
     beta: float = 0.0
     reference_dtype: Literal["auto", "bfloat16"] = "auto"  # the full-fine-tuning reference copy's weights
     num_iterations: int = 1
@@ -246,6 +247,8 @@ def make_knobs(**values: Any) -> Knobs:
             f"num_generations={k.num_generations} must divide the generation batch (batch × grad-accum = "
             f"{k.generation_batch}), as in the config"
         )
+    if k.optimizer_in_backward and (k.gradient_accumulation_steps > 1 or k.fsdp > 1):
+        raise PlanError("--optimizer-in-backward needs one micro-batch a step (--grad-accum 1), no --fsdp")
     return k
 
 
@@ -506,6 +509,9 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     ref_bytes = DTYPE_BYTES["bfloat16"] if k.reference_dtype == "bfloat16" else k.e
     ref = shape.num_params() * ref_bytes if (k.beta > 0 and k.method == "full") else 0  # LoRA: adapter off
     n = k.fsdp  # FSDP2 splits every persistent tensor over n processes
+    # gradients alive at the optimizer step: all (sharded), or with optimizer_in_backward only the tensor
+    # being stepped, each freed as soon as its step is taken
+    step_grads = max(t for _, t in tensors) * tb if k.optimizer_in_backward else math.ceil(grads / n)
     persistent = math.ceil((weights + adapters + optim + ref) / n)
     layer_numel = sum(c for _, c in shape.layer_tensors())
     # FSDP2 in the update: the root group (embeddings, final norm, LM head) stays gathered through forward
@@ -535,7 +541,7 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
         + max(
             grads_before + acts + max(lp_fwd, lp_bwd),
             grads_before + acts + recompute + layer_bwd + layer_grad + dequant,
-            math.ceil(grads / n),  # the optimizer step: fused AdamW and 8-bit AdamW update in place
+            step_grads,  # the optimizer step: fused AdamW and 8-bit AdamW update in place
         )
     )
 
@@ -547,7 +553,7 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     components = {
         "weights": math.ceil(weights / n),
         "trainable params": math.ceil(adapters / n),
-        "gradients": math.ceil(grads / n) if micro == 1 else grads,
+        "gradients": step_grads if micro == 1 else grads,
         "optimizer state": math.ceil(optim / n),
         "reference model": math.ceil(ref / n),
         "activations": acts,
@@ -675,6 +681,7 @@ def knobs_from_config(cfg: Any, **overrides: Any) -> Knobs:
         max_completion_length=g.max_completion_length,
         gradient_checkpointing=m.gradient_checkpointing,
         optimizer=getattr(o, "optimizer", "adamw"),
+        optimizer_in_backward=getattr(o, "optimizer_in_backward", False),
         activation_offload=getattr(m, "activation_offload", False),
         beta=g.beta,
         reference_dtype=g.reference_dtype,
@@ -709,6 +716,8 @@ def yaml_snippet(k: Knobs, model: str) -> str:
         doc["grpo"]["share_prompt"] = False
     if k.optimizer != "adamw":
         doc["optim"]["optimizer"] = k.optimizer
+    if k.optimizer_in_backward:
+        doc["optim"].update(optimizer_in_backward=True, max_grad_norm=None)
     if k.method == "qlora-4bit":
         doc["model"]["load_in_4bit"] = True
     if k.rollout == "vllm":
@@ -765,6 +774,8 @@ def render(est: Estimate, memory: int | None, margin: float) -> str:
     other = "off" if k.gradient_checkpointing else "on"
     notes = {**_NOTES, "optimizer state": _OPTIMIZER_NOTES[k.optimizer]}
     notes["activations"] += f" (checkpointing {'on' if k.gradient_checkpointing else 'off'})"
+    if k.optimizer_in_backward:
+        notes["gradients"] = "the largest tensor's: each freed once stepped (optimizer_in_backward)"
     lines = [
         f"model {s.name}: {s.model_type}, {est.params / 1e6:,.1f}M params, {s.num_hidden_layers} layers, "
         f"hidden {s.hidden_size}, vocab {s.vocab_size}",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,10 +38,11 @@ from .data import PromptSampler, has_chat_template, load_rows, render_prompt
 from .errors import UserError
 from .logprobs import Policy, batch_logprobs, micro_batch_logprobs, shared_prompt_group
 from .memory import (
+    StepInBackward,
     activation_offload,
     build_optimizer,
     check_device_options,
-    release_generation_memory,
+    release_freed_memory,
     return_freed_memory,
 )
 from .models import frozen_copy, is_peft, load_model_and_tokenizer
@@ -163,6 +164,12 @@ class Trainer:
         self.policy = self.dist.wrap(Policy(model, g.temperature, g.logprob_chunk_size, shared))
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(params, cfg.optim)
+        self.in_backward = StepInBackward(self.optimizer, params) if cfg.optim.optimizer_in_backward else None
+        if self.in_backward is not None and self.acc.num_processes > 1:
+            raise TrainingError(
+                "optim.optimizer_in_backward runs on one process only: the gradients of several are "
+                "reduced after the backward, and it steps during it"
+            )
         from transformers import get_scheduler
 
         total = cfg.optim.max_steps * g.num_iterations
@@ -274,7 +281,7 @@ class Trainer:
         ]
         with self.dist.full_weights(self.policy):
             batch = self.engine.generate(texts, **sampling_kwargs(cfg)).to(self.acc.device)
-        release_generation_memory()
+        release_freed_memory()
         return rows, batch
 
     def score(self, step: int, rows: list[dict[str, Any]], rollout: RolloutBatch) -> RewardScores:
@@ -434,6 +441,7 @@ class Trainer:
                 with (
                     self.dist.sync_gradients(self.policy, sync=last),
                     activation_offload(cfg.model.activation_offload),
+                    nullcontext() if self.in_backward is None else self.in_backward.stepping(),
                 ):
                     logp, _, entropy = micro_batch_logprobs(
                         self.policy, rollout, rows, group=self.group, with_entropy=True
@@ -465,15 +473,20 @@ class Trainer:
                 iteration_loss += loss.item()
                 stats.append(mb_stats)
             loss_total += iteration_loss / g.num_iterations
-            grad_norm = self.dist.clip_grad_norm(self.policy, cfg.optim.max_grad_norm)
+            if self.in_backward is None:
+                grad_norm = self.dist.clip_grad_norm(self.policy, cfg.optim.max_grad_norm or math.inf)
+            else:  # each parameter took its step in the backward
+                grad_norm = self.in_backward.grad_norm
             lr = self.scheduler.get_last_lr()[0]
             skipped = self._any_process(not (math.isfinite(iteration_loss) and math.isfinite(grad_norm)))
             if not skipped:
-                self.optimizer.step()
+                if self.in_backward is None:
+                    self.optimizer.step()
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             if skipped:  # the step's later iterations would build on the same bad batch
                 break
+        release_freed_memory()
         self.skipped_steps += skipped
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
         if skipped:
@@ -656,7 +669,7 @@ class Trainer:
             logp, mask = micro_batch_logprobs(self.policy, batch, slice(None), temperature=1.0)
             loss = sft.nll_loss(logp, mask)
             self.acc.backward(loss)
-            self.dist.clip_grad_norm(self.policy, cfg.optim.max_grad_norm)
+            self.dist.clip_grad_norm(self.policy, cfg.optim.max_grad_norm or math.inf)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if (step + 1) % cfg.logging.logging_steps == 0 or step + 1 == s.steps:
