@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_accuracy import MODELS, PROMPT_LEN, build_model, tokenizer_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("full", "lora", "qlora")
+METHODS = ("full", "lora", "qlora", "full-ib")  # full-ib: full with optim.optimizer_in_backward
 GSM8K = ROOT / "tests" / "data" / "gsm8k" / "train.jsonl"  # the sample shipped with the tests
 
 
@@ -150,16 +150,26 @@ def grid(only: list[str] | None, layers: int | None) -> list[dict]:
 
 def run_config(point: dict, model_dir: Path, out: Path) -> dict:
     g, method = point["G"], point["method"]
+    # optimizer_in_backward steps during the backward: one micro-batch of G, no clipping
+    batch = (
+        {
+            "per_device_train_batch_size": g,
+            "gradient_accumulation_steps": 1,
+            "optimizer_in_backward": True,
+            "max_grad_norm": None,
+        }
+        if method == "full-ib"
+        else {"per_device_train_batch_size": g // 2, "gradient_accumulation_steps": 2}
+    )
     return {
         "model": {"name_or_path": str(model_dir), "dtype": "bfloat16",
                   "gradient_checkpointing": point["ckpt"], "load_in_4bit": method == "qlora",
-                  "lora": {"enabled": method != "full"}},
+                  "lora": {"enabled": method not in ("full", "full-ib")}},
         "data": {"path": str(GSM8K), "limit": 64},
         "rewards": {"functions": [{"name": "xmlcount_reward"}]},
         "grpo": {"num_generations": g, "max_prompt_length": PROMPT_LEN, "max_completion_length": point["C"],
                  "ignore_eos": True},
-        "optim": {"per_device_train_batch_size": g // 2, "gradient_accumulation_steps": 2, "max_steps": 1,
-                  "optimizer": "adamw_8bit" if method == "qlora" else "adamw"},
+        "optim": {**batch, "max_steps": 1, "optimizer": "adamw_8bit" if method == "qlora" else "adamw"},
         "logging": {"progress_bar": False, "log_completions_steps": 0},
         "output_dir": str(out),
     }  # fmt: skip

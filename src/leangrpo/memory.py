@@ -113,6 +113,28 @@ class StepInBackward:
         return math.sqrt(self.squared_norm) if self.finite else math.nan
 
 
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, kind: str, num_warmup_steps: int, num_training_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """transformers' `get_scheduler` for the config's schedule types, with the same formulas (checked
+    against it in tests/test_memory.py): linear or cosine decay after a linear warm-up, or constant
+    (which ignores warm-up, as transformers' does). transformers' own import pulls in `trainer_utils`,
+    which imports peft and bitsandbytes: 69 MiB of RSS and 1.5 s of start-up in a full fine-tuning run
+    that uses neither."""
+
+    def factor(step: int) -> float:
+        if kind == "constant":
+            return 1.0
+        if step < num_warmup_steps:
+            return step / max(1, num_warmup_steps)
+        progress = (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps)
+        if kind == "linear":
+            return max(0.0, 1.0 - progress)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))  # cosine, half a cycle
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def activation_offload(enabled: bool) -> AbstractContextManager:
     """Around a training forward + backward: tensors saved for the backward go to pinned CPU memory and
     come back asynchronously when the backward needs them.

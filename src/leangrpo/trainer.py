@@ -41,6 +41,7 @@ from .memory import (
     StepInBackward,
     activation_offload,
     build_optimizer,
+    build_scheduler,
     check_device_options,
     release_freed_memory,
     return_freed_memory,
@@ -170,14 +171,9 @@ class Trainer:
                 "optim.optimizer_in_backward runs on one process only: the gradients of several are "
                 "reduced after the backward, and it steps during it"
             )
-        from transformers import get_scheduler
-
         total = cfg.optim.max_steps * g.num_iterations
-        self.scheduler = get_scheduler(
-            cfg.optim.lr_scheduler_type,
-            self.optimizer,
-            num_warmup_steps=cfg.optim.num_warmup_steps(total),
-            num_training_steps=total,
+        self.scheduler = build_scheduler(
+            self.optimizer, cfg.optim.lr_scheduler_type, cfg.optim.num_warmup_steps(total), total
         )
         set_seed(cfg.seed, device_specific=True)  # different samples on each rank
         self.sampler = PromptSampler(
