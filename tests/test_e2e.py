@@ -120,11 +120,29 @@ def test_bad_input_is_one_line(tmp_path, tiny_model_dir, gsm8k_dir):
         (["rewards.functions=[{name: no_such_reward}]"], "no_such_reward"),
         (["data.path=missing.jsonl"], "missing.jsonl"),
         (["model.name_or_path=/nonexistent/model"], "/nonexistent/model"),
+        (["optim.optimizer_in_backward=true"], "set max_grad_norm: null"),
     ]:
         proc = run_cli("train", "-c", str(cfg), *args)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert needle in proc.stderr and "Traceback" not in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_optimizer_in_backward_from_the_cli(tmp_path, tiny_model_dir, gsm8k_dir):
+    """Full fine-tuning with each parameter stepped in the backward trains from the CLI (the gradient
+    norm still logged), and is refused in one line on two processes."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", out)
+    args = ["optim.optimizer_in_backward=true", "optim.max_grad_norm=null", "optim.max_steps=2",
+            "optim.per_device_train_batch_size=8", "optim.gradient_accumulation_steps=1"]  # fmt: skip
+    proc = run_cli("train", "-c", str(cfg), *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(out)
+    assert len(rows) == 2 and all(r["grad_norm"] > 0 for r in rows)
+    assert yaml.safe_load((out / "config.yaml").read_text())["optim"]["optimizer_in_backward"] is True
+    two = torchrun(TESTS / "ddp_worker.py", str(cfg), *args, f"output_dir={tmp_path / 'two'}", port=29518,
+                   env_extra={"LEANGRPO_TEST_OUT": str(tmp_path)})  # fmt: skip
+    assert two.returncode != 0 and "optimizer_in_backward runs on one process only" in two.stderr
 
 
 def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, tiny_model_dir, gsm8k_dir):

@@ -102,14 +102,15 @@ def test_logprob_backward_workspace_with_a_trained_head_matches_the_plan():
 
 
 @pytest.mark.slow
-def test_live_peak_script_measures_a_tiny_qlora_point(tmp_path):
-    """The whole benchmark on a tiny model (4-bit base, LoRA, 8-bit AdamW, bf16): it runs, and the plan
-    is within 10% of the measured live peak."""
+@pytest.mark.parametrize("point", ["tiny/4/128/qlora/on", "tiny/4/128/full-ib/on"])
+def test_live_peak_script_measures_a_tiny_point(tmp_path, point):
+    """The whole benchmark on a tiny model (4-bit base, LoRA, 8-bit AdamW, bf16; full fine-tuning with the
+    optimizer stepped in the backward): it runs, and the plan is within 10% of the measured live peak."""
     import json
     import subprocess
 
     out = tmp_path / "points.jsonl"
-    args = ["--only", "tiny/4/128/qlora/on", "--work", str(tmp_path), "--json", str(out)]
+    args = ["--only", point, "--work", str(tmp_path), "--json", str(out)]
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "worst error" in proc.stdout

@@ -154,8 +154,9 @@ def release_freed_memory() -> None:
     glibc, the heap pages of freed blocks below the mmap threshold (`malloc_trim`): generation's packed
     weight copies (each Linear's under 4 MiB) and the update's small tensors stay resident otherwise,
     and RSS carries one phase's high-water mark into the next (benchmark row a, full fine-tuning with
-    optim.optimizer_in_backward: peak RSS 2693 -> 2622 MiB, benchmarks/RESULTS.md). Generation's and the
-    update's tensors are already freed when they return (no reference cycles, see tests/test_memory.py)."""
+    optim.optimizer_in_backward: peak RSS 2647 -> 2572 MiB, medians of three, at the same step time;
+    benchmarks/RESULTS.md). Generation's and the update's tensors are already freed when they return (no
+    reference cycles, see tests/test_memory.py)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     trim = _glibc("malloc_trim")
