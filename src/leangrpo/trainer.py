@@ -428,7 +428,7 @@ class Trainer:
         num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
         self.policy.train()
         loss_total, stats, skipped = 0.0, [], False
-        grad_norm, lr = math.nan, self.scheduler.get_last_lr()[0]
+        grad_norm, lr = math.nan, float(self.scheduler.get_last_lr()[0])
         for _ in range(g.num_iterations):
             iteration_loss = 0.0
             for start in range(0, len(rollout), micro):
@@ -473,7 +473,7 @@ class Trainer:
                 grad_norm = self.dist.clip_grad_norm(self.policy, cfg.optim.max_grad_norm or math.inf)
             else:  # each parameter took its step in the backward
                 grad_norm = self.in_backward.grad_norm
-            lr = self.scheduler.get_last_lr()[0]
+            lr = float(self.scheduler.get_last_lr()[0])
             skipped = self._any_process(not (math.isfinite(iteration_loss) and math.isfinite(grad_norm)))
             if not skipped:
                 if self.in_backward is None:
