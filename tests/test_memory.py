@@ -370,6 +370,82 @@ def test_bf16_reference_copy_keeps_fp32_logprobs_and_a_small_kl(tmp_path, tiny_m
     assert float(kl_k3(logp, ref_logp)[mask].max()) < 0.02
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS from /proc, madvise")
+def test_disk_tensors_leave_memory_after_a_pass_and_keep_their_values(tmp_path):
+    """DiskTensors: the copies hold the values (in their dtype), count in the process's memory only
+    between a read and drop_pages, read the same after it, and leave no file behind."""
+    import psutil
+
+    from leangrpo.memory import DiskTensors
+
+    rss = lambda: psutil.Process().memory_info().rss / 2**20  # noqa: E731
+    disk = DiskTensors(tmp_path)
+    source = torch.randn(16 * 2**20 // 4, 4)  # 64 MiB
+    tied = disk.copy(source, torch.float32)
+    small = disk.copy(torch.arange(3.0), torch.bfloat16)  # not a whole page
+    assert torch.equal(tied, source) and small.dtype == torch.bfloat16 and small.tolist() == [0, 1, 2]
+    assert list(tmp_path.iterdir()) == []  # the file has no name
+    before = rss()
+    disk.drop_pages()
+    dropped = rss()
+    assert before - dropped > 56  # the 64 MiB copy's pages left the process
+    assert torch.equal(tied, source)  # read back from the file
+    assert rss() - dropped > 56
+
+
+def test_reference_on_disk_gives_the_same_logprobs(tmp_path, tiny_model_dir, gsm8k_dir):
+    """grpo.reference_on_disk: the full-fine-tuning reference's parameters live in the file (tied
+    embeddings still tied), its log-probs equal the in-memory copy's exactly, a step trains, and the run
+    directory holds nothing of it."""
+    import leangrpo.trainer as trainer_mod
+    from leangrpo.memory import DiskTensors
+
+    def trainer(name, on_disk):
+        return trainer_mod.Trainer(make_cfg(
+            model={"name_or_path": str(tiny_model_dir)},
+            data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
+            grpo={"num_generations": 4, "max_completion_length": 16, "beta": 0.04,
+                  "reference_on_disk": on_disk},
+            optim={"per_device_train_batch_size": 4, "max_steps": 1},
+            logging={"progress_bar": False, "log_completions_steps": 0},
+            output_dir=str(tmp_path / name),
+        ))  # fmt: skip
+
+    mapped, plain = trainer("disk", True), trainer("memory", False)
+    assert isinstance(mapped.ref_pages, DiskTensors) and plain.ref_pages is None
+    ref = mapped.ref_policy.lm
+    addresses = {p.data_ptr() for p in ref.parameters()}
+    assert len(mapped.ref_pages.maps) == len(addresses)  # every parameter in a region of the file
+    assert ref.get_output_embeddings().weight is ref.get_input_embeddings().weight
+    _, rollout = mapped.rollout(1)
+    logp_disk, _ = mapped.reference(rollout)
+    logp_memory, _ = plain.reference(rollout)
+    assert torch.equal(logp_disk, logp_memory)
+    metrics = mapped.step(1)
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
+    plain.step(1)
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == sorted(
+        p.name for p in (tmp_path / "memory").iterdir()
+    )
+
+
+def test_reference_on_disk_is_refused_under_fsdp(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    """Sharding the reference would copy it out of the file: one line, before any step."""
+    import leangrpo.trainer as trainer_mod
+    from leangrpo import distributed
+
+    monkeypatch.setattr(trainer_mod.distributed, "setup", distributed.Sharded)
+    cfg = make_cfg(
+        model={"name_or_path": str(tiny_model_dir)},
+        data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
+        grpo={"num_generations": 4, "beta": 0.04, "reference_on_disk": True},
+        optim={"per_device_train_batch_size": 4},
+        output_dir=str(tmp_path / "run"),
+    )
+    with pytest.raises(trainer_mod.TrainingError, match="reference_on_disk is for CPU runs without FSDP"):
+        trainer_mod.Trainer(cfg)
+
+
 def in_backward_cfg(tmp_path, tiny_model_dir, gsm8k_dir, name, in_backward, optimizer="adamw"):
     return make_cfg(
         model={"name_or_path": str(tiny_model_dir)},  # full fine-tuning, tied embeddings

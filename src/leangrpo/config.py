@@ -214,6 +214,13 @@ class GRPOSection(_Section):
         "model.dtype; bfloat16: half the copy's memory when the policy trains in fp32, at a small KL "
         "error (docs/memory.md); its log-probs stay fp32",
     )
+    reference_on_disk: bool = Field(
+        False,
+        description="full fine-tuning with beta > 0, one CPU process (or DDP): keep the frozen reference "
+        "copy in an unnamed file on the run directory's disk, memory-mapped; its pages are read in for "
+        "each reference pass and dropped from the process's memory after it (docs/memory.md). The same "
+        "log-probs; the copy's memory leaves the step's peak",
+    )
     use_bias_correction_kl: bool = Field(
         True,
         description="multiply the per-token KL by the importance ratio: the unbiased KL gradient, TRL's "

@@ -1,6 +1,6 @@
-"""The memory options of the training step: 8-bit AdamW, optimizer steps inside the backward and
-(CUDA only) activation offload; handing back what each phase freed before the next one starts; and
-having glibc return freed activation memory to the OS.
+"""The memory options of the training step: 8-bit AdamW, optimizer steps inside the backward, (CPU
+only) the reference copy on disk and (CUDA only) activation offload; handing back what each phase
+freed before the next one starts; and having glibc return freed activation memory to the OS.
 
 Everything else that keeps the step lean (chunked log-probs, completion-only positions, micro-batches,
 gradient checkpointing) lives where its quantity is computed: `grpo.py`, `models.Policy`, `trainer.py`.
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import os
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -146,6 +149,39 @@ def activation_offload(enabled: bool) -> AbstractContextManager:
     if not enabled:
         return nullcontext()
     return torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+
+class DiskTensors:
+    """Frozen tensors held in one unnamed file on disk (the run directory's), each memory-mapped: a
+    pass that reads them pages them in from the kernel's page cache, and `drop_pages` then takes them
+    out of the process's memory again. Between passes they are page cache, which the kernel keeps
+    while memory is free and reclaims under pressure (re-reading the file at the next pass).
+
+    For CPU runs (grpo.reference_on_disk): the full-fine-tuning reference copy is read by one pass a
+    step, so its weights leave the peak of the other phases (benchmarks/RESULTS.md). The file has no
+    name (O_TMPFILE where the system has it), so nothing is left behind, even after a crash."""
+
+    def __init__(self, directory: Path):
+        self.file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 (open while the run lasts)
+        self.size = 0
+        self.maps: list[mmap.mmap] = []
+
+    def copy(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A copy of `t` in `dtype`, stored in the file (a page-aligned region of its own)."""
+        nbytes = t.numel() * dtype.itemsize
+        if nbytes == 0:
+            return t.detach().to(dtype, copy=True)
+        offset = self.size
+        self.size += -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        os.ftruncate(self.file.fileno(), self.size)
+        region = mmap.mmap(self.file.fileno(), nbytes, flags=mmap.MAP_SHARED, offset=offset)
+        self.maps.append(region)
+        return torch.frombuffer(region, dtype=dtype).view(t.shape).copy_(t.detach())
+
+    def drop_pages(self) -> None:
+        """Take the tensors' pages out of this process's memory (they stay readable, from the file)."""
+        for region in self.maps:
+            region.madvise(mmap.MADV_DONTNEED)
 
 
 def release_freed_memory() -> None:

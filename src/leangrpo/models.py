@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from .config import LoraConfig, ModelConfig
+    from .memory import DiskTensors
 
 log = logging.getLogger("leangrpo.models")
 
@@ -273,15 +274,20 @@ def merge_lora(model: PeftModel, dtype: torch.dtype | None = None) -> PreTrained
     return merged if dtype is None else merged.to(dtype)
 
 
-def frozen_copy(model: PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
+def frozen_copy(
+    model: PreTrainedModel, dtype: torch.dtype | None = None, disk: DiskTensors | None = None
+) -> PreTrainedModel:
     """The full-fine-tuning reference: a frozen copy of the starting weights, its floating-point
-    parameters cast to `dtype` if given. Each parameter is copied straight into `dtype` (never a
-    transient full-precision copy); buffers (rotary frequencies) keep their dtype, as when loading."""
+    parameters cast to `dtype` if given, and held in `disk`'s file if given. Each parameter is copied
+    straight into its place (never a transient full-precision copy); buffers (rotary frequencies) keep
+    their dtype, as when loading."""
     memo: dict[int, Any] = {}
-    if dtype is not None:
+    if dtype is not None or disk is not None:
         for p in model.parameters():
             if p.is_floating_point():
-                memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False)
+                to = dtype or p.dtype
+                data = disk.copy(p, to) if disk is not None else p.detach().to(to, copy=True)
+                memo[id(p)] = torch.nn.Parameter(data, requires_grad=False)
     ref = copy.deepcopy(model, memo).eval()
     ref.requires_grad_(False)
     return ref

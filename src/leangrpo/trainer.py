@@ -38,6 +38,7 @@ from .data import PromptSampler, has_chat_template, load_rows, render_prompt
 from .errors import UserError
 from .logprobs import Policy, batch_logprobs, micro_batch_logprobs, shared_prompt_group
 from .memory import (
+    DiskTensors,
     StepInBackward,
     activation_offload,
     build_optimizer,
@@ -154,11 +155,18 @@ class Trainer:
                 f"grpo.share_prompt: off, {why_not}; each completion reads its own copy of the prompt"
             )
         shared = self.group > 1
-        self.ref_policy = None
+        self.ref_policy, self.ref_pages = None, None
         if g.beta > 0 and not is_peft(model):
             dtype = None if g.reference_dtype == "auto" else getattr(torch, g.reference_dtype)
-            ref = Policy(frozen_copy(model, dtype), g.temperature, g.logprob_chunk_size, shared)
+            self.ref_pages = self._reference_file() if g.reference_on_disk else None
+            ref = Policy(
+                frozen_copy(model, dtype, self.ref_pages), g.temperature, g.logprob_chunk_size, shared
+            )
             self.ref_policy = self.dist.place_frozen(ref)
+            if self.ref_pages is not None:
+                self.ref_pages.drop_pages()  # written: out of memory until the first reference pass
+        elif g.reference_on_disk:
+            self._write("grpo.reference_on_disk: no effect, there is no reference copy (beta = 0, or LoRA)")
         if self.resume_from:  # into the whole model, before sharding (the reference keeps the start)
             self._check_steps_left(self.resume_from)
             load_trainable(model, self.resume_from)
@@ -198,6 +206,20 @@ class Trainer:
         except BaseException:
             self.release()
             raise
+
+    def _reference_file(self) -> DiskTensors:
+        """grpo.reference_on_disk's file: on the run directory's disk (its nearest existing folder: the
+        directory itself is made later, under the lock), one CPU process or DDP."""
+        where = next(d for d in (self.run_dir, *self.run_dir.resolve().parents) if d.is_dir())
+        if self.acc.device.type != "cpu" or isinstance(self.dist, distributed.Sharded):
+            raise TrainingError(
+                f"grpo.reference_on_disk is for CPU runs without FSDP (this run: {self.acc.device.type}, "
+                f"{self.dist.describe()}): elsewhere the reference must live in device memory"
+            )
+        try:
+            return DiskTensors(where)
+        except OSError as e:
+            raise RunDirError(f"grpo.reference_on_disk: cannot write in {where}: {error_reason(e)}") from None
 
     def _take_run_dir(self, overwrite: bool) -> None:
         """Under the lock: replace an earlier run (fresh start) or restore the checkpoint (resume), write
@@ -384,6 +406,8 @@ class Trainer:
         ref_logp = None
         if g.beta > 0 and self.ref_policy is not None:
             ref_logp = batch_logprobs(self.ref_policy, rollout, micro, self.group)
+            if self.ref_pages is not None:
+                self.ref_pages.drop_pages()
         elif g.beta > 0:
             lm = self.unwrapped.lm
             assert is_peft(lm), "without a reference copy the policy is LoRA (see __init__)"
