@@ -145,6 +145,20 @@ def test_optimizer_in_backward_from_the_cli(tmp_path, tiny_model_dir, gsm8k_dir)
     assert two.returncode != 0 and "optimizer_in_backward runs on one process only" in two.stderr
 
 
+def test_reference_on_disk_from_the_cli(tmp_path, tiny_model_dir, gsm8k_dir):
+    """Full fine-tuning with its KL reference memory-mapped from disk trains from the CLI: the KL starts
+    at 0 and grows once the policy moves."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", out)
+    proc = run_cli("train", "-c", str(cfg), "grpo.beta=0.04", "grpo.reference_on_disk=true",
+                   "optim.max_steps=2", "optim.learning_rate=1e-2")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(out)
+    assert len(rows) == 2
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl"] > 0
+    assert yaml.safe_load((out / "config.yaml").read_text())["grpo"]["reference_on_disk"] is True
+
+
 def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, tiny_model_dir, gsm8k_dir):
     cfg = write_config(
         tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", tmp_path / "run",

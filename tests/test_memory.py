@@ -205,7 +205,8 @@ def test_activation_offload_gives_the_same_gradients_on_gpu(tiny_model_dir):
 def test_trainer_releases_freed_memory_after_generation_and_update(
     tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch
 ):
-    """Order inside a step: generate (grpo.ignore_eos and packed_generation passed through) → release →
+    """Order inside a step: generate (grpo.ignore_eos, packed_generation and packed_lm_head passed
+    through) → release →
     update → release, and nothing else: at beta=0 and num_iterations=1 neither reference nor old log-probs are
     computed."""
     import leangrpo.rollout as rollout_mod
@@ -214,7 +215,7 @@ def test_trainer_releases_freed_memory_after_generation_and_update(
     events, real_generate, real_logprobs = [], rollout_mod.generate, trainer_mod.micro_batch_logprobs
 
     def generate(*args, **kwargs):
-        events.append(("generate", kwargs["ignore_eos"], kwargs["packed"]))
+        events.append(("generate", kwargs["ignore_eos"], kwargs["packed"], kwargs["pack_head"]))
         return real_generate(*args, **kwargs)
 
     def logprobs(policy, *args, **kwargs):
@@ -232,13 +233,19 @@ def test_trainer_releases_freed_memory_after_generation_and_update(
             "max_completion_length": 4,
             "ignore_eos": True,
             "packed_generation": False,
+            "packed_lm_head": False,
         },
         optim={"per_device_train_batch_size": 2, "max_steps": 1},
         logging={"progress_bar": False, "log_completions_steps": 0},
         output_dir=str(tmp_path / "run"),
     )
     metrics = trainer_mod.Trainer(cfg).step(1)
-    assert events == [("generate", True, False), ("release", None), ("update", True), ("release", None)]
+    assert events == [
+        ("generate", True, False, False),
+        ("release", None),
+        ("update", True),
+        ("release", None),
+    ]
     assert metrics["completion_length/mean"] == 4.0
 
 

@@ -788,9 +788,9 @@ def test_gguf_corrupt_cache_is_rebuilt(gguf_cache, tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- packed linears (CPU generation)
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_packed_linears_give_the_same_logits_and_undo_themselves(tiny_model_dir, tokenizer, lora):
-    from leangrpo.rollout import packed_linears
+@pytest.mark.parametrize(("lora", "pack_head"), [(False, True), (True, True), (False, False)])
+def test_packed_linears_give_the_same_logits_and_undo_themselves(tiny_model_dir, tokenizer, lora, pack_head):
+    from leangrpo.rollout import _packed_forward, _wide_forward, packed_linears
 
     model = load_tiny(tiny_model_dir).eval()
     if lora:
@@ -799,11 +799,14 @@ def test_packed_linears_give_the_same_logits_and_undo_themselves(tiny_model_dir,
     ids = tokenizer(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
         want = model(**ids).logits
-        with packed_linears(model, batch_hint=2):
-            swapped = [m for m in model.modules() if "forward" in m.__dict__]
+        with packed_linears(model, batch_hint=2, pack_head=pack_head):
+            swapped = {m: m.forward.func for m in model.modules() if "forward" in m.__dict__}
             got = model(**ids).logits
-    # Every projection and lm_head goes through the packed path (a LoRA layer as one, base included).
-    assert len(swapped) == 2 * 7 + 1
+    # Every projection goes through the packed path (a LoRA layer as one, base included); the LM head
+    # too, or, left unpacked, through the wide product.
+    head = model.get_output_embeddings()
+    assert swapped.pop(head) is (_packed_forward if pack_head else _wide_forward)
+    assert len(swapped) == 2 * 7 and set(swapped.values()) == {_packed_forward}
     assert not any("forward" in m.__dict__ for m in model.modules())
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     if lora:  # the adapter matters, so folding it in was really checked
@@ -828,11 +831,11 @@ def test_generate_packs_the_linears_only_when_asked(tiny_model_dir, tokenizer, m
     calls = []
 
     @contextmanager
-    def recording(model, batch_hint):
-        calls.append(batch_hint)
+    def recording(model, batch_hint, pack_head):
+        calls.append((batch_hint, pack_head))
         yield
 
     monkeypatch.setattr(rollout_mod, "packed_linears", recording)
     generate(load_tiny(tiny_model_dir), tokenizer, PROMPTS, num_generations=2, max_prompt_length=16,
-             max_completion_length=2, packed=packed)  # fmt: skip
-    assert calls == ([4] if packed else [])
+             max_completion_length=2, packed=packed, pack_head=False)  # fmt: skip
+    assert calls == ([(4, False)] if packed else [])

@@ -287,6 +287,12 @@ class GRPOSection(_Section):
         True,
         description="CPU rollouts with oneDNN-packed weights: faster, one weight copy more while generating",
     )
+    packed_lm_head: bool = Field(
+        True,
+        description="with packed_generation: pack the LM head too. false: multiply it unpacked, which "
+        "saves its copy while generating (113 MiB for SmolLM2-135M) for about 7% slower generation "
+        "(docs/memory.md)",
+    )
     ignore_eos: bool = Field(False, description="always generate max_completion_length tokens (benchmarks)")
     use_vllm: bool = Field(
         False, description="generate rollouts with vLLM instead of HF generate (docs/vllm.md)"

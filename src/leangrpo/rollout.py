@@ -108,11 +108,19 @@ class RolloutEngine(Protocol):
 class HFEngine:
     """transformers' generate on the policy itself: the weights are shared, so there is nothing to sync."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, packed: bool = True):
-        self.model, self.tokenizer, self.packed = model, tokenizer, packed
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        packed: bool = True,
+        pack_head: bool = True,
+    ):
+        self.model, self.tokenizer, self.packed, self.pack_head = model, tokenizer, packed, pack_head
 
     def generate(self, prompt_texts: list[str], **sampling: Any) -> RolloutBatch:
-        return generate(self.model, self.tokenizer, prompt_texts, packed=self.packed, **sampling)
+        return generate(
+            self.model, self.tokenizer, prompt_texts, packed=self.packed, pack_head=self.pack_head, **sampling
+        )
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         pass
@@ -121,7 +129,7 @@ class HFEngine:
 def rollout_engine(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> RolloutEngine:
     """The engine `cfg.grpo.use_vllm` picks (vLLM's holds the checkpoint's weights until its first sync)."""
     if not cfg.grpo.use_vllm:
-        return HFEngine(model, tokenizer, cfg.grpo.packed_generation)
+        return HFEngine(model, tokenizer, cfg.grpo.packed_generation, cfg.grpo.packed_lm_head)
     from .vllm_engine import VLLMEngine
 
     return VLLMEngine.from_config(cfg, tokenizer, eos_token_ids(tokenizer, model))
@@ -172,6 +180,7 @@ def generate(
     assistant_prefix: str = "",
     ignore_eos: bool = False,
     packed: bool = True,
+    pack_head: bool = True,
 ) -> RolloutBatch:
     """Sample `num_generations` completions per prompt. Tokens after the first EOS are masked out.
 
@@ -181,7 +190,7 @@ def generate(
 
     `ignore_eos` forces every completion to max_completion_length tokens (for benchmarks that must
     compare equal work). `packed`: on CPU, run the Linears through `packed_linears` (faster, one extra
-    copy of their weights while generating).
+    copy of their weights while generating; `pack_head`: the LM head's too).
     """
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompt_texts, max_prompt_length, num_generations)
@@ -211,7 +220,7 @@ def generate(
     cache = kv_cache(model, prompt_ids.shape[1] + max_completion_length)
     with (
         only_generation_config(model, gen_cfg),
-        packed_linears(model, len(prompt_ids)) if packed else nullcontext(),
+        packed_linears(model, len(prompt_ids), pack_head) if packed else nullcontext(),
     ):
         if cache is not None and num_generations > 1:
             prefill_once_per_group(model, prompt_ids, prompt_mask, num_generations, cache)
@@ -402,13 +411,16 @@ def linear_weight(module: torch.nn.Module) -> Tensor | None:
 
 
 @contextmanager
-def packed_linears(model: torch.nn.Module, batch_hint: int) -> Iterator[None]:
+def packed_linears(model: torch.nn.Module, batch_hint: int, pack_head: bool = True) -> Iterator[None]:
     """On CPU in float32, run every Linear (LoRA adapters folded in) through oneDNN with its weight
     packed once for the whole generate call.
 
     Decoding a handful of rows is bound by reading the weights; oneDNN's packed layout reads them
     about 1.5× faster than the default sgemm, and a LoRA layer becomes one matmul instead of three.
-    The packed copies (one set of weights) live only inside the context. Elsewhere a no-op.
+    The packed copies (one set of weights) live only inside the context. Without `pack_head`, the LM
+    head (the largest weight) is multiplied unpacked as (weight @ x.T).T instead, and its copy is saved
+    (113 MiB for SmolLM2-135M's tied 49k x 576 head) for about 0.4 s more per 8 x 96-token rollout
+    (5.3 vs 5.7 s; benchmarks/RESULTS.md). Elsewhere a no-op.
     """
     pack = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if pack is None or not (
@@ -419,20 +431,39 @@ def packed_linears(model: torch.nn.Module, batch_hint: int) -> Iterator[None]:
         return
     patched: list[torch.nn.Module] = []
     done: set[int] = set()  # a LoRA layer's own Linears (base, A, B) are folded into its packed weight
+    head = (
+        None
+        if pack_head or not hasattr(model, "get_output_embeddings")
+        else cast("PreTrainedModel", model).get_output_embeddings()
+    )
     try:
         with torch.no_grad():
             for module in model.modules():
-                weight = None if id(module) in done else linear_weight(module)
-                if weight is None:
-                    continue
-                base = cast(torch.nn.Linear, getattr(module, "base_layer", module))  # as linear_weight found
-                done.update(id(m) for m in module.modules())
-                module.forward = partial(_packed_forward, pack(weight, batch_hint), base.bias)
+                if module is head and type(module) is torch.nn.Linear:
+                    forward = partial(_wide_forward, module.weight, module.bias)
+                else:
+                    weight = None if id(module) in done else linear_weight(module)
+                    if weight is None:
+                        continue
+                    base = cast(
+                        torch.nn.Linear, getattr(module, "base_layer", module)
+                    )  # as linear_weight found
+                    done.update(id(m) for m in module.modules())
+                    forward = partial(_packed_forward, pack(weight, batch_hint), base.bias)
+                module.forward = forward
                 patched.append(module)
         yield
     finally:
         for module in patched:
             del module.forward
+
+
+def _wide_forward(weight: Tensor, bias: Tensor | None, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """x @ weight.T computed as (weight @ x.T).T: for the unpacked LM head against a few rows, 7.0 ms
+    for 8 rows x 576 x 49k where x @ weight.T takes 17.6 ms (a packed copy: 5.0 ms; one thread pair,
+    by hand)."""
+    y = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().reshape(*x.shape[:-1], -1)
+    return y if bias is None else y + bias
 
 
 def _packed_forward(weight: Tensor, bias: Tensor | None, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
