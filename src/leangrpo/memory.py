@@ -82,7 +82,9 @@ class StepInBackward:
     gradients held, there is no global norm to clip by before stepping: the config requires
     `max_grad_norm: null` and one micro-batch per optimizer step. The norm is still summed for the
     metrics. A non-finite gradient stops the stepping for the rest of that backward; parameters stepped
-    before it keep their step (a non-finite loss makes the first gradient non-finite, so nothing steps)."""
+    before it keep their step (a non-finite loss makes the first gradient non-finite, so nothing steps).
+    That check reads each gradient's norm on the host: on CUDA one synchronisation per parameter (a few
+    hundred a step), whose cost no GPU has measured yet."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]):
         self.optimizer, self.active = optimizer, False
