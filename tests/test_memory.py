@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -398,6 +399,24 @@ def test_disk_tensors_leave_memory_after_a_pass_and_keep_their_values(tmp_path):
     assert before - dropped > 56  # the 64 MiB copy's pages left the process
     assert torch.equal(tied, source)  # read back from the file
     assert rss() - dropped > 56
+
+
+def test_disk_tensors_on_a_full_disk_is_one_error(tmp_path, monkeypatch):
+    """No room for the copy: a UserError naming the option and the folder, before any page is written
+    (a write to a mapped page without disk blocks would kill the process with SIGBUS)."""
+    import errno
+
+    from leangrpo.memory import DiskTensors
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    disk = DiskTensors(tmp_path)
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(UserError, match=rf"no room for the reference copy in {tmp_path} \(No space left"):
+        disk.copy(torch.ones(10), torch.float32)
+    with pytest.raises(UserError, match="cannot write in /nonexistent"):
+        DiskTensors(Path("/nonexistent"))
 
 
 def test_reference_on_disk_gives_the_same_logprobs(tmp_path, tiny_model_dir, gsm8k_dir):

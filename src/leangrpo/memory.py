@@ -164,18 +164,31 @@ class DiskTensors:
     name (O_TMPFILE where the system has it), so nothing is left behind, even after a crash."""
 
     def __init__(self, directory: Path):
-        self.file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 (open while the run lasts)
-        self.size = 0
+        self.directory, self.size = directory, 0
         self.maps: list[mmap.mmap] = []
+        try:
+            self.file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 (open while the run lasts)
+        except OSError as e:
+            raise DeviceOptionError(
+                f"grpo.reference_on_disk: cannot write in {directory}: {e.strerror}"
+            ) from None
 
     def copy(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A copy of `t` in `dtype`, stored in the file (a page-aligned region of its own)."""
+        """A copy of `t` in `dtype`, stored in the file (a page-aligned region of its own). The region's
+        disk blocks are reserved first: writing a mapped page the disk has no room for kills the
+        process (SIGBUS), where a full disk here is one clear error."""
         nbytes = t.numel() * dtype.itemsize
         if nbytes == 0:
             return t.detach().to(dtype, copy=True)
-        offset = self.size
-        self.size += -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-        os.ftruncate(self.file.fileno(), self.size)
+        offset, length = self.size, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        try:
+            os.posix_fallocate(self.file.fileno(), offset, length)
+        except OSError as e:
+            raise DeviceOptionError(
+                f"grpo.reference_on_disk: no room for the reference copy in {self.directory} ({e.strerror}, "
+                f"{(offset + length) / 2**20:.0f} MiB so far); free some or set grpo.reference_on_disk=false"
+            ) from None
+        self.size += length
         region = mmap.mmap(self.file.fileno(), nbytes, flags=mmap.MAP_SHARED, offset=offset)
         self.maps.append(region)
         return torch.frombuffer(region, dtype=dtype).view(t.shape).copy_(t.detach())

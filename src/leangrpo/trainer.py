@@ -216,10 +216,7 @@ class Trainer:
                 f"grpo.reference_on_disk is for CPU runs without FSDP (this run: {self.acc.device.type}, "
                 f"{self.dist.describe()}): elsewhere the reference must live in device memory"
             )
-        try:
-            return DiskTensors(where)
-        except OSError as e:
-            raise RunDirError(f"grpo.reference_on_disk: cannot write in {where}: {error_reason(e)}") from None
+        return DiskTensors(where)
 
     def _take_run_dir(self, overwrite: bool) -> None:
         """Under the lock: replace an earlier run (fresh start) or restore the checkpoint (resume), write
