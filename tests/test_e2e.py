@@ -164,7 +164,8 @@ def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, tiny_model_di
         tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", tmp_path / "run",
         rewards={"functions": [{"name": "toy_rewards:vowel_share"}, {"name": "toy_rewards:record_prompts"}]},
         optim={"max_steps": 2, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
-        grpo={"num_iterations": 2, "loss_type": "dapo"},
+        # a KL reference, each rank's memory-mapped from its own unnamed file (grpo.reference_on_disk)
+        grpo={"num_iterations": 2, "loss_type": "dapo", "beta": 0.04, "reference_on_disk": True},
     )  # fmt: skip
     proc = torchrun(
         TESTS / "ddp_worker.py", str(cfg), port=29517, env_extra={"LEANGRPO_TEST_OUT": str(tmp_path)}
@@ -175,6 +176,7 @@ def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, tiny_model_di
     p0, p1 = (set((tmp_path / f"prompts-rank{r}.txt").read_text().splitlines()) for r in (0, 1))
     assert len(p0) == len(p1) == 2  # 1 prompt × G=8 per step, 2 steps
     assert not p0 & p1
+    assert all(r["kl"] is not None for r in read_metrics(tmp_path / "run"))
 
 
 def test_model_whose_logits_the_logprob_path_cannot_reproduce_is_refused(tmp_path, tiny_model_dir, gsm8k_dir):

@@ -420,7 +420,7 @@ def packed_linears(model: torch.nn.Module, batch_hint: int, pack_head: bool = Tr
     The packed copies (one set of weights) live only inside the context. Without `pack_head`, the LM
     head (the largest weight) is multiplied unpacked as (weight @ x.T).T instead, and its copy is saved
     (113 MiB for SmolLM2-135M's tied 49k x 576 head) for about 0.4 s more per 8 x 96-token rollout
-    (5.3 vs 5.7 s; benchmarks/RESULTS.md). Elsewhere a no-op.
+    (5.3 vs 5.7 s by hand; docs/memory.md). Elsewhere a no-op.
     """
     pack = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if pack is None or not (
@@ -445,9 +445,8 @@ def packed_linears(model: torch.nn.Module, batch_hint: int, pack_head: bool = Tr
                     weight = None if id(module) in done else linear_weight(module)
                     if weight is None:
                         continue
-                    base = cast(
-                        torch.nn.Linear, getattr(module, "base_layer", module)
-                    )  # as linear_weight found
+                    # the Linear whose weight linear_weight found (a LoRA layer's base)
+                    base = cast(torch.nn.Linear, getattr(module, "base_layer", module))
                     done.update(id(m) for m in module.modules())
                     forward = partial(_packed_forward, pack(weight, batch_hint), base.bias)
                 module.forward = forward
@@ -460,8 +459,8 @@ def packed_linears(model: torch.nn.Module, batch_hint: int, pack_head: bool = Tr
 
 def _wide_forward(weight: Tensor, bias: Tensor | None, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
     """x @ weight.T computed as (weight @ x.T).T: for the unpacked LM head against a few rows, 7.0 ms
-    for 8 rows x 576 x 49k where x @ weight.T takes 17.6 ms (a packed copy: 5.0 ms; one thread pair,
-    by hand)."""
+    for 8 rows x 576 x 49k where x @ weight.T takes 17.6 ms (a packed copy: 5.0 ms; two threads, a
+    by-hand micro-benchmark)."""
     y = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().reshape(*x.shape[:-1], -1)
     return y if bias is None else y + bias
 
