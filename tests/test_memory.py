@@ -207,9 +207,8 @@ def test_trainer_releases_freed_memory_after_generation_and_update(
     tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch
 ):
     """Order inside a step: generate (grpo.ignore_eos, packed_generation and packed_lm_head passed
-    through) → release →
-    update → release, and nothing else: at beta=0 and num_iterations=1 neither reference nor old log-probs are
-    computed."""
+    through) → release → update → release, and nothing else: at beta=0 and num_iterations=1 neither
+    reference nor old log-probs are computed."""
     import leangrpo.rollout as rollout_mod
     import leangrpo.trainer as trainer_mod
 
