@@ -179,6 +179,30 @@ def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, tiny_model_di
     assert all(r["kl"] is not None for r in read_metrics(tmp_path / "run"))
 
 
+def test_a_process_of_a_multi_process_run_leaves_without_interpreter_teardown(tmp_path):
+    """Under WORLD_SIZE > 1 the CLI ends the process with os._exit once atexit handlers have run and output
+    is flushed (gloo's threads can abort a finalizing interpreter): what was printed is kept, the exit code
+    passed on, nothing after it runs. With one process, nothing changes."""
+    script = (
+        "import atexit, pathlib\n"
+        "from leangrpo.cli import _leave_if_one_of_many\n"
+        f"atexit.register(pathlib.Path({str(tmp_path / 'atexit-ran')!r}).touch)\n"
+        "print('kept', end='')\n"
+        "_leave_if_one_of_many(3)\n"
+        "print(' and on')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | {"PYTHONPATH": PYTHONPATH}
+    many = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env={**env, "WORLD_SIZE": "2"}
+    )
+    assert (many.returncode, many.stdout) == (3, "kept"), many.stderr
+    assert (tmp_path / "atexit-ran").is_file()
+    one = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env={**env, "WORLD_SIZE": "1"}
+    )
+    assert (one.returncode, one.stdout) == (0, "kept and on\n"), one.stderr
+
+
 def test_model_whose_logits_the_logprob_path_cannot_reproduce_is_refused(tmp_path, tiny_model_dir, gsm8k_dir):
     """A config that names a soft cap its architecture never applies (Llama ignores final_logit_softcapping):
     training would optimise another distribution than the one sampled, so `train` refuses in one line."""

@@ -72,6 +72,7 @@ def test_fsdp_run_resumes_exactly_and_exports_a_plain_model(tmp_path, tiny_model
     proc = launch("-c", str(cfg), port=29542)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sharded (FSDP2)" in proc.stdout + proc.stderr
+    assert "done: final model in" in proc.stdout  # printed before the process leaves without teardown
     resumed = tmp_path / "resumed"
     shutil.copytree(run, resumed, ignore=shutil.ignore_patterns("checkpoint-3", "model"))
     proc = launch("--resume", str(resumed), port=29543)

@@ -3,8 +3,10 @@ so `leangrpo --help` answers at once."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +32,19 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             sys.exit(2)
 
     return wrapper
+
+
+def _leave_if_one_of_many(code: int) -> None:
+    """End a process of a multi-process run (WORLD_SIZE > 1) here, once atexit handlers have run and
+    output is flushed, without finalizing the interpreter. With torch 2.13, gloo's worker threads outlive
+    destroy_process_group once FSDP2's functional collectives have used the group (4 threads left after
+    it, 1 without them), and tearing the interpreter down under them can abort a process whose work is
+    done (SIGABRT, "terminate called without an active exception"; seen in CI, not reproduced locally)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -71,6 +86,7 @@ def train(config_path: str | None, overwrite: bool, resume: str | None, override
     final = run_training(cfg, overwrite=overwrite, resume=bool(resume))
     if final is not None:
         click.echo(f"done: final model in {final}")
+    _leave_if_one_of_many(0)
 
 
 @main.command()
