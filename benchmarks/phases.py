@@ -29,7 +29,7 @@ from leangrpo.config import LoraConfig, validate_config  # noqa: E402
 from leangrpo.data import load_rows, render_prompt  # noqa: E402
 from leangrpo.logprobs import LOGPROB_CHUNK_SIZE, Policy, micro_batch_logprobs  # noqa: E402
 from leangrpo.models import apply_lora, cache_root, load_tokenizer  # noqa: E402
-from leangrpo.rollout import generate  # noqa: E402
+from leangrpo.rollout import Sampling, generate  # noqa: E402
 from leangrpo.tasks import load_task  # noqa: E402
 
 G = 8
@@ -85,8 +85,10 @@ def main() -> None:
 
     def rollout_batch(packed: bool = True) -> rollout.RolloutBatch:
         C = a.completion_length
-        return generate(model, tok, [prompt], num_generations=G, max_prompt_length=512,
-                        max_completion_length=C, ignore_eos=True, packed=packed)  # fmt: skip
+        sampling = Sampling(
+            num_generations=G, max_prompt_length=512, max_completion_length=C, ignore_eos=True
+        )
+        return generate(model, tok, [prompt], sampling, packed=packed)
 
     batch = None
     for _ in range(a.repeats):

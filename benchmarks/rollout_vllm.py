@@ -25,7 +25,7 @@ from vs_trl import SMOLLM2_135M  # noqa: E402
 
 from leangrpo.config import validate_config  # noqa: E402
 from leangrpo.models import cache_root, load_tokenizer, packaged_gguf  # noqa: E402
-from leangrpo.rollout import HFEngine, eos_token_ids  # noqa: E402
+from leangrpo.rollout import HFEngine, Sampling, eos_token_ids  # noqa: E402
 
 ARCHS = {  # LlamaConfig / Qwen2Config keyword arguments
     # vLLM's CPU attention needs a head dimension >= 32
@@ -105,11 +105,11 @@ def main() -> None:
         )
         engine.sync_weights(model)
         sampling = dict(num_generations=a.num_generations, max_prompt_length=64, ignore_eos=True)
-        engine.generate([text], max_completion_length=8, **sampling)  # warm-up
+        engine.generate([text], Sampling(max_completion_length=8, **sampling))  # warm-up
         print(f"{name}: engine ready in {time.perf_counter() - build_start:.1f} s", flush=True)
         for _ in range(a.repeats):
             start = time.perf_counter()
-            batch = engine.generate([text], max_completion_length=a.tokens, **sampling)
+            batch = engine.generate([text], Sampling(max_completion_length=a.tokens, **sampling))
             seconds = time.perf_counter() - start
             n = int(batch.completion_mask.sum())
             print(f"{name}: {n} tokens in {seconds:.1f} s = {n / seconds:.1f} tokens/s "

@@ -126,13 +126,15 @@ def test_generation_leaves_no_garbage_cycles(tiny_model_dir):
 
     from leangrpo.config import ModelConfig
     from leangrpo.models import load_model_and_tokenizer
-    from leangrpo.rollout import generate
+    from leangrpo.rollout import Sampling, generate
 
     model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
     gc.collect()
     gc.disable()
     try:
-        generate(model, tok, ["a b c"], num_generations=2, max_prompt_length=16, max_completion_length=6)
+        generate(
+            model, tok, ["a b c"], Sampling(num_generations=2, max_prompt_length=16, max_completion_length=6)
+        )
         assert gc.collect() == 0
     finally:
         gc.enable()
@@ -143,7 +145,7 @@ def test_generation_runs_without_grad_and_with_the_kv_cache(tiny_model_dir):
     even when the model is in train mode with gradient checkpointing (which disables the cache there)."""
     from leangrpo.config import ModelConfig
     from leangrpo.models import load_model_and_tokenizer
-    from leangrpo.rollout import generate
+    from leangrpo.rollout import Sampling, generate
 
     model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
     model.train()
@@ -155,8 +157,8 @@ def test_generation_runs_without_grad_and_with_the_kv_cache(tiny_model_dir):
 
     handle = model.model.register_forward_pre_hook(record, with_kwargs=True)
     try:
-        batch = generate(model, tok, ["a b c d e"], num_generations=2, max_prompt_length=32,
-                         max_completion_length=5, ignore_eos=True)  # fmt: skip
+        sampling = Sampling(num_generations=2, max_prompt_length=32, max_completion_length=5, ignore_eos=True)
+        batch = generate(model, tok, ["a b c d e"], sampling)
     finally:
         handle.remove()
     assert batch.completion_ids.shape == (2, 5)
@@ -214,9 +216,9 @@ def test_trainer_releases_freed_memory_after_generation_and_update(
 
     events, real_generate, real_logprobs = [], rollout_mod.generate, trainer_mod.micro_batch_logprobs
 
-    def generate(*args, **kwargs):
-        events.append(("generate", kwargs["ignore_eos"], kwargs["packed"], kwargs["pack_head"]))
-        return real_generate(*args, **kwargs)
+    def generate(model, tokenizer, prompts, sampling, **kwargs):
+        events.append(("generate", sampling.ignore_eos, kwargs["packed"], kwargs["pack_head"]))
+        return real_generate(model, tokenizer, prompts, sampling, **kwargs)
 
     def logprobs(policy, *args, **kwargs):
         events.append(("update", torch.is_grad_enabled()))

@@ -26,7 +26,7 @@ from leangrpo.models import (
     resolve_model_path,
     save_model,
 )
-from leangrpo.rollout import InverseCDFSampler, PreallocatedLayer, eos_token_ids, generate, kv_cache
+from leangrpo.rollout import InverseCDFSampler, PreallocatedLayer, Sampling, eos_token_ids, generate, kv_cache
 
 PROMPTS = ["x y", "the quick brown fox jumps over the lazy dog"]
 LORA = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
@@ -76,12 +76,7 @@ def rollout(tiny_model_dir, tokenizer):
     model = load_tiny(tiny_model_dir)
     torch.manual_seed(0)
     batch = generate(
-        model,
-        tokenizer,
-        PROMPTS,
-        num_generations=2,
-        max_prompt_length=64,
-        max_completion_length=6,
+        model, tokenizer, PROMPTS, Sampling(num_generations=2, max_prompt_length=64, max_completion_length=6)
     )
     assert batch.prompt_mask[0].sum() < batch.prompt_mask[2].sum()  # really left-padded
     assert batch.prompt_mask[0, 0] == 0 and batch.prompt_mask[0, -1] == 1
@@ -278,10 +273,9 @@ def test_generate_layout_and_prefix(tiny_model_dir, tokenizer):
         model,
         tokenizer,
         ["a", "b c d e", "f g"],
-        num_generations=3,
-        max_prompt_length=32,
-        max_completion_length=5,
-        assistant_prefix="<think>",
+        Sampling(
+            num_generations=3, max_prompt_length=32, max_completion_length=5, assistant_prefix="<think>"
+        ),
     )
     assert model.training  # restored
     assert len(batch) == 9
@@ -305,10 +299,7 @@ def test_generate_ignore_eos_gives_full_length(tiny_model_dir, tokenizer):
         model,
         tokenizer,
         PROMPTS,
-        num_generations=2,
-        max_prompt_length=64,
-        max_completion_length=6,
-        ignore_eos=True,
+        Sampling(num_generations=2, max_prompt_length=64, max_completion_length=6, ignore_eos=True),
     )
     assert batch.completion_ids.shape == (4, 6)
     assert batch.completion_mask.bool().all()
@@ -351,8 +342,10 @@ def test_generate_uses_the_preallocated_cache(tiny_model_dir, tokenizer, monkeyp
     real_update = PreallocatedLayer.update
     counted = lambda *a, **k: updates.append(1) or real_update(*a, **k)  # noqa: E731
     monkeypatch.setattr(PreallocatedLayer, "update", counted)
-    ours = generate(model, tokenizer, PROMPTS, num_generations=1, max_prompt_length=64,
-                    max_completion_length=6, do_sample=False, ignore_eos=True)  # fmt: skip
+    greedy = Sampling(
+        num_generations=1, max_prompt_length=64, max_completion_length=6, do_sample=False, ignore_eos=True
+    )
+    ours = generate(model, tokenizer, PROMPTS, greedy)
     assert torch.equal(ours.completion_ids, plain[:, ids.input_ids.shape[1] :])
     assert len(updates) == 6 * model.config.num_hidden_layers  # prefill + 5 decoding steps, every layer
 
@@ -383,9 +376,9 @@ def test_groups_prefill_their_prompt_once(tiny_model_dir, tokenizer, monkeypatch
         torch.testing.assert_close(a.keys.transpose(1, 2)[real], b.keys[:, :, :-1].transpose(1, 2)[real])
         torch.testing.assert_close(a.values.transpose(1, 2)[real], b.values[:, :, :-1].transpose(1, 2)[real])
     kwargs = dict(num_generations=3, max_prompt_length=64, max_completion_length=6, do_sample=False)
-    shared = generate(model, tokenizer, PROMPTS, ignore_eos=True, **kwargs)
+    shared = generate(model, tokenizer, PROMPTS, Sampling(ignore_eos=True, **kwargs))
     monkeypatch.setattr("leangrpo.rollout.prefill_once_per_group", lambda *a: None)
-    every_row = generate(model, tokenizer, PROMPTS, ignore_eos=True, **kwargs)
+    every_row = generate(model, tokenizer, PROMPTS, Sampling(ignore_eos=True, **kwargs))
     assert torch.equal(shared.completion_ids, every_row.completion_ids)
 
 
@@ -394,13 +387,13 @@ def test_sampling_respects_temperature_and_top_p(tiny_model_dir, tokenizer, knob
     """Both limits leave only the likeliest token: sampling must then equal greedy decoding."""
     model = load_tiny(tiny_model_dir)
     kwargs = dict(num_generations=3, max_prompt_length=64, max_completion_length=6, ignore_eos=True)
-    greedy = generate(model, tokenizer, PROMPTS, do_sample=False, **kwargs)
+    greedy = generate(model, tokenizer, PROMPTS, Sampling(do_sample=False, **kwargs))
     torch.manual_seed(0)
-    sampled = generate(model, tokenizer, PROMPTS, **knob, **kwargs)
+    sampled = generate(model, tokenizer, PROMPTS, Sampling(**knob, **kwargs))
     assert torch.equal(sampled.completion_ids, greedy.completion_ids)
     torch.manual_seed(0)
     assert not torch.equal(
-        generate(model, tokenizer, PROMPTS, **kwargs).completion_ids, greedy.completion_ids
+        generate(model, tokenizer, PROMPTS, Sampling(**kwargs)).completion_ids, greedy.completion_ids
     )
 
 
@@ -415,9 +408,9 @@ def test_model_sampling_defaults_neither_apply_nor_warn(tiny_model_dir, tokenize
     model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=20, top_p=0.8)
     logging.Logger.warning_once.cache_clear()  # transformers warns once per message and process
     kwargs = dict(num_generations=2, max_prompt_length=64, max_completion_length=6, ignore_eos=True)
-    greedy = generate(model, tokenizer, PROMPTS, do_sample=False, **kwargs)
-    assert torch.equal(generate(model, tokenizer, PROMPTS, temperature=1e-4, **kwargs).completion_ids,
-                       greedy.completion_ids)  # fmt: skip
+    greedy = generate(model, tokenizer, PROMPTS, Sampling(do_sample=False, **kwargs))
+    cold = generate(model, tokenizer, PROMPTS, Sampling(temperature=1e-4, **kwargs))
+    assert torch.equal(cold.completion_ids, greedy.completion_ids)
     assert not [r for r in caplog.records if "generation flags" in r.getMessage()]
 
 
@@ -451,8 +444,15 @@ def test_sampling_is_exactly_the_configured_softmax_whatever_generation_config_s
     monkeypatch.setattr(InverseCDFSampler, "draw", staticmethod(recording))
     torch.manual_seed(0)
     T, top_k, top_p = 0.7, 200, 0.95
-    batch = generate(model, tokenizer, PROMPTS[1:], num_generations=2, max_prompt_length=64,
-                     max_completion_length=6, temperature=T, top_k=top_k, top_p=top_p)  # fmt: skip
+    sampling = Sampling(
+        num_generations=2,
+        max_prompt_length=64,
+        max_completion_length=6,
+        temperature=T,
+        top_k=top_k,
+        top_p=top_p,
+    )
+    batch = generate(model, tokenizer, PROMPTS[1:], sampling)
     ids = batch.input_ids
     P = batch.prompt_ids.shape[1]
     assert len(drawn) == batch.completion_ids.shape[1] > 1
@@ -484,10 +484,7 @@ def test_generate_masks_after_forced_eos(eos_loving_model, tokenizer):
         eos_loving_model,
         tokenizer,
         PROMPTS,
-        num_generations=2,
-        max_prompt_length=64,
-        max_completion_length=4,
-        assistant_prefix="P:",
+        Sampling(num_generations=2, max_prompt_length=64, max_completion_length=4, assistant_prefix="P:"),
     )
     C = batch.completion_ids.shape[1]
     assert (batch.completion_ids[:, 0] == tokenizer.eos_token_id).all()
@@ -501,10 +498,7 @@ def test_generate_ignore_eos_overrides_forced_eos(eos_loving_model, tokenizer):
         eos_loving_model,
         tokenizer,
         PROMPTS,
-        num_generations=2,
-        max_prompt_length=64,
-        max_completion_length=4,
-        ignore_eos=True,
+        Sampling(num_generations=2, max_prompt_length=64, max_completion_length=4, ignore_eos=True),
     )
     assert batch.completion_ids.shape == (4, 4)
     eos = torch.tensor(eos_token_ids(tokenizer, eos_loving_model))
@@ -836,6 +830,6 @@ def test_generate_packs_the_linears_only_when_asked(tiny_model_dir, tokenizer, m
         yield
 
     monkeypatch.setattr(rollout_mod, "packed_linears", recording)
-    generate(load_tiny(tiny_model_dir), tokenizer, PROMPTS, num_generations=2, max_prompt_length=16,
-             max_completion_length=2, packed=packed, pack_head=False)  # fmt: skip
+    sampling = Sampling(num_generations=2, max_prompt_length=16, max_completion_length=2)
+    generate(load_tiny(tiny_model_dir), tokenizer, PROMPTS, sampling, packed=packed, pack_head=False)
     assert calls == ([(4, False)] if packed else [])

@@ -384,15 +384,15 @@ def test_sampling_knobs_and_generation_kwargs_shape_the_rollout(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from leangrpo.rollout import generate
+    from leangrpo.rollout import Sampling, generate
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    common = dict(num_generations=4, max_prompt_length=16, max_completion_length=6, packed=False)
+    common = dict(num_generations=4, max_prompt_length=16, max_completion_length=6)
 
     def ids(**knobs):
         torch.manual_seed(0)
-        return generate(model, tok, ["Hello there"], **common, **knobs).completion_ids
+        return generate(model, tok, ["Hello there"], Sampling(**common, **knobs), packed=False).completion_ids
 
     sampled = ids()
     assert len({tuple(r) for r in sampled.tolist()}) > 1  # plain sampling: the 4 completions differ

@@ -28,16 +28,16 @@ def test_hf_top_k_one_samples_the_greedy_completion(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from leangrpo.models import load_tokenizer
-    from leangrpo.rollout import generate
+    from leangrpo.rollout import Sampling, generate
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tok = load_tokenizer(str(tiny_model_dir))
     kw = dict(num_generations=3, max_prompt_length=16, max_completion_length=6)
-    greedy = generate(model, tok, ["a b c"], do_sample=False, **kw)
+    greedy = generate(model, tok, ["a b c"], Sampling(do_sample=False, **kw))
     torch.manual_seed(0)
-    top1 = generate(model, tok, ["a b c"], temperature=2.0, top_k=1, **kw)
+    top1 = generate(model, tok, ["a b c"], Sampling(temperature=2.0, top_k=1, **kw))
     torch.manual_seed(0)
-    sampled = generate(model, tok, ["a b c"], temperature=2.0, **kw)
+    sampled = generate(model, tok, ["a b c"], Sampling(temperature=2.0, **kw))
     assert torch.equal(top1.completion_ids, greedy.completion_ids)
     assert not torch.equal(sampled.completion_ids, greedy.completion_ids)  # at T=2 sampling differs
 

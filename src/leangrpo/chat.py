@@ -36,12 +36,9 @@ class Chat:
 
     def ask(self, question: str) -> str:
         """The model's answer (with the assistant prefix it was prefilled with)."""
-        from .rollout import generate
+        from .rollout import Sampling, generate
 
-        batch = generate(
-            self.model,
-            self.tokenizer,
-            [self.prompt(question)],
+        sampling = Sampling(
             num_generations=1,
             max_prompt_length=getattr(self.model.config, "max_position_embeddings", 4096),
             max_completion_length=self.max_new_tokens,
@@ -49,4 +46,5 @@ class Chat:
             do_sample=self.temperature > 0,
             assistant_prefix=self.assistant_prefix,
         )
+        batch = generate(self.model, self.tokenizer, [self.prompt(question)], sampling)
         return batch.completion_texts[0]

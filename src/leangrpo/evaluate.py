@@ -13,7 +13,8 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from .config import Config, DataConfig
-    from .rollout import RolloutEngine
+    from .rollout import RolloutEngine, Sampling
     from .tasks import Task
 
 RewardFuncs = list[tuple[str, Callable[..., list[Any]], float]]
@@ -86,40 +87,33 @@ def evaluate(
     from tqdm import tqdm
 
     from .data import has_chat_template, render_prompt
-    from .rollout import HFEngine
+    from .rollout import HFEngine, Sampling
 
     if not rows:
         raise EvalError("no rows to evaluate")
     texts = [render_prompt(tokenizer, r["prompt"], assistant_prefix) for r in rows]
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
     order = sorted(range(len(rows)), key=lambda i: lengths[i])  # similar lengths share a batch
-    gen: dict[str, Any] = dict(
-        engine=engine or HFEngine(model, tokenizer),
-        texts=texts,
-        order=order,
-        max_prompt_length=max_prompt_length,
-        max_completion_length=max_new_tokens,
-        assistant_prefix=assistant_prefix,
-    )
+    gen = partial(_generate_all, engine or HFEngine(model, tokenizer), texts, order)
+    greedy_sampling = Sampling(
+        num_generations=1, max_prompt_length=max_prompt_length, max_completion_length=max_new_tokens,
+        do_sample=False, assistant_prefix=assistant_prefix,
+    )  # fmt: skip
     bar = tqdm(total=len(rows) * (1 + num_samples), desc="eval", unit="completion", disable=not progress)
     sides = (tokenizer.padding_side, tokenizer.truncation_side)
     tokenizer.padding_side = tokenizer.truncation_side = "left"
     try:
         with torch.inference_mode():
-            greedy = _generate_all(**gen, per_prompt=1, prompts_per_call=batch_size, bar=bar, do_sample=False)
+            greedy = gen(greedy_sampling, batch_size, bar)
             sampled = None
             if num_samples:
                 with torch.random.fork_rng(devices=[] if model.device.type == "cpu" else [model.device]):
                     torch.manual_seed(seed)
-                    sampled = _generate_all(
-                        **gen,
-                        per_prompt=num_samples,
-                        prompts_per_call=max(1, batch_size // num_samples),
-                        bar=bar,
-                        do_sample=True,
-                        temperature=temperature,
+                    sampling = replace(
+                        greedy_sampling, num_generations=num_samples, do_sample=True, temperature=temperature,
                         top_p=top_p,
-                    )
+                    )  # fmt: skip
+                    sampled = gen(sampling, max(1, batch_size // num_samples), bar)
     finally:
         tokenizer.padding_side, tokenizer.truncation_side = sides
         bar.close()
@@ -138,21 +132,20 @@ def evaluate(
 
 
 def _generate_all(
-    *,
     engine: RolloutEngine,
     texts: list[str],
     order: list[int],
-    per_prompt: int,
+    sampling: Sampling,
     prompts_per_call: int,
     bar: Any,
-    **kwargs: Any,
 ) -> list[list[tuple[str, int, bool, list[int]]]]:
-    """(text, token length, truncated, token ids) of `per_prompt` completions for each prompt, in `texts`
-    order."""
+    """(text, token length, truncated, token ids) of `sampling.num_generations` completions for each
+    prompt, in `texts` order; prompts go `prompts_per_call` at a time, in `order`."""
+    per_prompt = sampling.num_generations
     out: list[list[tuple[str, int, bool, list[int]]]] = [[] for _ in texts]
     for start in range(0, len(order), prompts_per_call):
         idx = order[start : start + prompts_per_call]
-        batch = engine.generate([texts[i] for i in idx], num_generations=per_prompt, **kwargs)
+        batch = engine.generate([texts[i] for i in idx], sampling)
         lengths, truncated = batch.lengths().tolist(), batch.truncated.tolist()
         for j, i in enumerate(idx):
             group = range(j * per_prompt, (j + 1) * per_prompt)

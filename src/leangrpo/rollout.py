@@ -95,12 +95,46 @@ class RolloutBatch:
         )
 
 
-class RolloutEngine(Protocol):
-    """What the trainer generates with: `generate` takes `generate()`'s keyword arguments (minus model,
-    tokenizer and `packed`); `sync_weights` makes the next rollout use the model's current weights."""
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are drawn, the same for every engine (HF generate, vLLM).
 
-    # (*args, **sampling) is any signature: each engine names the keyword arguments it takes
-    def generate(self, prompt_texts: list[str], *args: Any, **sampling: Any) -> RolloutBatch: ...
+    The knobs apply in transformers' order (repetition penalty, temperature, top-k, top-p, min-p);
+    `generation_kwargs` are further `GenerationConfig` fields for HF (their logits processors run first)
+    or `SamplingParams` fields for vLLM, as TRL passes them. `ignore_eos` forces every completion to
+    max_completion_length tokens (for benchmarks that must compare equal work)."""
+
+    num_generations: int
+    max_prompt_length: int
+    max_completion_length: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict[str, Any] | None = None
+    do_sample: bool = True
+    assistant_prefix: str = ""
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Sampling:
+        """The training rollout's."""
+        g = cfg.grpo
+        return cls(
+            num_generations=g.num_generations, max_prompt_length=g.max_prompt_length,
+            max_completion_length=g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
+            top_k=g.top_k, min_p=g.min_p, repetition_penalty=g.repetition_penalty,
+            generation_kwargs=g.generation_kwargs, assistant_prefix=cfg.data.assistant_prefix,
+            ignore_eos=g.ignore_eos,
+        )  # fmt: skip
+
+
+class RolloutEngine(Protocol):
+    """What the trainer generates with; `sync_weights` makes the next rollout use the model's current
+    weights."""
+
+    def generate(self, prompt_texts: list[str], sampling: Sampling) -> RolloutBatch: ...
 
     def sync_weights(self, model: PreTrainedModel) -> None: ...
 
@@ -117,9 +151,9 @@ class HFEngine:
     ):
         self.model, self.tokenizer, self.packed, self.pack_head = model, tokenizer, packed, pack_head
 
-    def generate(self, prompt_texts: list[str], **sampling: Any) -> RolloutBatch:
+    def generate(self, prompt_texts: list[str], sampling: Sampling) -> RolloutBatch:
         return generate(
-            self.model, self.tokenizer, prompt_texts, packed=self.packed, pack_head=self.pack_head, **sampling
+            self.model, self.tokenizer, prompt_texts, sampling, packed=self.packed, pack_head=self.pack_head
         )
 
     def sync_weights(self, model: PreTrainedModel) -> None:
@@ -135,24 +169,6 @@ def rollout_engine(cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTok
     return VLLMEngine.from_config(cfg, tokenizer, eos_token_ids(tokenizer, model))
 
 
-def sampling_kwargs(cfg: Config) -> dict[str, Any]:
-    """The training rollout's sampling settings, as `generate()` / `RolloutEngine.generate` take them."""
-    g = cfg.grpo
-    return dict(
-        num_generations=g.num_generations,
-        max_prompt_length=g.max_prompt_length,
-        max_completion_length=g.max_completion_length,
-        temperature=g.temperature,
-        top_p=g.top_p,
-        top_k=g.top_k,
-        min_p=g.min_p,
-        repetition_penalty=g.repetition_penalty,
-        generation_kwargs=g.generation_kwargs,
-        assistant_prefix=cfg.data.assistant_prefix,
-        ignore_eos=g.ignore_eos,
-    )
-
-
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
     """Every token that ends a completion: the tokenizer's EOS and the model's generation EOS ids."""
     ids = {tokenizer.eos_token_id}
@@ -166,64 +182,49 @@ def generate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     prompt_texts: list[str],
+    sampling: Sampling,
     *,
-    num_generations: int,
-    max_prompt_length: int,
-    max_completion_length: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float | None = None,
-    repetition_penalty: float = 1.0,
-    generation_kwargs: dict[str, Any] | None = None,
-    do_sample: bool = True,
-    assistant_prefix: str = "",
-    ignore_eos: bool = False,
     packed: bool = True,
     pack_head: bool = True,
 ) -> RolloutBatch:
-    """Sample `num_generations` completions per prompt. Tokens after the first EOS are masked out.
+    """Sample `sampling.num_generations` completions per prompt. Tokens after the first EOS are masked out.
 
-    The sampling knobs apply in transformers' order (repetition penalty, temperature, top-k, top-p,
-    min-p); `generation_kwargs` are further `GenerationConfig` fields (their logits processors run
-    first).
-
-    `ignore_eos` forces every completion to max_completion_length tokens (for benchmarks that must
-    compare equal work). `packed`: on CPU, run the Linears through `packed_linears` (faster, one extra
-    copy of their weights while generating; `pack_head`: the LM head's too).
-    """
+    `packed`: on CPU, run the Linears through `packed_linears` (faster, one extra copy of their weights
+    while generating; `pack_head`: the LM head's too)."""
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompt_texts, max_prompt_length, num_generations)
+    prompt_ids, prompt_mask = encode_prompts(
+        tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
+    )
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     eos = eos_token_ids(tokenizer, model)
     # Sampling runs as logits processors ending in InverseCDFSampler, whose token greedy decoding then picks:
     # generate()'s own sampling (torch.multinomial) costs ~9 ms per token for 8 × 49k on 2 CPU cores.
     processors: list[LogitsProcessor] = []
-    if repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
-    if do_sample:
-        processors += [TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []
-        processors += [TopKLogitsWarper(top_k)] if top_k > 0 else []
-        processors += [TopPLogitsWarper(top_p)] if top_p < 1.0 else []
-        processors += [MinPLogitsWarper(min_p)] if min_p else []
+    if sampling.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
+    if sampling.do_sample:
+        processors += [TemperatureLogitsWarper(sampling.temperature)] if sampling.temperature != 1.0 else []
+        processors += [TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else []
+        processors += [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1.0 else []
+        processors += [MinPLogitsWarper(sampling.min_p)] if sampling.min_p else []
         processors.append(InverseCDFSampler())
     gen_cfg = GenerationConfig(
-        max_new_tokens=max_completion_length,
-        min_new_tokens=max_completion_length if ignore_eos else 0,
+        max_new_tokens=sampling.max_completion_length,
+        min_new_tokens=sampling.max_completion_length if sampling.ignore_eos else 0,
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=eos,
-        **(generation_kwargs or {}),
+        **(sampling.generation_kwargs or {}),
     )
     was_training = model.training
     model.eval()  # uses the KV cache (disabled under gradient checkpointing in train mode), no dropout
-    cache = kv_cache(model, prompt_ids.shape[1] + max_completion_length)
+    cache = kv_cache(model, prompt_ids.shape[1] + sampling.max_completion_length)
     with (
         only_generation_config(model, gen_cfg),
         packed_linears(model, len(prompt_ids), pack_head) if packed else nullcontext(),
     ):
-        if cache is not None and num_generations > 1:
-            prefill_once_per_group(model, prompt_ids, prompt_mask, num_generations, cache)
+        if cache is not None and sampling.num_generations > 1:
+            prefill_once_per_group(model, prompt_ids, prompt_mask, sampling.num_generations, cache)
         # a causal LM (or the peft model standing in for one) has it; PreTrainedModel does not declare it
         out = cast("GenerationMixin", model).generate(
             input_ids=prompt_ids,
@@ -234,7 +235,7 @@ def generate(
         )
     model.train(was_training)
     completion_ids = out[:, prompt_ids.shape[1] :]
-    return finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, ignore_eos, assistant_prefix)
+    return finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, sampling)
 
 
 # No text averages more characters a token, so a text's last 64·N characters hold its last N tokens.
@@ -264,19 +265,18 @@ def finish_batch(
     prompt_mask: Tensor,
     completion_ids: Tensor,
     eos: list[int],
-    ignore_eos: bool,
-    assistant_prefix: str,
+    sampling: Sampling,
     sampling_logprobs: Tensor | None = None,
 ) -> RolloutBatch:
     """A RolloutBatch from generated ids: tokens after the first EOS masked, texts decoded."""
-    if ignore_eos:
+    if sampling.ignore_eos:
         completion_mask = torch.ones_like(completion_ids)
         truncated = torch.ones(len(completion_ids), dtype=torch.bool, device=completion_ids.device)
     else:
         completion_mask, has_eos = mask_after_eos(completion_ids, eos)
         truncated = ~has_eos
     texts = [
-        assistant_prefix
+        sampling.assistant_prefix
         + cast(str, tokenizer.decode(ids[: int(n)], skip_special_tokens=True))  # one sequence
         for ids, n in zip(completion_ids, completion_mask.sum(dim=1), strict=True)
     ]

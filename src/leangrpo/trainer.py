@@ -53,9 +53,9 @@ from .rollout import (
     MAX_CHARS_PER_TOKEN,
     RolloutBatch,
     RolloutEngine,
+    Sampling,
     as_reward_inputs,
     rollout_engine,
-    sampling_kwargs,
 )
 from .rundir import RunDirError, RunLock, check_output_dir, drop_replaced, error_reason, start_run
 from .signals import StopSignals
@@ -295,7 +295,7 @@ class Trainer:
             for r in rows
         ]
         with self.dist.full_weights(self.policy):
-            batch = self.engine.generate(texts, **sampling_kwargs(cfg)).to(self.acc.device)
+            batch = self.engine.generate(texts, Sampling.from_config(cfg)).to(self.acc.device)
         release_freed_memory()
         return rows, batch
 

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .errors import UserError
 from .models import is_peft, resolve_model_path
-from .rollout import RolloutBatch, encode_prompts, finish_batch, linear_weight
+from .rollout import RolloutBatch, Sampling, encode_prompts, finish_batch, linear_weight
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -110,45 +110,30 @@ class VLLMEngine:
             sleep_mode=g.vllm_enable_sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
         )  # fmt: skip
 
-    def generate(
-        self,
-        prompt_texts: list[str],
-        *,
-        num_generations: int,
-        max_prompt_length: int,
-        max_completion_length: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float | None = None,
-        repetition_penalty: float = 1.0,
-        generation_kwargs: dict[str, Any] | None = None,
-        do_sample: bool = True,
-        assistant_prefix: str = "",
-        ignore_eos: bool = False,
-    ) -> RolloutBatch:
-        """`num_generations` completions per prompt, as `rollout.generate` draws them, with vLLM's
+    def generate(self, prompt_texts: list[str], sampling: Sampling) -> RolloutBatch:
+        """`sampling.num_generations` completions per prompt, as `rollout.generate` draws them, with vLLM's
         log-prob of each sampled token. Each completion is its own request seeded from torch's RNG, so
         that a resumed run (which restores that RNG) draws the same samples."""
         from vllm import SamplingParams
 
         prompt_ids, prompt_mask = encode_prompts(
-            self.tokenizer, prompt_texts, max_prompt_length, num_generations
+            self.tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
         )
         seeds = torch.randint(2**31 - 1, (len(prompt_ids),)).tolist()
+        sample, length = sampling.do_sample, sampling.max_completion_length
         common = dict(
-            temperature=temperature if do_sample else 0.0,
-            top_p=top_p if do_sample else 1.0,
-            top_k=top_k if do_sample else 0,
-            min_p=(min_p or 0.0) if do_sample else 0.0,
-            repetition_penalty=repetition_penalty,
-            max_tokens=max_completion_length,
-            min_tokens=max_completion_length if ignore_eos else 0,
-            ignore_eos=ignore_eos,
+            temperature=sampling.temperature if sample else 0.0,
+            top_p=sampling.top_p if sample else 1.0,
+            top_k=sampling.top_k if sample else 0,
+            min_p=(sampling.min_p or 0.0) if sample else 0.0,
+            repetition_penalty=sampling.repetition_penalty,
+            max_tokens=length,
+            min_tokens=length if sampling.ignore_eos else 0,
+            ignore_eos=sampling.ignore_eos,
             stop_token_ids=self.eos,
             logprobs=0,  # the sampled token's own log-prob
             detokenize=False,
-            **(generation_kwargs or {}),  # further SamplingParams fields, as TRL passes them to vLLM
+            **(sampling.generation_kwargs or {}),  # further SamplingParams fields, as TRL passes them to vLLM
         )
         rows = zip(prompt_ids, prompt_mask.bool(), strict=True)
         requests = [{"prompt_token_ids": ids[mask].tolist()} for ids, mask in rows]
@@ -170,9 +155,8 @@ class VLLMEngine:
                 [step[token].logprob for step, token in zip(c.logprobs, c.token_ids, strict=True)]
             )
         return finish_batch(
-            self.tokenizer, prompt_ids, prompt_mask, completion_ids, self.eos, ignore_eos, assistant_prefix,
-            logprobs,
-        )  # fmt: skip
+            self.tokenizer, prompt_ids, prompt_mask, completion_ids, self.eos, sampling, logprobs
+        )
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         """Load `model`'s current weights into vLLM's copy, one tensor at a time, and drop its prefix cache

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from leangrpo.config import LoraConfig, validate_config
 from leangrpo.logprobs import Policy, batch_logprobs
 from leangrpo.models import apply_lora, load_tokenizer
-from leangrpo.rollout import eos_token_ids, generate
+from leangrpo.rollout import Sampling, eos_token_ids, generate
 from leangrpo.vllm_engine import VLLMEngine, VLLMError, check_vllm
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: plenty for a 2-layer model, kind to the machine
@@ -63,8 +63,8 @@ def trainer_logprobs(model, batch, temperature=1.0):
 
 def greedy_pair(engine, model, tokenizer):
     """(vLLM's greedy completions, HF's greedy completions) of PROMPTS."""
-    ours = engine.generate(PROMPTS, num_generations=1, do_sample=False, **LENGTHS)
-    hf = generate(model, tokenizer, PROMPTS, num_generations=1, do_sample=False, **LENGTHS)
+    ours = engine.generate(PROMPTS, Sampling(num_generations=1, do_sample=False, **LENGTHS))
+    hf = generate(model, tokenizer, PROMPTS, Sampling(num_generations=1, do_sample=False, **LENGTHS))
     return ours, hf
 
 
@@ -76,7 +76,7 @@ def test_greedy_completions_and_logprobs_equal_the_hf_path(engine, model_dir, to
     torch.testing.assert_close(ours.completion_ids, hf.completion_ids)
     torch.testing.assert_close(ours.completion_mask, hf.completion_mask)
     assert ours.completion_texts == hf.completion_texts
-    sampled = engine.generate(PROMPTS, num_generations=4, temperature=0.7, **LENGTHS)
+    sampled = engine.generate(PROMPTS, Sampling(num_generations=4, temperature=0.7, **LENGTHS))
     want = trainer_logprobs(model, sampled, temperature=0.7)  # vLLM reports the tempered distribution
     torch.testing.assert_close(sampled.sampling_logprobs, want, atol=LOGPROB_ATOL, rtol=0)
 
@@ -86,20 +86,22 @@ def test_sampling_follows_the_configured_settings(engine, model_dir, tokenizer):
     engine.sync_weights(model)
     greedy, _ = greedy_pair(engine, model, tokenizer)
     # top_k=1 leaves only the most likely token, whatever the temperature: greedy decoding
-    top1 = engine.generate(PROMPTS, num_generations=3, temperature=1.5, top_k=1, **LENGTHS)
+    top1 = engine.generate(PROMPTS, Sampling(num_generations=3, temperature=1.5, top_k=1, **LENGTHS))
     torch.testing.assert_close(top1.completion_ids, greedy.completion_ids.repeat_interleave(3, dim=0))
     # seeds come from torch's RNG: the same state draws the same samples, another state others
     torch.manual_seed(1)
-    a = engine.generate(PROMPTS, num_generations=4, **LENGTHS)
+    a = engine.generate(PROMPTS, Sampling(num_generations=4, **LENGTHS))
     torch.manual_seed(1)
-    b = engine.generate(PROMPTS, num_generations=4, **LENGTHS)
+    b = engine.generate(PROMPTS, Sampling(num_generations=4, **LENGTHS))
     torch.manual_seed(2)
-    c = engine.generate(PROMPTS, num_generations=4, **LENGTHS)
+    c = engine.generate(PROMPTS, Sampling(num_generations=4, **LENGTHS))
     assert a.completion_ids.shape[0] == 2 * 4 and torch.equal(a.completion_ids, b.completion_ids)
     assert not torch.equal(a.completion_ids, c.completion_ids)
     assert len({tuple(r.tolist()) for r in a.completion_ids[:4]}) > 1  # a group holds different samples
     # ignore_eos: every completion runs to max_completion_length
-    full = engine.generate(PROMPTS, num_generations=2, ignore_eos=True, assistant_prefix="<think>", **LENGTHS)
+    full = engine.generate(
+        PROMPTS, Sampling(num_generations=2, ignore_eos=True, assistant_prefix="<think>", **LENGTHS)
+    )
     assert full.completion_mask.shape == (4, 12) and bool(full.completion_mask.all() and full.truncated.all())
     assert all(t.startswith("<think>") for t in full.completion_texts)
     # EOS: a completion stops at (and keeps) the first EOS token; make a sampled token, new in its row, one
@@ -108,7 +110,7 @@ def test_sampling_follows_the_configured_settings(engine, model_dir, tokenizer):
     engine.eos = [*engine.eos, row[at]]
     try:
         torch.manual_seed(1)
-        ended = engine.generate(PROMPTS, num_generations=4, **LENGTHS)
+        ended = engine.generate(PROMPTS, Sampling(num_generations=4, **LENGTHS))
     finally:
         engine.eos = engine.eos[:-1]
     assert ended.completion_ids[0, : at + 1].tolist() == row[: at + 1]
@@ -138,7 +140,7 @@ def test_weight_sync_makes_vllm_generate_with_the_updated_policy(engine, model_d
     engine.sync_weights(model)
     synced, hf = greedy_pair(engine, model, tokenizer)
     torch.testing.assert_close(synced.completion_ids, hf.completion_ids)
-    sampled = engine.generate(PROMPTS, num_generations=2, **LENGTHS)
+    sampled = engine.generate(PROMPTS, Sampling(num_generations=2, **LENGTHS))
     torch.testing.assert_close(
         sampled.sampling_logprobs, trainer_logprobs(model, sampled), atol=LOGPROB_ATOL, rtol=0
     )
@@ -215,11 +217,11 @@ def test_sleep_mode_frees_the_engine_between_rollouts_and_the_sync_wakes_it(mode
     )
     model = load(model_dir).cuda()
     engine.sync_weights(model)
-    first = engine.generate(PROMPTS, num_generations=1, do_sample=False, **LENGTHS)
+    first = engine.generate(PROMPTS, Sampling(num_generations=1, do_sample=False, **LENGTHS))
     assert engine.weights_asleep  # level 2 after the rollout: KV cache and weights released
     engine.sync_weights(model)
     assert not engine.weights_asleep
-    again = engine.generate(PROMPTS, num_generations=1, do_sample=False, **LENGTHS)
+    again = engine.generate(PROMPTS, Sampling(num_generations=1, do_sample=False, **LENGTHS))
     torch.testing.assert_close(again.completion_ids, first.completion_ids)
 
 
