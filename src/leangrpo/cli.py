@@ -20,20 +20,6 @@ from .errors import UserError
 _POSITIVE = click.IntRange(min=1)
 
 
-def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a UserError into one line on stderr and exit code 2, never a traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except UserError as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-
-    return wrapper
-
-
 def _leave_if_one_of_many(code: int) -> None:
     """End a process of a multi-process run (WORLD_SIZE > 1) here, once atexit handlers have run and
     output is flushed, without finalizing the interpreter. With torch 2.13, gloo's worker threads outlive
@@ -45,6 +31,21 @@ def _leave_if_one_of_many(code: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn a UserError into one line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            click.echo(f"error: {e}", err=True)
+            _leave_if_one_of_many(2)
+            sys.exit(2)
+
+    return wrapper
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
