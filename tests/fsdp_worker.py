@@ -11,6 +11,7 @@ from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from leangrpo.cli import _leave_if_one_of_many
 from leangrpo.distributed import Sharded
 from leangrpo.logprobs import Policy
 
@@ -67,3 +68,4 @@ if rank == 0:
         json.dump(report, f)
 acc.wait_for_everyone()
 torch.distributed.destroy_process_group()
+_leave_if_one_of_many(0)  # FSDP2's gloo threads outlive the group: no interpreter teardown under them
