@@ -822,9 +822,9 @@ def train(cfg: Config, overwrite: bool = False, resume: bool = False) -> Path | 
     or None when a signal stopped the run after saving a checkpoint.
 
     Ends by tearing down the process group of a multi-process run (gloo's threads left running at
-    interpreter exit can abort the process after the work is done; the CLI also skips that teardown, see
-    `cli._leave_if_one_of_many`). Only the group accelerate formed: a colocated vLLM's own
-    single-process group stays for the next engine in this process."""
+    interpreter exit can abort the process after the work is done; the CLI then also skips the
+    interpreter's own teardown: `cli._leave_if_one_of_many`). Only the group accelerate formed: a
+    colocated vLLM's own single-process group stays for the next engine in this process."""
     trainer = Trainer(cfg, overwrite, resume)
     try:
         return trainer.train()
