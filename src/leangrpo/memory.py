@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import UserError
+from .rundir import os_reason
 
 if TYPE_CHECKING:
     from .config import Config, OptimConfig
@@ -170,7 +171,7 @@ class DiskTensors:
             self.file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 (open while the run lasts)
         except OSError as e:
             raise DeviceOptionError(
-                f"grpo.reference_on_disk: cannot write in {directory}: {e.strerror}"
+                f"grpo.reference_on_disk: cannot write in {directory}: {os_reason(e)}"
             ) from None
 
     def copy(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -185,8 +186,9 @@ class DiskTensors:
             os.posix_fallocate(self.file.fileno(), offset, length)
         except OSError as e:
             raise DeviceOptionError(
-                f"grpo.reference_on_disk: no room for the reference copy in {self.directory} ({e.strerror}, "
-                f"{(offset + length) / 2**20:.0f} MiB so far); free some or set grpo.reference_on_disk=false"
+                f"grpo.reference_on_disk: no room for the reference copy in {self.directory} "
+                f"({os_reason(e)}; {(offset + length) / 2**20:.0f} MiB so far); free some or set "
+                "grpo.reference_on_disk=false"
             ) from None
         self.size += length
         region = mmap.mmap(self.file.fileno(), nbytes, flags=mmap.MAP_SHARED, offset=offset)
