@@ -19,7 +19,11 @@ G × completion length × LoRA/full × gradient checkpointing.
   settings are vs_trl.py's), so freed memory leaves RSS and the CPU peak follows the live tensors, which
   is what the plan models. The small micro-batches here need the strict one.
 
-Usage: python benchmarks/plan_accuracy.py [--device cpu|cuda] [--malloc NAME] [--markdown FILE]
+- `--set KEY=VALUE` (repeatable) overrides every point's config, as `leangrpo train` overrides do (e.g.
+  `grpo.reference_on_disk=true`); give such a run its own `--work`, since points are stored by name.
+
+Usage: python benchmarks/plan_accuracy.py [--device cpu|cuda] [--malloc NAME] [--set KEY=VALUE ...]
+       [--markdown FILE]
 """
 
 from __future__ import annotations
@@ -167,9 +171,11 @@ def grid(device: str, only: list[str] | None) -> list[dict]:
     return [points[key] for key in only] if only else list(points.values())  # in the order asked
 
 
-def run_config(point: dict, model_dir: Path, out: Path) -> dict:
+def run_config(point: dict, model_dir: Path, out: Path, overrides: list[str]) -> dict:
+    from leangrpo.config import apply_overrides
+
     g = point["G"]
-    return {
+    config = {
         "model": {"name_or_path": str(model_dir), "dtype": point["dtype"],
                   "gradient_checkpointing": point["ckpt"], "lora": {"enabled": point["method"] == "lora"}},
         "data": {"path": str(GSM8K), "limit": 64},
@@ -179,6 +185,7 @@ def run_config(point: dict, model_dir: Path, out: Path) -> dict:
         "logging": {"progress_bar": False, "log_completions_steps": 0},
         "output_dir": str(out),
     }  # fmt: skip
+    return apply_overrides(config, overrides)
 
 
 def predict(config_path: Path, device: str) -> dict:
@@ -194,13 +201,13 @@ def predict(config_path: Path, device: str) -> dict:
     return {"peak": est.peak, "phase": est.phase, "at_load": at_load}
 
 
-def measure(point: dict, work: Path, tok: Path, malloc: str) -> Path:
+def measure(point: dict, work: Path, tok: Path, malloc: str, overrides: list[str]) -> Path:
     """Run one grid point in its own process; returns the result file."""
     stem = work / point["key"].replace("/", "_")
     model_dir = work / f"{point['model']}-{point['dtype']}"
     build_model(model_dir, point["arch"], dict(point["dims"]), tok, point["dtype"])
     cfg_path, result_path = stem.with_suffix(".yaml"), stem.with_suffix(".json")
-    cfg_path.write_text(yaml.safe_dump(run_config(point, model_dir, work / "runs" / stem.name)))
+    cfg_path.write_text(yaml.safe_dump(run_config(point, model_dir, work / "runs" / stem.name, overrides)))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **MALLOC[malloc]}
     cmd = [sys.executable, __file__, "--worker", str(cfg_path), str(result_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -247,6 +254,7 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated points model/G/C/method/ckpt (default: the whole grid)")
     ap.add_argument("--report-only", action="store_true", help="tabulate the results already measured")
     ap.add_argument("--malloc", choices=sorted(MALLOC), default="default", help="glibc allocator (CPU)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     ap.add_argument("--work", help="where points are measured (default: a temp dir per allocator)")
     ap.add_argument("--markdown", help="also write the table to this file")
     args = ap.parse_args()
@@ -261,7 +269,7 @@ def main() -> None:
         tok = tokenizer_dir(work)
         for point in points:
             start = time.time()
-            measure(point, work, tok, args.malloc)
+            measure(point, work, tok, args.malloc, args.set)
             print(f"measured {point['key']} in {time.time() - start:.0f}s", flush=True)
     rows = [row for p in grid(args.device, None) if (row := table_row(p, work, args.device))]
     lines = [HEADER, "|" + "---|" * (HEADER.count("|") - 1)]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from test_e2e import PYTHONPATH
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_trl.py"
@@ -101,7 +102,7 @@ def test_plan_accuracy_measures_a_tiny_point(tmp_path):
     script = SCRIPT.with_name("plan_accuracy.py")
     proc = subprocess.run(
         [sys.executable, str(script), "--only", "tiny/4/32/lora/on", "--malloc", "strict",
-         "--work", str(tmp_path)],
+         "--work", str(tmp_path), "--set", "grpo.beta=0.04"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -111,6 +112,7 @@ def test_plan_accuracy_measures_a_tiny_point(tmp_path):
     result = json.loads((tmp_path / "tiny_4_32_lora_on.json").read_text())
     assert result["malloc_env"] == {"MALLOC_MMAP_THRESHOLD_": str(2**16)}
     assert result["rss_peak_kib"] > result["rss_loaded_kib"] > 0
+    assert yaml.safe_load((tmp_path / "tiny_4_32_lora_on.yaml").read_text())["grpo"]["beta"] == 0.04  # --set
 
 
 def test_phases_script_runs(tiny_model_dir):

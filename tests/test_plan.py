@@ -421,3 +421,62 @@ def test_fsdp_plans_shards_per_process_and_the_gathered_model():
     res = CliRunner().invoke(main, ["plan", "--model", "Qwen/Qwen2.5-7B", "--fsdp", "2", "--optimizer",
                                     "adamw_8bit"])  # fmt: skip
     assert res.exit_code != 0 and "adamw_8bit" in res.output.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("pack_head", [True, False])
+def test_packed_weights_are_the_copies_generation_packs(monkeypatch, tied, method, pack_head):
+    """The plan's 'packed weights' (CPU, float32) is what rollout.packed_linears hands oneDNN to pack."""
+    from leangrpo.rollout import packed_linears
+
+    model, shape = tiny("llama", tied)
+    if method == "lora":
+        model = apply_lora(model, LoraConfig(enabled=True, r=4))
+    packed: list[int] = []
+    pack = torch.ops.mkldnn._reorder_linear_weight
+
+    def recording(weight, batch_hint):
+        packed.append(weight.numel() * weight.element_size())
+        return pack(weight, batch_hint)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", recording)
+    with packed_linears(model, 2, pack_head):
+        pass
+    knobs = plan.Knobs(method=method, dtype="float32", device="cpu", packed_lm_head=pack_head)
+    assert plan.packed_copy_bytes(shape, knobs) == sum(packed) > 0
+    for unpacked in (dict(device="cuda"), dict(dtype="bfloat16"), dict(rollout="vllm"),
+                     dict(packed_generation=False), dict(method="qlora-4bit")):  # fmt: skip
+        assert plan.packed_copy_bytes(shape, plan.replace(knobs, **unpacked)) == 0
+
+
+def test_reference_on_disk_is_planned_in_its_own_pass_only(tmp_path, gsm8k_dir):
+    """grpo.reference_on_disk: the copy leaves the generation and update phases, not the reference
+    pass; the config key, the CLI flag and the pasted snippet agree; a CUDA plan is refused in one line."""
+    shape = plan.resolve_shape("HuggingFaceTB/SmolLM2-135M")
+    base = plan.Knobs(method="full", dtype="float32", device="cpu", beta=0.04)
+    memory, disk = (
+        plan.estimate(shape, base),
+        plan.estimate(shape, plan.replace(base, reference_on_disk=True)),
+    )
+    ref = memory.components["reference model"]
+    assert ref == disk.components["reference model"] == shape.num_params() * 4
+    assert disk.phases["generation"] == memory.phases["generation"] - ref
+    assert disk.phases["update"] == memory.phases["update"] - ref
+    assert disk.phases["reference"] == memory.phases["reference"]
+
+    snippet = yaml.safe_load(
+        plan.yaml_snippet(plan.replace(base, reference_on_disk=True, packed_lm_head=False), "m")
+    )
+    assert snippet["grpo"]["reference_on_disk"] is True and snippet["grpo"]["packed_lm_head"] is False
+    snippet.update(data={"path": str(gsm8k_dir / "train.jsonl")}, rewards={"functions": [{"name": "x"}]})
+    k = plan.knobs_from_config(validate_config(snippet), device="cpu")
+    assert k.reference_on_disk and k.packed_generation and not k.packed_lm_head
+
+    args = ["plan", "--model", "HuggingFaceTB/SmolLM2-135M", "--method", "full", "--dtype", "fp32",
+            "--beta", "0.04", "--reference-on-disk"]  # fmt: skip
+    res = CliRunner().invoke(main, [*args, "--device", "cpu"])
+    assert res.exit_code == 0 and "resident in the reference phase only" in res.output, res.output
+    assert "packed weights" in res.output
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and "plan it with --device cpu" in res.output, res.output

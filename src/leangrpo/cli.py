@@ -229,6 +229,15 @@ def demo(
 @click.option("--num-iterations", type=_POSITIVE)
 @click.option("--logprob-chunk-size", type=_POSITIVE)
 @click.option("--share-prompt/--no-share-prompt", default=None, help="grpo.share_prompt (default on).")
+@click.option(
+    "--reference-on-disk", is_flag=True, default=None,
+    help="grpo.reference_on_disk (CPU): the reference copy resident in its own pass only.",
+)  # fmt: skip
+@click.option(
+    "--packed-generation/--no-packed-generation", default=None,
+    help="grpo.packed_generation (CPU, float32; default on): a packed weight copy while generating.",
+)  # fmt: skip
+@click.option("--packed-lm-head/--no-packed-lm-head", default=None, help="grpo.packed_lm_head (default on).")
 @click.option("--rollout", type=click.Choice(["hf", "vllm"]), help="Generation engine (default hf).")
 @click.option("--vllm-gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True))
 @click.option("--activation-offload", is_flag=True, default=None, help="Saved activations in pinned CPU RAM.")

@@ -214,9 +214,12 @@ class Knobs:
     optimizer_in_backward: bool = False
     beta: float = 0.0
     reference_dtype: Literal["auto", "bfloat16"] = "auto"  # the full-fine-tuning reference copy's weights
+    reference_on_disk: bool = False  # CPU: that copy resident during its own pass only
     num_iterations: int = 1
     logprob_chunk_size: int = 256
     share_prompt: bool = True
+    packed_generation: bool = True  # CPU, float32: generation packs a copy of the Linear weights
+    packed_lm_head: bool = True
     rollout: Literal["hf", "vllm"] = "hf"
     vllm_gpu_memory_utilization: float = 0.3
     activation_offload: bool = False
@@ -443,6 +446,17 @@ def logprob_workspace(shape: ModelShape, k: Knobs, rows: int, backward: bool, en
     return rows * h * e + ws
 
 
+def packed_copy_bytes(shape: ModelShape, k: Knobs) -> int:
+    """rollout.packed_linears: generating on CPU in float32, a packed copy of every Linear's weight (LoRA
+    adapters folded into their base's), the LM head's only with packed_lm_head."""
+    packs = k.packed_generation and k.device == "cpu" and k.dtype == "float32" and k.rollout == "hf"
+    if not packs or k.method == "qlora-4bit":  # 4-bit weights are not float32: nothing is packed
+        return 0
+    layer = sum(a * b for a, b in shape.linear_shapes().values())
+    head = shape.embedding_numel() if k.packed_lm_head else 0
+    return (shape.num_hidden_layers * layer + head) * 4
+
+
 def forward_transient(shape: ModelShape, k: Knobs, tokens: int) -> int:
     """Largest no-grad temporaries of one decoder layer (the MLP: gate, up, their product) + residuals."""
     return tokens * (3 * shape.intermediate_size * k.e + shape.hidden_size * (2 * k.e + 4))
@@ -487,7 +501,7 @@ class Estimate:
 
 PHASE_PARTS = {
     "generation": ("weights", "reference model", "optimizer state", "KV cache", "generation workspace",
-                   "trainable params", "FSDP gathered"),
+                   "packed weights", "trainable params", "FSDP gathered"),
     "update": ("weights", "reference model", "optimizer state", "gradients", "activations",
                "log-prob workspace", "trainable params"),
 }  # fmt: skip
@@ -498,6 +512,8 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     optimizer state exists; step 1 peaks no higher)."""
     if k.fsdp > 1 and (k.method == "qlora-4bit" or k.optimizer == "adamw_8bit"):
         raise PlanError("--fsdp: leangrpo's FSDP2 runs neither 4-bit weights nor adamw_8bit")
+    if k.reference_on_disk and (k.device != "cpu" or k.fsdp > 1):  # the trainer refuses it too
+        raise PlanError("grpo.reference_on_disk is for CPU runs without FSDP: plan it with --device cpu")
     e = k.e
     tensors = trainable_tensors(shape, k)
     n_train = sum(n for _, n in tensors)
@@ -512,7 +528,8 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     # gradients alive at the optimizer step: all (sharded), or with optimizer_in_backward only the tensor
     # being stepped, each freed as soon as its step is taken
     step_grads = max(t for _, t in tensors) * tb if k.optimizer_in_backward else math.ceil(grads / n)
-    persistent = math.ceil((weights + adapters + optim + ref) / n)
+    resident_ref = 0 if k.reference_on_disk else ref  # on disk: read in by its own pass (below) only
+    persistent = math.ceil((weights + adapters + optim + resident_ref) / n)
     layer_numel = sum(c for _, c in shape.layer_tensors())
     # FSDP2 in the update: the root group (embeddings, final norm, LM head) stays gathered through forward
     # and backward, plus two layers (the one computing, the next prefetched) and one layer's full gradient.
@@ -560,18 +577,21 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
         "log-prob workspace": max(lp_fwd, lp_bwd),
         "KV cache": kv,
         "generation workspace": gen_ws,
+        "packed weights": packed_copy_bytes(shape, k),
     }
     if n > 1:  # generation gathers the whole model on every process, next to the shards
         components["FSDP gathered"] = weights + adapters
     phases = {"update": update}
     if k.rollout == "hf":
-        phases["generation"] = persistent + components.get("FSDP gathered", 0) + kv + gen_ws
+        gathered_all = components.get("FSDP gathered", 0)
+        phases["generation"] = persistent + gathered_all + kv + gen_ws + components["packed weights"]
     else:  # colocated vLLM reserves a fixed share of the card for its own weights and KV cache
         components["KV cache"] = components["generation workspace"] = 0
         components["vllm reservation"] = 0  # filled in by plan_for (needs the card size)
     if k.beta > 0 or k.num_iterations > 1:  # reference / old log-probs: no-grad forward per micro-batch
         ref_pass = (
             persistent
+            + (ref - resident_ref)
             + gathered
             + max(
                 forward_transient(shape, k, rows.tokens),
@@ -685,9 +705,12 @@ def knobs_from_config(cfg: Any, **overrides: Any) -> Knobs:
         activation_offload=getattr(m, "activation_offload", False),
         beta=g.beta,
         reference_dtype=g.reference_dtype,
+        reference_on_disk=g.reference_on_disk,
         num_iterations=g.num_iterations,
         logprob_chunk_size=g.logprob_chunk_size,
         share_prompt=g.share_prompt,
+        packed_generation=g.packed_generation,
+        packed_lm_head=g.packed_lm_head,
     )
     values.update({key: v for key, v in overrides.items() if v is not None})
     return Knobs(**values)
@@ -714,6 +737,12 @@ def yaml_snippet(k: Knobs, model: str) -> str:
         doc["model"]["activation_offload"] = True
     if not k.share_prompt:
         doc["grpo"]["share_prompt"] = False
+    if k.reference_on_disk:
+        doc["grpo"]["reference_on_disk"] = True
+    if not k.packed_generation:
+        doc["grpo"]["packed_generation"] = False
+    elif not k.packed_lm_head:
+        doc["grpo"]["packed_lm_head"] = False
     if k.optimizer != "adamw":
         doc["optim"]["optimizer"] = k.optimizer
     if k.optimizer_in_backward:
@@ -762,6 +791,7 @@ _NOTES = {
     "log-prob workspace": "chunked logits (+ fp32 lm_head grad when it trains)",
     "KV cache": "DynamicCache, whole generation batch",
     "generation workspace": "prefill / sampling temporaries",
+    "packed weights": "generation's oneDNN copy of the Linears (CPU, float32; grpo.packed_generation)",
     "vllm reservation": "gpu_memory_utilization share of the card",
     "FSDP gathered": "the whole model, gathered on each process to generate",
 }
@@ -776,6 +806,10 @@ def render(est: Estimate, memory: int | None, margin: float) -> str:
     notes["activations"] += f" (checkpointing {'on' if k.gradient_checkpointing else 'off'})"
     if k.optimizer_in_backward:
         notes["gradients"] = "the largest tensor's: each freed once stepped (optimizer_in_backward)"
+    if k.reference_on_disk:
+        notes["reference model"] += "; on disk, resident in the reference phase only"
+    if not k.packed_lm_head:
+        notes["packed weights"] += ", all but the LM head"
     lines = [
         f"model {s.name}: {s.model_type}, {est.params / 1e6:,.1f}M params, {s.num_hidden_layers} layers, "
         f"hidden {s.hidden_size}, vocab {s.vocab_size}",
