@@ -311,7 +311,6 @@ def test_train_warns_when_the_plan_says_the_gpu_is_too_small(monkeypatch):
         "model": {"name_or_path": "Qwen/Qwen2.5-7B", "dtype": "bfloat16"},
         "data": {"path": "x.jsonl"}, "rewards": {"functions": [{"name": "x"}]},
     })  # fmt: skip
-    assert plan.cuda_startup_warning(cfg) is None  # no CUDA here: silent
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
@@ -319,10 +318,40 @@ def test_train_warns_when_the_plan_says_the_gpu_is_too_small(monkeypatch):
         total_memory = 24 * 2**30
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: Props)
-    warning = plan.cuda_startup_warning(cfg)
-    assert warning and "predicted to need" in warning and "24.00 GiB" in warning
+    warning = plan.memory_startup_warning(cfg)
+    assert warning and "predicted to need" in warning and "the GPU has 24.00 GiB" in warning
     Props.total_memory = 1024 * 2**30
-    assert plan.cuda_startup_warning(cfg) is None
+    assert plan.memory_startup_warning(cfg) is None
+
+
+def test_a_cpu_run_is_warned_against_the_ram_available(monkeypatch):
+    """Without CUDA the plan (tensors + the process's runtime) is held against MemAvailable, in a
+    one-process run only: the processes of a multi-process run share that RAM."""
+    cfg = validate_config({
+        "model": {"name_or_path": "HuggingFaceTB/SmolLM2-135M", "dtype": "float32"},
+        "data": {"path": "x.jsonl"}, "rewards": {"functions": [{"name": "x"}]},
+    })  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    est = plan.estimate(
+        plan.resolve_shape("HuggingFaceTB/SmolLM2-135M"), plan.knobs_from_config(cfg, device="cpu")
+    )
+    need = est.total
+    assert need == est.peak + plan.CPU_RUNTIME_BYTES
+    monkeypatch.setattr(plan, "available_ram", lambda: need - 1)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    warning = plan.memory_startup_warning(cfg)
+    assert warning and f"need {plan.fmt_bytes(need)}" in warning and "available" in warning, warning
+    assert "--device cpu --gpu-memory" in warning
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert plan.memory_startup_warning(cfg) is None
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setattr(plan, "available_ram", lambda: need)
+    assert plan.memory_startup_warning(cfg) is None
+
+
+def test_available_ram_reads_meminfo():
+    ram = plan.available_ram()
+    assert ram is not None and 2**20 < ram < 2**50  # this Linux machine has /proc/meminfo
 
 
 def test_knobs_follow_the_config_rule_for_g():
@@ -480,3 +509,18 @@ def test_reference_on_disk_is_planned_in_its_own_pass_only(tmp_path, gsm8k_dir):
     assert "packed weights" in res.output
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 2 and "plan it with --device cpu" in res.output, res.output
+
+
+def test_train_on_cpu_prints_the_ram_warning_before_loading(tmp_path, gsm8k_dir):
+    """End to end: Llama-3.1-8B's plan (a built-in shape) cannot fit this machine's RAM; the warning comes
+    before the model load, which then fails offline in one line."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "leangrpo", "train", "model.name_or_path=meta-llama/Llama-3.1-8B",
+         f"data.path={gsm8k_dir / 'train.jsonl'}", "rewards.functions=[{name: xmlcount_reward}]",
+         f"output_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120,
+    )  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 2, proc.stderr
+    assert lines[0].startswith("warning: plan: this run is predicted to need") and "available" in lines[0]
+    assert lines[1].startswith("error: cannot load tokenizer")

@@ -79,10 +79,10 @@ def train(config_path: str | None, overwrite: bool, resume: str | None, override
         cfg = resume_config(config_path, list(overrides), resume)
     else:
         cfg = load_config(config_path, list(overrides))
-    from .plan import cuda_startup_warning
+    from .plan import memory_startup_warning
     from .trainer import train as run_training
 
-    if warning := cuda_startup_warning(cfg):
+    if warning := memory_startup_warning(cfg):
         click.echo(f"warning: {warning}", err=True)
     final = run_training(cfg, overwrite=overwrite, resume=bool(resume))
     if final is not None:
@@ -241,7 +241,9 @@ def demo(
 @click.option("--rollout", type=click.Choice(["hf", "vllm"]), help="Generation engine (default hf).")
 @click.option("--vllm-gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True))
 @click.option("--activation-offload", is_flag=True, default=None, help="Saved activations in pinned CPU RAM.")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), help="cpu plans RAM (no CUDA overhead).")
+@click.option(
+    "--device", type=click.Choice(["cuda", "cpu"]), help="cpu plans RAM (the runtime, no CUDA overhead)."
+)
 @click.option("--fsdp", type=click.IntRange(min=1), help="Processes sharding the model (FSDP2).")
 @click.option("--fit", is_flag=True, help="Search the largest G, completion length, batch, method that fit.")
 @click.option(

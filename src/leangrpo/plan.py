@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,6 +25,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS workspace: an estimate, not measured here
 ALLOCATOR_SLACK = 0.08  # reserved-but-free fraction of the caching allocator: an estimate, not measured here
+# A CPU run's own memory beside the tensors: Python, torch, transformers, tokenizer and data (536-548 MiB
+# measured at every point of benchmarks/plan_accuracy.py, 2026-11-26; the lower round figure).
+CPU_RUNTIME_BYTES = 512 * 2**20
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 states for smaller tensors
 BNB_BLOCK = 256  # bitsandbytes 8-bit optimizer: one fp32 absmax per 256 values per state
 NF4_BLOCK = 64  # bitsandbytes 4-bit: 64 weights per absmax; double quantisation stores it in 8 bits
@@ -486,7 +490,7 @@ class Estimate:
     @property
     def overhead(self) -> int:
         if self.knobs.device == "cpu":
-            return 0
+            return CPU_RUNTIME_BYTES
         return CUDA_CONTEXT_BYTES + int(ALLOCATOR_SLACK * self.peak)
 
     @property
@@ -754,29 +758,47 @@ def yaml_snippet(k: Knobs, model: str) -> str:
     return yaml.safe_dump(doc, sort_keys=False).rstrip()
 
 
-def startup_warning(cfg: Any, total_memory: int) -> str | None:
-    """One warning line when the plan predicts `cfg` will not fit a card of `total_memory` bytes."""
+def startup_warning(cfg: Any, memory: int, device: Literal["cuda", "cpu"] = "cuda") -> str | None:
+    """One warning line when the plan predicts `cfg` will not fit `memory` bytes: the card's, or on CPU
+    the RAM available."""
     try:
         shape = resolve_shape(cfg.model.name_or_path)
-        est = plan_for(shape, knobs_from_config(cfg), total_memory)
+        est = plan_for(shape, knobs_from_config(cfg, device=device), memory)
     except UserError:
-        return None  # the plan cannot model this model: say nothing rather than guess
-    if est.total <= total_memory:
+        return None  # the plan cannot model this model or setting: say nothing rather than guess
+    if est.total <= memory:
         return None
+    has = "the GPU has" if device == "cuda" else "the machine has"
+    flags = "--gpu-memory" if device == "cuda" else "--device cpu --gpu-memory"
     return (
-        f"plan: this run is predicted to need {fmt_bytes(est.total)} at its {est.phase} peak but the GPU has "
-        f"{fmt_bytes(total_memory)} (largest part: {est.dominant()}); it may run out of memory. "
-        f"`leangrpo plan --model CONFIG --gpu-memory ... --fit` suggests a setting that fits"
+        f"plan: this run is predicted to need {fmt_bytes(est.total)} at its {est.phase} peak but {has} "
+        f"{fmt_bytes(memory)}{'' if device == 'cuda' else ' available'} (largest part: {est.dominant()}); "
+        f"it may run out of memory. `leangrpo plan --model CONFIG {flags} ... --fit` suggests a setting "
+        "that fits"
     )
 
 
-def cuda_startup_warning(cfg: Any) -> str | None:
-    """The `leangrpo train` hook: warn when CUDA is present and the plan says the run will not fit."""
+def available_ram() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (Linux); None where there is none."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    kib = [int(line.split()[1]) for line in lines if line.startswith("MemAvailable:")]
+    return kib[0] * 1024 if kib else None
+
+
+def memory_startup_warning(cfg: Any) -> str | None:
+    """The `leangrpo train` hook: warn when the plan says the run will not fit the GPU or, in a
+    one-process CPU run, the RAM available now (processes of a multi-process run share that RAM)."""
     import torch
 
-    if not torch.cuda.is_available():
-        return None
-    return startup_warning(cfg, torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    if torch.cuda.is_available():
+        card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return startup_warning(cfg, card)
+    ram = available_ram()
+    one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    return startup_warning(cfg, ram, "cpu") if ram is not None and one_process else None
 
 
 # ---------------------------------------------------------------- the printed plan
@@ -834,10 +856,12 @@ def render(est: Estimate, memory: int | None, margin: float) -> str:
         lines.append(
             f"{'CUDA/allocator':<22} {fmt_bytes(est.overhead):>12}  context + caching-allocator slack"
         )
+    else:
+        lines.append(f"{'process runtime':<22} {fmt_bytes(est.overhead):>12}  Python, torch, tokenizer, data")
     lines.append("")
     for phase, b in est.phases.items():
         lines.append(f"phase {phase:<16} {fmt_bytes(b):>12}  tensors")
-    total = "total with overhead" if k.device == "cuda" else "total (add the process baseline)"
+    total = "total with overhead" if k.device == "cuda" else "total with the runtime"
     lines.append(f"predicted peak: {fmt_bytes(est.peak)} of tensors in the {est.phase} phase; {total}: "
                  f"{fmt_bytes(est.total)}")  # fmt: skip
     if memory is not None:
