@@ -509,6 +509,8 @@ def test_reference_on_disk_is_planned_in_its_own_pass_only(tmp_path, gsm8k_dir):
     assert "packed weights" in res.output
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 2 and "plan it with --device cpu" in res.output, res.output
+    res = CliRunner().invoke(main, [*args, "--method", "lora"])  # no copy: no effect, as in the trainer
+    assert res.exit_code == 0 and "the adapter is disabled" in res.output, res.output
 
 
 def test_train_on_cpu_prints_the_ram_warning_before_loading(tmp_path, gsm8k_dir):

@@ -516,8 +516,6 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     optimizer state exists; step 1 peaks no higher)."""
     if k.fsdp > 1 and (k.method == "qlora-4bit" or k.optimizer == "adamw_8bit"):
         raise PlanError("--fsdp: leangrpo's FSDP2 runs neither 4-bit weights nor adamw_8bit")
-    if k.reference_on_disk and (k.device != "cpu" or k.fsdp > 1):  # the trainer refuses it too
-        raise PlanError("grpo.reference_on_disk is for CPU runs without FSDP: plan it with --device cpu")
     e = k.e
     tensors = trainable_tensors(shape, k)
     n_train = sum(n for _, n in tensors)
@@ -532,6 +530,8 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     # gradients alive at the optimizer step: all (sharded), or with optimizer_in_backward only the tensor
     # being stepped, each freed as soon as its step is taken
     step_grads = max(t for _, t in tensors) * tb if k.optimizer_in_backward else math.ceil(grads / n)
+    if ref and k.reference_on_disk and (k.device != "cpu" or k.fsdp > 1):  # the trainer refuses it too
+        raise PlanError("grpo.reference_on_disk is for CPU runs without FSDP: plan it with --device cpu")
     resident_ref = 0 if k.reference_on_disk else ref  # on disk: read in by its own pass (below) only
     persistent = math.ceil((weights + adapters + optim + resident_ref) / n)
     layer_numel = sum(c for _, c in shape.layer_tensors())
