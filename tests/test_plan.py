@@ -341,7 +341,10 @@ def test_a_cpu_run_is_warned_against_the_ram_available(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     warning = plan.memory_startup_warning(cfg)
     assert warning and f"need {plan.fmt_bytes(need)}" in warning and "available" in warning, warning
-    assert "--device cpu --gpu-memory" in warning
+    assert "--device cpu --memory" in warning
+    advice = ["plan", "--model", "HuggingFaceTB/SmolLM2-135M", "--device", "cpu", "--memory", "1GB", "--fit"]
+    res = CliRunner().invoke(main, advice)  # the command the warning names
+    assert res.exit_code == 0 and "largest configuration that fits" in res.output, res.output
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert plan.memory_startup_warning(cfg) is None
     monkeypatch.delenv("WORLD_SIZE")

@@ -208,7 +208,10 @@ def demo(
 @click.option(
     "--model", "model", required=True, help="Hub id, local dir, config.json, .gguf, or a leangrpo YAML."
 )
-@click.option("--gpu-memory", help="Card memory, e.g. 24GB (GB = GiB, as card specs mean).")
+@click.option(
+    "--gpu-memory", "--memory", "gpu_memory",
+    help="Card memory (RAM with --device cpu), e.g. 24GB (GB = GiB, as card specs mean).",
+)  # fmt: skip
 @click.option("--method", type=click.Choice(["full", "lora", "qlora-4bit"]))
 @click.option("--lora-r", type=_POSITIVE)
 @click.option("--lora-targets", help="all-linear, or comma-separated module names (q_proj,v_proj...).")
@@ -257,7 +260,7 @@ def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: 
 
     memory = planner.parse_memory(gpu_memory) if gpu_memory else None
     if fit and memory is None:
-        raise planner.PlanError("--fit needs --gpu-memory")
+        raise planner.PlanError("--fit needs --gpu-memory (--memory)")
     if knobs["dtype"]:
         knobs["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(
             knobs["dtype"], knobs["dtype"]

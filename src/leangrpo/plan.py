@@ -769,7 +769,7 @@ def startup_warning(cfg: Any, memory: int, device: Literal["cuda", "cpu"] = "cud
     if est.total <= memory:
         return None
     has = "the GPU has" if device == "cuda" else "the machine has"
-    flags = "--gpu-memory" if device == "cuda" else "--device cpu --gpu-memory"
+    flags = "--gpu-memory" if device == "cuda" else "--device cpu --memory"
     return (
         f"plan: this run is predicted to need {fmt_bytes(est.total)} at its {est.phase} peak but {has} "
         f"{fmt_bytes(memory)}{'' if device == 'cuda' else ' available'} (largest part: {est.dominant()}); "
