@@ -519,6 +519,8 @@ def test_reference_on_disk_is_planned_in_its_own_pass_only(tmp_path, gsm8k_dir):
 def test_train_on_cpu_prints_the_ram_warning_before_loading(tmp_path, gsm8k_dir):
     """End to end: Llama-3.1-8B's plan (a built-in shape) cannot fit this machine's RAM; the warning comes
     before the model load, which then fails offline in one line."""
+    if (plan.available_ram() or 0) > 100 * 2**30:
+        pytest.skip("this machine has the RAM the plan asks for (about 120 GiB)")
     proc = subprocess.run(
         [sys.executable, "-m", "leangrpo", "train", "model.name_or_path=meta-llama/Llama-3.1-8B",
          f"data.path={gsm8k_dir / 'train.jsonl'}", "rewards.functions=[{name: xmlcount_reward}]",
