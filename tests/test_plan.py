@@ -482,7 +482,7 @@ def test_packed_weights_are_the_copies_generation_packs(monkeypatch, tied, metho
         assert plan.packed_copy_bytes(shape, plan.replace(knobs, **unpacked)) == 0
 
 
-def test_reference_on_disk_is_planned_in_its_own_pass_only(tmp_path, gsm8k_dir):
+def test_reference_on_disk_is_planned_in_its_own_pass_only(gsm8k_dir):
     """grpo.reference_on_disk: the copy leaves the generation and update phases, not the reference
     pass; the config key, the CLI flag and the pasted snippet agree; a CUDA plan is refused in one line."""
     shape = plan.resolve_shape("HuggingFaceTB/SmolLM2-135M")
