@@ -768,13 +768,15 @@ def startup_warning(cfg: Any, memory: int, device: Literal["cuda", "cpu"] = "cud
         return None  # the plan cannot model this model or setting: say nothing rather than guess
     if est.total <= memory:
         return None
-    has = "the GPU has" if device == "cuda" else "the machine has"
-    flags = "--gpu-memory" if device == "cuda" else "--device cpu --memory"
+    has, flags = (
+        (f"the GPU has {fmt_bytes(memory)}", "--gpu-memory")
+        if device == "cuda"
+        else (f"the machine has {fmt_bytes(memory)} available", "--device cpu --memory")
+    )
     return (
         f"plan: this run is predicted to need {fmt_bytes(est.total)} at its {est.phase} peak but {has} "
-        f"{fmt_bytes(memory)}{'' if device == 'cuda' else ' available'} (largest part: {est.dominant()}); "
-        f"it may run out of memory. `leangrpo plan --model CONFIG {flags} ... --fit` suggests a setting "
-        "that fits"
+        f"(largest part: {est.dominant()}); it may run out of memory. "
+        f"`leangrpo plan --model CONFIG {flags} ... --fit` suggests a setting that fits"
     )
 
 
