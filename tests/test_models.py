@@ -345,7 +345,7 @@ def test_generate_uses_the_preallocated_cache(tiny_model_dir, tokenizer, monkeyp
     greedy = Sampling(
         num_generations=1, max_prompt_length=64, max_completion_length=6, do_sample=False, ignore_eos=True
     )
-    ours = generate(model, tokenizer, PROMPTS, greedy)
+    ours = generate(model, tokenizer, PROMPTS, greedy, packed=False)  # generate()'s loop, not the lean one
     assert torch.equal(ours.completion_ids, plain[:, ids.input_ids.shape[1] :])
     assert len(updates) == 6 * model.config.num_hidden_layers  # prefill + 5 decoding steps, every layer
 
@@ -378,7 +378,8 @@ def test_groups_prefill_their_prompt_once(tiny_model_dir, tokenizer, monkeypatch
     kwargs = dict(num_generations=3, max_prompt_length=64, max_completion_length=6, do_sample=False)
     shared = generate(model, tokenizer, PROMPTS, Sampling(ignore_eos=True, **kwargs))
     monkeypatch.setattr("leangrpo.rollout.prefill_once_per_group", lambda *a: None)
-    every_row = generate(model, tokenizer, PROMPTS, Sampling(ignore_eos=True, **kwargs))
+    # generate()'s own loop (the lean one needs the prefill), prefilling every row
+    every_row = generate(model, tokenizer, PROMPTS, Sampling(ignore_eos=True, **kwargs), packed=False)
     assert torch.equal(shared.completion_ids, every_row.completion_ids)
 
 
@@ -504,6 +505,30 @@ def test_generate_ignore_eos_overrides_forced_eos(eos_loving_model, tokenizer):
     eos = torch.tensor(eos_token_ids(tokenizer, eos_loving_model))
     assert not torch.isin(batch.completion_ids, eos).any()
     assert batch.completion_mask.bool().all() and batch.truncated.all()
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_the_lean_loop_draws_eos_unless_ignore_eos(tiny_model_dir, tokenizer, monkeypatch, ignore_eos):
+    """The forced-EOS tests above hook the LM head, which sends generation through generate(); here the
+    token chooser generation hands the lean loop is given logits that favour EOS."""
+    from leangrpo.decode import LeanDecoder
+
+    seen = []
+    real = LeanDecoder.decode
+
+    def spy(self, cache, ids, mask, steps, choose, eos, pad):
+        seen.append((ids, choose, eos))
+        return real(self, cache, ids, mask, steps, choose, eos, pad)
+
+    monkeypatch.setattr(LeanDecoder, "decode", spy)
+    sampling = Sampling(
+        num_generations=2, max_prompt_length=64, max_completion_length=3, ignore_eos=ignore_eos
+    )
+    generate(load_tiny(tiny_model_dir), tokenizer, PROMPTS, sampling)
+    [(ids, choose, eos)] = seen
+    logits = torch.zeros(len(ids), len(tokenizer))
+    logits[:, eos[0]] = 1e4
+    assert (choose(ids, logits) == eos[0]).all() != ignore_eos
 
 
 # --------------------------------------------------------------------------- load_model_and_tokenizer
@@ -816,8 +841,15 @@ def test_packed_linears_leave_other_dtypes_alone(tiny_model_dir):
         assert not any("forward" in m.__dict__ for m in model.modules())
 
 
-@pytest.mark.parametrize("packed", [True, False])
-def test_generate_packs_the_linears_only_when_asked(tiny_model_dir, tokenizer, monkeypatch, packed):
+@pytest.mark.parametrize(
+    ("packed", "kwargs", "want"),
+    [(True, None, "lean"), (True, {"no_repeat_ngram_size": 3}, "packed_linears"), (False, None, None)],
+)
+def test_generate_packs_the_linears_only_when_asked(
+    tiny_model_dir, tokenizer, monkeypatch, packed, kwargs, want
+):
+    """Packed, generation runs the lean loop, or generate() through packed_linears where it cannot (here:
+    a generation_kwargs field the lean loop does not implement); unpacked, neither."""
     from contextlib import contextmanager
 
     import leangrpo.rollout as rollout_mod
@@ -826,10 +858,18 @@ def test_generate_packs_the_linears_only_when_asked(tiny_model_dir, tokenizer, m
 
     @contextmanager
     def recording(model, batch_hint, pack_head):
-        calls.append((batch_hint, pack_head))
+        calls.append(("packed_linears", batch_hint, pack_head))
         yield
 
+    def lean(model, rows, pack_head):
+        calls.append(("lean", rows, pack_head))
+        return real_lean(model, rows, pack_head)
+
+    real_lean = rollout_mod.lean_decoder
     monkeypatch.setattr(rollout_mod, "packed_linears", recording)
-    sampling = Sampling(num_generations=2, max_prompt_length=16, max_completion_length=2)
+    monkeypatch.setattr(rollout_mod, "lean_decoder", lean)
+    sampling = Sampling(
+        num_generations=2, max_prompt_length=16, max_completion_length=2, generation_kwargs=kwargs
+    )
     generate(load_tiny(tiny_model_dir), tokenizer, PROMPTS, sampling, packed=packed, pack_head=False)
-    assert calls == ([(4, False)] if packed else [])
+    assert calls == ([(want, 4, False)] if want else [])

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 import yaml
-from torch import nn
+from torch import Tensor, nn
 
 from .errors import UserError
 
 if TYPE_CHECKING:
     from peft import PeftModel
+    from peft.tuners.lora import Linear as LoraLinear
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from .config import LoraConfig, ModelConfig
@@ -247,6 +248,23 @@ def is_peft(model: nn.Module) -> TypeGuard[PeftModel]:
 def peft_base(model: PeftModel) -> PreTrainedModel:
     """The transformers model a peft model wraps (peft types it as any nn.Module)."""
     return cast("PreTrainedModel", model.get_base_model())
+
+
+def linear_weight(module: nn.Module) -> Tensor | None:
+    """The weight a Linear, or a peft LoRA Linear with its adapters folded in, applies; None for
+    other modules (and for LoRA variants that are more than a weight delta, such as DoRA)."""
+    if isinstance(module, nn.Linear):
+        return module.weight
+    base = getattr(module, "base_layer", None)
+    if not (isinstance(base, nn.Linear) and hasattr(module, "get_delta_weight")):
+        return None
+    lora = cast("LoraLinear", module)  # a peft LoRA layer over a Linear
+    if lora.disable_adapters or lora.merged:
+        return base.weight
+    active = [a for a in lora.active_adapters if a in lora.lora_A]
+    if any(lora.use_dora.get(a, False) for a in active):
+        return None
+    return base.weight + sum(lora.get_delta_weight(a) for a in active)
 
 
 def merge_lora(model: PeftModel, dtype: torch.dtype | None = None) -> PreTrainedModel:

@@ -15,6 +15,7 @@ from torch import Tensor
 from transformers import DynamicCache, GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -22,11 +23,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from .decode import lean_decoder
 from .grpo import mask_after_eos
-from .models import is_peft, peft_base
+from .models import is_peft, linear_weight, peft_base
 
 if TYPE_CHECKING:
-    from peft.tuners.lora import Linear as LoraLinear
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from .config import Config
@@ -189,8 +190,9 @@ def generate(
 ) -> RolloutBatch:
     """Sample `sampling.num_generations` completions per prompt. Tokens after the first EOS are masked out.
 
-    `packed`: on CPU, run the Linears through `packed_linears` (faster, one extra copy of their weights
-    while generating; `pack_head`: the LM head's too)."""
+    `packed`: on CPU in float32, decode with the lean loop (decode.py), or where it does not apply run
+    generate() with its Linears through `packed_linears`: faster, one extra copy of the weights while
+    generating (`pack_head`: the LM head's too)."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(
         tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
@@ -219,22 +221,49 @@ def generate(
     was_training = model.training
     model.eval()  # uses the KV cache (disabled under gradient checkpointing in train mode), no dropout
     cache = kv_cache(model, prompt_ids.shape[1] + sampling.max_completion_length)
-    with (
-        only_generation_config(model, gen_cfg),
-        packed_linears(model, len(prompt_ids), pack_head) if packed else nullcontext(),
-    ):
-        if cache is not None and sampling.num_generations > 1:
+    lean = (
+        lean_decoder(model, len(prompt_ids), pack_head)
+        if packed and cache is not None and prompt_ids.shape[1] > 1 and not sampling.generation_kwargs
+        else None
+    )
+    with only_generation_config(model, gen_cfg):
+        if lean is not None and cache is not None:
             prefill_once_per_group(model, prompt_ids, prompt_mask, sampling.num_generations, cache)
-        # a causal LM (or the peft model standing in for one) has it; PreTrainedModel does not declare it
-        out = cast("GenerationMixin", model).generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            generation_config=gen_cfg,
-            logits_processor=LogitsProcessorList(processors),
-            **({CACHE_KWARG: cache} if cache is not None else {}),
-        )
+            if sampling.ignore_eos:  # as generate() does for min_new_tokens: EOS is never drawn
+                processors.insert(
+                    0, MinNewTokensLengthLogitsProcessor(prompt_ids.shape[1], gen_cfg.min_new_tokens, eos)
+                )
+            pick = LogitsProcessorList(processors)
+
+            def choose(ids: Tensor, logits: Tensor) -> Tensor:
+                """generate()'s greedy pick after the processors (the last one samples)."""
+                return pick(cast("torch.LongTensor", ids), logits).argmax(dim=-1)
+
+            completion_ids = lean.decode(
+                cache,
+                prompt_ids,
+                prompt_mask,
+                sampling.max_completion_length,
+                choose,
+                eos,
+                gen_cfg.pad_token_id,
+            )
+        else:
+            with packed_linears(model, len(prompt_ids), pack_head) if packed else nullcontext():
+                if cache is not None and sampling.num_generations > 1:
+                    prefill_once_per_group(model, prompt_ids, prompt_mask, sampling.num_generations, cache)
+                # generate(): a causal LM (or the peft model standing in for one) has it, PreTrainedModel
+                # does not declare it
+                out = cast("GenerationMixin", model).generate(
+                    input_ids=prompt_ids,
+                    attention_mask=prompt_mask,
+                    generation_config=gen_cfg,
+                    logits_processor=LogitsProcessorList(processors),
+                    **({CACHE_KWARG: cache} if cache is not None else {}),
+                )
+            completion_ids = out[:, prompt_ids.shape[1] :]
+    del lean  # its packed weights
     model.train(was_training)
-    completion_ids = out[:, prompt_ids.shape[1] :]
     return finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, sampling)
 
 
@@ -390,24 +419,8 @@ def prefill_once_per_group(
     ids, mask = prompt_ids[::group, :-1], prompt_mask[::group, :-1]
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
     model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{CACHE_KWARG: cache})
-    cache.batch_repeat_interleave(group)
-
-
-def linear_weight(module: torch.nn.Module) -> Tensor | None:
-    """The weight a Linear, or a peft LoRA Linear with its adapters folded in, applies; None for
-    other modules (and for LoRA variants that are more than a weight delta, such as DoRA)."""
-    if isinstance(module, torch.nn.Linear):
-        return module.weight
-    base = getattr(module, "base_layer", None)
-    if not (isinstance(base, torch.nn.Linear) and hasattr(module, "get_delta_weight")):
-        return None
-    lora = cast("LoraLinear", module)  # a peft LoRA layer over a Linear
-    if lora.disable_adapters or lora.merged:
-        return base.weight
-    active = [a for a in lora.active_adapters if a in lora.lora_A]
-    if any(lora.use_dora.get(a, False) for a in active):
-        return None
-    return base.weight + sum(lora.get_delta_weight(a) for a in active)
+    if group > 1:
+        cache.batch_repeat_interleave(group)
 
 
 @contextmanager

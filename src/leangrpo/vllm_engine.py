@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from .errors import UserError
-from .models import is_peft, resolve_model_path
-from .rollout import RolloutBatch, Sampling, encode_prompts, finish_batch, linear_weight
+from .models import is_peft, linear_weight, resolve_model_path
+from .rollout import RolloutBatch, Sampling, encode_prompts, finish_batch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
