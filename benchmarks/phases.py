@@ -1,5 +1,6 @@
-"""Our speed-ups, each on and off, on vs_trl.py's model: generation with and without the oneDNN-packed
-Linears, with and without the in-place KV cache + inverse-CDF sampling (off: transformers' own
+"""Our speed-ups, each on and off, on vs_trl.py's model: generation with the lean decode loop
+(decode.py) or generate() with the same packed weights; then, generate() only, with and without the
+oneDNN-packed Linears, with and without the in-place KV cache + inverse-CDF sampling (off: transformers' own
 DynamicCache and torch.multinomial), and with the prompt prefilled once per group or on every row; one
 update forward + backward with and without the shared-prompt layout; and what the default log-prob chunk
 (256 rows) costs in update time against 1024-row chunks.
@@ -50,6 +51,10 @@ def transformers_cache_and_sampling():
         yield
 
 
+def no_lean_decoder(*args: object) -> None:
+    """In lean_decoder's place: generate() then decodes, with its Linears packed by packed_linears."""
+
+
 def no_prefill(*args: object) -> None:
     """In prefill_once_per_group's place: generate() then prefills the prompt on every row of a group."""
 
@@ -93,14 +98,21 @@ def main() -> None:
     batch = None
     for _ in range(a.repeats):
         for on in (False, True):
-            name = f"generate, packed Linears {'on' if on else 'off'}"
-            batch = timed(name, lambda on=on: rollout_batch(on))
-        for on in (False, True):
-            with nullcontext() if on else transformers_cache_and_sampling():
-                timed(f"generate, in-place cache + ICDF {'on' if on else 'off'}", rollout_batch)
-        for on in (False, True):
-            with nullcontext() if on else mock.patch.object(rollout, "prefill_once_per_group", no_prefill):
-                timed(f"generate, prompt prefilled once {'on' if on else 'off'}", rollout_batch)
+            with nullcontext() if on else mock.patch.object(rollout, "lean_decoder", no_lean_decoder):
+                batch = timed(f"generate, lean decode loop {'on' if on else 'off'}", rollout_batch)
+        # generate()'s own speed-ups, the lean loop off on both sides
+        with mock.patch.object(rollout, "lean_decoder", no_lean_decoder):
+            for on in (False, True):
+                name = f"generate, packed Linears {'on' if on else 'off'}"
+                timed(name, lambda on=on: rollout_batch(on))
+            for on in (False, True):
+                with nullcontext() if on else transformers_cache_and_sampling():
+                    timed(f"generate, in-place cache + ICDF {'on' if on else 'off'}", rollout_batch)
+            for on in (False, True):
+                with (
+                    nullcontext() if on else mock.patch.object(rollout, "prefill_once_per_group", no_prefill)
+                ):
+                    timed(f"generate, prompt prefilled once {'on' if on else 'off'}", rollout_batch)
     policy = Policy(model.train(), share_prompt=True)
 
     def update(group: int) -> None:

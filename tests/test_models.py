@@ -809,7 +809,8 @@ def test_gguf_corrupt_cache_is_rebuilt(gguf_cache, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("lora", "pack_head"), [(False, True), (True, True), (False, False)])
 def test_packed_linears_give_the_same_logits_and_undo_themselves(tiny_model_dir, tokenizer, lora, pack_head):
-    from leangrpo.rollout import _packed_forward, _wide_forward, packed_linears
+    from leangrpo.decode import packed_forward, wide_forward
+    from leangrpo.rollout import packed_linears
 
     model = load_tiny(tiny_model_dir).eval()
     if lora:
@@ -824,8 +825,8 @@ def test_packed_linears_give_the_same_logits_and_undo_themselves(tiny_model_dir,
     # Every projection goes through the packed path (a LoRA layer as one, base included); the LM head
     # too, or, left unpacked, through the wide product.
     head = model.get_output_embeddings()
-    assert swapped.pop(head) is (_packed_forward if pack_head else _wide_forward)
-    assert len(swapped) == 2 * 7 and set(swapped.values()) == {_packed_forward}
+    assert swapped.pop(head) is (packed_forward if pack_head else wide_forward)
+    assert len(swapped) == 2 * 7 and set(swapped.values()) == {packed_forward}
     assert not any("forward" in m.__dict__ for m in model.modules())
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     if lora:  # the adapter matters, so folding it in was really checked

@@ -458,8 +458,11 @@ def test_fsdp_plans_shards_per_process_and_the_gathered_model():
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("method", ["full", "lora"])
 @pytest.mark.parametrize("pack_head", [True, False])
-def test_packed_weights_are_the_copies_generation_packs(monkeypatch, tied, method, pack_head):
-    """The plan's 'packed weights' (CPU, float32) is what rollout.packed_linears hands oneDNN to pack."""
+@pytest.mark.parametrize("lean", [True, False])
+def test_packed_weights_are_the_copies_generation_packs(monkeypatch, tied, method, pack_head, lean):
+    """The plan's 'packed weights' (CPU, float32) is what generation hands oneDNN to pack: the lean decode
+    loop, or rollout.packed_linears for generate()."""
+    from leangrpo.decode import lean_decoder
     from leangrpo.rollout import packed_linears
 
     model, shape = tiny("llama", tied)
@@ -473,8 +476,11 @@ def test_packed_weights_are_the_copies_generation_packs(monkeypatch, tied, metho
         return pack(weight, batch_hint)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", recording)
-    with packed_linears(model, 2, pack_head):
-        pass
+    if lean:
+        assert lean_decoder(model, 2, pack_head) is not None
+    else:
+        with packed_linears(model, 2, pack_head):
+            pass
     knobs = plan.Knobs(method=method, dtype="float32", device="cpu", packed_lm_head=pack_head)
     assert plan.packed_copy_bytes(shape, knobs) == sum(packed) > 0
     for unpacked in (dict(device="cuda"), dict(dtype="bfloat16"), dict(rollout="vllm"),

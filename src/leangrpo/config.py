@@ -285,7 +285,8 @@ class GRPOSection(_Section):
     )
     packed_generation: bool = Field(
         True,
-        description="CPU rollouts with oneDNN-packed weights: faster, one weight copy more while generating",
+        description="CPU rollouts in float32 with oneDNN-packed weights, through the lean decode loop for "
+        "Llama, Qwen2 and Qwen3: faster, one weight copy more while generating (docs/memory.md)",
     )
     packed_lm_head: bool = Field(
         True,

@@ -1,11 +1,11 @@
 """A lean decode loop for Llama, Qwen2 and Qwen3 decoders on CPU in float32: the tokens transformers'
 generate() would sample, without its per-layer Python.
 
-Decoding 8 rows of SmolLM2-135M, generate() with packed Linears spent about 3.4 s of a 6.1 s rollout in
-the Linears, 0.9 s in attention (SDPA's flash kernel, about 230 µs a call for one query row) and the rest
-in Python and small ops around them (benchmarks/RESULTS.md, "The lean decode loop"). Here each layer
-is four packed oneDNN products (q/k/v and gate/up concatenated, so a handful of rows reads each weight
-once per call), attention is two batched matmuls over the in-place KV cache, and nothing else runs
+Decoding 8 rows of SmolLM2-135M's architecture, generate() with packed Linears spent about 3.4 s of a
+6.1 s rollout in the Linears, 0.9 s in SDPA's attention (about 330 µs a call, for one query row) and the
+rest in Python and small ops around them (benchmarks/RESULTS.md, "The lean decode loop"). Here each
+layer is four packed oneDNN products (q/k/v and gate/up side by side, so a handful of rows reads each
+weight in one call), attention is two batched matmuls over the in-place KV cache, and nothing else runs
 per layer but the norms, the rotary embedding and the residual adds. The prompt is still prefilled by
 the model's own forward (`rollout.prefill_once_per_group`); every other architecture, and any
 `generation_kwargs`, keeps generate().
@@ -13,7 +13,9 @@ the model's own forward (`rollout.prefill_once_per_group`); every other architec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -23,8 +25,6 @@ from torch import Tensor, nn
 from .models import is_peft, linear_weight, peft_base
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from transformers import DynamicCache, PreTrainedModel
 
     from .rollout import PreallocatedLayer
@@ -38,6 +38,19 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def wide_forward(weight: Tensor, bias: Tensor | None, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """x @ weight.T computed as (weight @ x.T).T: for the unpacked LM head against a few rows, 7.0 ms
+    for 8 rows x 576 x 49k where x @ weight.T takes 17.6 ms (a packed copy: 5.0 ms; two threads, a
+    by-hand micro-benchmark)."""
+    y = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().reshape(*x.shape[:-1], -1)
+    return y if bias is None else y + bias
+
+
+def packed_forward(weight: Tensor, bias: Tensor | None, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """x @ W.T + bias, `weight` being W packed by oneDNN (`torch.ops.mkldnn._reorder_linear_weight`)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 @dataclass
 class Product:
     """One packed oneDNN product, possibly of several Linears side by side (their outputs concatenated)."""
@@ -46,7 +59,7 @@ class Product:
     bias: Tensor | None
 
     def __call__(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return packed_forward(self.weight, self.bias, x)
 
 
 @dataclass
@@ -129,29 +142,18 @@ def lean_decoder(model: PreTrainedModel, rows: int, pack_head: bool = True) -> L
         head_weight = linear_weight(head_module)
         if head_weight is None:
             return None
-        head = Product(pack(head_weight, rows), head_module.bias) if pack_head else None
-    return LeanDecoder(model, inner, layers, head, head_weight, cfg)
+        if pack_head:
+            head: Callable[[Tensor], Tensor] = Product(pack(head_weight, rows), head_module.bias)
+        else:
+            head = partial(wide_forward, head_weight, head_module.bias)
+    return LeanDecoder(inner, layers, head, cfg)
 
 
 class LeanDecoder:
     """Decodes from a prefilled in-place KV cache (`rollout.PreallocatedLayer`), one token per row a step."""
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        inner: Any,
-        layers: list[Layer],
-        head: Product | None,
-        head_weight: Tensor,
-        cfg: Any,
-    ):
-        self.model, self.inner, self.layers, self.head, self.head_weight = (
-            model,
-            inner,
-            layers,
-            head,
-            head_weight,
-        )
+    def __init__(self, inner: Any, layers: list[Layer], head: Callable[[Tensor], Tensor], cfg: Any):
+        self.inner, self.layers, self.head = inner, layers, head  # inner: the decoder under the LM head
         self.final_norm, self.final_eps = inner.norm.weight, inner.norm.variance_epsilon
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
@@ -185,7 +187,7 @@ class LeanDecoder:
             )
             x = x + layer.down(F.silu(gate).mul_(up))
         x = F.rms_norm(x, (x.shape[-1],), self.final_norm, self.final_eps)
-        return self.head(x) if self.head is not None else torch.mm(self.head_weight, x.t()).t()
+        return self.head(x)
 
     @torch.no_grad()
     def decode(

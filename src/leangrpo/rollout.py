@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .decode import lean_decoder
+from .decode import lean_decoder, packed_forward, wide_forward
 from .grpo import mask_after_eos
 from .models import is_peft, linear_weight, peft_base
 
@@ -453,7 +453,7 @@ def packed_linears(model: torch.nn.Module, batch_hint: int, pack_head: bool = Tr
         with torch.no_grad():
             for module in model.modules():
                 if module is head and type(module) is torch.nn.Linear:
-                    forward = partial(_wide_forward, module.weight, module.bias)
+                    forward = partial(wide_forward, module.weight, module.bias)
                 else:
                     weight = None if id(module) in done else linear_weight(module)
                     if weight is None:
@@ -461,25 +461,13 @@ def packed_linears(model: torch.nn.Module, batch_hint: int, pack_head: bool = Tr
                     # the Linear whose weight linear_weight found (a LoRA layer's base)
                     base = cast(torch.nn.Linear, getattr(module, "base_layer", module))
                     done.update(id(m) for m in module.modules())
-                    forward = partial(_packed_forward, pack(weight, batch_hint), base.bias)
+                    forward = partial(packed_forward, pack(weight, batch_hint), base.bias)
                 module.forward = forward
                 patched.append(module)
         yield
     finally:
         for module in patched:
             del module.forward
-
-
-def _wide_forward(weight: Tensor, bias: Tensor | None, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    """x @ weight.T computed as (weight @ x.T).T: for the unpacked LM head against a few rows, 7.0 ms
-    for 8 rows x 576 x 49k where x @ weight.T takes 17.6 ms (a packed copy: 5.0 ms; two threads, a
-    by-hand micro-benchmark)."""
-    y = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().reshape(*x.shape[:-1], -1)
-    return y if bias is None else y + bias
-
-
-def _packed_forward(weight: Tensor, bias: Tensor | None, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def as_reward_inputs(
