@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from .decode import lean_decoder, packed_forward, wide_forward
+from .decode import LeanDecoder, lean_decoder, packed_forward, wide_forward
 from .grpo import mask_after_eos
 from .models import is_peft, linear_weight, peft_base
 
@@ -229,24 +229,8 @@ def generate(
     with only_generation_config(model, gen_cfg):
         if lean is not None and cache is not None:
             prefill_once_per_group(model, prompt_ids, prompt_mask, sampling.num_generations, cache)
-            if sampling.ignore_eos:  # as generate() does for min_new_tokens: EOS is never drawn
-                processors.insert(
-                    0, MinNewTokensLengthLogitsProcessor(prompt_ids.shape[1], gen_cfg.min_new_tokens, eos)
-                )
-            pick = LogitsProcessorList(processors)
-
-            def choose(ids: Tensor, logits: Tensor) -> Tensor:
-                """generate()'s greedy pick after the processors (the last one samples)."""
-                return pick(cast("torch.LongTensor", ids), logits).argmax(dim=-1)
-
-            completion_ids = lean.decode(
-                cache,
-                prompt_ids,
-                prompt_mask,
-                sampling.max_completion_length,
-                choose,
-                eos,
-                gen_cfg.pad_token_id,
+            completion_ids = decode_lean(
+                lean, cache, prompt_ids, prompt_mask, sampling, processors, eos, gen_cfg
             )
         else:
             with packed_linears(model, len(prompt_ids), pack_head) if packed else nullcontext():
@@ -265,6 +249,33 @@ def generate(
     del lean  # its packed weights
     model.train(was_training)
     return finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, sampling)
+
+
+def decode_lean(
+    lean: LeanDecoder,
+    cache: DynamicCache,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    sampling: Sampling,
+    processors: list[LogitsProcessor],
+    eos: list[int],
+    gen_cfg: GenerationConfig,
+) -> Tensor:
+    """Completion ids from the lean loop, drawn as generate() draws them with `gen_cfg`: the processors,
+    then the greedy pick (the last processor samples); EOS never drawn under `ignore_eos` (generate()'s
+    min_new_tokens); finished rows padded with the pad token (else the first EOS)."""
+    if sampling.ignore_eos:
+        eos_never = MinNewTokensLengthLogitsProcessor(
+            prompt_ids.shape[1], sampling.max_completion_length, eos
+        )
+        processors = [eos_never, *processors]
+    pick = LogitsProcessorList(processors)
+
+    def choose(ids: Tensor, logits: Tensor) -> Tensor:
+        return pick(cast("torch.LongTensor", ids), logits).argmax(dim=-1)
+
+    pad = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else eos[0]
+    return lean.decode(cache, prompt_ids, prompt_mask, sampling.max_completion_length, choose, eos, pad)
 
 
 # No text averages more characters a token, so a text's last 64·N characters hold its last N tokens.
