@@ -352,9 +352,9 @@ def test_a_cpu_run_is_warned_against_the_ram_available(monkeypatch):
     assert plan.memory_startup_warning(cfg) is None
 
 
-def test_available_ram_reads_meminfo():
+def test_available_ram_is_plausible():
     ram = plan.available_ram()
-    assert ram is not None and 2**20 < ram < 2**50  # this Linux machine has /proc/meminfo
+    assert ram is not None and 2**20 < ram < 2**50
 
 
 def test_knobs_follow_the_config_rule_for_g():

@@ -780,14 +780,11 @@ def startup_warning(cfg: Any, memory: int, device: Literal["cuda", "cpu"] = "cud
     )
 
 
-def available_ram() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (Linux); None where there is none."""
-    try:
-        lines = Path("/proc/meminfo").read_text().splitlines()
-    except OSError:
-        return None
-    kib = [int(line.split()[1]) for line in lines if line.startswith("MemAvailable:")]
-    return kib[0] * 1024 if kib else None
+def available_ram() -> int:
+    """The RAM a new allocation can have now, in bytes (psutil; MemAvailable on Linux)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def memory_startup_warning(cfg: Any) -> str | None:
@@ -798,9 +795,8 @@ def memory_startup_warning(cfg: Any) -> str | None:
     if torch.cuda.is_available():
         card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         return startup_warning(cfg, card)
-    ram = available_ram()
     one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
-    return startup_warning(cfg, ram, "cpu") if ram is not None and one_process else None
+    return startup_warning(cfg, available_ram(), "cpu") if one_process else None
 
 
 # ---------------------------------------------------------------- the printed plan
