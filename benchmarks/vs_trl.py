@@ -40,6 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from leangrpo import onednn
 from leangrpo.memory import MMAP_THRESHOLD, return_freed_memory
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +54,16 @@ MALLOC = {
     "compact": {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
     "strict": {"MALLOC_MMAP_THRESHOLD_": str(2**16)},
 }
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), since which products are fast depends on it (leangrpo/onednn.py)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "CPU unknown"
+    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
+    return names[0] if names else "CPU unknown"
 
 
 def allocator_env() -> dict[str, str | None]:
@@ -491,7 +502,7 @@ def write_results(a: argparse.Namespace, sides: list[str], results: list, raw: l
     allocator = f"both sides {env}" if env else f"TRL glibc's defaults, {ours}"
     body = (
         f"{section}\n\nCommand: `python benchmarks/vs_trl.py{' ' + args if args else ''}`\n\n"
-        f"Date: {now}. Machine: {platform.machine()}, {device}, torch {torch.__version__}, "
+        f"Date: {now}. Machine: {platform.machine()}, {device}, {cpu_name()}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, TRL {trl_version}. "
         f"Step s is wall-clock; "
         f"CPU s is the process's CPU time in the same step (all threads), steadier on a shared machine.\n\n"
@@ -502,7 +513,9 @@ def write_results(a: argparse.Namespace, sides: list[str], results: list, raw: l
         + (f", ours with {', '.join(a.ours_set)}" if a.ours_set else "")
         + f". Each side's figures are medians over the row's runs; ratios are the median of the "
         f"per-pair ratios [range]; load is the 1-min average before each run. "
-        f"Allocator: {allocator}.\n\n" + table(results)
+        f"Allocator: {allocator}. Our float32 products (`model.cpu_matmul: auto`): "
+        f"{'oneDNN' if onednn.preferred() else 'torch BLAS'} on this CPU; TRL's: torch's BLAS.\n\n"
+        + table(results)
     )
     write_section(Path(a.results), section, body)
     print(body, flush=True)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import onednn
 from .models import is_peft, linear_weight, peft_base
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def wide_forward(weight: Tensor, bias: Tensor | None, x: Tensor, *args: Any, **k
 
 def packed_forward(weight: Tensor, bias: Tensor | None, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
     """x @ W.T + bias, `weight` being W packed by oneDNN (`torch.ops.mkldnn._reorder_linear_weight`)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return onednn.linear(x, weight, bias)
 
 
 @dataclass

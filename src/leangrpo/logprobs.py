@@ -10,13 +10,15 @@ come through here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import shared_prompt
+from . import onednn, shared_prompt
 from .errors import UserError
 from .models import is_peft, peft_base
 
@@ -72,11 +74,16 @@ def logit_transform(config: Any) -> LogitTransform:
 
 
 def _chunk_logits(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, head: LogitTransform, temperature: float
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    head: LogitTransform,
+    temperature: float,
+    product: Callable[..., Tensor] = F.linear,
 ) -> Tensor:
     """fp32 logits of some rows, transformed as the architecture does and divided by the sampling
-    temperature, in place (no second copy)."""
-    logits = (hidden @ weight.T if bias is None else torch.addmm(bias, hidden, weight.T)).float()
+    temperature, in place (no second copy). `product`: F.linear, or `onednn.linear`."""
+    logits = product(hidden, weight, bias).float()
     if head.scale != 1.0:
         logits.mul_(head.scale)
     if head.softcap is not None:
@@ -91,17 +98,18 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     Only one chunk's logits ([chunk, vocab]) exists at any time, in the forward and in the backward,
     so memory does not grow with batch × length × vocab; every step on a chunk works in place.
     `with_entropy` also returns each row's entropy (no gradient), at the cost of a second fp32 chunk buffer;
-    otherwise the second output is empty.
+    otherwise the second output is empty. `product` computes the logits and the hidden states' gradient
+    (F.linear or `onednn.linear`); the weight's gradient accumulates in place with addmm_.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, head, temperature, chunk_size, with_entropy):  # noqa: D102
+    def forward(ctx, hidden, weight, bias, targets, head, temperature, chunk_size, with_entropy, product):  # noqa: D102
         logps = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
         lses = torch.empty_like(logps)
         entropies = torch.empty_like(logps) if with_entropy else logps.new_empty(0)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = _chunk_logits(hidden[rows], weight, bias, head, temperature)
+            logits = _chunk_logits(hidden[rows], weight, bias, head, temperature, product)
             logps[rows] = logits.gather(-1, targets[rows, None]).squeeze(-1)
             top = logits.amax(dim=-1, keepdim=True)  # logsumexp, in place: log(sum(exp(x - max))) + max
             shifted = logits.sub_(top)
@@ -117,7 +125,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             logps[rows] -= lses[rows]
             del logits, shifted  # before the next chunk's logits exist
         ctx.save_for_backward(hidden, weight, bias, targets, lses)
-        ctx.head, ctx.temperature, ctx.chunk_size = head, temperature, chunk_size
+        ctx.head, ctx.temperature, ctx.chunk_size, ctx.product = head, temperature, chunk_size, product
         ctx.mark_non_differentiable(entropies)
         return logps, entropies
 
@@ -136,7 +144,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             g = grad_logps[rows, None].float()
             # d logp[target] / d logits = onehot(target) - softmax(logits), then the chain rule through
             # the temperature, the scale and the soft cap: d(cap · tanh(x / cap)) / dx = 1 - tanh².
-            grad_logits = _chunk_logits(hidden[rows], weight, bias, head, temperature)
+            grad_logits = _chunk_logits(hidden[rows], weight, bias, head, temperature, ctx.product)
             slope = None
             if head.softcap is not None:
                 slope = (grad_logits * (temperature / head.softcap)).square_().neg_().add_(1)
@@ -148,7 +156,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_logits.mul_(slope)
                 del slope
             if want_hidden:
-                grad_hidden[rows] = grad_logits.to(hidden.dtype) @ weight
+                grad_hidden[rows] = ctx.product(grad_logits.to(hidden.dtype), weight.t())  # grad @ W
             if want_weight:
                 grad_weight.addmm_(grad_logits.T, hidden[rows].float())
             if want_bias:
@@ -158,7 +166,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if want_bias:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def token_logprobs(
@@ -170,9 +178,11 @@ def token_logprobs(
     with_entropy: bool = False,
     bias: Tensor | None = None,
     head: LogitTransform = LogitTransform(),
+    product: Callable[..., Tensor] = F.linear,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token log-probs of `targets` [B, T] from hidden states [B, T, H] and the lm_head weight [V, H]
-    (and bias [V]), with the architecture's logit transform `head`.
+    (and bias [V]), with the architecture's logit transform `head`, the products computed by `product`
+    (F.linear, or `onednn.linear`).
 
     Equal to `log_softmax(head(hidden @ weight.T + bias) / temperature).gather(targets)` without ever
     holding the [B, T, V] logits. Returned in float32; `with_entropy`: with the entropy of each
@@ -187,6 +197,7 @@ def token_logprobs(
         temperature,
         chunk_size,
         with_entropy,
+        product,
     )
     if with_entropy:
         return flat.view(targets.shape), entropies.view(targets.shape)
@@ -301,7 +312,15 @@ class Policy(nn.Module):
         temperature = self.temperature if temperature is None else temperature
         bias = getattr(lm_head, "bias", None)
         return token_logprobs(
-            hidden, lm_head.weight, targets, temperature, self.chunk_size, with_entropy, bias, self.head
+            hidden,
+            lm_head.weight,
+            targets,
+            temperature,
+            self.chunk_size,
+            with_entropy,
+            bias,
+            self.head,
+            onednn.product(lm_head),
         )
 
 

@@ -18,6 +18,7 @@ import torch
 import yaml
 from torch import Tensor, nn
 
+from . import onednn
 from .errors import UserError
 
 if TYPE_CHECKING:
@@ -141,7 +142,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
 
 
 def load_model_and_tokenizer(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the policy as configured: dtype, gradient checkpointing, and LoRA when enabled."""
+    """Load the policy as configured: dtype, gradient checkpointing, LoRA when enabled, and the
+    Linears' CPU products in oneDNN where `model.cpu_matmul` picks it."""
 
     path = resolve_model_path(cfg.name_or_path)
     _check_local(path)
@@ -153,6 +155,10 @@ def load_model_and_tokenizer(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrai
         enable_checkpointing(model)
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora)
+    if cfg.cpu_matmul == "onednn" and not onednn.available():
+        raise ModelError("model.cpu_matmul=onednn: this torch build has no oneDNN; set model.cpu_matmul=auto")
+    if cfg.cpu_matmul == "onednn" or (cfg.cpu_matmul == "auto" and onednn.preferred()):
+        onednn.use_onednn(model)
     return model, tokenizer
 
 

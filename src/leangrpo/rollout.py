@@ -463,7 +463,7 @@ def packed_linears(model: torch.nn.Module, batch_hint: int, pack_head: bool = Tr
     try:
         with torch.no_grad():
             for module in model.modules():
-                if module is head and type(module) is torch.nn.Linear:
+                if module is head and isinstance(module, torch.nn.Linear):
                     forward = partial(wide_forward, module.weight, module.bias)
                 else:
                     weight = None if id(module) in done else linear_weight(module)

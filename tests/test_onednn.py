@@ -1,0 +1,113 @@
+"""oneDNN products for the training step (leangrpo/onednn.py): the same values and gradients as
+nn.Linear and the model's own forward, for which CPUs `model.cpu_matmul: auto` picks them, and the
+loader applying the setting."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_models import LORA, assert_grads_close, load_tiny, randomize_lora_b
+
+from leangrpo import onednn
+from leangrpo.config import ModelConfig
+from leangrpo.logprobs import Policy
+from leangrpo.models import ModelError, apply_lora, enable_checkpointing, load_model_and_tokenizer
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
+
+AMD = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse avx2 avx512f avx512bw\n"
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("strided", [False, True])
+def test_linear_values_and_gradients_equal_nn_linear(bias, strided):
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(48, 80, bias=bias)
+    ours = copy.deepcopy(ref)
+    ours.__class__ = onednn.Linear
+    x = torch.randn(3, 48, 7).transpose(1, 2) if strided else torch.randn(3, 7, 48)  # [3, 7, 48]
+    grad = torch.randn(3, 7, 80)
+    outs, grads = [], []
+    for layer in (ref, ours):
+        xi = x.clone().requires_grad_()
+        out = layer(xi)
+        out.backward(grad)
+        outs.append(out)
+        grads.append([xi.grad, *(p.grad for p in layer.parameters())])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert len(grads[1]) == (3 if bias else 2)
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_leaves_other_dtypes_to_nn_linear():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    want = layer(x)
+    layer.__class__ = onednn.Linear
+    assert torch.equal(layer(x), want)
+    assert onednn.product(layer) is torch.nn.functional.linear
+
+
+def test_preferred_on_amd_with_avx512_only():
+    assert onednn.preferred(AMD)
+    assert not onednn.preferred(AMD.replace("AuthenticAMD", "GenuineIntel"))
+    assert not onednn.preferred(AMD.replace(" avx512f", ""))
+    assert not onednn.preferred("")
+
+
+def test_use_onednn_converts_plain_linears_and_keeps_the_state_dict(tiny_model_dir):
+    model = apply_lora(load_tiny(tiny_model_dir), LORA)
+    keys = list(model.state_dict())
+    plain = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert onednn.use_onednn(model) == len(plain) > 0
+    assert all(type(m) is onednn.Linear for m in plain)
+    assert list(model.state_dict()) == keys
+    assert onednn.use_onednn(model) == 0  # nothing plain is left
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_policy_log_probs_and_gradients_equal_with_onednn(tiny_model_dir, lora):
+    """The whole training forward and backward (checkpointed layers recomputed, the chunked LM head)
+    with every product in oneDNN gives torch's BLAS results up to float32 noise."""
+    models = []
+    for use in (False, True):
+        model = load_tiny(tiny_model_dir)
+        enable_checkpointing(model)
+        if lora:
+            torch.manual_seed(0)  # lora_A's random start
+            model = apply_lora(model, LORA)
+            randomize_lora_b(model)
+        if use:
+            onednn.use_onednn(model)
+        models.append(model.train())
+    ids = torch.randint(3, 200, (4, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    results = []
+    for model in models:
+        policy = Policy(model, temperature=0.7, chunk_size=5)
+        logps = policy(ids, mask, num_completion_tokens=6)
+        (logps * torch.linspace(-1, 1, 6)).sum().backward()
+        results.append((logps, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    assert results[1][1].keys() == results[0][1].keys()
+    for name, want in results[0][1].items():
+        assert_grads_close(results[1][1][name], want, name)
+
+
+@pytest.mark.parametrize("setting", ["onednn", "blas", "auto"])
+def test_loader_applies_cpu_matmul(tiny_model_dir, setting):
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir), cpu_matmul=setting)
+    model, _ = load_model_and_tokenizer(cfg)
+    expected = setting == "onednn" or (setting == "auto" and onednn.preferred())
+    assert isinstance(model.get_decoder().layers[0].mlp.down_proj, onednn.Linear) == expected
+
+
+def test_loader_refuses_onednn_without_it(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(onednn, "available", lambda: False)
+    with pytest.raises(ModelError, match="model.cpu_matmul=onednn: this torch build has no oneDNN"):
+        load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir), cpu_matmul="onednn"))
