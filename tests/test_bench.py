@@ -144,3 +144,16 @@ def test_rows_report_the_median_of_alternating_pairs_with_their_range():
     assert cells[9] == "0.60 [0.50–0.75]"  # step ratio: median of 0.5, 0.75, 0.6
     assert cells[14] == "40.0 / 80.0" and cells[15] == "1.0–6.0"  # EOS lengths differ; the load range
     assert vs_trl.table([(vs_trl.ROWS["a"], ours[:1], [])]).count("–") >= 3  # ours only: no ratios
+
+
+def test_matmul_rates_runs():
+    """benchmarks/matmul_rates.py (docs/memory.md's figures) on small products: it checks oneDNN's
+    results against torch's before timing them."""
+    script = SCRIPT.parent / "matmul_rates.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--rows", "16", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": PYTHONPATH},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 + 4 * 3 and lines[-1].startswith("down") and "grad.T @ x" in lines[-1]

@@ -111,3 +111,17 @@ def test_loader_refuses_onednn_without_it(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(onednn, "available", lambda: False)
     with pytest.raises(ModelError, match="model.cpu_matmul=onednn: this torch build has no oneDNN"):
         load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir), cpu_matmul="onednn"))
+
+
+@pytest.mark.slow
+def test_real_model_trains_through_onednn(gguf_cache):
+    """SmolLM2-135M-Instruct's real logits: the Policy's head check (the model's own lm_head against
+    the chunked path) passes with oneDNN products, and the log-probs match torch's BLAS."""
+    _, path = gguf_cache
+    got = []
+    for setting in ("onednn", "blas"):
+        model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=str(path), cpu_matmul=setting))
+        enc = tok(["The capital of France is Paris."], return_tensors="pt")
+        with torch.no_grad():
+            got.append(Policy(model)(enc.input_ids, enc.attention_mask, num_completion_tokens=4))
+    torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-4)
