@@ -1,9 +1,10 @@
 """float32 products on CPU through oneDNN instead of torch's BLAS, for the CPUs where that BLAS is slow.
 
-torch's x86 wheels multiply float32 matrices with MKL, whose AVX-512 kernels run on Intel CPUs only:
-on an AMD EPYC (Zen 5, AVX-512) two threads of torch.mm reach about 205 GFLOP/s on the training step's
-shapes, oneDNN (also inside torch) 360-470 (benchmarks/RESULTS.md, "oneDNN for the training step's
-products"). `use_onednn` turns a model's Linears into `Linear`, whose forward and backward products
+torch's x86 wheels multiply float32 matrices with MKL, which on an AMD CPU runs no faster than with its
+instructions capped at AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2: 201 GFLOP/s either way, by hand). On an AMD
+EPYC (Zen 5, AVX-512), two threads of torch.mm reach 207-221 GFLOP/s on the training step's products,
+oneDNN (also inside torch) 377-496 (benchmarks/matmul_rates.py; benchmarks/RESULTS.md, "vs TRL on an
+AMD EPYC"). `use_onednn` turns a model's Linears into `Linear`, whose forward and backward products
 both run in oneDNN; the chunked log-probs use `linear` for the LM head. `preferred` decides what
 `model.cpu_matmul: auto` does.
 """
@@ -27,7 +28,7 @@ def available() -> bool:
 
 def preferred(cpuinfo: str | None = None) -> bool:
     """`model.cpu_matmul: auto`: oneDNN on AMD CPUs with AVX-512 (measured: 2.2x MKL on a Zen 5 EPYC),
-    torch's own BLAS elsewhere (Intel's MKL is Intel's fastest; other CPUs were not measured)."""
+    torch's own BLAS elsewhere, where the two were not compared (MKL is Intel's own, tuned for its CPUs)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
