@@ -500,6 +500,12 @@ def write_results(a: argparse.Namespace, sides: list[str], results: list, raw: l
     env = ", ".join(f"{k}={v}" for k, v in MALLOC[a.malloc].items())
     ours = f"ours the {MMAP_THRESHOLD // 2**20} MiB mmap threshold leangrpo sets itself"
     allocator = f"both sides {env}" if env else f"TRL glibc's defaults, {ours}"
+    library = "oneDNN" if onednn.preferred() else "torch's BLAS"
+    products = (
+        ""  # --ours-set names it
+        if any(o.startswith("model.cpu_matmul=") for o in a.ours_set or [])
+        else f" Our float32 products (`model.cpu_matmul: auto`): {library} on this CPU; TRL's: torch's BLAS."
+    )
     body = (
         f"{section}\n\nCommand: `python benchmarks/vs_trl.py{' ' + args if args else ''}`\n\n"
         f"Date: {now}. Machine: {platform.machine()}, {device}, {cpu_name()}, torch {torch.__version__}, "
@@ -513,9 +519,7 @@ def write_results(a: argparse.Namespace, sides: list[str], results: list, raw: l
         + (f", ours with {', '.join(a.ours_set)}" if a.ours_set else "")
         + f". Each side's figures are medians over the row's runs; ratios are the median of the "
         f"per-pair ratios [range]; load is the 1-min average before each run. "
-        f"Allocator: {allocator}. Our float32 products (`model.cpu_matmul: auto`): "
-        f"{'oneDNN' if onednn.preferred() else 'torch BLAS'} on this CPU; TRL's: torch's BLAS.\n\n"
-        + table(results)
+        f"Allocator: {allocator}.{products}\n\n" + table(results)
     )
     write_section(Path(a.results), section, body)
     print(body, flush=True)

@@ -27,7 +27,7 @@ def available() -> bool:
 
 
 def preferred(cpuinfo: str | None = None) -> bool:
-    """`model.cpu_matmul: auto`: oneDNN on AMD CPUs with AVX-512 (measured: 2.2x MKL on a Zen 5 EPYC),
+    """`model.cpu_matmul: auto`: oneDNN on AMD CPUs with AVX-512 (measured: 1.8-2.3x MKL on a Zen 5 EPYC),
     torch's own BLAS elsewhere, where the two were not compared (MKL is Intel's own, tuned for its CPUs)."""
     if cpuinfo is None:
         try:
@@ -52,7 +52,6 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         return linear(x, weight, bias)
 
     @staticmethod
@@ -62,7 +61,7 @@ class _Linear(torch.autograd.Function):
         rows = grad.reshape(-1, grad.shape[-1])
         grad_x = linear(grad, weight.t()) if want_x else None  # grad @ W
         grad_weight = linear(rows.t(), x.reshape(-1, x.shape[-1]).t()) if want_weight else None  # grad.T @ x
-        grad_bias = rows.sum(0) if want_bias and ctx.has_bias else None
+        grad_bias = rows.sum(0) if want_bias else None
         return grad_x, grad_weight, grad_bias
 
 
