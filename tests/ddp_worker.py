@@ -6,8 +6,8 @@ import os
 import sys
 
 from leangrpo.cli import _leave_if_one_of_many
-from leangrpo.config import load_config
-from leangrpo.trainer import Trainer
+from leangrpo.run.resolve import load_config
+from leangrpo.train.trainer import Trainer
 
 trainer = Trainer(load_config(sys.argv[1], sys.argv[2:]))
 trainer.train()

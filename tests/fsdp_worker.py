@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from leangrpo.cli import _leave_if_one_of_many
-from leangrpo.distributed import Sharded
-from leangrpo.logprobs import Policy
+from leangrpo.train.distributed import Sharded
+from leangrpo.train.logprobs import Policy
 
 
 def local_bytes(tensors) -> int:

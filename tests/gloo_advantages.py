@@ -20,9 +20,9 @@ def advantages_on_rank(rank: int, port: int, rewards: torch.Tensor, out: str) ->
     )
     from accelerate import Accelerator
 
-    from leangrpo.config import validate_config
-    from leangrpo.rewards import RewardScores
-    from leangrpo.trainer import Trainer
+    from leangrpo.data.rewards import RewardScores
+    from leangrpo.run.resolve import validate_config
+    from leangrpo.train.trainer import Trainer
 
     n = len(rewards) // 2
     per_func = rewards[rank * n : (rank + 1) * n]

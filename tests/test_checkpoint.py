@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from leangrpo.checkpoint import (
+from leangrpo.run.checkpoint import (
     CheckpointError,
     check_resumable,
     checkpoint_dirs,
@@ -24,8 +24,8 @@ from leangrpo.checkpoint import (
     set_rng_state,
     truncate_log,
 )
-from leangrpo.config import save_config, validate_config
-from leangrpo.rundir import RunDirError, RunLock, check_output_dir
+from leangrpo.run.resolve import save_config, validate_config
+from leangrpo.run.rundir import RunDirError, RunLock, check_output_dir
 
 
 def make_cfg(out: Path, **optim):

@@ -1,4 +1,4 @@
-"""Tests for the typed run configuration (leangrpo.config) and the light CLI entry."""
+"""Tests for the typed run configuration (leangrpo.config.schema) and the light CLI entry."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from leangrpo.config import Config, ConfigError, load_config, save_config, validate_config
+from leangrpo.config.schema import Config, ConfigError
+from leangrpo.run.resolve import load_config, save_config, validate_config
 
 MINIMAL = """\
 model:
@@ -300,7 +301,7 @@ def test_yaml_list_is_not_a_mapping(tmp_path):
 
 
 def test_config_error_is_value_error():
-    from leangrpo.errors import UserError
+    from leangrpo.core.errors import UserError
 
     assert issubclass(ConfigError, ValueError) and issubclass(ConfigError, UserError)
 
@@ -389,15 +390,15 @@ def test_the_cold_start_needs_a_task_with_worked_solutions(minimal_yaml):
 
 def test_the_config_reference_in_docs_is_current():
     """docs/config.md is generated from the fields' descriptions: every field has one, and the file is
-    regenerated when a field changes (python -m leangrpo.config > docs/config.md)."""
-    from leangrpo.config import reference
+    regenerated when a field changes (python -m leangrpo.config.schema > docs/config.md)."""
+    from leangrpo.tools.configdoc import reference
 
     text = reference()
     assert "| `grpo.num_generations` | `8` | completions sampled per prompt" in text
     assert "| `task.max_solution_steps` |" in text
     assert not [line for line in text.splitlines() if line.startswith("| `") and line.endswith("|  |")]
     docs = Path(__file__).resolve().parents[1] / "docs" / "config.md"
-    assert docs.read_text() == text, "docs/config.md is stale: python -m leangrpo.config > docs/config.md"
+    assert docs.read_text() == text, "docs/config.md is stale: python -m leangrpo.config.schema > docs/config.md"
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Tests for leangrpo.data: row loading and validation, prompt rendering, prompt sampling."""
+"""Tests for leangrpo.data.sources: row loading and validation, prompt rendering, prompt sampling."""
 
 from __future__ import annotations
 
@@ -14,17 +14,11 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from leangrpo.config import DataConfig, TaskConfig
-from leangrpo.data import (
-    DataError,
-    LoadedData,
-    PromptSampler,
-    has_chat_template,
-    load_rows,
-    render_prompt,
-)
-from leangrpo.tasks import load_task
-from leangrpo.tasks.gsm8k import parse_gold, solution_steps
+from leangrpo.config.schema import DataConfig, TaskConfig
+from leangrpo.data.rows import has_chat_template, render_prompt
+from leangrpo.data.sources import DataError, LoadedData, PromptSampler, load_rows
+from leangrpo.data.tasks import load_task
+from leangrpo.data.tasks.gsm8k import parse_gold, solution_steps
 
 GSM8K_DIR = Path(__file__).resolve().parent / "data" / "gsm8k"
 CHATML = (
@@ -69,10 +63,10 @@ def test_jsonl_loading_leaves_datasets_and_pyarrow_unimported(tmp_path):
     """They add ~80 MB to the RSS of every training process; only hub and Parquet data need them."""
     path = write_jsonl(tmp_path / "one.jsonl", [GOOD])
     code = (
-        "import sys; from leangrpo.config import validate_config; from leangrpo.data import load_rows\n"
+        "import sys; from leangrpo.config.schema import validate_config; from leangrpo.data.sources import load_rows\n"
         f"cfg = validate_config({{'model': {{'name_or_path': 'm'}}, 'data': {{'path': {str(path)!r}}},"
         " 'rewards': {'functions': [{'name': 'int'}]}})\n"
-        "from leangrpo.tasks import load_task\n"
+        "from leangrpo.data.tasks import load_task\n"
         "assert len(load_rows(cfg.data, load_task(cfg.task)).rows) == 1\n"
         "print(sorted(m for m in ('datasets', 'pyarrow', 'pandas') if m in sys.modules))"
     )
@@ -112,7 +106,7 @@ def bad_jsonl(tmp_path) -> Path:
 
 
 def test_skip_reports_every_bad_row_with_its_line(bad_jsonl, caplog):
-    with caplog.at_level(logging.WARNING, logger="leangrpo.data"):
+    with caplog.at_level(logging.WARNING, logger="leangrpo.data.sources"):
         loaded = load(bad_jsonl)
     assert [row["answer"] for row in loaded.rows] == ["5", "1000"]
     expected = [
@@ -349,7 +343,7 @@ def test_solution_steps_counts_reasoning_lines():
 def test_max_solution_steps_keeps_short_solutions_and_limit_counts_kept_rows(tmp_path, caplog):
     long = {"question": "Long?", "answer": "1\n2\n3\n#### 3"}
     path = write_jsonl(tmp_path / "mix.jsonl", [long, GOOD, long, GOOD, GOOD])
-    with caplog.at_level(logging.INFO, logger="leangrpo.data"):
+    with caplog.at_level(logging.INFO, logger="leangrpo.data.sources"):
         rows = load(path, max_solution_steps=2, limit=2).rows
     assert [r["question"] for r in rows] == ["What is 2+3?"] * 2
     assert "2 left out by task.max_solution_steps=2" in caplog.text
@@ -429,7 +423,7 @@ def test_local_formats_load_through_datasets(tmp_path, kind):
 
 
 def test_eval_split_of_a_saved_dataset_dict(tmp_path):
-    from leangrpo.evaluate import load_eval_rows
+    from leangrpo.tools.evaluate import load_eval_rows
 
     table = datasets.Dataset.from_list(TRL_ROWS)
     datasets.DatasetDict({"train": table, "test": table.select([1])}).save_to_disk(tmp_path / "dd")

@@ -8,10 +8,10 @@ import pytest
 import torch
 import transformers
 
-from leangrpo.config import LoraConfig
-from leangrpo.decode import lean_decoder
-from leangrpo.models import apply_lora
-from leangrpo.rollout import kv_cache, prefill_once_per_group
+from leangrpo.config.schema import LoraConfig
+from leangrpo.cpu.decode import lean_decoder
+from leangrpo.engines.rollout import kv_cache, prefill_once_per_group
+from leangrpo.models.load import apply_lora
 
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),

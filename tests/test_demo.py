@@ -12,8 +12,8 @@ import psutil
 import pytest
 import yaml
 
-from leangrpo.config import ConfigError
-from leangrpo.demo import (
+from leangrpo.config.schema import ConfigError
+from leangrpo.tools.demo import (
     before_after_text,
     choose_threads,
     demo_config,
@@ -136,8 +136,8 @@ def test_demo_overrides_apply_last_and_bad_ones_are_one_line():
 
 
 def test_gsm8k_demo_data_ships_with_the_package():
-    from leangrpo.data import load_rows
-    from leangrpo.tasks import load_task
+    from leangrpo.data.sources import load_rows
+    from leangrpo.data.tasks import load_task
 
     cfg = demo_config("gsm8k", 20, False, "o")
     task = load_task(cfg.task)
@@ -149,7 +149,8 @@ def test_gsm8k_demo_data_ships_with_the_package():
 def test_plots_have_integer_step_ticks(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    from leangrpo.report import CURVES, plot_curve
+    from leangrpo.run.rundir import CURVES
+    from leangrpo.tools.report import plot_curve
 
     saved, savefig = [], Figure.savefig
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig) or savefig(fig, *a, **k))

@@ -10,11 +10,11 @@ import pytest
 from click.testing import CliRunner
 
 from leangrpo.cli import main
-from leangrpo.compare import compare
-from leangrpo.config import TaskConfig
-from leangrpo.evaluate import EvalResult, evaluate, score, summarize
-from leangrpo.rewards import load_reward
-from leangrpo.tasks import load_task
+from leangrpo.config.schema import TaskConfig
+from leangrpo.data.rewards import load_reward
+from leangrpo.data.tasks import load_task
+from leangrpo.tools.compare import compare
+from leangrpo.tools.evaluate import EvalResult, evaluate, score, summarize
 
 RUN_CONFIG = (
     "model: {name_or_path: m}\ndata: {path: d}\nrewards: {functions: [{name: int}]}\ngrpo: {beta: 0.04}\n"
@@ -58,7 +58,7 @@ def test_score_uses_math_verify_for_gsm8k_answers():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    from leangrpo.models import load_trained
+    from leangrpo.run.trained import load_trained
 
     model, tokenizer, _ = load_trained(str(tiny_model_dir))
     return model, tokenizer
@@ -66,8 +66,8 @@ def tiny(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def test_rows(gsm8k_dir):
-    from leangrpo.config import DataConfig
-    from leangrpo.evaluate import load_eval_rows
+    from leangrpo.config.schema import DataConfig
+    from leangrpo.tools.evaluate import load_eval_rows
 
     return load_eval_rows(DataConfig(path="unused"), GSM8K, str(gsm8k_dir), "test", 4)
 

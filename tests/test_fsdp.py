@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 from test_e2e import PYTHONPATH, TESTS, run_cli, torchrun, write_config
 
-from leangrpo.distributed import Sharded, check_options, fsdp_requested
-from leangrpo.errors import UserError
+from leangrpo.core.errors import UserError
+from leangrpo.train.distributed import Sharded, check_options, fsdp_requested
 
 pytestmark = pytest.mark.slow
 FSDP2_CONFIG = TESTS.parent / "configs" / "accelerate" / "fsdp2.yaml"
@@ -52,7 +52,7 @@ def test_sharded_step_equals_one_process_and_halves_the_bytes(tmp_path, tiny_mod
     assert r["grad_error"] < 1e-5 and r["grad_scale"] > 1e-3  # gradients that exist, equal within fp32
     assert 0.48 < r["param_ratio"] < 0.55 and 0.48 < r["optim_ratio"] < 0.55
     # `leangrpo plan --fsdp 2` predicts those per-process bytes
-    from leangrpo import plan
+    from leangrpo.tools import plan
 
     est = plan.estimate(plan.resolve_shape(str(tiny_model_dir)), plan.make_knobs(fsdp=2, dtype="float32"))
     assert est.components["weights"] == pytest.approx(r["rank0_param_bytes"], rel=0.02)
@@ -119,7 +119,7 @@ def test_fsdp1_and_conflicting_options_are_one_line(monkeypatch, tmp_path, tiny_
     assert "fsdp_version: 2" in out.stderr.strip().splitlines()[-1]
     monkeypatch.setenv("FSDP_VERSION", "2")
     assert fsdp_requested()
-    from leangrpo.config import load_config
+    from leangrpo.run.resolve import load_config
 
     for override, problem in [("optim.optimizer=adamw_8bit", "adamw_8bit"),
                               ("model.load_in_4bit=true", "load_in_4bit")]:  # fmt: skip

@@ -1,4 +1,4 @@
-"""Unit tests for the pure GRPO math in leangrpo.grpo, checked against hand-computed numbers."""
+"""Unit tests for the pure GRPO math in leangrpo.core.grpo, checked against hand-computed numbers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from leangrpo.grpo import (
+from leangrpo.core.grpo import (
     LossStats,
     fill_groups,
     group_advantages,
@@ -21,7 +21,7 @@ from leangrpo.grpo import (
     sampler_importance_weights,
     sequence_log_ratio,
 )
-from leangrpo.logprobs import token_logprobs
+from leangrpo.train.logprobs import token_logprobs
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 
@@ -690,7 +690,7 @@ def test_sampler_weights_scale_the_surrogate_not_the_kl():
 def test_shuffle_within_groups_permutes_each_group_only():
     import torch
 
-    from leangrpo.grpo import shuffle_within_groups
+    from leangrpo.core.grpo import shuffle_within_groups
 
     rows = shuffle_within_groups(12, 4, torch.Generator().manual_seed(0))
     groups = rows.view(3, 4)

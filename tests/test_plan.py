@@ -12,12 +12,13 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from leangrpo import plan
 from leangrpo.cli import main
-from leangrpo.config import LoraConfig, validate_config
-from leangrpo.logprobs import Policy, micro_batch_logprobs
-from leangrpo.models import apply_lora
-from leangrpo.rollout import RolloutBatch
+from leangrpo.config.schema import LoraConfig
+from leangrpo.engines.rollout import RolloutBatch
+from leangrpo.models.load import apply_lora
+from leangrpo.run.resolve import validate_config
+from leangrpo.tools import plan
+from leangrpo.train.logprobs import Policy, micro_batch_logprobs
 
 KNOWN_TOTALS = {
     "Qwen/Qwen2.5-0.5B": 494_032_768,
@@ -462,8 +463,7 @@ def test_fsdp_plans_shards_per_process_and_the_gathered_model():
 def test_packed_weights_are_the_copies_generation_packs(monkeypatch, tied, method, pack_head, lean):
     """The plan's 'packed weights' (CPU, float32) is what generation hands oneDNN to pack: the lean decode
     loop, or rollout.packed_linears for generate()."""
-    from leangrpo.decode import lean_decoder
-    from leangrpo.rollout import packed_linears
+    from leangrpo.cpu.decode import lean_decoder, packed_linears
 
     model, shape = tiny("llama", tied)
     if method == "lora":

@@ -12,9 +12,10 @@ from test_e2e import read_metrics
 from test_resume import make_config
 
 from leangrpo.cli import main
-from leangrpo.config import ConfigError, ModelConfig, load_config, validate_config
-from leangrpo.logprobs import Policy, token_logprobs
-from leangrpo.models import ModelError, load_base, load_model_and_tokenizer, load_tokenizer, merge_lora
+from leangrpo.config.schema import ConfigError, ModelConfig
+from leangrpo.models.load import ModelError, load_base, load_model_and_tokenizer, load_tokenizer, merge_lora
+from leangrpo.run.resolve import load_config, validate_config
+from leangrpo.train.logprobs import Policy, token_logprobs
 
 bnb = pytest.importorskip("bitsandbytes")
 

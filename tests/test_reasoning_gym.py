@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from leangrpo.config import ConfigError, load_config, validate_config
-from leangrpo.data import load_rows
-from leangrpo.tasks import load_task
+from leangrpo.config.schema import ConfigError
+from leangrpo.data.sources import load_rows
+from leangrpo.data.tasks import load_task
+from leangrpo.run.resolve import load_config, validate_config
 
 pytest.importorskip("reasoning_gym")
 
@@ -104,8 +105,8 @@ def test_a_bad_cold_start_task_is_one_line():
 
 def test_the_cold_start_trains_on_sft_task_problems(tmp_path, tiny_model_dir, monkeypatch):
     """sft.task's settings (one-digit sums) give the cold start its problems; GRPO keeps two-digit ones."""
-    from leangrpo import sft
-    from leangrpo.trainer import Trainer
+    from leangrpo.train import sft
+    from leangrpo.train.trainer import Trainer
 
     two_digits = {"chain_sum": {**CHAIN_SUM["chain_sum"], "min_digits": 2, "max_digits": 2}}
     cfg = validate_config(

@@ -18,11 +18,11 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from test_e2e import PYTHONPATH, read_metrics, write_config
 
-from leangrpo import grpo
-from leangrpo.checkpoint import checkpoint_dirs, is_complete
 from leangrpo.cli import main
-from leangrpo.config import load_config
-from leangrpo.trainer import Trainer, TrainingError
+from leangrpo.core import grpo
+from leangrpo.run.checkpoint import checkpoint_dirs, is_complete
+from leangrpo.run.resolve import load_config
+from leangrpo.train.trainer import Trainer, TrainingError
 
 pytestmark = pytest.mark.slow
 
@@ -283,7 +283,7 @@ def test_export_and_chat(tmp_path, tiny_model_dir, gsm8k_dir):
     result = cli.invoke(main, ["export", str(run), "--out", str(merged_dir)])
     assert result.exit_code == 2 and "not an empty directory" in result.output
 
-    from leangrpo.chat import Chat
+    from leangrpo.tools.chat import Chat
 
     bot = Chat(str(run), None, max_new_tokens=4)
     assert "You are a careful test bot." in bot.prompt("What is 2+2?")
@@ -295,7 +295,7 @@ def test_export_and_chat(tmp_path, tiny_model_dir, gsm8k_dir):
     assert result.exit_code == 0, result.output
 
     # One loader for every tool: a run without its final model means its last complete checkpoint.
-    from leangrpo.models import locate
+    from leangrpo.run.trained import locate
 
     (run / "model").rename(tmp_path / "model-moved")
     assert locate(run).adapter == run / "checkpoint-2" and locate(run).step == 2

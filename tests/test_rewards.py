@@ -1,4 +1,4 @@
-"""Tests for leangrpo.rewards: built-in rewards, registry, and safe batch scoring."""
+"""Tests for leangrpo.data.rewards: built-in rewards, registry, and safe batch scoring."""
 
 import math
 import random
@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from leangrpo.grpo import group_advantages
-from leangrpo.rewards import (
+from leangrpo.core.grpo import group_advantages
+from leangrpo.data.rewards import (
     BUILTIN_REWARDS,
     RewardError,
     answers_match,
@@ -26,7 +26,7 @@ from leangrpo.rewards import (
     strict_format_reward,
     xmlcount_reward,
 )
-from leangrpo.rewards.builtin import has_soft_format, has_strict_format
+from leangrpo.data.rewards.builtin import has_soft_format, has_strict_format
 
 WELL = "<reasoning>\nSix dozen is 6 * 12.\n</reasoning>\n<answer>\n72\n</answer>\n"
 FORMAT_REWARDS = {
@@ -414,7 +414,7 @@ def test_answers_match_works_off_the_main_thread() -> None:
 
 
 def test_import_does_not_pull_in_torch_or_sympy() -> None:
-    code = "import sys, leangrpo.rewards; print('torch' in sys.modules, 'sympy' in sys.modules)"
+    code = "import sys, leangrpo.data.rewards; print('torch' in sys.modules, 'sympy' in sys.modules)"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert output.stdout.split() == ["False", "False"]
 

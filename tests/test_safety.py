@@ -18,7 +18,10 @@ import yaml
 from click.testing import CliRunner
 from test_e2e import write_config
 
-from leangrpo.checkpoint import (
+from leangrpo.cli import main
+from leangrpo.config.schema import ConfigError
+from leangrpo.data.rewards import RewardError, score_completions
+from leangrpo.run.checkpoint import (
     CheckpointError,
     checkpoint_dirs,
     is_complete,
@@ -27,12 +30,10 @@ from leangrpo.checkpoint import (
     save_checkpoint,
     save_final_model,
 )
-from leangrpo.cli import main
-from leangrpo.config import ConfigError, load_config, save_config, validate_config
-from leangrpo.rewards import RewardError, score_completions
-from leangrpo.rundir import REPLACED, RunDirError, RunLock, check_output_dir, drop_replaced, start_run
-from leangrpo.tracking import MetricsLogger
-from leangrpo.trainer import Trainer
+from leangrpo.run.resolve import load_config, save_config, validate_config
+from leangrpo.run.rundir import REPLACED, RunDirError, RunLock, check_output_dir, drop_replaced, start_run
+from leangrpo.run.tracking import MetricsLogger
+from leangrpo.train.trainer import Trainer
 
 
 def minimal_cfg(out: Path):
@@ -216,7 +217,7 @@ def test_resume_completes_a_final_save_the_run_died_in(tmp_path, tiny_model_dir,
         raise KeyboardInterrupt  # stands in for the kill: the process ends mid-save
 
     with monkeypatch.context() as patch:
-        patch.setattr("leangrpo.trainer.save_final_model", killed)
+        patch.setattr("leangrpo.train.trainer.save_final_model", killed)
         with pytest.raises(KeyboardInterrupt):
             Trainer(load_config(str(cfg))).train()
     assert is_complete(run / "checkpoint-2") and not (run / "model").exists()
@@ -412,7 +413,7 @@ def test_plan_refuses_nonsense(args):
 def test_a_second_sigterm_aborts():
     import signal
 
-    from leangrpo.signals import StopSignals
+    from leangrpo.run.signals import StopSignals
 
     with StopSignals() as signals, pytest.raises(SystemExit) as caught:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -425,7 +426,7 @@ def test_eval_checks_split_and_output_before_loading_the_model(tmp_path, gsm8k_d
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the output was checked")
 
-    monkeypatch.setattr("leangrpo.models.load_trained", never)
+    monkeypatch.setattr("leangrpo.run.trained.load_trained", never)
     blocker = tmp_path / "file"
     blocker.write_text("")
     base = ["eval", "--model", "m", "--data", str(gsm8k_dir)]
@@ -496,7 +497,7 @@ def test_export_to_a_full_disk_is_one_line(tmp_path, tiny_model_dir, gsm8k_dir):
 def test_a_huge_prompt_is_not_tokenized_whole(real_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    from leangrpo.rollout import encode_prompts
+    from leangrpo.engines.rollout import encode_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(real_tokenizer_dir, padding_side="left", truncation_side="left")
     seen: list[int] = []
@@ -515,7 +516,7 @@ def test_a_disk_failing_as_the_run_starts_is_one_line(tmp_path, tiny_model_dir, 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("leangrpo.trainer.open_trackers", full)  # the first write after the config
+    monkeypatch.setattr("leangrpo.train.trainer.open_trackers", full)  # the first write after the config
     run = tmp_path / "x"
     one_line_error(
         train_cli("-c", str(tiny_run_config(tmp_path, tiny_model_dir, gsm8k_dir, run))), "errno 28"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leangrpo.models import load_tokenizer
-from leangrpo.rewards import correctness_reward, strict_format_reward, xmlcount_reward
-from leangrpo.sft import nll_loss, sft_batch
-from leangrpo.tasks.gsm8k import tagged_solution
+from leangrpo.data.rewards import correctness_reward, strict_format_reward, xmlcount_reward
+from leangrpo.data.tasks.gsm8k import tagged_solution
+from leangrpo.models.load import load_tokenizer
+from leangrpo.train.sft import nll_loss, sft_batch
 
 SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 in all.\n#### 72"
 ROW = {
@@ -73,9 +73,9 @@ def test_nll_loss_is_the_mean_over_real_tokens():
 
 
 def test_cold_start_raises_the_likelihood_of_tagged_solutions(tmp_path, tiny_model_dir, gsm8k_dir):
-    from leangrpo.config import validate_config
-    from leangrpo.logprobs import micro_batch_logprobs
-    from leangrpo.trainer import Trainer
+    from leangrpo.run.resolve import validate_config
+    from leangrpo.train.logprobs import micro_batch_logprobs
+    from leangrpo.train.trainer import Trainer
 
     cfg = validate_config(
         {

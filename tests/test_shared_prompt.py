@@ -7,10 +7,10 @@ import pytest
 import torch
 from test_models import LORA, assert_grads_close, load_tiny, randomize_lora_b
 
-from leangrpo import shared_prompt
-from leangrpo.logprobs import LayoutError, Policy, micro_batch_logprobs
-from leangrpo.models import apply_lora, enable_checkpointing
-from leangrpo.rollout import RolloutBatch
+from leangrpo.core import shared_prompt
+from leangrpo.engines.rollout import RolloutBatch
+from leangrpo.models.load import apply_lora, enable_checkpointing
+from leangrpo.train.logprobs import LayoutError, Policy, micro_batch_logprobs
 
 
 def test_positions_and_predictors_by_hand():
@@ -65,7 +65,7 @@ def rollout(tokenizer_for_rollout):
 
 @pytest.fixture(scope="module")
 def tokenizer_for_rollout(tiny_model_dir):
-    from leangrpo.models import load_tokenizer
+    from leangrpo.models.load import load_tokenizer
 
     return load_tokenizer(str(tiny_model_dir))
 
@@ -159,7 +159,7 @@ def test_trainer_step_is_the_same_with_and_without_sharing(tmp_path, tiny_model_
     layout's tensor shapes."""
     from test_memory import make_cfg
 
-    from leangrpo.trainer import Trainer
+    from leangrpo.train.trainer import Trainer
 
     results = []
     for share in (True, False):

@@ -14,16 +14,16 @@ import pytest
 from click.testing import CliRunner
 
 from leangrpo.cli import main
-from leangrpo.report import CURVES
-from leangrpo.tracking import TrackerError, check_trackers
+from leangrpo.run.rundir import CURVES
+from leangrpo.run.tracking import TrackerError, check_trackers
 
 
 @pytest.mark.slow
 def test_train_with_eval_trackers_and_report(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch, capsys):
     from test_e2e import read_metrics, write_config
 
-    from leangrpo.config import load_config
-    from leangrpo.trainer import train
+    from leangrpo.run.resolve import load_config
+    from leangrpo.train.trainer import train
 
     out = tmp_path / "run"
     cfg = write_config(
@@ -92,8 +92,8 @@ def test_train_with_eval_trackers_and_report(tmp_path, tiny_model_dir, gsm8k_dir
     assert f"report: {out / 'report.html'}" in printed
 
     # `leangrpo eval` on the run directory: its model/, its config's rewards; then compare before/after.
-    from leangrpo.compare import compare
-    from leangrpo.evaluate import run_eval
+    from leangrpo.tools.compare import compare
+    from leangrpo.tools.evaluate import run_eval
 
     result, path = run_eval(str(out), data=str(gsm8k_dir), limit=2, max_new_tokens=4)
     assert path == out / "eval" / "eval-test.json"
@@ -226,7 +226,7 @@ def test_report_renders_plots_in_headless_chromium(tmp_path):
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
-    from leangrpo.report import write_report
+    from leangrpo.tools.report import write_report
 
     run = make_run(tmp_path / "run")
     page, _ = write_report(run)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from leangrpo.grpo import grpo_loss, micro_batch_means
+from leangrpo.core.grpo import grpo_loss, micro_batch_means
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
@@ -238,9 +238,9 @@ def test_trainer_step_matches_trl(tmp_path, tiny_model_dir, gsm8k_dir, monkeypat
     and 1e-6."""
     from trl.trainer.utils import nanstd
 
-    import leangrpo.grpo as grpo_mod
-    from leangrpo.config import validate_config
-    from leangrpo.trainer import Trainer
+    import leangrpo.core.grpo as grpo_mod
+    from leangrpo.run.resolve import validate_config
+    from leangrpo.train.trainer import Trainer
 
     calls, rewards = [], []
     real_loss, real_advantages = grpo_mod.grpo_loss, grpo_mod.group_advantages
@@ -302,7 +302,7 @@ def test_batch_statistics_span_every_process(tmp_path):
     from gloo_advantages import AGGREGATIONS, advantages_on_rank
     from trl.trainer.utils import nanstd
 
-    from leangrpo import grpo
+    from leangrpo.core import grpo
 
     g = torch.Generator().manual_seed(0)
     rewards = torch.rand(16, 2, generator=g)

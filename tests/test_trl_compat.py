@@ -14,8 +14,8 @@ import pytest
 import trl.rewards as trl_rewards
 import yaml
 
-from leangrpo.config import RewardSpec
-from leangrpo.rewards import (
+from leangrpo.config.schema import RewardSpec
+from leangrpo.data.rewards import (
     RewardContext,
     RewardError,
     TrainerState,
@@ -23,7 +23,7 @@ from leangrpo.rewards import (
     load_rewards,
     score_completions,
 )
-from leangrpo.tasks import Task
+from leangrpo.data.tasks import Task
 
 
 def chat(text: str) -> list[dict[str, str]]:
@@ -271,7 +271,7 @@ def write_yaml(tmp_path: Path, data: dict) -> Path:
 
 
 def test_flat_trl_yaml_is_ported_field_by_field(tmp_path):
-    from leangrpo.config import load_config
+    from leangrpo.run.resolve import load_config
 
     cfg = load_config(write_yaml(tmp_path, TRL_YAML))
     assert cfg.model.name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct" and cfg.model.dtype == "bfloat16"
@@ -312,8 +312,8 @@ def test_flat_trl_yaml_is_ported_field_by_field(tmp_path):
     ],
 )
 def test_flat_trl_yaml_refuses_what_leangrpo_cannot_honour_in_one_line(tmp_path, change, message):
-    from leangrpo.config import load_config
-    from leangrpo.errors import UserError
+    from leangrpo.core.errors import UserError
+    from leangrpo.run.resolve import load_config
 
     with pytest.raises(UserError, match=f"TRL fields leangrpo does not support: .*{message}") as info:
         load_config(write_yaml(tmp_path, {**TRL_YAML, **change}))
@@ -321,7 +321,8 @@ def test_flat_trl_yaml_refuses_what_leangrpo_cannot_honour_in_one_line(tmp_path,
 
 
 def test_nested_config_refuses_sampling_knobs_in_generation_kwargs():
-    from leangrpo.config import ConfigError, validate_config
+    from leangrpo.config.schema import ConfigError
+    from leangrpo.run.resolve import validate_config
 
     base = {"model": {"name_or_path": "m"}, "data": {"path": "d.jsonl"}}
     with pytest.raises(ConfigError, match="grpo.generation_kwargs: temperature, top_k: set the grpo fields"):
@@ -384,7 +385,7 @@ def test_sampling_knobs_and_generation_kwargs_shape_the_rollout(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from leangrpo.rollout import Sampling, generate
+    from leangrpo.engines.rollout import Sampling, generate
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -408,7 +409,7 @@ def test_sampling_knobs_and_generation_kwargs_shape_the_rollout(tiny_model_dir):
 
 
 def test_chat_template_kwargs_reach_the_template():
-    from leangrpo.data import render_prompt
+    from leangrpo.data.rows import render_prompt
 
     class Tok:
         chat_template = "x"
@@ -477,7 +478,7 @@ def test_gguf_export_loads_back_in_transformers_with_the_same_greedy_tokens(tmp_
 
 
 def test_launcher_process_count_is_read_from_accelerate_launch():
-    from leangrpo.distributed import launcher_processes
+    from leangrpo.train.distributed import launcher_processes
 
     launch = ["/venv/bin/python", "/venv/bin/accelerate", "launch"]
     assert launcher_processes([*launch, "--num_processes", "2", "--cpu", "-m", "leangrpo"]) == 2
@@ -517,8 +518,8 @@ def test_accelerate_launch_cpu_that_forms_one_process_says_so(tmp_path, tiny_mod
 def test_evaluation_passes_completion_ids_to_trl_rewards(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from leangrpo.evaluate import evaluate
-    from leangrpo.tasks.dataset import TASK
+    from leangrpo.data.tasks.dataset import TASK
+    from leangrpo.tools.evaluate import evaluate
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-from leangrpo import grpo
-from leangrpo.config import validate_config
-from leangrpo.rewards import RewardScores
-from leangrpo.rollout import RolloutBatch
-from leangrpo.trainer import Trainer
+from leangrpo.core import grpo
+from leangrpo.data.rewards import RewardScores
+from leangrpo.engines.rollout import RolloutBatch
+from leangrpo.run.resolve import validate_config
+from leangrpo.train.trainer import Trainer
 
 
 def test_rollouts_cat_and_select_pad_and_pick_rows():
@@ -183,7 +183,7 @@ def test_dynamic_sampling_stops_after_max_resample_rounds(tmp_path, tiny_model_d
 def test_dapo_recipe_example_trains_from_the_cli(tmp_path, tiny_model_dir, gsm8k_dir):
     from test_e2e import read_metrics, run_cli
 
-    from leangrpo.config import load_config
+    from leangrpo.run.resolve import load_config
 
     example = load_config("configs/dapo_gsm8k.yaml")  # the shipped example validates
     g = example.grpo

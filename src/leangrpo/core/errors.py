@@ -1,0 +1,26 @@
+"""The base of every user-facing error: the CLI prints its one-line message and exits non-zero."""
+
+
+class UserError(Exception):
+    """Bad input (config, data, model path, reward function...), reported as one line."""
+
+
+class DeviceOptionError(UserError, RuntimeError):
+    """A memory option was asked for on a machine that cannot provide it."""
+
+
+def os_reason(e: OSError) -> str:
+    """The OS's words for a failed file operation, with its errno: `No space left on device (errno 28)`."""
+    return f"{e.strerror or e} (errno {e.errno})" if e.errno else str(e)
+
+
+def error_reason(e: BaseException) -> str:
+    """Why a read or write failed, in one line: the OSError in the exception's chain (torch.save wraps it
+    in a RuntimeError, `unexpected pos ...`), else the error's own first line (safetensors puts the OS's
+    words in its message)."""
+    cause: BaseException | None = e
+    while cause is not None:
+        if isinstance(cause, OSError):
+            return os_reason(cause)
+        cause = cause.__cause__ or cause.__context__
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"

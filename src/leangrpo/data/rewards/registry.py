@@ -1,0 +1,120 @@
+"""Reward lookup by name: built-ins by short name, user functions by ``package.module:function`` (a
+factory when given ``kwargs``), and reward models by hub id or local directory."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from leangrpo.data.rewards.builtin import (
+    RewardError,
+    RewardFunc,
+    correctness_reward,
+    int_reward,
+    math_verify_reward,
+    soft_format_reward,
+    soft_overlong_punishment,
+    strict_format_reward,
+    xmlcount_reward,
+)
+
+if TYPE_CHECKING:
+    from leangrpo.config.schema import RewardSpec
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class RewardSource(Protocol):
+    """What offers rewards of its own by name (a task)."""
+
+    def rewards(self) -> dict[str, RewardFunc]: ...
+
+
+BUILTIN_REWARDS: dict[str, RewardFunc] = {
+    "xmlcount": xmlcount_reward,
+    "soft_format": soft_format_reward,
+    "strict_format": strict_format_reward,
+    "int": int_reward,
+    "correctness": correctness_reward,
+    "math_verify": math_verify_reward,
+}
+# Built-in factories: configured by the spec's `kwargs`, which they require.
+BUILTIN_FACTORIES: dict[str, Callable[..., RewardFunc]] = {
+    "soft_overlong_punishment": soft_overlong_punishment,
+}
+
+
+def load_reward(
+    name: str, task_rewards: dict[str, RewardFunc] | None = None, kwargs: dict[str, Any] | None = None
+) -> RewardFunc:
+    """Resolve a reward by name: one of the task's own, a built-in (``correctness`` or
+    ``correctness_reward``), an import path ``package.module:function``, or a reward model (a local
+    directory or an ``owner/name`` hub id). With ``kwargs`` the named object is a factory, called with
+    them (TRL's ``get_soft_overlong_punishment``); for a reward model they go to ``from_pretrained``."""
+    name = name.strip()
+    if ":" in name:
+        func = _import_reward(name)
+    elif Path(name).expanduser().is_dir() or _HUB_ID.match(name):
+        from leangrpo.data.rewards.model import RewardModel
+
+        return RewardModel(
+            str(Path(name).expanduser()) if Path(name).expanduser().is_dir() else name, **(kwargs or {})
+        )
+    elif name in BUILTIN_FACTORIES:
+        if kwargs is None:
+            raise RewardError(
+                f"reward {name!r} needs kwargs, e.g. {{max_completion_len: 512, soft_punish_cache: 128}}"
+            )
+        return _from_factory(name, BUILTIN_FACTORIES[name], kwargs)
+    else:
+        known = {**BUILTIN_REWARDS, **(task_rewards or {})}
+        if name.removesuffix("_reward") not in known:
+            names = ", ".join(sorted({**known, **BUILTIN_FACTORIES}))
+            raise RewardError(
+                f"unknown reward {name!r}; known rewards are {names} "
+                "(or give a user function as 'package.module:function', or a reward model's path or hub id)"
+            )
+        func = known[name.removesuffix("_reward")]
+    return func if kwargs is None else _from_factory(name, func, kwargs)
+
+
+def _from_factory(name: str, factory: Callable[..., Any], kwargs: dict[str, Any]) -> RewardFunc:
+    """The reward function a factory makes from ``kwargs``; a failing call is a one-line RewardError."""
+    try:
+        func = factory(**kwargs)
+    except Exception as exc:
+        raise RewardError(
+            f"reward {name!r} called with kwargs {kwargs}: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not callable(func):
+        raise RewardError(
+            f"reward {name!r} called with kwargs returned a {type(func).__name__}, not a reward function"
+        )
+    return func
+
+
+def load_rewards(specs: list[RewardSpec], task: RewardSource) -> list[tuple[str, RewardFunc, float]]:
+    """The configured rewards as (name, function, weight)."""
+    return [(s.name, load_reward(s.name, task.rewards(), s.kwargs), s.weight) for s in specs]
+
+
+def _import_reward(path: str) -> RewardFunc:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr or ":" in attr:
+        raise RewardError(f"invalid reward import path {path!r}; expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise RewardError(
+            f"cannot import module {module_name!r} for reward {path!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    try:
+        func = getattr(module, attr)
+    except AttributeError as exc:
+        raise RewardError(f"module {module_name!r} has no attribute {attr!r} (reward {path!r})") from exc
+    if not callable(func):
+        raise RewardError(f"reward {path!r} is not callable (it is a {type(func).__name__})")
+    return func

@@ -1,0 +1,309 @@
+"""Score a batch of completions with several reward functions, isolating misbehaving ones.
+
+Each function is called as TRL 1.16 calls it: ``prompts``, ``completions``, ``completion_ids``, every
+column under its own name, ``trainer_state``, ``log_extra`` and ``log_metric``. Async functions are
+awaited, all of a batch's concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import math
+import numbers
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from leangrpo.data.rewards.builtin import RewardError, RewardFunc, completion_text
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+SNIPPET_CHARS = 200
+
+
+@dataclass
+class RewardScores:
+    """Rewards for N completions from F functions."""
+
+    per_func: torch.Tensor  # float32 [N, F]; NaN where a function returned None (not applicable)
+    total: torch.Tensor  # float32 [N]; weighted nansum over functions; NaN where failed or unscorable
+    failed: torch.Tensor  # bool [N]; some function raised or returned garbage (on_error="missing")
+    names: list[str]
+    metrics: dict[str, float] = field(default_factory=dict)  # log_metric values, each name's mean
+    extra: dict[str, list] = field(default_factory=dict)  # log_extra columns, one value per completion
+
+    def select(self, rows: torch.Tensor) -> RewardScores:
+        """The scores of the completions at `rows` [K], in that order (the rewards' metrics unchanged)."""
+        extra = {column: [values[i] for i in rows.tolist()] for column, values in self.extra.items()}
+        return RewardScores(
+            self.per_func[rows], self.total[rows], self.failed[rows], self.names, self.metrics, extra
+        )
+
+    @staticmethod
+    def cat(scores: list[RewardScores]) -> RewardScores:
+        """Scores of several batches one after another; each log_metric value is the mean over batches."""
+        import torch
+
+        names = {name for s in scores for name in s.metrics}
+        columns = {column for s in scores for column in s.extra}
+        return RewardScores(
+            torch.cat([s.per_func for s in scores]),
+            torch.cat([s.total for s in scores]),
+            torch.cat([s.failed for s in scores]),
+            scores[0].names,
+            {
+                n: sum(s.metrics[n] for s in scores if n in s.metrics) / sum(n in s.metrics for s in scores)
+                for n in names
+            },
+            {c: [v for s in scores for v in s.extra.get(c, [None] * len(s.total))] for c in columns},
+        )
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """The part of transformers' ``TrainerState`` that TRL rewards read (e.g. for a schedule)."""
+
+    global_step: int  # optimizer steps done so far
+    max_steps: int  # optimizer steps in the whole run
+    epoch: float  # passes over the training rows so far
+
+
+@dataclass
+class RewardContext:
+    """What a reward receives beside prompts, completions and columns, and what it logs back."""
+
+    completion_ids: list[list[int]] | None = None  # each completion's tokens, without padding
+    trainer_state: TrainerState | None = None
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    extra: dict[str, list] = field(default_factory=dict)
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's ``log_metric``: a scalar logged with the step's metrics (the mean of its calls)."""
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        """TRL's ``log_extra``: a column beside the logged completions (the batch call's values)."""
+        self.extra.setdefault(column, list(values))
+
+    def kwargs(self, indices: list[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "trainer_state": self.trainer_state,
+            "log_extra": self.log_extra,
+            "log_metric": self.log_metric,
+        }
+        if self.completion_ids is not None:
+            out["completion_ids"] = [self.completion_ids[i] for i in indices]
+        return out
+
+
+@dataclass
+class _Failure:
+    """What went wrong in one call of a reward function."""
+
+    problem: str
+    index: int | None = None  # the offending completion, when the call's output tells
+    cause: BaseException | None = None  # what the function raised, if it raised
+
+
+def score_completions(
+    funcs: list[tuple[str, RewardFunc, float]],
+    prompts: list,
+    completions: list,
+    columns: dict[str, list],
+    on_error: Literal["raise", "missing"],
+    context: RewardContext | None = None,
+    timeout_s: float | None = None,
+) -> RewardScores:
+    """Call each ``(name, func, weight)`` once on the batch, TRL-style, and combine the scores.
+
+    None (not applicable) becomes NaN and is skipped by the weighted nansum, as in TRL; a completion
+    every function declined is unscorable, total NaN (as in TRL: no baseline, advantage 0). A function
+    that raises, or returns anything but one finite number or None per completion, is handled per
+    ``on_error``: "raise" raises a one-line RewardError naming the function and, when it can be found, the
+    completion; "missing" re-runs it on each completion alone, marks those that still fail as
+    failed (total NaN) and keeps the individual scores of the rest.
+    A call that takes longer than ``timeout_s`` is a failure of the whole batch (no
+    per-completion retry: each would wait as long again).
+    """
+    import torch  # lazy: importing leangrpo.data.rewards must not pull in torch
+
+    n = len(completions)
+    context = context or RewardContext()
+    if len(prompts) != n or any(len(values) != n for values in columns.values()):
+        raise RewardError(f"prompts and every column must have one entry per completion ({n})")
+    per_func = torch.full((n, len(funcs)), math.nan, dtype=torch.float32)
+    failed = torch.zeros(n, dtype=torch.bool)
+    batch = _Batch(prompts, completions, columns, context, timeout_s)
+    everyone = list(range(n))
+    outputs = _resolve([batch.invoke(func, everyone) for _, func, _ in funcs])
+    for f, ((name, func, _), output) in enumerate(zip(funcs, outputs, strict=True)):
+        values = _score_function(name, func, batch, _checked(output, everyone), on_error, failed)
+        per_func[:, f] = torch.tensor(values, dtype=torch.float32)
+    weights = torch.tensor([weight for _, _, weight in funcs], dtype=torch.float32)
+    total = torch.nansum(per_func * weights, dim=1)
+    total[failed | per_func.isnan().all(dim=1)] = math.nan
+    metrics = {name: sum(values) / len(values) for name, values in context.metrics.items()}
+    return RewardScores(per_func, total, failed, [name for name, _, _ in funcs], metrics, context.extra)
+
+
+@dataclass
+class _Batch:
+    prompts: list
+    completions: list
+    columns: dict[str, list]
+    context: RewardContext
+    timeout_s: float | None = None
+
+    def invoke(self, func: RewardFunc, indices: list[int]) -> Any:
+        """``func`` on the completions at ``indices``: what it returned (maybe a coroutine), or raised
+        (or, past ``timeout_s``, a _Timeout)."""
+        call = functools.partial(
+            func,
+            prompts=[self.prompts[i] for i in indices],
+            completions=[self.completions[i] for i in indices],
+            **{key: [column[i] for i in indices] for key, column in self.columns.items()},
+            **self.context.kwargs(indices),
+        )
+        if self.timeout_s is not None:
+            return _bounded(call, self.timeout_s)
+        try:
+            return call()
+        except (Exception, SystemExit) as exc:  # a reward calling sys.exit must not end the run unnamed
+            return exc
+
+    def call(self, func: RewardFunc, indices: list[int]) -> list[float] | _Failure:
+        return _checked(_resolve([self.invoke(func, indices)])[0], indices)
+
+
+class _Timeout(Exception):
+    """A reward call that did not return within rewards.timeout_s."""
+
+
+def _bounded(call: Callable[[], Any], timeout_s: float) -> Any:
+    """``call()`` (awaited, if it returns an awaitable) in a daemon thread, given ``timeout_s`` seconds: what
+    it returned or raised, or a _Timeout. A stuck call is left running: Python cannot stop a thread."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            out = call()
+            box.append(asyncio.run(_awaited(out)) if inspect.isawaitable(out) else out)
+        except (Exception, SystemExit) as exc:
+            box.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True, name="leangrpo-reward")
+    thread.start()
+    thread.join(timeout_s)
+    return box[0] if box else _Timeout(f"did not return within rewards.timeout_s={timeout_s:g}s")
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _resolve(outputs: list[Any]) -> list[Any]:
+    """The outputs with every awaitable awaited, concurrently, on an event loop of their own (a thread,
+    so that it works under a caller's running loop too); what one raised takes its place."""
+    pending = [i for i, output in enumerate(outputs) if inspect.isawaitable(output)]
+    if not pending:
+        return outputs
+
+    async def gather() -> list[Any]:
+        return await asyncio.gather(*(outputs[i] for i in pending), return_exceptions=True)
+
+    with ThreadPoolExecutor(1) as pool:
+        results = pool.submit(asyncio.run, gather()).result()
+    resolved = list(outputs)
+    for i, result in zip(pending, results, strict=True):
+        resolved[i] = result
+    return resolved
+
+
+def _score_function(
+    name: str,
+    func: RewardFunc,
+    batch: _Batch,
+    first: list[float] | _Failure,
+    on_error: Literal["raise", "missing"],
+    failed: torch.Tensor,
+) -> list[float]:
+    """One column of ``per_func`` from the batch call's result ``first``; sets ``failed`` for the
+    completions it could not score."""
+    if not isinstance(first, _Failure):
+        return first
+    completions = batch.completions
+    if on_error == "raise" and first.cause is None:  # bad output: the batch call says it all
+        raise RewardError(_message(name, first.problem, completions, first.index))
+    if isinstance(first.cause, _Timeout):  # a retry on each completion would wait as long again, each
+        message = _message(name, first.problem, completions, None)
+        if on_error == "raise":
+            raise RewardError(message)
+        logger.warning("%s; scoring the batch's completions as failed", message)
+        failed[:] = True
+        return [math.nan] * len(completions)
+    # Call it on each completion alone to find the one(s) it fails on.
+    values: list[float] = []
+    for i in range(len(completions)):
+        single = batch.call(func, [i])
+        if isinstance(single, _Failure):
+            message = _message(name, single.problem, completions, i)
+            if on_error == "raise":
+                raise RewardError(message) from single.cause
+            logger.warning("%s; scoring that completion as failed", message)
+            failed[i] = True
+            single = [math.nan]
+        values += single
+    if on_error == "raise":  # it failed on the batch although it passed on each completion
+        raise RewardError(_message(name, first.problem, completions, None)) from first.cause
+    return values
+
+
+def _checked(values: Any, indices: list[int]) -> list[float] | _Failure:
+    """A call's output as scores (NaN for None), or why it is not one finite number or None each."""
+    if isinstance(values, _Timeout):
+        return _Failure(str(values), cause=values)
+    if isinstance(values, BaseException):
+        return _Failure(f"raised {type(values).__name__}: {values}".replace("\n", "\\n"), cause=values)
+    if hasattr(values, "tolist"):  # a tensor or an array
+        values = values.tolist()
+    try:
+        values = list(values)
+    except TypeError:
+        return _Failure(f"returned a {type(values).__name__}, not a list")
+    if len(values) != len(indices):
+        return _Failure(f"returned {len(values)} values for {len(indices)} completions")
+    checked = []
+    for i, value in zip(indices, values, strict=True):
+        if value is None:
+            checked.append(math.nan)
+        elif not isinstance(value, numbers.Real):
+            return _Failure(f"returned a non-number {value!r:.50}", index=i)
+        elif not math.isfinite(number := _as_float(value)):
+            return _Failure(f"returned {value!s:.50}", index=i)
+        else:
+            checked.append(number)
+    return checked
+
+
+def _as_float(value: numbers.Real) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int like 10**400
+        return math.inf
+
+
+def _message(name: str, problem: str, completions: list, index: int | None) -> str:
+    """One line naming the function, its problem and (if known) the completion, abridged."""
+    message = f"reward function {name!r} {problem}"
+    if index is None:
+        return message
+    snippet = completion_text(completions[index])[:SNIPPET_CHARS]
+    return f"{message} on completion #{index}: {snippet!r}"

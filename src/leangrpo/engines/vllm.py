@@ -1,0 +1,227 @@
+"""Rollouts through vLLM, colocated in the training process (TRL's `vllm_mode="colocate"`).
+
+One `vllm.LLM` is created once per run. It samples with the same settings, prompt tokens and EOS rule
+as the HF path, returns its own sampling log-probs (for the importance-sampling correction in
+grpo.py), and receives the policy's weights after every update: full fine-tuning streams each
+parameter into vLLM's copy, LoRA streams each adapted Linear with its adapter merged in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from leangrpo.core.errors import UserError
+from leangrpo.engines.rollout import RolloutBatch, Sampling, encode_prompts, finish_batch
+from leangrpo.models.load import is_peft, linear_weight, resolve_model_path
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from leangrpo.config.schema import Config
+
+INSTALL = 'pip install "leangrpo[vllm]"'
+
+
+class VLLMError(UserError, RuntimeError):
+    """vLLM is missing, cannot load the model, or cannot run as configured."""
+
+
+def import_vllm() -> Any:
+    """The vllm module, set up to run inside this process; a one-line error when it is not installed."""
+    # In-process engine core: without this vLLM starts a worker process and cannot see our weights.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+    except ImportError as e:
+        raise VLLMError(
+            f"grpo.use_vllm needs vLLM, which cannot be imported ({e}); install it with: {INSTALL} "
+            "(on a CPU: scripts/setup-vllm.sh, see docs/vllm.md)"
+        ) from None
+    return vllm
+
+
+def check_vllm(cfg: Config, num_processes: int) -> None:
+    """Everything about `use_vllm` that can fail, checked before the model loads."""
+    if not cfg.grpo.use_vllm:
+        return
+    import_vllm()
+    if num_processes > 1:
+        raise VLLMError(f"grpo.use_vllm: one training process only for now (this run has {num_processes})")
+    if cfg.grpo.vllm_enable_sleep_mode and not torch.cuda.is_available():
+        raise VLLMError("grpo.vllm_enable_sleep_mode needs CUDA (vLLM sleeps only on GPUs); set it to false")
+
+
+class VLLMEngine:
+    """A RolloutEngine on one colocated `vllm.LLM`."""
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: PreTrainedTokenizerBase,
+        eos: list[int],
+        *,
+        max_model_len: int,
+        dtype: str = "float32",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.3,
+        sleep_mode: bool = False,
+        trust_remote_code: bool = False,
+    ):
+        """`path`: a model directory (or hub id) for vLLM to load; `sync_weights` replaces its weights."""
+        vllm = import_vllm()
+        self.tokenizer, self.eos, self.sleep_mode = tokenizer, eos, sleep_mode
+        try:
+            self.llm = vllm.LLM(
+                model=path,
+                dtype=dtype,
+                seed=seed,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_sleep_mode=sleep_mode,
+                trust_remote_code=trust_remote_code,
+                # the log-probs of the distribution actually sampled (after temperature), as the trainer's
+                logprobs_mode="processed_logprobs",
+                generation_config="vllm",  # our sampling settings only, not the model's defaults
+                enforce_eager=not torch.cuda.is_available(),  # CUDA graphs pay off on GPUs only
+            )
+        except Exception as e:  # vLLM raises many types for a model it cannot run
+            raise VLLMError(f"vLLM could not load {path}: {_last_line(e)}") from e
+        self.weights_asleep = False
+        # Each reload warns about the layers it is not sent (rotary tables, a tied lm_head): expected here.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+
+    @classmethod
+    def from_config(cls, cfg: Config, tokenizer: PreTrainedTokenizerBase, eos: list[int]) -> VLLMEngine:
+        """The training run's engine: its model, dtype, seed, context window (long enough for the
+        evaluation during training too) and vLLM settings."""
+        g, ev = cfg.grpo, cfg.eval
+        eval_length = g.max_prompt_length + (ev.max_new_tokens or 0) if ev.enabled else 0
+        return cls(
+            resolve_model_path(cfg.model.name_or_path), tokenizer, eos,
+            max_model_len=max(g.max_model_length, eval_length),
+            dtype=cfg.model.dtype, seed=cfg.seed, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+            sleep_mode=g.vllm_enable_sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
+        )  # fmt: skip
+
+    def generate(self, prompt_texts: list[str], sampling: Sampling) -> RolloutBatch:
+        """`sampling.num_generations` completions per prompt, as `rollout.generate` draws them, with vLLM's
+        log-prob of each sampled token. Each completion is its own request seeded from torch's RNG, so
+        that a resumed run (which restores that RNG) draws the same samples."""
+        from vllm import SamplingParams
+
+        prompt_ids, prompt_mask = encode_prompts(
+            self.tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
+        )
+        seeds = torch.randint(2**31 - 1, (len(prompt_ids),)).tolist()
+        sample, length = sampling.do_sample, sampling.max_completion_length
+        common = dict(
+            temperature=sampling.temperature if sample else 0.0,
+            top_p=sampling.top_p if sample else 1.0,
+            top_k=sampling.top_k if sample else 0,
+            min_p=(sampling.min_p or 0.0) if sample else 0.0,
+            repetition_penalty=sampling.repetition_penalty,
+            max_tokens=length,
+            min_tokens=length if sampling.ignore_eos else 0,
+            ignore_eos=sampling.ignore_eos,
+            stop_token_ids=self.eos,
+            logprobs=0,  # the sampled token's own log-prob
+            detokenize=False,
+            **(sampling.generation_kwargs or {}),  # further SamplingParams fields, as TRL passes them to vLLM
+        )
+        rows = zip(prompt_ids, prompt_mask.bool(), strict=True)
+        requests = [{"prompt_token_ids": ids[mask].tolist()} for ids, mask in rows]
+        params = [SamplingParams(seed=seed, **common) for seed in seeds]
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["kv_cache"])
+        with _failure("generating"):
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if self.sleep_mode:  # level 2 also drops the weights: the update then has the GPU to itself
+            self.llm.sleep(level=2)
+            self.weights_asleep = True
+        completions = [out.outputs[0] for out in outputs]
+        width = max(len(c.token_ids) for c in completions)
+        completion_ids = torch.full((len(completions), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(len(completions), width)
+        for row, c in enumerate(completions):
+            completion_ids[row, : len(c.token_ids)] = torch.tensor(c.token_ids)
+            logprobs[row, : len(c.token_ids)] = torch.tensor(
+                [step[token].logprob for step, token in zip(c.logprobs, c.token_ids, strict=True)]
+            )
+        return finish_batch(
+            self.tokenizer, prompt_ids, prompt_mask, completion_ids, self.eos, sampling, logprobs
+        )
+
+    def sync_weights(self, model: PreTrainedModel) -> None:
+        """Load `model`'s current weights into vLLM's copy, one tensor at a time, and drop its prefix cache
+        (cached prompt states were computed with the old weights).
+
+        vLLM's in-place reload takes checkpoint-format tensors and redoes its own per-layer processing
+        (the CPU backend, for one, repacks each Linear for oneDNN), so every weight is sent, LoRA ones
+        merged: a layer sent in part would be rebuilt with the rest uninitialised."""
+        if self.weights_asleep:
+            self.llm.wake_up(tags=["weights"])
+            self.weights_asleep = False
+        with torch.no_grad(), _failure("loading the updated weights"):
+            weights = applied_weights(model)
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+            )
+            self.llm.apply_model(_repack_tied_head)
+        self.llm.reset_prefix_cache()
+
+
+@contextmanager
+def _failure(doing: str) -> Iterator[None]:
+    """Any error inside vLLM becomes one VLLMError line (the trainer then checkpoints and stops)."""
+    try:
+        yield
+    except VLLMError:
+        raise
+    except Exception as e:
+        raise VLLMError(f"vLLM failed while {doing}: {_last_line(e)}") from e
+
+
+def _last_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[-1]}" if text else type(e).__name__
+
+
+def _repack_tied_head(vllm_model: torch.nn.Module) -> None:
+    """A tied lm_head is skipped by vLLM's loader, yet its CPU backend keeps its own packed copy of the
+    embedding for the output matmul: rebuild that copy from the reloaded embedding (a no-op on GPUs)."""
+    head = getattr(vllm_model, "lm_head", None)
+    embed = getattr(getattr(vllm_model, "model", None), "embed_tokens", None)
+    if head is not None and embed is not None and head.weight.data_ptr() == embed.weight.data_ptr():
+        head.quant_method.process_weights_after_loading(head)
+
+
+def applied_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor) of every weight the model applies, under the base checkpoint's names; a peft
+    model's LoRA Linears with their adapter merged in. A merged weight exists only while vLLM copies it,
+    so the extra memory is one layer's weight, never a second model."""
+    if not is_peft(model):
+        for name, param in model.named_parameters():
+            yield name, param.detach()
+        return
+    merged: set[str] = set()  # LoRA layers, whose own parameters (base_layer, lora_A/B) are not sent
+    for name, module in model.get_base_model().named_modules():
+        if any(name.startswith(m + ".") for m in merged):
+            continue
+        if hasattr(module, "lora_A"):
+            weight = linear_weight(module)
+            if weight is None:
+                raise VLLMError(f"grpo.use_vllm: cannot merge the adapter of {name} (DoRA or not a Linear)")
+            merged.add(name)
+            yield f"{name}.weight", weight.detach()
+            if module.base_layer.bias is not None:
+                yield f"{name}.bias", module.base_layer.bias.detach()
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            yield f"{name}.{pname}" if name else pname, param.detach()

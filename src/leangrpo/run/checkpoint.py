@@ -1,0 +1,399 @@
+"""The run directory and its crash-safe checkpoints: atomic save, rotation, finding the last complete
+checkpoint, and the state a resume restores.
+
+A checkpoint is written into `.checkpoint-N.tmp/`, every file and the directory are fsynced, and only then
+is it renamed to `checkpoint-N/`; `trainer_state.json` inside lists every file with its size. A crash at
+any point leaves either the complete new checkpoint or none, and the previous ones untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import yaml
+
+from leangrpo.core.errors import UserError, error_reason
+from leangrpo.run.rundir import is_run_dir
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+    from leangrpo.config.schema import Config
+
+log = logging.getLogger(__name__)
+STATE_FILE = "trainer_state.json"
+SHA_FILE = "leangrpo_sha256.json"  # in the final model/: every file's sha256
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_PARTIAL = re.compile(r"^\.(checkpoint-\d+|model)\.(tmp|old)$")
+# Keys that may differ on resume: they change neither the weights nor the order of data and samples.
+RESUMABLE_KEYS = (
+    "optim.max_steps",
+    "optim.max_nonfinite_steps",
+    "output_dir",
+    "logging.",
+    "rewards.on_error",
+)
+# Test hook: seconds to sleep inside a save, after the weights are written and before the rename,
+# so that a test can kill the process in the middle of a checkpoint write.
+SAVE_DELAY_ENV = "LEANGRPO_TEST_SAVE_DELAY"
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint cannot be written, found or resumed from."""
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def checkpoint_dirs(run_dir: Path, complete: bool = True) -> list[Path]:
+    """The `checkpoint-N` directories of a run, oldest first; only the complete ones by default."""
+    found = []
+    for path in run_dir.glob("checkpoint-*"):
+        match = _CHECKPOINT.match(path.name)
+        if match and path.is_dir() and (not complete or is_complete(path)):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def is_complete(ckpt: Path) -> bool:
+    """True when the checkpoint's state file is readable and every file it lists has its recorded size."""
+    try:
+        files = json.loads((ckpt / STATE_FILE).read_text())["files"]
+        return all((ckpt / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def last_checkpoint(run_dir: Path) -> Path | None:
+    found = checkpoint_dirs(run_dir)
+    return found[-1] if found else None
+
+
+def sha256(path: Path) -> str:
+    import hashlib
+
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def file_hashes(directory: Path) -> dict[str, str]:
+    """The sha256 of every file under `directory`, by relative path: recorded when a save is written
+    (before its rename), verified before its files are used."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != SHA_FILE)
+    return {str(p.relative_to(directory)): sha256(p) for p in files}
+
+
+def corruption(saved: Path) -> str | None:
+    """What is wrong with a checkpoint or final model: a file missing or whose sha256 differs from the one
+    recorded when it was saved (None: intact, or saved before leangrpo recorded hashes)."""
+    if (saved / STATE_FILE).is_file():
+        recorded = read_state(saved).get("sha256", {})
+    else:
+        recorded = json.loads((saved / SHA_FILE).read_text()) if (saved / SHA_FILE).is_file() else {}
+    for name, digest in recorded.items():
+        if not (saved / name).is_file():
+            return f"{saved / name} is missing"
+        if sha256(saved / name) != digest:
+            return f"{saved / name} is corrupt (its sha256 differs from the one recorded when it was saved)"
+    return None
+
+
+def last_good_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint whose files verify; each corrupt one is named in a warning."""
+    for ckpt in reversed(checkpoint_dirs(run_dir)):
+        problem = corruption(ckpt)
+        if problem is None:
+            return ckpt
+        log.warning("%s; using the checkpoint before it", problem)
+    return None
+
+
+def remove_partial(run_dir: Path) -> None:
+    """Remove what an interrupted save left behind (`.checkpoint-N.tmp`, `.model.old`...)."""
+    for path in run_dir.glob(".*"):
+        if _PARTIAL.match(path.name):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def read_state(ckpt: Path) -> dict[str, Any]:
+    return json.loads((ckpt / STATE_FILE).read_text())
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    model: PreTrainedModel | None,
+    tokenizer: Any,
+    optimizer_state: dict[str, Any],
+    scheduler: Any,
+    cfg: Config,
+    state: dict[str, Any],
+    rank: int,
+    barrier: Callable[[], None],
+) -> Path:
+    """Write `checkpoint-{step}` atomically; every rank calls this (each saves its RNG state).
+
+    `model` (the whole causal LM, needed on rank 0 only) and `optimizer_state` come from the trainer's
+    `distributed` strategy, which gathers them when sharded. The checkpoint holds the trainable weights
+    (`save_pretrained`: the adapter only for peft models), the tokenizer,
+    the optimizer and scheduler states, every rank's RNG states, the resolved config and `state` (step
+    counters). Older checkpoints beyond `logging.save_total_limit` are deleted after the new one is
+    complete. A failed write (disk full...) removes the partial files and raises a CheckpointError.
+    """
+    from leangrpo.run.resolve import save_config
+
+    target = run_dir / f"checkpoint-{step}"
+    tmp = run_dir / f".{target.name}.tmp"
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        barrier()
+        _torch_save(rng_state(), tmp / f"rng_state_{rank}.pt")
+        barrier()
+        if rank == 0:
+            assert model is not None, "rank 0 saves the model"
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            _torch_save(optimizer_state, tmp / "optimizer.pt")
+            _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
+            save_config(cfg, tmp / "config.yaml")
+            time.sleep(float(os.environ.get(SAVE_DELAY_ENV, 0)))
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in tmp.rglob("*") if p.is_file()}
+            info = {**state, "step": step, "files": files, "sha256": file_hashes(tmp)}
+            (tmp / STATE_FILE).write_text(json.dumps(info, indent=1))
+            _commit(tmp, target)
+    except Exception as e:  # noqa: BLE001 - torch and safetensors report a full disk as their own errors
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot save {target}: {error_reason(e)}; {what_holds(run_dir)}") from None
+    if rank == 0:
+        rotate(run_dir, cfg.logging.save_total_limit)
+    barrier()
+    return target
+
+
+def what_holds(run_dir: Path) -> str:
+    """After a failure: the last complete checkpoint, which a resume continues from, or that there is none."""
+    previous = last_checkpoint(run_dir)
+    if previous is None:
+        return "no complete checkpoint was written"
+    return f"the last complete checkpoint, {previous}, is intact (leangrpo train --resume {run_dir})"
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    """torch.save through a Python file, so that a failed write keeps its OSError (errno) in the chain."""
+    import torch
+
+    with path.open("wb") as f:
+        torch.save(obj, f)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(tmp: Path, target: Path) -> None:
+    """fsync every file and directory under `tmp`, then rename it to `target` (replacing it) durably."""
+    for path in sorted(tmp.rglob("*"), reverse=True):
+        _fsync(path)
+    _fsync(tmp)
+    old = target.with_name(f".{target.name}.old")
+    if target.exists():
+        target.rename(old)
+    tmp.rename(target)
+    _fsync(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_final_model(model: PreTrainedModel, tokenizer: Any, out_dir: Path) -> None:
+    """The final model (merged, plus `adapter/` for LoRA: see `models.save_model`), written atomically."""
+    from leangrpo.models.load import save_model
+
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model(model, tokenizer, tmp, merge=True)
+        (tmp / SHA_FILE).write_text(json.dumps(file_hashes(tmp), indent=1))
+        _commit(tmp, out_dir)
+    except Exception as e:  # noqa: BLE001 - as in save_checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        holds = what_holds(out_dir.parent)
+        raise CheckpointError(
+            f"cannot save the final model to {out_dir}: {error_reason(e)}; {holds}"
+        ) from None
+
+
+def rotate(run_dir: Path, keep: int | None) -> None:
+    """Delete the oldest complete checkpoints beyond `keep` (None keeps all)."""
+    if keep is None:
+        return
+    found = checkpoint_dirs(run_dir)
+    for old in found[: max(len(found) - keep, 0)]:
+        shutil.rmtree(old)
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator a step draws from: python, numpy, torch (and CUDA when present)."""
+    import numpy as np
+    import torch
+
+    # legacy=True (the default) gives MT19937's tuple (numpy's stubs also allow legacy=False's dict); it is
+    # saved as plain types, so it loads with weights_only
+    legacy = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
+    kind, keys, pos, has_gauss, cached = legacy
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_rank_state(ckpt: Path, rank: int) -> dict[str, Any]:
+    """What one rank restores: optimizer, scheduler and its own RNG states (weights: `load_trainable`).
+    Read with `weights_only=True`: tensors and plain values only, so a crafted file cannot run code."""
+    names = {"optimizer": "optimizer.pt", "scheduler": "scheduler.pt", "rng": f"rng_state_{rank}.pt"}
+    return {key: _torch_load(ckpt / name) for key, name in names.items()}
+
+
+def _torch_load(path: Path) -> Any:
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - garbage, truncated or crafted files raise many kinds
+        raise CheckpointError(f"cannot read {path}: {error_reason(e)}") from None
+
+
+def load_trainable(model: torch.nn.Module, ckpt: Path) -> None:
+    """Load a checkpoint's trainable weights into `model` (the adapter into a peft model)."""
+    from safetensors.torch import load_file
+
+    from leangrpo.models.load import is_peft
+
+    if is_peft(model):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(ckpt / "adapter_model.safetensors"))
+        # peft annotates the result as `namedtuple`; it is torch's load_state_dict result
+        problems = list(result.unexpected_keys)  # type: ignore[attr-defined]
+    else:
+        state: dict[str, Any] = {}
+        for path in sorted(ckpt.glob("*.safetensors")):
+            state.update(load_file(path))
+        result = model.load_state_dict(state, strict=False)
+        params = dict(model.named_parameters())  # tied weights appear once, under the name that was saved
+        problems = list(result.unexpected_keys) + [k for k in result.missing_keys if k in params]
+    if problems:
+        raise CheckpointError(f"{ckpt} does not match the model: {', '.join(problems[:3])}")
+
+
+def resume_config(config_path: str | None, overrides: list[str], resume: str) -> Config:
+    """The config of a resumed run. `--resume RUN_DIR`: the run's own config.yaml (or `-c`), with the
+    overrides on top and output_dir set to RUN_DIR. `--resume latest`: the run in the output_dir of `-c`."""
+    from leangrpo.config.schema import ConfigError
+    from leangrpo.run.resolve import load_config
+
+    if resume == "latest":
+        if config_path is None:
+            raise ConfigError(
+                "--resume latest continues the output_dir of -c CONFIG; pass -c, or --resume RUN_DIR"
+            )
+        return load_config(config_path, overrides)
+    run_dir = Path(resume)
+    if config_path is None and not is_run_dir(run_dir):
+        raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
+    cfg = load_config(config_path or run_dir / "config.yaml", overrides)
+    granted = any(o.startswith("model.trust_remote_code=") for o in overrides)
+    if config_path is None and cfg.model.trust_remote_code and not granted:
+        raise CheckpointError(
+            f"--resume {run_dir}: its config.yaml sets model.trust_remote_code, which a run directory cannot "
+            "grant itself; pass model.trust_remote_code=true to let the model's own code run"
+        )
+    cfg.output_dir = str(run_dir)
+    return cfg
+
+
+def resume_checkpoint(run_dir: Path) -> Path:
+    """The last complete checkpoint of a run, or a CheckpointError."""
+    if not is_run_dir(run_dir):
+        raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
+    ckpt = last_good_checkpoint(run_dir)
+    if ckpt is None:
+        raise CheckpointError(
+            f"--resume {run_dir}: the run has no complete, intact checkpoint to resume from "
+            "(none was saved, or none verifies); start it again with --overwrite"
+        )
+    return ckpt
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_resumable(ckpt: Path, cfg: Config, world_size: int) -> None:
+    """Refuse to resume when the new config (or process count) would change the trajectory."""
+    old = _flatten(yaml.safe_load((ckpt / "config.yaml").read_text()))
+    new = _flatten(cfg.model_dump(mode="json"))
+    differ = [
+        f"{key} ({old.get(key)!r} → {new.get(key)!r})"
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key) and not key.startswith(RESUMABLE_KEYS)
+    ]
+    saved_world = read_state(ckpt).get("world_size", 1)
+    if saved_world != world_size:
+        differ.append(f"number of processes ({saved_world} → {world_size})")
+    if differ:
+        raise CheckpointError(f"cannot resume from {ckpt}: the config differs in {'; '.join(differ)}")
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep the rows of a JSONL log up to `step`: the steps after the checkpoint are run (and logged)
+    again. A torn last line, left by a kill mid-write, is dropped too."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)

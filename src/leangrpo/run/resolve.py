@@ -1,0 +1,146 @@
+"""Reading a run's configuration: YAML file (leangrpo's nested sections, or a flat TRL config) +
+`a.b=value` overrides -> the schema's checks -> what the task decides filled in. One function,
+`load_config`, does it all, before any model loads; the result is the run's config.yaml.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from leangrpo.config.schema import Config, ConfigError, RewardSpec, TaskConfig
+from leangrpo.config.trl import from_trl, is_trl_config
+from leangrpo.data.tasks import TaskError, load_task, task_class
+from leangrpo.run.rundir import write_text_atomic
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    return getattr(e, "problem", None) or str(e).splitlines()[0]
+
+
+def _one_line(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif first["type"] == "missing":
+        msg = "required key is missing"
+    elif first["loc"] and not isinstance(first.get("input"), dict):
+        msg = f"{msg} (got {first['input']!r})"
+    more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"config error in {source}: {key + ': ' if key else ''}{msg}{more}"
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split `a.b=value` into a key path and a YAML-typed value."""
+    if "=" not in item:
+        raise ConfigError(f"config override {item!r} must look like section.key=value")
+    key, raw = item.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"config override {item!r} has an empty key")
+    try:
+        return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config override {item!r}: value is not valid YAML ({_yaml_problem(e)})") from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each `a.b=value` into a nested dict (copying nothing else); validation happens later."""
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"config override {item!r}: {part} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (optional), apply overrides, validate. Raises ConfigError with one line."""
+    data: dict[str, Any] = {}
+    source = str(path) if path else "overrides"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not YAML text (byte {e.start} is not UTF-8)") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f":{mark.line + 1}" if mark else ""
+            raise ConfigError(f"config file {p}{where} is not valid YAML: {_yaml_problem(e)}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(data)}")
+        if is_trl_config(data):
+            data = from_trl(data, source)
+    apply_overrides(data, overrides or [])
+    return validate_config(data, source)
+
+
+def validate_config(data: dict[str, Any], source: str = "config") -> Config:
+    """The whole config from nested data: the schema's checks, then the task's (`resolve`)."""
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e, source)) from None
+    return resolve(cfg, source)
+
+
+def resolve(cfg: Config, source: str = "config") -> Config:
+    """`cfg` with everything its task decides filled in (the task's option defaults, system prompt and
+    rewards) and checked against the task (its data, its worked solutions for a cold start)."""
+
+    def error(msg: str) -> ConfigError:
+        return ConfigError(f"config error in {source}: {msg}")
+
+    try:
+        task = task_class(cfg.task.name)
+        options = task.Options.model_validate(cfg.task.options())
+    except TaskError as e:
+        raise error(f"task: {e}") from None
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        if first["type"] == "extra_forbidden":
+            known = ", ".join(task.Options.model_fields) or "none"
+            raise error(f"task: task {task.name} has no option {key!r} (its options: {known})") from None
+        raise error(f"task: task option {key}: {first['msg'].removeprefix('Value error, ')}") from None
+    if cfg.data.path.startswith("reasoning_gym:") and task.name != "reasoning_gym":
+        raise error(f"data.path {cfg.data.path} needs task: reasoning_gym (got task: {task.name})")
+    try:
+        task(options).check_data(cfg.data.path)
+    except TaskError as e:
+        raise error(str(e)) from None
+    if not cfg.rewards.functions and not task.default_rewards:
+        raise error(f"rewards.functions: required (task {task.name} has no default rewards)")
+    if cfg.sft.steps and not task.has_solutions:
+        raise error(f"sft.steps needs worked solutions, which task {task.name} does not have")
+    if cfg.sft.task is not None:
+        try:
+            load_task(cfg.sft_task).check_data(cfg.data.path)
+        except ValidationError as e:
+            raise error(f"sft.task: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+        except TaskError as e:
+            raise error(f"sft.task: {e}") from None
+    data = cfg.data
+    if "system_prompt" not in data.model_fields_set:
+        data = data.model_copy(update={"system_prompt": task.system_prompt})
+    rewards = cfg.rewards
+    if not rewards.functions:
+        rewards = rewards.model_copy(update={"functions": [RewardSpec(name=n) for n in task.default_rewards]})
+    task_cfg = TaskConfig.model_validate({"name": task.name, **options.model_dump()})
+    return cfg.model_copy(update={"task": task_cfg, "data": data, "rewards": rewards})
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config (every default filled in) as YAML, atomically (never a partial file)."""
+    write_text_atomic(Path(path), yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

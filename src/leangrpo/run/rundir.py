@@ -1,0 +1,279 @@
+"""The run directory: what a run owns in it, replacing an earlier run safely, the one-process lock, and
+reading what it holds (metrics tolerating a crash-truncated last line, the final model, evaluations).
+Light: no torch, so `compare` and `report` start fast.
+
+Nothing a run did not write is ever removed. `--overwrite` checks the directory before anything loads,
+and only once every input is validated and the model is in memory does it move the earlier run's own
+entries aside into `.leangrpo-replaced/`, which is deleted when the new run has finished its first step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from leangrpo.core.errors import UserError, error_reason, os_reason
+
+BASE_MODEL = "base-model"  # the replaced run's entry the new run trains from, kept (see `start_run`)
+# The top-level entries a run writes (besides `checkpoint-N/`, partial saves and the report's PNGs).
+RUN_FILES = (
+    "config.yaml", "metrics.jsonl", "completions.jsonl", "model", "eval", "tensorboard", "wandb",
+    "report.html", BASE_MODEL,
+)  # fmt: skip
+# The report's plots (report.py draws them; the run directory owns their PNGs).
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One PNG: the metrics keys it draws (prefix-matched when the key ends with '/')."""
+
+    stem: str
+    title: str
+    keys: tuple[str, ...]
+    eval_rows: bool = False  # drawn from the evaluation rows (eval/...) instead of the training rows
+
+
+CURVES = (
+    Curve("reward_curve", "Reward: total and per function", ("reward", "rewards/")),
+    Curve("reward_std", "Reward std (all rewards of the step)", ("reward_std",)),
+    Curve("kl", "KL to the reference", ("kl",)),
+    Curve("loss", "Loss", ("loss",)),
+    Curve(
+        "completion_length", "Completion length (tokens)", ("completion_length/mean", "completion_length/max")
+    ),
+    Curve("clip_ratio", "Clip ratio", ("clip_ratio",)),
+    Curve("phase_seconds", "Seconds per step, by phase", ("time/",)),
+    Curve(
+        "eval_accuracy",
+        "Held-out evaluation",
+        ("eval/accuracy", "eval/accuracy/lenient", "eval/pass@", "eval/format/"),
+        True,
+    ),
+)
+
+
+REPLACED = ".leangrpo-replaced"  # the earlier run, moved aside until the new one has finished a step
+LOCK_FILE = ".leangrpo.lock"
+_OWNED = re.compile(r"^(checkpoint-\d+|\.(checkpoint-\d+|model)\.(tmp|old))$")
+
+
+class RunDirError(UserError, RuntimeError):
+    """A run directory (or a file in it) cannot be used as asked."""
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary file beside `path` to write into, renamed to `path` when the block succeeds. On any
+    failure (disk full, read-only...) it is removed and a RunDirError names the file and the OS reason:
+    `path` is either the complete new file or the old one, never a partial one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, UserError):
+            raise
+        raise RunDirError(f"cannot write {path}: {error_reason(e)}") from None
+
+
+def check_writable(path: Path) -> None:
+    """Fail now, in one line, if `path` could not be written later (before a long computation)."""
+    probe = path.with_name(f".{path.name}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise RunDirError(f"cannot write {path}: {os_reason(e)}") from None
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------ owning a run directory
+
+
+def run_entries(run_dir: Path) -> list[Path]:
+    """The entries at the top of `run_dir` whose names a run writes: RUN_FILES, the report's PNGs,
+    `checkpoint-N/` and interrupted saves. In a leangrpo run these are the run's own."""
+    names = {*RUN_FILES, *(f"{c.stem}.png" for c in CURVES)}
+    if not run_dir.is_dir():
+        return []
+    return sorted(p for p in run_dir.iterdir() if p.name in names or _OWNED.match(p.name))
+
+
+def check_output_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse an output_dir a fresh run may not use; reads only, so it runs before anything loads.
+
+    An earlier run needs `--overwrite`. A non-empty directory that is not a run needs `--overwrite` too,
+    and even then is refused if it holds anything under a name a run writes: those files are the user's."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"output_dir {run_dir} is a file, not a directory")
+    if not run_dir.is_dir() or all(p.name == LOCK_FILE for p in run_dir.iterdir()):
+        return
+    if is_run_dir(run_dir):
+        if not overwrite:
+            raise RunDirError(
+                f"output_dir {run_dir} already holds a run; continue it with --resume {run_dir}, "
+                "replace it with --overwrite, or choose another output_dir"
+            )
+        return
+    if not overwrite:
+        raise RunDirError(
+            f"output_dir {run_dir} exists and is not a leangrpo run; choose another output_dir "
+            "or pass --overwrite to write into it (nothing of it is deleted)"
+        )
+    if clash := run_entries(run_dir):
+        names = ", ".join(p.name for p in clash[:5])
+        raise RunDirError(
+            f"output_dir {run_dir} is not a leangrpo run but holds {names}, which a run would write; "
+            "leangrpo never replaces files it did not write: move them or choose another output_dir"
+        )
+
+
+def start_run(run_dir: Path, overwrite: bool, base: str) -> str:
+    """Make `run_dir` ready for a fresh run, once every input is validated and the model is loaded (and
+    under the lock). An earlier run's entries are moved into `.leangrpo-replaced/` (deleted by
+    `drop_replaced` once the new run has finished a step); when that already exists, the entries are
+    those of a replacing run that never finished a step, and are deleted. An entry holding the model
+    being trained (`--overwrite` of `runs/x` from `runs/x/model`) is kept, as `base-model/`: a resume or
+    an export of an adapter still finds its base. Returns the model path to record in the config."""
+    check_output_dir(run_dir, overwrite)
+    entries = run_entries(run_dir) if overwrite and is_run_dir(run_dir) else []
+    source = Path(base).resolve() if Path(base).exists() else None
+    keep = next((e for e in entries if source and e.resolve() in (source, *source.parents)), None)
+    aside = run_dir / REPLACED
+    try:
+        if entries and not aside.exists():
+            aside.mkdir()
+            for entry in entries:
+                if entry != keep:
+                    entry.rename(aside / entry.name)
+        else:
+            for entry in entries:
+                if entry != keep:
+                    remove(entry)
+        if keep is not None and source is not None and keep.name != BASE_MODEL:
+            keep.rename(run_dir / BASE_MODEL)
+            return str(run_dir / BASE_MODEL / source.relative_to(keep.resolve()))
+    except OSError as e:
+        raise RunDirError(f"cannot replace the run in {run_dir}: {os_reason(e)}") from None
+    return base
+
+
+def drop_replaced(run_dir: Path) -> None:
+    """Delete the run `start_run` moved aside: the new one has finished a step."""
+    remove(run_dir / REPLACED)
+
+
+def remove(path: Path) -> None:
+    """Delete a file or a directory tree, if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+class RunLock:
+    """One process per run directory: an exclusive `flock` on `RUN/.leangrpo.lock`, which holds the
+    owner's PID. The kernel releases it when the process dies, however it dies."""
+
+    def __init__(self, run_dir: Path):
+        import fcntl
+
+        path = run_dir / LOCK_FILE
+        self.fd: int | None = None
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.fd = fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirError(f"output_dir {run_dir} is not writable: {os_reason(e)}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            self.release()
+            raise RunDirError(
+                f"output_dir {run_dir} is in use by another leangrpo process (PID {holder}, holding {path}); "
+                "wait for it to end, or choose another output_dir"
+            ) from None
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as e:
+            self.release()
+            raise RunDirError(f"output_dir {run_dir} is not writable: {os_reason(e)}") from None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    __del__ = release
+
+
+@dataclass
+class JsonlRows:
+    """Parsed JSON lines, plus a note for each line that was skipped (only a torn last line is)."""
+
+    rows: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+
+
+def read_jsonl(path: Path) -> JsonlRows:
+    """Read a JSON Lines file written by a run. A last line that does not parse (the run died while
+    writing it) is skipped with a note; a bad line anywhere else is an error naming file and line."""
+    if not path.is_file():
+        raise RunDirError(f"file not found: {path}")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    numbered = [(i, line) for i, line in enumerate(lines, start=1) if line.strip()]
+    out = JsonlRows([])
+    for pos, (lineno, line) in enumerate(numbered):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"not a JSON object ({type(row).__name__})")
+        except ValueError as e:
+            if pos == len(numbered) - 1:
+                out.notes.append(f"skipped the truncated last line {lineno} of {path}")
+                break
+            raise RunDirError(f"{path}:{lineno} is not valid JSON: {e}") from None
+        out.rows.append(row)
+    return out
+
+
+def is_run_dir(path: Path) -> bool:
+    """True when `path` holds a leangrpo run: a config.yaml with the sections leangrpo writes."""
+    try:
+        data = yaml.safe_load((path / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and {"model", "data", "rewards", "grpo"} <= data.keys()
+
+
+def run_model_dir(run_dir: Path) -> Path:
+    """The final model of a run: `run_dir/model`, or a one-line error if training never got there."""
+    model = run_dir / "model"
+    if not (model / "config.json").is_file():
+        raise RunDirError(
+            f"run directory {run_dir} has no model (no {model}/config.json): "
+            "the run did not finish; evaluate a checkpoint or a model directory instead"
+        )
+    return model
+
+
+def eval_files(run_dir: Path) -> list[Path]:
+    """The run's evaluation JSONs (training's `eval/step-N.json`, `leangrpo eval` outputs), oldest first."""
+    return sorted((run_dir / "eval").glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name))

@@ -1,0 +1,148 @@
+"""Trained models: where a run's, checkpoint's or export's weights are (`locate`), and loading them, or
+any other model, for inference (`load_trained`): the one loader eval, chat and export share."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import yaml
+
+from leangrpo.core.errors import UserError
+from leangrpo.models.load import (
+    DTYPES,
+    ModelError,
+    describe,
+    load_base,
+    load_model_and_tokenizer,
+    load_tokenizer,
+    merge_lora,
+    resolve_model_path,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+EXPORT_INFO = "leangrpo_export.json"
+
+
+@dataclass
+class Trained:
+    """Where a trained model's weights are, and the training config that made them."""
+
+    source: Path
+    full: Path | None  # loads with AutoModelForCausalLM (full fine-tune, or the run's merged final model)
+    adapter: Path | None  # a peft adapter over the config's model.name_or_path
+    config: dict[str, Any]
+    step: int
+    run_dir: Path | None  # where metrics.jsonl lives (None for an export)
+
+
+def locate(source: str | Path) -> Trained | None:
+    """The trained weights behind `source`, resolved the same way for eval, chat, export and compare:
+    a run directory means its final `model/`, else its last complete checkpoint; a checkpoint or a
+    leangrpo export means itself. None for anything else (a model directory, hub id or .gguf)."""
+    from .checkpoint import STATE_FILE, corruption, last_good_checkpoint, read_state
+    from .rundir import is_run_dir
+
+    path = Path(source).expanduser()
+    if (path / EXPORT_INFO).is_file():
+        info = json.loads((path / EXPORT_INFO).read_text())
+        adapter = info["format"] == "peft adapter"
+        return Trained(path, None if adapter else path, path if adapter else None, info["config"],
+                       info["step"], None)  # fmt: skip
+    if (path / STATE_FILE).is_file():
+        ckpt, run_dir = path, path.parent
+        if problem := corruption(ckpt):
+            raise ModelError(problem)
+    elif is_run_dir(path):
+        run_dir, final = path, path / "model"
+        config = yaml.safe_load((path / "config.yaml").read_text())
+        if (final / "config.json").is_file():
+            if problem := corruption(final):
+                raise ModelError(f"{problem}; use one of the run's checkpoints instead")
+            adapter = final / "adapter"
+            return Trained(path, final, adapter if adapter.is_dir() else None, config,
+                           config["optim"]["max_steps"], path)  # fmt: skip
+        found = last_good_checkpoint(path)
+        if found is None:
+            raise ModelError(f"{path} has neither a final model nor a complete checkpoint")
+        ckpt = found
+    else:
+        return None
+    config = yaml.safe_load((ckpt / "config.yaml").read_text())
+    is_adapter = (ckpt / "adapter_config.json").is_file()
+    return Trained(path, None if is_adapter else ckpt, ckpt if is_adapter else None, config,
+                   read_state(ckpt)["step"], run_dir)  # fmt: skip
+
+
+def load_trained(
+    source: str,
+    *,
+    dtype: str | None = None,
+    adapter: str | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Trained | None]:
+    """Load `source` for inference (eval mode, on the GPU when there is one): a run, checkpoint or export
+    (see `locate`), or any model `load_model_and_tokenizer` takes, with an optional peft `adapter` merged
+    in. `dtype` defaults to the training config's. `trust_remote_code` comes from the caller only, never
+    from a file being loaded."""
+    from transformers import AutoModelForCausalLM
+
+    trained = locate(source)
+    if trained is None:
+        from .config import ModelConfig
+
+        cfg = ModelConfig(
+            name_or_path=source, dtype=dtype or "float32", gradient_checkpointing=False,
+            trust_remote_code=trust_remote_code,
+        )  # fmt: skip
+        model, tokenizer = load_model_and_tokenizer(cfg)
+    else:
+        kwargs: dict[str, Any] = {
+            "dtype": DTYPES[dtype or trained.config["model"]["dtype"]],
+            "trust_remote_code": trust_remote_code,
+        }
+        weights = trained.full or trained.adapter
+        try:
+            if trained.full is not None:
+                model = AutoModelForCausalLM.from_pretrained(trained.full, **kwargs)
+            else:  # the base as it was trained on (4-bit for QLoRA), then the adapter merged in
+                from .config import ModelConfig
+
+                base_cfg = ModelConfig.model_validate(
+                    {**trained.config["model"], "trust_remote_code": trust_remote_code}
+                )
+                base = resolve_model_path(base_cfg.name_or_path)
+                # A 4-bit base is quantized from the training dtype, exactly as in training.
+                model = load_base(base, base_cfg, None if base_cfg.load_in_4bit else dtype)
+                model = _merge_adapter(model, str(trained.adapter), kwargs["dtype"])
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - truncated or foreign weights raise many kinds
+            raise ModelError(f"cannot load the trained model in {weights}: {describe(e)}") from None
+        tokenizer = load_tokenizer(str(weights), trust_remote_code)
+    if adapter:
+        model = _merge_adapter(model, adapter)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # transformers wraps PreTrainedModel.to with functools.wraps, which the stubs do not bind as a method
+    return model.to(device).eval(), tokenizer, trained  # type: ignore[arg-type]
+
+
+def _merge_adapter(model: PreTrainedModel, adapter: str, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """`model` with the peft adapter in `adapter` folded in (then cast to `dtype`); a mismatch is a
+    one-line error."""
+    from peft import PeftModel
+
+    if not (Path(adapter) / "adapter_config.json").is_file():
+        raise ModelError(f"{adapter} is not a peft adapter directory (no adapter_config.json)")
+    try:
+        return merge_lora(PeftModel.from_pretrained(model, adapter), dtype)
+    except Exception as e:  # noqa: BLE001 - peft/torch raise many kinds on a mismatch
+        detail = describe(e)
+        detail = detail if len(detail) <= 300 else detail[:300] + "..."
+        raise ModelError(f"adapter {adapter} does not fit model {model.name_or_path}: {detail}") from None

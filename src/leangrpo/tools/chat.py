@@ -1,0 +1,51 @@
+"""`leangrpo chat`: ask a trained model questions by hand, prompted exactly as in training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from leangrpo.config.schema import CPUConfig, TaskConfig
+from leangrpo.data.rows import render_prompt
+from leangrpo.data.tasks import load_task
+from leangrpo.engines.rollout import Sampling, generate
+from leangrpo.run.trained import load_trained
+from leangrpo.train.engine import cpu_levers
+
+
+class Chat:
+    """A model with the system prompt and assistant prefix it was trained with (its task's otherwise)."""
+
+    def __init__(
+        self,
+        source: str,
+        system_prompt: str | None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        trust_remote_code: bool = False,
+    ):
+        self.model, self.tokenizer, trained = load_trained(source, trust_remote_code=trust_remote_code)
+        data: dict[str, Any] = (
+            trained.config["data"] if trained else {"system_prompt": load_task(TaskConfig()).system_prompt}
+        )
+        self.system_prompt = system_prompt if system_prompt is not None else data.get("system_prompt")
+        self.assistant_prefix = data.get("assistant_prefix", "")
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.levers = cpu_levers(self.model.device, CPUConfig())
+
+    def prompt(self, question: str) -> str:
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages.append({"role": "user", "content": question})
+        return render_prompt(self.tokenizer, messages, self.assistant_prefix)
+
+    def ask(self, question: str) -> str:
+        """The model's answer (with the assistant prefix it was prefilled with)."""
+        sampling = Sampling(
+            num_generations=1,
+            max_prompt_length=getattr(self.model.config, "max_position_embeddings", 4096),
+            max_completion_length=self.max_new_tokens,
+            temperature=self.temperature or 1.0,
+            do_sample=self.temperature > 0,
+            assistant_prefix=self.assistant_prefix,
+        )
+        batch = generate(self.model, self.tokenizer, [self.prompt(question)], sampling, levers=self.levers)
+        return batch.completion_texts[0]

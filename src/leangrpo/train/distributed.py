@@ -1,0 +1,261 @@
+"""How the policy spreads over processes: replicated (DDP, what `accelerate launch` gives by default) or
+sharded (FSDP2, `fully_shard`, with `configs/accelerate/fsdp2.yaml`).
+
+The trainer talks to one of two small classes with the same methods, so the loop reads the same either
+way. Accelerate 1.15 treats a CPU run as MULTI_CPU and ignores its FSDP plugin there, so sharding is done
+here with PyTorch's own `fully_shard` on CPU (gloo) and GPU alike; accelerate still launches the processes
+and forms the group. Everything FSDP-specific (gathering full weights for generation, clipping DTensor
+gradients, full state dicts for checkpoints) lives in `Sharded`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from leangrpo.core.errors import UserError
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import PreTrainedModel
+
+    from leangrpo.config.schema import Config
+    from leangrpo.train.logprobs import Policy
+
+
+def fsdp_requested() -> bool:
+    """True when `accelerate launch` was given an FSDP2 config (it sets these variables for every process)."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return False
+    if os.environ.get("FSDP_VERSION", "1") != "2":
+        raise UserError(
+            "accelerate config: FSDP1 is not supported; set fsdp_version: 2 "
+            "(see configs/accelerate/fsdp2.yaml)"
+        )
+    return True
+
+
+def launcher_processes(cmdline: list[str] | None = None) -> int | None:
+    """How many processes the `accelerate launch` that started this one asked for (`--num_processes N`),
+    read from the parent's command line (Linux); None when unknown. `accelerate launch --cpu` starts one
+    process whatever N says, so a mismatch is worth a line."""
+    if cmdline is None:
+        try:
+            raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+        except OSError:
+            return None
+        cmdline = raw.decode(errors="replace").split("\0")
+    if not any("accelerate" in arg for arg in cmdline[:2]) or "launch" not in cmdline:
+        return None
+    for i, arg in enumerate(cmdline):
+        value = arg.partition("=")[2] if arg.startswith("--num_processes=") else None
+        if arg == "--num_processes" and i + 1 < len(cmdline):
+            value = cmdline[i + 1]
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
+class Replicated:
+    """Every process holds the whole model; DDP averages gradients (one process: a plain model)."""
+
+    def __init__(self, acc: Accelerator):
+        self.acc = acc
+
+    def describe(self) -> str:
+        n = self.acc.num_processes
+        return f"{n} processes, data parallel (DDP)" if n > 1 else "1 process"
+
+    def wrap(self, policy: Policy) -> nn.Module:
+        return self.acc.prepare_model(policy)
+
+    def place_frozen(self, module: nn.Module) -> nn.Module:
+        """A frozen module (the full-fine-tuning reference): a whole copy on this process's device."""
+        return module.to(self.acc.device)
+
+    def sync_gradients(self, policy: nn.Module, sync: bool) -> Any:
+        """Within gradient accumulation, only the last micro-batch's backward synchronises."""
+        return nullcontext() if sync else self.acc.no_sync(policy)
+
+    @contextmanager
+    def full_weights(self, policy: nn.Module) -> Iterator[None]:
+        """Whole weights on every process for generation and evaluation: they always are."""
+        yield
+
+    def clip_grad_norm(self, policy: nn.Module, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
+
+    def saveable(self, policy: nn.Module) -> PreTrainedModel | None:
+        """The causal LM to save (adapter included), on the main process; None on the others.
+        Every process must call it (the sharded version gathers)."""
+        return self.acc.unwrap_model(policy).lm if self.acc.is_main_process else None
+
+    def optimizer_state(self, policy: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(
+        self, policy: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        optimizer.load_state_dict(state)
+
+
+class Sharded(Replicated):
+    """FSDP2: each decoder layer (the model's `_no_split_modules`) is its own shard group, the rest
+    (embeddings, final norm, LM head) the root's. Weights, gradients and optimizer state are split across
+    processes; a layer's full weights exist only during its own forward and backward."""
+
+    def describe(self) -> str:
+        return f"{self.acc.num_processes} processes, sharded (FSDP2)"
+
+    def wrap(self, policy: Policy) -> nn.Module:
+        return _shard(policy.to(self.acc.device))
+
+    def place_frozen(self, module: nn.Module) -> nn.Module:
+        """The frozen reference is sharded like the policy, so it costs 1/N of its weights per process."""
+        return _shard(module.to(self.acc.device))
+
+    def sync_gradients(self, policy: nn.Module, sync: bool) -> Any:
+        policy.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        return nullcontext()
+
+    @contextmanager
+    def full_weights(self, policy: nn.Module) -> Iterator[None]:
+        """Gather every layer's weights and keep them gathered: `generate` calls the layers outside the
+        root's forward, once per token, and must not re-gather each time. Costs the whole model's
+        weights on each process for the duration (as every FSDP generation does without vLLM)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [m for m in policy.modules() if isinstance(m, FSDPModule)]
+        for m in modules:
+            m.unshard()
+            m.set_reshard_after_forward(False)
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.set_reshard_after_forward(True)
+                m.reshard()
+
+    def clip_grad_norm(self, policy: nn.Module, max_norm: float) -> float:
+        """The global norm over every shard (a DTensor reduced across processes), then clipping with it."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in policy.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(policy.parameters(), max_norm, norm)
+        return float(norm)
+
+    def saveable(self, policy: nn.Module) -> PreTrainedModel | None:
+        """An unsharded copy of the causal LM on the main process, built from the gathered full state dict
+        (offloaded to CPU, so no process holds two copies on its device)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(policy, options=options)
+        if not self.acc.is_main_process:
+            return None
+        return _unsharded_copy(_as_policy(policy).lm, {k.removeprefix("lm."): v for k, v in state.items()})
+
+    def optimizer_state(self, policy: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The full optimizer state keyed by parameter name (gathered; complete on the main process)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(policy, optimizer, options=options)
+
+    def load_optimizer_state(
+        self, policy: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(policy, optimizer, optim_state_dict=state, options=options)
+
+
+def check_options(strategy: Replicated, cfg: Config) -> None:
+    """Options that sharded training cannot honour, refused in one line before the model loads."""
+    if not isinstance(strategy, Sharded):
+        return
+    if cfg.model.load_in_4bit:
+        raise UserError(
+            "model.load_in_4bit cannot run under FSDP (bitsandbytes' 4-bit weights do not shard here); "
+            "launch without the FSDP config, or train the bf16 model with LoRA"
+        )
+    if cfg.optim.optimizer == "adamw_8bit":
+        raise UserError(
+            "optim.optimizer=adamw_8bit cannot run under FSDP (bitsandbytes' state does not shard); "
+            "use optim.optimizer=adamw, or launch without the FSDP config"
+        )
+
+
+def setup(acc: Accelerator) -> Replicated:
+    """Sharded when launched with an FSDP2 accelerate config and more than one process, else replicated."""
+    return Sharded(acc) if fsdp_requested() and acc.num_processes > 1 else Replicated(acc)
+
+
+def _shard(policy: nn.Module) -> nn.Module:
+    """`fully_shard` each decoder layer, then the root. The root's lazy init runs now rather than at its
+    first forward, because generation reaches the layers without going through the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    no_split = set(getattr(_base_model(policy), "_no_split_modules", None) or [])
+    layers = [m for m in policy.modules() if type(m).__name__ in no_split]
+    if not layers:
+        raise UserError(
+            f"FSDP: {type(_base_model(policy)).__name__} names no decoder layer class (_no_split_modules)"
+        )
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(policy)
+    policy._get_fsdp_state()._lazy_init()  # type: ignore[operator]  # fully_shard adds it to the class
+    return policy
+
+
+def _as_policy(module: nn.Module) -> Policy:
+    """The Policy that `wrap` sharded in place (FSDP2 makes its class a subclass)."""
+    from leangrpo.train.logprobs import Policy
+
+    assert isinstance(module, Policy)
+    return module
+
+
+def _base_model(policy: nn.Module) -> nn.Module:
+    return _as_policy(policy).base
+
+
+def _unsharded_copy(lm: PreTrainedModel, state: dict[str, Any]) -> PreTrainedModel:
+    """A plain (unsharded) model of `lm`'s class and config (its LoRA adapter too), holding `state`.
+
+    Built on the meta device, then given the gathered tensors. Buffers that are not in the state dict
+    (non-persistent ones, e.g. rotary frequencies) come from `lm`, where FSDP leaves them whole."""
+    from leangrpo.models.load import is_peft, peft_base
+
+    base = peft_base(lm) if is_peft(lm) else lm
+    with torch.device("meta"):
+        clone = type(base)._from_config(base.config, dtype=base.dtype)
+        if is_peft(lm):
+            from peft import get_peft_model
+
+            # the peft model stands in for the transformers model, as in models.apply_lora
+            clone = cast("PreTrainedModel", get_peft_model(clone, copy.deepcopy(lm.peft_config["default"])))
+    clone.load_state_dict(state, assign=True, strict=False)
+    buffers = dict(lm.named_buffers())
+    for name, buf in list(clone.named_buffers()):
+        if buf.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            whole = buffers[name].detach().cpu().clone()
+            clone.get_submodule(owner).register_buffer(leaf, whole, persistent=False)
+    clone.tie_weights()
+    missing = [n for n, p in clone.named_parameters() if p.is_meta]
+    if missing:
+        raise RuntimeError(f"FSDP save: no gathered tensor for {missing[:3]}")
+    return clone.eval()
