@@ -20,7 +20,7 @@ G × completion length × LoRA/full × gradient checkpointing.
   is what the plan models. The small micro-batches here need the strict one.
 
 - `--set KEY=VALUE` (repeatable) overrides every point's config, as `leangrpo train` overrides do (e.g.
-  `grpo.reference_on_disk=true`); give such a run its own `--work`, since points are stored by name.
+  `cpu.reference_on_disk=true`); give such a run its own `--work`, since points are stored by name.
 
 Usage: python benchmarks/plan_accuracy.py [--device cpu|cuda] [--malloc NAME] [--set KEY=VALUE ...]
        [--markdown FILE]

@@ -80,3 +80,14 @@ def make_tiny_model(out: Path, tokenizer_dir: Path, seed: int = 0, num_attention
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, real_tokenizer_dir) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), real_tokenizer_dir)
+
+
+@pytest.fixture(params=["plain", "cpu-levers"])
+def levers(request):
+    """generate()'s speed levers: none (the path CUDA takes) or the CPU's (lean loop, packed weights)."""
+    if request.param == "plain":
+        return None
+    from leangrpo.config.schema import CPUConfig
+    from leangrpo.cpu.levers import CPULevers
+
+    return CPULevers(CPUConfig())
