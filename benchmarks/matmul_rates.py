@@ -1,7 +1,7 @@
 """GFLOP/s of the training step's float32 products on this CPU: torch's BLAS (`torch.mm`, MKL on x86)
 against oneDNN (`leangrpo.cpu.onednn.linear`), for the forward (x @ W.T) and both backward products
 (grad @ W, grad.T @ x) of SmolLM2-135M's Linear shapes over 850 positions (benchmark row a's update).
-What `model.cpu_matmul: auto` decides between (leangrpo/onednn.py).
+What `cpu.matmul: auto` decides between (leangrpo/cpu/onednn.py).
 
     python benchmarks/matmul_rates.py                # 850 rows, 20 repeats per product
     python benchmarks/matmul_rates.py --rows 256 --repeats 5

@@ -25,7 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import build_model, default_data  # noqa: E402
 
-from leangrpo.config.schema import LoraConfig
+from leangrpo.config.schema import CPUConfig, LoraConfig
+from leangrpo.cpu import levers as levers_mod
+from leangrpo.cpu.levers import CPULevers
 from leangrpo.data.rows import render_prompt
 from leangrpo.data.sources import load_rows
 from leangrpo.data.tasks import load_task
@@ -95,15 +97,16 @@ def main() -> None:
         sampling = Sampling(
             num_generations=G, max_prompt_length=512, max_completion_length=C, ignore_eos=True
         )
-        return generate(model, tok, [prompt], sampling, packed=packed)
+        levers = CPULevers(CPUConfig(packed_generation=packed))
+        return generate(model, tok, [prompt], sampling, levers=levers)
 
     batch = None
     for _ in range(a.repeats):
         for on in (False, True):
-            with nullcontext() if on else mock.patch.object(rollout, "lean_decoder", no_lean_decoder):
+            with nullcontext() if on else mock.patch.object(levers_mod, "lean_decoder", no_lean_decoder):
                 batch = timed(f"generate, lean decode loop {'on' if on else 'off'}", rollout_batch)
         # generate()'s own speed-ups, the lean loop off on both sides
-        with mock.patch.object(rollout, "lean_decoder", no_lean_decoder):
+        with mock.patch.object(levers_mod, "lean_decoder", no_lean_decoder):
             for on in (False, True):
                 name = f"generate, packed Linears {'on' if on else 'off'}"
                 timed(name, lambda on=on: rollout_batch(on))

@@ -503,8 +503,8 @@ def write_results(a: argparse.Namespace, sides: list[str], results: list, raw: l
     library = "oneDNN" if onednn.preferred() else "torch's BLAS"
     products = (
         ""  # --ours-set names it
-        if any(o.startswith("model.cpu_matmul=") for o in a.ours_set or [])
-        else f" Our float32 products (`model.cpu_matmul: auto`): {library} on this CPU; TRL's: torch's BLAS."
+        if any(o.startswith(("cpu.matmul=", "model.cpu_matmul=")) for o in a.ours_set or [])
+        else f" Our float32 products (`cpu.matmul: auto`): {library} on this CPU; TRL's: torch's BLAS."
     )
     body = (
         f"{section}\n\nCommand: `python benchmarks/vs_trl.py{' ' + args if args else ''}`\n\n"

@@ -390,7 +390,7 @@ def test_the_cold_start_needs_a_task_with_worked_solutions(minimal_yaml):
 
 def test_the_config_reference_in_docs_is_current():
     """docs/config.md is generated from the fields' descriptions: every field has one, and the file is
-    regenerated when a field changes (python -m leangrpo.config.schema > docs/config.md)."""
+    regenerated when a field changes (python -m leangrpo.tools.configdoc > docs/config.md)."""
     from leangrpo.tools.configdoc import reference
 
     text = reference()
@@ -398,7 +398,7 @@ def test_the_config_reference_in_docs_is_current():
     assert "| `task.max_solution_steps` |" in text
     assert not [line for line in text.splitlines() if line.startswith("| `") and line.endswith("|  |")]
     docs = Path(__file__).resolve().parents[1] / "docs" / "config.md"
-    assert docs.read_text() == text, "docs/config.md is stale: python -m leangrpo.config.schema > docs/config.md"
+    assert docs.read_text() == text, "docs/config.md is stale: python -m leangrpo.tools.configdoc > it"
 
 
 @pytest.mark.parametrize(

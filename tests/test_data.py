@@ -63,7 +63,8 @@ def test_jsonl_loading_leaves_datasets_and_pyarrow_unimported(tmp_path):
     """They add ~80 MB to the RSS of every training process; only hub and Parquet data need them."""
     path = write_jsonl(tmp_path / "one.jsonl", [GOOD])
     code = (
-        "import sys; from leangrpo.config.schema import validate_config; from leangrpo.data.sources import load_rows\n"
+        "import sys; from leangrpo.run.resolve import validate_config\n"
+        "from leangrpo.data.sources import load_rows\n"
         f"cfg = validate_config({{'model': {{'name_or_path': 'm'}}, 'data': {{'path': {str(path)!r}}},"
         " 'rewards': {'functions': [{'name': 'int'}]}})\n"
         "from leangrpo.data.tasks import load_task\n"
@@ -423,7 +424,7 @@ def test_local_formats_load_through_datasets(tmp_path, kind):
 
 
 def test_eval_split_of_a_saved_dataset_dict(tmp_path):
-    from leangrpo.tools.evaluate import load_eval_rows
+    from leangrpo.train.evaluation import load_eval_rows
 
     table = datasets.Dataset.from_list(TRL_ROWS)
     datasets.DatasetDict({"train": table, "test": table.select([1])}).save_to_disk(tmp_path / "dd")

@@ -150,13 +150,13 @@ def test_reference_on_disk_from_the_cli(tmp_path, tiny_model_dir, gsm8k_dir):
     at 0 and grows once the policy moves."""
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", out)
-    proc = run_cli("train", "-c", str(cfg), "grpo.beta=0.04", "grpo.reference_on_disk=true",
+    proc = run_cli("train", "-c", str(cfg), "grpo.beta=0.04", "cpu.reference_on_disk=true",
                    "optim.max_steps=2", "optim.learning_rate=1e-2")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(out)
     assert len(rows) == 2
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl"] > 0
-    assert yaml.safe_load((out / "config.yaml").read_text())["grpo"]["reference_on_disk"] is True
+    assert yaml.safe_load((out / "config.yaml").read_text())["cpu"]["reference_on_disk"] is True
 
 
 def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, tiny_model_dir, gsm8k_dir):
@@ -164,8 +164,9 @@ def test_two_processes_stay_in_sync_on_different_prompts(tmp_path, tiny_model_di
         tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", tmp_path / "run",
         rewards={"functions": [{"name": "toy_rewards:vowel_share"}, {"name": "toy_rewards:record_prompts"}]},
         optim={"max_steps": 2, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
-        # a KL reference, each rank's memory-mapped from its own unnamed file (grpo.reference_on_disk)
-        grpo={"num_iterations": 2, "loss_type": "dapo", "beta": 0.04, "reference_on_disk": True},
+        # a KL reference, each rank's memory-mapped from its own unnamed file (cpu.reference_on_disk)
+        grpo={"num_iterations": 2, "loss_type": "dapo", "beta": 0.04},
+        cpu={"reference_on_disk": True},
     )  # fmt: skip
     proc = torchrun(
         TESTS / "ddp_worker.py", str(cfg), port=29517, env_extra={"LEANGRPO_TEST_OUT": str(tmp_path)}

@@ -14,7 +14,7 @@ from leangrpo.config.schema import TaskConfig
 from leangrpo.data.rewards import load_reward
 from leangrpo.data.tasks import load_task
 from leangrpo.tools.compare import compare
-from leangrpo.tools.evaluate import EvalResult, evaluate, score, summarize
+from leangrpo.train.evaluation import EvalResult, evaluate, score, summarize
 
 RUN_CONFIG = (
     "model: {name_or_path: m}\ndata: {path: d}\nrewards: {functions: [{name: int}]}\ngrpo: {beta: 0.04}\n"
@@ -67,7 +67,7 @@ def tiny(tiny_model_dir):
 @pytest.fixture(scope="module")
 def test_rows(gsm8k_dir):
     from leangrpo.config.schema import DataConfig
-    from leangrpo.tools.evaluate import load_eval_rows
+    from leangrpo.train.evaluation import load_eval_rows
 
     return load_eval_rows(DataConfig(path="unused"), GSM8K, str(gsm8k_dir), "test", 4)
 

@@ -98,4 +98,4 @@ def test_the_import_graph_has_no_circles():
 def test_each_layer_says_what_lives_there(package):
     """Every subpackage's __init__ docstring says what lives there and what it may import."""
     doc = ast.get_docstring(ast.parse((SRC / package / "__init__.py").read_text()))
-    assert doc and "import" in doc.lower(), f"leangrpo/{package}/__init__.py needs a docstring naming its imports"
+    assert doc and "import" in doc.lower(), f"leangrpo/{package}/__init__.py: a docstring naming its imports"

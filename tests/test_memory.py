@@ -113,7 +113,7 @@ def test_release_freed_memory_empties_the_cuda_cache(monkeypatch):
     assert calls == ["empty"]
 
 
-def test_generation_leaves_no_garbage_cycles(tiny_model_dir):
+def test_generation_leaves_no_garbage_cycles(tiny_model_dir, levers):
     """Everything generation allocates is freed by reference counting when it returns, so no collector
     pass is needed between rollout and update."""
     import gc
@@ -126,15 +126,14 @@ def test_generation_leaves_no_garbage_cycles(tiny_model_dir):
     gc.collect()
     gc.disable()
     try:
-        generate(
-            model, tok, ["a b c"], Sampling(num_generations=2, max_prompt_length=16, max_completion_length=6)
-        )
+        sampling = Sampling(num_generations=2, max_prompt_length=16, max_completion_length=6)
+        generate(model, tok, ["a b c"], sampling, levers=levers)
         assert gc.collect() == 0
     finally:
         gc.enable()
 
 
-def test_generation_runs_without_grad_and_with_the_kv_cache(tiny_model_dir):
+def test_generation_runs_without_grad_and_with_the_kv_cache(tiny_model_dir, levers):
     """Generation holds no autograd graph, and each new token is one position through the model (cache on),
     even when the model is in train mode with gradient checkpointing (which disables the cache there)."""
     from leangrpo.config.schema import ModelConfig
@@ -152,7 +151,7 @@ def test_generation_runs_without_grad_and_with_the_kv_cache(tiny_model_dir):
     handle = model.model.register_forward_pre_hook(record, with_kwargs=True)
     try:
         sampling = Sampling(num_generations=2, max_prompt_length=32, max_completion_length=5, ignore_eos=True)
-        batch = generate(model, tok, ["a b c d e"], sampling)
+        batch = generate(model, tok, ["a b c d e"], sampling, levers=levers)
     finally:
         handle.remove()
     assert batch.completion_ids.shape == (2, 5)
@@ -202,16 +201,18 @@ def test_activation_offload_gives_the_same_gradients_on_gpu(tiny_model_dir):
 def test_trainer_releases_freed_memory_after_generation_and_update(
     tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch
 ):
-    """Order inside a step: generate (grpo.ignore_eos, packed_generation and packed_lm_head passed
-    through) → release → update → release, and nothing else: at beta=0 and num_iterations=1 neither
-    reference nor old log-probs are computed."""
+    """Order inside a step: generate (grpo.ignore_eos, cpu.packed_generation and cpu.packed_lm_head
+    passed through) → release → update → release, and nothing else: at beta=0 and num_iterations=1
+    neither reference nor old log-probs are computed."""
     import leangrpo.engines.rollout as rollout_mod
     import leangrpo.train.trainer as trainer_mod
+    from leangrpo.cpu.levers import CPULevers
 
     events, real_generate, real_logprobs = [], rollout_mod.generate, trainer_mod.micro_batch_logprobs
 
     def generate(model, tokenizer, prompts, sampling, **kwargs):
-        events.append(("generate", sampling.ignore_eos, kwargs["packed"], kwargs["pack_head"]))
+        levers = kwargs["levers"].cfg
+        events.append(("generate", sampling.ignore_eos, levers.packed_generation, levers.packed_lm_head))
         return real_generate(model, tokenizer, prompts, sampling, **kwargs)
 
     def logprobs(policy, *args, **kwargs):
@@ -219,7 +220,7 @@ def test_trainer_releases_freed_memory_after_generation_and_update(
         return real_logprobs(policy, *args, **kwargs)
 
     monkeypatch.setattr(rollout_mod, "generate", generate)  # what the default HF engine calls
-    monkeypatch.setattr(trainer_mod, "release_freed_memory", lambda: events.append(("release", None)))
+    monkeypatch.setattr(CPULevers, "release", lambda self: events.append(("release", None)))
     monkeypatch.setattr(trainer_mod, "micro_batch_logprobs", logprobs)
     cfg = make_cfg(
         model={"name_or_path": str(tiny_model_dir)},
@@ -228,9 +229,8 @@ def test_trainer_releases_freed_memory_after_generation_and_update(
             "num_generations": 2,
             "max_completion_length": 4,
             "ignore_eos": True,
-            "packed_generation": False,
-            "packed_lm_head": False,
         },
+        cpu={"packed_generation": False, "packed_lm_head": False},
         optim={"per_device_train_batch_size": 2, "max_steps": 1},
         logging={"progress_bar": False, "log_completions_steps": 0},
         output_dir=str(tmp_path / "run"),
@@ -264,7 +264,7 @@ GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 # the heap and stays in RSS when freed; prints how much RSS freeing it gave back.
 FREED_8MIB = """
 import sys, psutil, torch
-from leangrpo.train.optim import return_freed_memory
+from leangrpo.cpu.allocator import return_freed_memory
 rss = lambda: psutil.Process().memory_info().rss
 torch.ones(4 * 2**20)  # 16 MiB, mmapped and freed at once: glibc's dynamic threshold rises to 16 MiB
 applied = return_freed_memory() if sys.argv[1] == "tuned" else None
@@ -277,7 +277,7 @@ print(applied, (before - rss()) // 2**20)
 
 FREED_SMALL = """
 import psutil, torch
-from leangrpo.train.optim import release_freed_memory, return_freed_memory
+from leangrpo.cpu.allocator import release_freed_memory, return_freed_memory
 rss = lambda: psutil.Process().memory_info().rss
 return_freed_memory()
 blocks = [torch.ones(2**19) for _ in range(100)]  # 200 MiB in 2 MiB blocks: under the threshold, on the heap
@@ -319,9 +319,10 @@ def test_freed_activations_leave_rss_with_glibc(mode):
 
 def test_trainer_sets_the_allocator_before_loading_anything(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
     import leangrpo.train.trainer as trainer_mod
+    from leangrpo.cpu.levers import CPULevers
 
     events = []
-    monkeypatch.setattr(trainer_mod, "return_freed_memory", lambda: events.append("allocator"))
+    monkeypatch.setattr(CPULevers, "before_loading", lambda self: events.append("allocator"))
     real_load = trainer_mod.load_model_and_tokenizer
     monkeypatch.setattr(
         trainer_mod, "load_model_and_tokenizer", lambda cfg: events.append("load") or real_load(cfg)
@@ -425,8 +426,8 @@ def test_reference_on_disk_gives_the_same_logprobs(tmp_path, tiny_model_dir, gsm
         return trainer_mod.Trainer(make_cfg(
             model={"name_or_path": str(tiny_model_dir)},
             data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
-            grpo={"num_generations": 4, "max_completion_length": 16, "beta": 0.04,
-                  "reference_on_disk": on_disk},
+            grpo={"num_generations": 4, "max_completion_length": 16, "beta": 0.04},
+            cpu={"reference_on_disk": on_disk},
             optim={"per_device_train_batch_size": 4, "max_steps": 1},
             logging={"progress_bar": False, "log_completions_steps": 0},
             output_dir=str(tmp_path / name),
@@ -459,7 +460,8 @@ def test_reference_on_disk_is_refused_under_fsdp(tmp_path, tiny_model_dir, gsm8k
     cfg = make_cfg(
         model={"name_or_path": str(tiny_model_dir)},
         data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
-        grpo={"num_generations": 4, "beta": 0.04, "reference_on_disk": True},
+        grpo={"num_generations": 4, "beta": 0.04},
+        cpu={"reference_on_disk": True},
         optim={"per_device_train_batch_size": 4},
         output_dir=str(tmp_path / "run"),
     )
@@ -582,7 +584,8 @@ def test_trainer_does_not_import_peft_for_full_fine_tuning(tmp_path, tiny_model_
         "output_dir": str(tmp_path / "run"),
     }
     code = (
-        "import sys; from leangrpo.config.schema import validate_config; from leangrpo.train.trainer import Trainer; "
+        "import sys; from leangrpo.run.resolve import validate_config\n"
+        "from leangrpo.train.trainer import Trainer\n"
         f"t = Trainer(validate_config({cfg!r})); "
         "print('peft' in sys.modules, 'bitsandbytes' in sys.modules, t.scheduler.get_last_lr()[0])"
     )

@@ -1,5 +1,5 @@
-"""Tests for leangrpo.models.load (and the model side of leangrpo.engines.rollout): the Policy log-prob path against
-the naive full-logits path, LoRA, loading, saving/merging, and the GGUF → safetensors cache."""
+"""Tests for leangrpo.models.load (and the model side of leangrpo.engines.rollout): the Policy log-prob
+path against the naive full-logits path, LoRA, loading, saving/merging, and the GGUF → safetensors cache."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from leangrpo.config.schema import LoraConfig, ModelConfig
+from leangrpo.config.schema import CPUConfig, LoraConfig, ModelConfig
 from leangrpo.core.grpo import mask_after_eos
+from leangrpo.cpu.levers import CPULevers
 from leangrpo.engines.rollout import (
     InverseCDFSampler,
     PreallocatedLayer,
@@ -272,7 +273,7 @@ def test_apply_lora_all_linear_skips_lm_head(tiny_model_dir):
 # --------------------------------------------------------------------------- rollout.generate
 
 
-def test_generate_layout_and_prefix(tiny_model_dir, tokenizer):
+def test_generate_layout_and_prefix(tiny_model_dir, tokenizer, levers):
     model = load_tiny(tiny_model_dir)
     model.train()
     torch.manual_seed(0)
@@ -283,6 +284,7 @@ def test_generate_layout_and_prefix(tiny_model_dir, tokenizer):
         Sampling(
             num_generations=3, max_prompt_length=32, max_completion_length=5, assistant_prefix="<think>"
         ),
+        levers=levers,
     )
     assert model.training  # restored
     assert len(batch) == 9
@@ -300,13 +302,14 @@ def test_generate_layout_and_prefix(tiny_model_dir, tokenizer):
         assert text == "<think>" + tokenizer.decode(ids[: int(n)], skip_special_tokens=True)
 
 
-def test_generate_ignore_eos_gives_full_length(tiny_model_dir, tokenizer):
+def test_generate_ignore_eos_gives_full_length(tiny_model_dir, tokenizer, levers):
     model = load_tiny(tiny_model_dir)
     batch = generate(
         model,
         tokenizer,
         PROMPTS,
         Sampling(num_generations=2, max_prompt_length=64, max_completion_length=6, ignore_eos=True),
+        levers=levers,
     )
     assert batch.completion_ids.shape == (4, 6)
     assert batch.completion_mask.bool().all()
@@ -352,7 +355,7 @@ def test_generate_uses_the_preallocated_cache(tiny_model_dir, tokenizer, monkeyp
     greedy = Sampling(
         num_generations=1, max_prompt_length=64, max_completion_length=6, do_sample=False, ignore_eos=True
     )
-    ours = generate(model, tokenizer, PROMPTS, greedy, packed=False)  # generate()'s loop, not the lean one
+    ours = generate(model, tokenizer, PROMPTS, greedy)  # generate()'s loop, not the lean one
     assert torch.equal(ours.completion_ids, plain[:, ids.input_ids.shape[1] :])
     assert len(updates) == 6 * model.config.num_hidden_layers  # prefill + 5 decoding steps, every layer
 
@@ -386,26 +389,27 @@ def test_groups_prefill_their_prompt_once(tiny_model_dir, tokenizer, monkeypatch
     shared = generate(model, tokenizer, PROMPTS, Sampling(ignore_eos=True, **kwargs))
     monkeypatch.setattr("leangrpo.engines.rollout.prefill_once_per_group", lambda *a: None)
     # generate()'s own loop (the lean one needs the prefill), prefilling every row
-    every_row = generate(model, tokenizer, PROMPTS, Sampling(ignore_eos=True, **kwargs), packed=False)
+    every_row = generate(model, tokenizer, PROMPTS, Sampling(ignore_eos=True, **kwargs))
     assert torch.equal(shared.completion_ids, every_row.completion_ids)
 
 
 @pytest.mark.parametrize("knob", [{"temperature": 1e-4}, {"top_p": 1e-6}])
-def test_sampling_respects_temperature_and_top_p(tiny_model_dir, tokenizer, knob):
+def test_sampling_respects_temperature_and_top_p(tiny_model_dir, tokenizer, knob, levers):
     """Both limits leave only the likeliest token: sampling must then equal greedy decoding."""
     model = load_tiny(tiny_model_dir)
     kwargs = dict(num_generations=3, max_prompt_length=64, max_completion_length=6, ignore_eos=True)
-    greedy = generate(model, tokenizer, PROMPTS, Sampling(do_sample=False, **kwargs))
+    greedy = generate(model, tokenizer, PROMPTS, Sampling(do_sample=False, **kwargs), levers=levers)
     torch.manual_seed(0)
-    sampled = generate(model, tokenizer, PROMPTS, Sampling(**knob, **kwargs))
+    sampled = generate(model, tokenizer, PROMPTS, Sampling(**knob, **kwargs), levers=levers)
     assert torch.equal(sampled.completion_ids, greedy.completion_ids)
     torch.manual_seed(0)
     assert not torch.equal(
-        generate(model, tokenizer, PROMPTS, Sampling(**kwargs)).completion_ids, greedy.completion_ids
+        generate(model, tokenizer, PROMPTS, Sampling(**kwargs), levers=levers).completion_ids,
+        greedy.completion_ids,
     )
 
 
-def test_model_sampling_defaults_neither_apply_nor_warn(tiny_model_dir, tokenizer, caplog):
+def test_model_sampling_defaults_neither_apply_nor_warn(tiny_model_dir, tokenizer, caplog, levers):
     """A model whose generation_config.json samples (Qwen2.5-Instruct's values) samples with our settings
     only, and transformers prints no warning about its flags."""
     import logging
@@ -416,15 +420,15 @@ def test_model_sampling_defaults_neither_apply_nor_warn(tiny_model_dir, tokenize
     model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=20, top_p=0.8)
     logging.Logger.warning_once.cache_clear()  # transformers warns once per message and process
     kwargs = dict(num_generations=2, max_prompt_length=64, max_completion_length=6, ignore_eos=True)
-    greedy = generate(model, tokenizer, PROMPTS, Sampling(do_sample=False, **kwargs))
-    cold = generate(model, tokenizer, PROMPTS, Sampling(temperature=1e-4, **kwargs))
+    greedy = generate(model, tokenizer, PROMPTS, Sampling(do_sample=False, **kwargs), levers=levers)
+    cold = generate(model, tokenizer, PROMPTS, Sampling(temperature=1e-4, **kwargs), levers=levers)
     assert torch.equal(cold.completion_ids, greedy.completion_ids)
     assert not [r for r in caplog.records if "generation flags" in r.getMessage()]
 
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_sampling_is_exactly_the_configured_softmax_whatever_generation_config_says(
-    tiny_model_dir, tokenizer, monkeypatch, lora
+    tiny_model_dir, tokenizer, monkeypatch, lora, levers
 ):
     """A model whose generation_config sets every sampling and logits-processor default: each token is
     still drawn from exactly softmax(top_p(top_k(logits / T))) with leangrpo's T, top_k and top_p."""
@@ -460,7 +464,7 @@ def test_sampling_is_exactly_the_configured_softmax_whatever_generation_config_s
         top_k=top_k,
         top_p=top_p,
     )
-    batch = generate(model, tokenizer, PROMPTS[1:], sampling)
+    batch = generate(model, tokenizer, PROMPTS[1:], sampling, levers=levers)
     ids = batch.input_ids
     P = batch.prompt_ids.shape[1]
     assert len(drawn) == batch.completion_ids.shape[1] > 1
@@ -487,12 +491,13 @@ def eos_loving_model(tiny_model_dir, tokenizer):
     return model
 
 
-def test_generate_masks_after_forced_eos(eos_loving_model, tokenizer):
+def test_generate_masks_after_forced_eos(eos_loving_model, tokenizer, levers):
     batch = generate(
         eos_loving_model,
         tokenizer,
         PROMPTS,
         Sampling(num_generations=2, max_prompt_length=64, max_completion_length=4, assistant_prefix="P:"),
+        levers=levers,
     )
     C = batch.completion_ids.shape[1]
     assert (batch.completion_ids[:, 0] == tokenizer.eos_token_id).all()
@@ -501,12 +506,13 @@ def test_generate_masks_after_forced_eos(eos_loving_model, tokenizer):
     assert batch.completion_texts == ["P:"] * 4
 
 
-def test_generate_ignore_eos_overrides_forced_eos(eos_loving_model, tokenizer):
+def test_generate_ignore_eos_overrides_forced_eos(eos_loving_model, tokenizer, levers):
     batch = generate(
         eos_loving_model,
         tokenizer,
         PROMPTS,
         Sampling(num_generations=2, max_prompt_length=64, max_completion_length=4, ignore_eos=True),
+        levers=levers,
     )
     assert batch.completion_ids.shape == (4, 4)
     eos = torch.tensor(eos_token_ids(tokenizer, eos_loving_model))
@@ -531,7 +537,7 @@ def test_the_lean_loop_draws_eos_unless_ignore_eos(tiny_model_dir, tokenizer, mo
     sampling = Sampling(
         num_generations=2, max_prompt_length=64, max_completion_length=3, ignore_eos=ignore_eos
     )
-    generate(load_tiny(tiny_model_dir), tokenizer, PROMPTS, sampling)
+    generate(load_tiny(tiny_model_dir), tokenizer, PROMPTS, sampling, levers=CPULevers(CPUConfig()))
     [(ids, choose, eos)] = seen
     logits = torch.zeros(len(ids), len(tokenizer))
     logits[:, eos[0]] = 1e4
@@ -859,24 +865,26 @@ def test_generate_packs_the_linears_only_when_asked(
     a generation_kwargs field the lean loop does not implement); unpacked, neither."""
     from contextlib import contextmanager
 
-    import leangrpo.engines.rollout as rollout_mod
+    import leangrpo.cpu.levers as levers_mod
 
     calls = []
 
     @contextmanager
-    def recording(model, batch_hint, pack_head):
-        calls.append(("packed_linears", batch_hint, pack_head))
+    def recording(model, batch_hint, pack_head, enabled):
+        if enabled:
+            calls.append(("packed_linears", batch_hint, pack_head))
         yield
 
     def lean(model, rows, pack_head):
         calls.append(("lean", rows, pack_head))
         return real_lean(model, rows, pack_head)
 
-    real_lean = rollout_mod.lean_decoder
-    monkeypatch.setattr(rollout_mod, "packed_linears", recording)
-    monkeypatch.setattr(rollout_mod, "lean_decoder", lean)
+    real_lean = levers_mod.lean_decoder
+    monkeypatch.setattr(levers_mod, "packed_linears", recording)
+    monkeypatch.setattr(levers_mod, "lean_decoder", lean)
     sampling = Sampling(
         num_generations=2, max_prompt_length=16, max_completion_length=2, generation_kwargs=kwargs
     )
-    generate(load_tiny(tiny_model_dir), tokenizer, PROMPTS, sampling, packed=packed, pack_head=False)
+    levers = CPULevers(CPUConfig(packed_generation=packed, packed_lm_head=False))
+    generate(load_tiny(tiny_model_dir), tokenizer, PROMPTS, sampling, levers=levers)
     assert calls == ([(want, 4, False)] if want else [])

@@ -1,5 +1,5 @@
 """oneDNN products for the training step (leangrpo/onednn.py): the same values and gradients as
-nn.Linear and the model's own forward, for which CPUs `model.cpu_matmul: auto` picks them, and the
+nn.Linear and the model's own forward, for which CPUs `cpu.matmul: auto` picks them, and the
 loader applying the setting."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ import pytest
 import torch
 from test_models import LORA, assert_grads_close, load_tiny, randomize_lora_b
 
-from leangrpo.config.schema import ModelConfig
+from leangrpo.config.schema import CPUConfig, ModelConfig
 from leangrpo.cpu import onednn
+from leangrpo.cpu.levers import CPULevers
 from leangrpo.models.load import ModelError, apply_lora, enable_checkpointing, load_model_and_tokenizer
-from leangrpo.train.logprobs import Policy
+from leangrpo.train.logprobs import Policy, head_product
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
 
@@ -49,7 +50,7 @@ def test_linear_leaves_other_dtypes_to_nn_linear():
     want = layer(x)
     layer.__class__ = onednn.Linear
     assert torch.equal(layer(x), want)
-    assert onednn.product(layer) is torch.nn.functional.linear
+    assert head_product(layer) is torch.nn.functional.linear
 
 
 def test_preferred_on_amd_with_avx512_only():
@@ -99,18 +100,24 @@ def test_policy_log_probs_and_gradients_equal_with_onednn(tiny_model_dir, lora):
         assert_grads_close(results[1][1][name], want, name)
 
 
+def load_onednn(path, setting):
+    """The model at `path` as training takes it on CPU, with `cpu.matmul: setting`."""
+    model, _ = load_model_and_tokenizer(ModelConfig(name_or_path=str(path)))
+    CPULevers(CPUConfig(matmul=setting)).prepare(model)
+    return model
+
+
 @pytest.mark.parametrize("setting", ["onednn", "blas", "auto"])
-def test_loader_applies_cpu_matmul(tiny_model_dir, setting):
-    cfg = ModelConfig(name_or_path=str(tiny_model_dir), cpu_matmul=setting)
-    model, _ = load_model_and_tokenizer(cfg)
+def test_levers_apply_cpu_matmul(tiny_model_dir, setting):
+    model = load_onednn(tiny_model_dir, setting)
     expected = setting == "onednn" or (setting == "auto" and onednn.preferred())
     assert isinstance(model.get_decoder().layers[0].mlp.down_proj, onednn.Linear) == expected
 
 
-def test_loader_refuses_onednn_without_it(tiny_model_dir, monkeypatch):
+def test_levers_refuse_onednn_without_it(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(onednn, "available", lambda: False)
-    with pytest.raises(ModelError, match="model.cpu_matmul=onednn: this torch build has no oneDNN"):
-        load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir), cpu_matmul="onednn"))
+    with pytest.raises(ModelError, match="cpu.matmul=onednn: this torch build has no oneDNN"):
+        load_onednn(tiny_model_dir, "onednn")
 
 
 @pytest.mark.slow
@@ -120,7 +127,8 @@ def test_real_model_trains_through_onednn(gguf_cache):
     _, path = gguf_cache
     got = []
     for setting in ("onednn", "blas"):
-        model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=str(path), cpu_matmul=setting))
+        model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=str(path)))
+        CPULevers(CPUConfig(matmul=setting)).prepare(model)
         enc = tok(["The capital of France is Paris."], return_tensors="pt")
         with torch.no_grad():
             got.append(Policy(model)(enc.input_ids, enc.attention_mask, num_completion_tokens=4))

@@ -506,7 +506,7 @@ def test_reference_on_disk_is_planned_in_its_own_pass_only(gsm8k_dir):
     snippet = yaml.safe_load(
         plan.yaml_snippet(plan.replace(base, reference_on_disk=True, packed_lm_head=False), "m")
     )
-    assert snippet["grpo"]["reference_on_disk"] is True and snippet["grpo"]["packed_lm_head"] is False
+    assert snippet["cpu"] == {"reference_on_disk": True, "packed_lm_head": False}
     snippet.update(data={"path": str(gsm8k_dir / "train.jsonl")}, rewards={"functions": [{"name": "x"}]})
     k = plan.knobs_from_config(validate_config(snippet), device="cpu")
     assert k.reference_on_disk and k.packed_generation and not k.packed_lm_head

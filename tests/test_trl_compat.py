@@ -393,7 +393,7 @@ def test_sampling_knobs_and_generation_kwargs_shape_the_rollout(tiny_model_dir):
 
     def ids(**knobs):
         torch.manual_seed(0)
-        return generate(model, tok, ["Hello there"], Sampling(**common, **knobs), packed=False).completion_ids
+        return generate(model, tok, ["Hello there"], Sampling(**common, **knobs)).completion_ids
 
     sampled = ids()
     assert len({tuple(r) for r in sampled.tolist()}) > 1  # plain sampling: the 4 completions differ
@@ -519,7 +519,7 @@ def test_evaluation_passes_completion_ids_to_trl_rewards(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from leangrpo.data.tasks.dataset import TASK
-    from leangrpo.tools.evaluate import evaluate
+    from leangrpo.train.evaluation import evaluate
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from pydantic import ValidationError
 
 from leangrpo.config.schema import Config, ConfigError, RewardSpec, TaskConfig
 from leangrpo.config.trl import from_trl, is_trl_config
-from leangrpo.data.tasks import TaskError, load_task, task_class
+from leangrpo.data.tasks import Task, TaskError, TaskOptions, task_class
 from leangrpo.run.rundir import write_text_atomic
 
 
@@ -104,16 +105,9 @@ def resolve(cfg: Config, source: str = "config") -> Config:
 
     try:
         task = task_class(cfg.task.name)
-        options = task.Options.model_validate(cfg.task.options())
     except TaskError as e:
         raise error(f"task: {e}") from None
-    except ValidationError as e:
-        first = e.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        if first["type"] == "extra_forbidden":
-            known = ", ".join(task.Options.model_fields) or "none"
-            raise error(f"task: task {task.name} has no option {key!r} (its options: {known})") from None
-        raise error(f"task: task option {key}: {first['msg'].removeprefix('Value error, ')}") from None
+    options = _task_options(task, cfg.task, lambda msg: error(f"task: {msg}"))
     if cfg.data.path.startswith("reasoning_gym:") and task.name != "reasoning_gym":
         raise error(f"data.path {cfg.data.path} needs task: reasoning_gym (got task: {task.name})")
     try:
@@ -125,10 +119,9 @@ def resolve(cfg: Config, source: str = "config") -> Config:
     if cfg.sft.steps and not task.has_solutions:
         raise error(f"sft.steps needs worked solutions, which task {task.name} does not have")
     if cfg.sft.task is not None:
+        sft_options = _task_options(task, cfg.sft_task, lambda msg: error(f"sft.task: {msg}"))
         try:
-            load_task(cfg.sft_task).check_data(cfg.data.path)
-        except ValidationError as e:
-            raise error(f"sft.task: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+            task(sft_options).check_data(cfg.data.path)
         except TaskError as e:
             raise error(f"sft.task: {e}") from None
     data = cfg.data
@@ -139,6 +132,19 @@ def resolve(cfg: Config, source: str = "config") -> Config:
         rewards = rewards.model_copy(update={"functions": [RewardSpec(name=n) for n in task.default_rewards]})
     task_cfg = TaskConfig.model_validate({"name": task.name, **options.model_dump()})
     return cfg.model_copy(update={"task": task_cfg, "data": data, "rewards": rewards})
+
+
+def _task_options(task: type[Task], cfg: TaskConfig, error: Callable[[str], ConfigError]) -> TaskOptions:
+    """The task's own options from `cfg`, its defaults filled in; a bad one raises `error(message)`."""
+    try:
+        return task.Options.model_validate(cfg.options())
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        if first["type"] == "extra_forbidden":
+            known = ", ".join(task.Options.model_fields) or "none"
+            raise error(f"task {task.name} has no option {key!r} (its options: {known})") from None
+        raise error(f"task option {key}: {first['msg'].removeprefix('Value error, ')}") from None
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
