@@ -13,11 +13,15 @@ from typing import Any
 
 import click
 
-from leangrpo.core.errors import UserError
+from leangrpo.core.errors import Stopped, UserError
 from leangrpo.run.resolve import load_config
 from leangrpo.tools.demo import DEMO_DATA, DEMO_EVAL_DATA, DEMO_TASKS, Control
 
 _POSITIVE = click.IntRange(min=1)
+_TRUST_RUN_CODE = click.option(
+    "--trust-run-code", is_flag=True,
+    help="Let code that a run's own config names run (import-path rewards, reward models, the model's code).",
+)  # fmt: skip
 
 
 def _leave_if_one_of_many(code: int) -> None:
@@ -34,7 +38,8 @@ def _leave_if_one_of_many(code: int) -> None:
 
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a UserError into one line on stderr and exit code 2, never a traceback."""
+    """Turn a UserError into one line on stderr and exit code 2, never a traceback; a run stopped by a
+    signal exits 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -44,6 +49,10 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             click.echo(f"error: {e}", err=True)
             _leave_if_one_of_many(2)
             sys.exit(2)
+        except Stopped as e:  # by a signal, after saving: how to resume, and 128 + the signal
+            click.echo(str(e), err=True)
+            _leave_if_one_of_many(e.exit_code)
+            sys.exit(e.exit_code)
 
     return wrapper
 
@@ -67,16 +76,23 @@ def main(verbose: bool) -> None:
     help="Continue RUN_DIR from its last complete checkpoint (its config.yaml unless -c is given); "
     "'latest': the run in the output_dir of -c.",
 )
+@_TRUST_RUN_CODE
 @click.argument("overrides", nargs=-1)
 @_user_errors
-def train(config_path: str | None, overwrite: bool, resume: str | None, overrides: tuple[str, ...]) -> None:
+def train(
+    config_path: str | None,
+    overwrite: bool,
+    resume: str | None,
+    trust_run_code: bool,
+    overrides: tuple[str, ...],
+) -> None:
     """Train with GRPO. OVERRIDES set any config field: grpo.num_generations=4 optim.learning_rate=1e-6"""
     if resume and overwrite:
         raise click.UsageError("--resume and --overwrite exclude each other")
     if resume:
         from leangrpo.run.checkpoint import resume_config
 
-        cfg = resume_config(config_path, list(overrides), resume)
+        cfg = resume_config(config_path, list(overrides), resume, trust_run_code)
     else:
         cfg = load_config(config_path, list(overrides))
     from leangrpo.tools.plan import memory_startup_warning
@@ -85,7 +101,7 @@ def train(config_path: str | None, overwrite: bool, resume: str | None, override
     if warning := memory_startup_warning(cfg):
         click.echo(f"warning: {warning}", err=True)
     final = run_training(cfg, overwrite=overwrite, resume=bool(resume))
-    if final is not None and int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
         from pathlib import Path
 
         from leangrpo.tools.report import write_report_after_training
@@ -204,9 +220,7 @@ def demo(
         eval_limit=eval_limit, sft_steps=sft_steps, control=control, model=model, seed=seed,
         overrides=overrides,
     )  # fmt: skip
-    final = run_demo(cfg, task, click.echo)
-    if final is not None:  # None: stopped by a signal, after saying how to resume
-        click.echo(f"done: final model in {final}")
+    click.echo(f"done: final model in {run_demo(cfg, task, click.echo)}")
 
 
 @main.command()
@@ -316,6 +330,7 @@ def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: 
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Default: the config's.")
 @click.option("--out", help="Output JSON (records go to the .jsonl beside it).")
 @click.option("--trust-remote-code", is_flag=True, help="Let the model repository's own code run.")
+@_TRUST_RUN_CODE
 @click.option(
     "--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
     help="Generate with HF generate or vLLM (docs/vllm.md).",

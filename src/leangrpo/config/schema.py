@@ -174,10 +174,10 @@ class RewardsConfig(Section):
         "raise", description="a reward that raises stops the run, or marks that completion unscored"
     )
     timeout_s: float | None = Field(
-        None,
+        300,
         gt=0,
         description="seconds a reward function's call may take; a call past it is named and handled "
-        "per on_error (its batch unscored). Set, each call runs in a worker thread. null: no limit",
+        "per on_error (its batch unscored). null: no limit (a stop signal still abandons a hung call)",
     )
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import yaml
 
 from leangrpo.core.errors import UserError, error_reason
-from leangrpo.run.rundir import is_run_dir
+from leangrpo.run.rundir import claim, is_run_dir, replaced_note, write_text_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -141,15 +141,17 @@ def save_checkpoint(
     state: dict[str, Any],
     rank: int,
     barrier: Callable[[], None],
+    rng: dict[str, Any] | None = None,
 ) -> Path:
     """Write `checkpoint-{step}` atomically; every rank calls this (each saves its RNG state).
 
     `model` (the whole causal LM, needed on rank 0 only) and `optimizer_state` come from the trainer's
     `distributed` strategy, which gathers them when sharded. The checkpoint holds the trainable weights
-    (`save_pretrained`: the adapter only for peft models), the tokenizer,
-    the optimizer and scheduler states, every rank's RNG states, the resolved config and `state` (step
-    counters). Older checkpoints beyond `logging.save_total_limit` are deleted after the new one is
-    complete. A failed write (disk full...) removes the partial files and raises a CheckpointError.
+    (`save_pretrained`: the adapter only for peft models), the tokenizer, the optimizer and scheduler
+    states, every rank's RNG states (`rng`: this rank's to record, by default the current one), the
+    resolved config and `state` (step counters). Older checkpoints beyond `logging.save_total_limit` are
+    deleted after the new one is complete. A failed write (disk full...) removes the partial files and
+    raises a CheckpointError.
     """
     from leangrpo.run.resolve import save_config
 
@@ -160,7 +162,7 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         barrier()
-        _torch_save(rng_state(), tmp / f"rng_state_{rank}.pt")
+        _torch_save(rng or rng_state(), tmp / f"rng_state_{rank}.pt")
         barrier()
         if rank == 0:
             assert model is not None, "rank 0 saves the model"
@@ -173,6 +175,7 @@ def save_checkpoint(
             files = {str(p.relative_to(tmp)): p.stat().st_size for p in tmp.rglob("*") if p.is_file()}
             info = {**state, "step": step, "files": files, "sha256": file_hashes(tmp)}
             (tmp / STATE_FILE).write_text(json.dumps(info, indent=1))
+            claim(run_dir, target.name)
             _commit(tmp, target)
     except Exception as e:  # noqa: BLE001 - torch and safetensors report a full disk as their own errors
         shutil.rmtree(tmp, ignore_errors=True)
@@ -229,6 +232,7 @@ def save_final_model(model: PreTrainedModel, tokenizer: Any, out_dir: Path) -> N
         shutil.rmtree(tmp, ignore_errors=True)
         save_model(model, tokenizer, tmp, merge=True)
         (tmp / SHA_FILE).write_text(json.dumps(file_hashes(tmp), indent=1))
+        claim(out_dir.parent, out_dir.name)
         _commit(tmp, out_dir)
     except Exception as e:  # noqa: BLE001 - as in save_checkpoint
         shutil.rmtree(tmp, ignore_errors=True)
@@ -317,11 +321,15 @@ def load_trainable(model: torch.nn.Module, ckpt: Path) -> None:
         raise CheckpointError(f"{ckpt} does not match the model: {', '.join(problems[:3])}")
 
 
-def resume_config(config_path: str | None, overrides: list[str], resume: str) -> Config:
+def resume_config(
+    config_path: str | None, overrides: list[str], resume: str, trust_run_code: bool = False
+) -> Config:
     """The config of a resumed run. `--resume RUN_DIR`: the run's own config.yaml (or `-c`), with the
-    overrides on top and output_dir set to RUN_DIR. `--resume latest`: the run in the output_dir of `-c`."""
+    overrides on top and output_dir set to RUN_DIR. `--resume latest`: the run in the output_dir of `-c`.
+    Code the run's own config names runs only with `trust_run_code` (see `run.trust`)."""
     from leangrpo.config.schema import ConfigError
     from leangrpo.run.resolve import load_config
+    from leangrpo.run.trust import code_named, is_run_owned, refusal
 
     if resume == "latest":
         if config_path is None:
@@ -332,13 +340,10 @@ def resume_config(config_path: str | None, overrides: list[str], resume: str) ->
     run_dir = Path(resume)
     if config_path is None and not is_run_dir(run_dir):
         raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
-    cfg = load_config(config_path or run_dir / "config.yaml", overrides)
-    granted = any(o.startswith("model.trust_remote_code=") for o in overrides)
-    if config_path is None and cfg.model.trust_remote_code and not granted:
-        raise CheckpointError(
-            f"--resume {run_dir}: its config.yaml sets model.trust_remote_code, which a run directory cannot "
-            "grant itself; pass model.trust_remote_code=true to let the model's own code run"
-        )
+    source = config_path or run_dir / "config.yaml"
+    cfg = load_config(source, overrides)
+    if is_run_owned(source) and not trust_run_code and (named := code_named(cfg, overrides)):
+        raise refusal(f"--resume {run_dir}: {source}", named)
     cfg.output_dir = str(run_dir)
     return cfg
 
@@ -349,9 +354,10 @@ def resume_checkpoint(run_dir: Path) -> Path:
         raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
     ckpt = last_good_checkpoint(run_dir)
     if ckpt is None:
+        advice = replaced_note(run_dir) or "; start it again with --overwrite"
         raise CheckpointError(
             f"--resume {run_dir}: the run has no complete, intact checkpoint to resume from "
-            "(none was saved, or none verifies); start it again with --overwrite"
+            f"(none was saved, or none verifies){advice}"
         )
     return ckpt
 
@@ -394,6 +400,4 @@ def truncate_log(path: Path, step: int) -> None:
                 kept.append(line + "\n")
         except (ValueError, KeyError, TypeError):
             continue
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(kept))

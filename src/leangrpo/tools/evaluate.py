@@ -3,20 +3,25 @@ task, prompt format and rewards of its training config unless told otherwise."""
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Literal
 
 from leangrpo.config.schema import Config, CPUConfig, DataConfig, RewardSpec, TaskConfig
 from leangrpo.data.rewards import load_rewards
+from leangrpo.data.rewards.registry import foreign_rewards
 from leangrpo.data.tasks import load_task
 from leangrpo.engines.rollout import HFEngine, RolloutEngine, eos_token_ids
 from leangrpo.engines.vllm import VLLMEngine, import_vllm
 from leangrpo.run.resolve import load_config, validate_config
 from leangrpo.run.rundir import check_writable, is_run_dir
 from leangrpo.run.trained import load_trained, locate
+from leangrpo.run.trust import TRUST_FLAG, is_run_owned
 from leangrpo.train.engine import cpu_levers
 from leangrpo.train.evaluation import EvalError, EvalResult, evaluate, load_eval_rows, resolve_data_path
+
+log = logging.getLogger(__name__)
 
 
 def run_eval(
@@ -35,11 +40,14 @@ def run_eval(
     seed: int = 0,
     dtype: str | None = None,
     trust_remote_code: bool = False,
+    trust_run_code: bool = False,
     engine: Literal["hf", "vllm"] = "hf",
 ) -> tuple[EvalResult, Path]:
     """`leangrpo eval`: task, prompt format, rewards and lengths come from `config` (a run config YAML or
     run directory; by default the training config of `model` when it is a run, checkpoint or export),
-    else the default task's. Every input is checked before the model loads."""
+    else the default task's. Every input is checked before the model loads. Correctness needs no reward
+    code: rewards that a run's own config names beyond leangrpo's are skipped with a note unless
+    `trust_run_code` (see `run.trust`)."""
     if not re.fullmatch(r"\w[\w.-]*", split):
         raise EvalError(f"--split {split!r} is not a split name (letters, digits, '_', '.', '-')")
     trained = locate(model)
@@ -59,6 +67,15 @@ def run_eval(
     task = load_task(cfg.task if cfg else TaskConfig())
     data_cfg = cfg.data if cfg else DataConfig(path=data, system_prompt=task.system_prompt)
     specs = cfg.rewards.functions if cfg else []
+    from_run = cfg is not None and (config is None or is_run_owned(config))
+    if from_run and not trust_run_code and (skipped := foreign_rewards(specs)):
+        log.warning(
+            "note: not scoring %s: the run's config names them, and code from a run runs only with %s "
+            "(or name them with --reward or in your own -c)",
+            ", ".join(skipped),
+            TRUST_FLAG,
+        )
+        specs = [s for s in specs if s.name not in skipped]
     if rewards or not specs:
         specs = [RewardSpec(name=n) for n in rewards or task.default_rewards]
     reward_funcs = load_rewards(specs, task)

@@ -18,6 +18,7 @@ from leangrpo.run.rundir import (
     Curve,
     RunDirError,
     atomic_path,
+    claim,
     is_run_dir,
     read_jsonl,
     write_text_atomic,
@@ -155,6 +156,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, list[str]]:
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     images = []
     for curve in CURVES:
+        claim(run_dir, f"{curve.stem}.png")
         png = plot_curve(evals if curve.eval_rows else train, curve, run_dir / f"{curve.stem}.png")
         if png is None:
             (run_dir / f"{curve.stem}.png").unlink(missing_ok=True)  # an earlier run's, now stale
@@ -190,6 +192,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, list[str]]:
 </body></html>
 """
     out = run_dir / "report.html"
+    claim(run_dir, out.name)
     write_text_atomic(out, page)
     return out, notes
 

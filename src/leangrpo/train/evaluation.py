@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from leangrpo.core.errors import UserError
 from leangrpo.data.rewards import soft_format_reward, strict_format_reward
-from leangrpo.run.rundir import atomic_path, write_text_atomic
+from leangrpo.run.rundir import atomic_path, claim, write_text_atomic
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -51,6 +51,8 @@ class EvalResult:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         records_path = path.with_suffix(".jsonl")
+        if path.parent.name == "eval":  # a run's eval/: the run's own, from now on
+            claim(path.parent.parent, f"eval/{path.name}", f"eval/{records_path.name}")
         with atomic_path(records_path) as tmp, tmp.open("w") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records)
         doc = {**meta, "metrics": self.metrics, "records_file": records_path.name}
