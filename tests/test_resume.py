@@ -137,12 +137,16 @@ def test_resume_refuses_a_changed_config_and_a_finished_run(tmp_path, tiny_model
     run, cli = tmp_path / "run", CliRunner()
     result = cli.invoke(main, ["train", "-c", str(cfg_path)])
     assert result.exit_code == 0 and "sft step" in result.output
-    result = cli.invoke(main, ["train", "--resume", str(run), "optim.learning_rate=0.5", "grpo.beta=0.1"])
+    result = cli.invoke(
+        main, ["train", "--resume", str(run), "--trust-run-code", "optim.learning_rate=0.5", "grpo.beta=0.1"]
+    )
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
     assert "differs in grpo.beta (0.0 → 0.1); optim.learning_rate (0.001 → 0.5)" in result.output
-    result = cli.invoke(main, ["train", "--resume", str(run)])
+    result = cli.invoke(main, ["train", "--resume", str(run), "--trust-run-code"])
     assert result.exit_code == 2 and "raise optim.max_steps" in result.output
-    result = cli.invoke(main, ["train", "--resume", str(run), "optim.max_steps=3"])  # extend a finished run
+    result = cli.invoke(
+        main, ["train", "--resume", str(run), "--trust-run-code", "optim.max_steps=3"]
+    )  # extend a finished run
     assert result.exit_code == 0, result.output
     assert "sft step" not in result.output  # the cold start belongs to the start of the run only
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
@@ -178,7 +182,7 @@ def test_sigkill_during_checkpoint_write_then_sigterm_then_finish(tmp_path, tiny
     assert is_complete(run / "checkpoint-2") and partial.is_dir()
 
     # 2. Resume, then SIGTERM: the step finishes, a checkpoint is saved, exit 0 with how to resume.
-    proc = start("--resume", str(run))
+    proc = start("--resume", str(run), "--trust-run-code")
     wait_for(lambda: (run / "metrics.jsonl").is_file() and read_metrics(run)[-1]["step"] >= 5, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -189,7 +193,7 @@ def test_sigkill_during_checkpoint_write_then_sigterm_then_finish(tmp_path, tiny
     assert not partial.exists()
 
     # 3. Resume to the end (in this process): every step logged exactly once, every checkpoint complete.
-    result = CliRunner().invoke(main, ["train", "--resume", str(run)])
+    result = CliRunner().invoke(main, ["train", "--resume", str(run), "--trust-run-code"])
     assert result.exit_code == 0, result.output
     assert [r["step"] for r in read_metrics(run)] == list(range(1, 9))
     assert all(is_complete(c) for c in checkpoint_dirs(run, complete=False))
