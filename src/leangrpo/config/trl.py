@@ -160,9 +160,12 @@ def _translate_special(flat: dict[str, Any], put: Any, refused: list[str]) -> No
 def _translate_rewards(flat: dict[str, Any], put: Any) -> None:
     """`reward_funcs` (TRL registry names or dotted import paths), `reward_weights` and
     `reward_model_name_or_path` as `rewards.functions`."""
-    names = list(flat.pop("reward_funcs", None) or [])
+    names = flat.pop("reward_funcs", None) or []
+    names = [names] if isinstance(names, str) else list(names)  # TRL takes one name as well as a list
     model = flat.pop("reward_model_name_or_path", None)
     weights = flat.pop("reward_weights", None)
+    if weights is not None and not isinstance(weights, list):
+        raise TRLConfigError(f"reward_weights must be a list of numbers, one per reward (got {weights!r})")
     specs: list[dict[str, Any]] = [{"name": model}] if model else []
     for name in names:
         path, kwargs = _TRL_REWARDS.get(name, (None, None))

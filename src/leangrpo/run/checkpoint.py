@@ -109,9 +109,11 @@ def corruption(saved: Path) -> str | None:
 
 
 def last_good_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint whose files verify; each corrupt one is named in a warning."""
-    for ckpt in reversed(checkpoint_dirs(run_dir)):
-        problem = corruption(ckpt)
+    """The newest complete checkpoint whose files verify; each incomplete or corrupt one is named in a
+    warning."""
+    for ckpt in reversed(checkpoint_dirs(run_dir, complete=False)):
+        incomplete = f"{ckpt} is incomplete (a file it lists is missing or cut short)"
+        problem = corruption(ckpt) if is_complete(ckpt) else incomplete
         if problem is None:
             return ckpt
         log.warning("%s; using the checkpoint before it", problem)
@@ -304,15 +306,19 @@ def load_trainable(model: torch.nn.Module, ckpt: Path) -> None:
 
     from leangrpo.models.load import is_peft
 
+    weights = [ckpt / "adapter_model.safetensors"] if is_peft(model) else sorted(ckpt.glob("*.safetensors"))
+    if not weights or not weights[0].is_file():
+        missing = weights[0].name if weights else "*.safetensors"
+        raise CheckpointError(f"{ckpt} holds no trainable weights ({missing} is missing)")
     if is_peft(model):
         from peft import set_peft_model_state_dict
 
-        result = set_peft_model_state_dict(model, load_file(ckpt / "adapter_model.safetensors"))
+        result = set_peft_model_state_dict(model, load_file(weights[0]))
         # peft annotates the result as `namedtuple`; it is torch's load_state_dict result
         problems = list(result.unexpected_keys)  # type: ignore[attr-defined]
     else:
         state: dict[str, Any] = {}
-        for path in sorted(ckpt.glob("*.safetensors")):
+        for path in weights:
             state.update(load_file(path))
         result = model.load_state_dict(state, strict=False)
         params = dict(model.named_parameters())  # tied weights appear once, under the name that was saved

@@ -11,6 +11,7 @@ deleted when the new run has finished its first step, and moved back if it fails
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -84,7 +85,8 @@ def atomic_path(path: Path) -> Iterator[Path]:
         yield tmp
         os.replace(tmp, path)
     except Exception as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only directory: there is no tmp to remove
+            tmp.unlink(missing_ok=True)
         if isinstance(e, UserError):
             raise
         raise RunDirError(f"cannot write {path}: {error_reason(e)}") from None

@@ -95,7 +95,7 @@ def load_trained(
 
     trained = locate(source)
     if trained is None:
-        from .config import ModelConfig
+        from leangrpo.config.schema import ModelConfig
 
         cfg = ModelConfig(
             name_or_path=source, dtype=dtype or "float32", gradient_checkpointing=False,
@@ -112,7 +112,7 @@ def load_trained(
             if trained.full is not None:
                 model = AutoModelForCausalLM.from_pretrained(trained.full, **kwargs)
             else:  # the base as it was trained on (4-bit for QLoRA), then the adapter merged in
-                from .config import ModelConfig
+                from leangrpo.config.schema import ModelConfig
 
                 base_cfg = ModelConfig.model_validate(
                     {**trained.config["model"], "trust_remote_code": trust_remote_code}

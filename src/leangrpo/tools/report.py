@@ -43,7 +43,7 @@ def _series(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, tupl
                     found.append(k)
     out = {}
     for k in found:
-        points = [(r["step"], float(r[k])) for r in rows if _numeric(r.get(k))]
+        points = [(r["step"], float(r[k])) for r in rows if _numeric(r.get(k)) and _numeric(r.get("step"))]
         if points:
             out[k] = ([s for s, _ in points], [v for _, v in points])
     return out
