@@ -43,7 +43,7 @@ def _series(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, tupl
                     found.append(k)
     out = {}
     for k in found:
-        points = [(r["step"], float(r[k])) for r in rows if _numeric(r.get(k)) and _numeric(r.get("step"))]
+        points = [(r["step"], float(r[k])) for r in rows if _numeric(r.get(k))]
         if points:
             out[k] = ([s for s, _ in points], [v for _, v in points])
     return out
@@ -74,13 +74,19 @@ def plot_curve(rows: list[dict[str, Any]], curve: Curve, out: Path) -> Path | No
 
 
 def load_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """The run's metrics rows and notes about skipped lines; one-line errors for a non-run."""
+    """The run's metrics rows (those with a step number) and notes about skipped lines; one-line errors
+    for a non-run."""
     if not is_run_dir(run_dir):
         raise RunDirError(f"{run_dir} is not a run directory (no leangrpo config.yaml)")
     if not (run_dir / "metrics.jsonl").is_file():
         raise RunDirError(f"run directory {run_dir} has no metrics.jsonl yet")
     loaded = read_jsonl(run_dir / "metrics.jsonl")
-    return loaded.rows, loaded.notes
+    rows = [r for r in loaded.rows if _numeric(r.get("step"))]
+    if len(rows) < len(loaded.rows):
+        loaded.notes.append(
+            f"skipped {len(loaded.rows) - len(rows)} rows of metrics.jsonl with no step number"
+        )
+    return rows, loaded.notes
 
 
 def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Path | None:

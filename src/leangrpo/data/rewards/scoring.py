@@ -198,7 +198,7 @@ class _Batch:
                 if wait <= 0:
                     break
                 worker.join(wait)
-        timeout = f"did not return within rewards.timeout_s={self.timeout_s:g}s"
+        timeout = f"did not return within rewards.timeout_s={self.timeout_s}s"  # a box is empty only then
         return [box[0] if box else _Timeout(timeout) for box in boxes]
 
     def call(self, func: RewardFunc, indices: list[int]) -> list[float] | _Failure:
