@@ -41,11 +41,9 @@ EVIL = {"name": "os:system", "kwargs": {"command": "touch PWNED"}}
 
 
 def md5s(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): hashlib.md5(p.read_bytes()).hexdigest()
-        for p in root.rglob("*")
-        if p.is_file()
-    }
+    """Every file's md5 but the run lock's (it holds the PID of the last process to take it)."""
+    files = (p for p in root.rglob("*") if p.is_file() and p.name != ".leangrpo.lock")
+    return {str(p.relative_to(root)): hashlib.md5(p.read_bytes()).hexdigest() for p in files}
 
 
 def cli(*args: str, **kwargs):
