@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from leangrpo.engines.rollout import RolloutEngine, Sampling
 
 RewardFuncs = list[tuple[str, Callable[..., list[Any]], float]]
+Generated = tuple[str, int, bool, list[int]]
+"""One completion: its text, token length, whether it was truncated, and its token ids."""
 FORMAT_REWARDS = (strict_format_reward, soft_format_reward)
 """Rewards that check the output format: their rate of non-zero scores is reported as `format/<name>`."""
 DATA_SUFFIXES = (".jsonl", ".parquet", ".json")
@@ -108,17 +110,29 @@ def evaluate(
             if num_samples:
                 with torch.random.fork_rng(devices=[] if model.device.type == "cpu" else [model.device]):
                     torch.manual_seed(seed)
-                    sampling = replace(
-                        greedy_sampling, num_generations=num_samples, do_sample=True, temperature=temperature,
-                        top_p=top_p,
-                    )  # fmt: skip
+                    sampling = replace(greedy_sampling, num_generations=num_samples, do_sample=True,
+                                       temperature=temperature, top_p=top_p)  # fmt: skip
                     sampled = gen(sampling, max(1, batch_size // num_samples), bar)
     finally:
         tokenizer.padding_side, tokenizer.truncation_side = sides
         bar.close()
 
+    records = _records(rows, greedy, sampled, reward_funcs, task, has_chat_template(tokenizer), on_error)
+    return EvalResult(summarize(records, reward_funcs, num_samples), records)
+
+
+def _records(
+    rows: list[dict[str, Any]],
+    greedy: list[list[Generated]],
+    sampled: list[list[Generated]] | None,
+    reward_funcs: RewardFuncs,
+    task: Task,
+    conversational: bool,
+    on_error: Literal["raise", "missing"],
+) -> list[dict[str, Any]]:
+    """One scored record per row: its greedy completion's rewards, correctness, length and truncation,
+    and how many of its samples are correct (with pass@k)."""
     completions = [g[0][0] for g in greedy]
-    conversational = has_chat_template(tokenizer)
     records = score(
         rows, completions, reward_funcs, task, conversational, on_error, [g[0][3] for g in greedy]
     )
@@ -127,7 +141,7 @@ def evaluate(
     if sampled is not None:
         for record, row, samples in zip(records, rows, sampled, strict=True):
             record["samples_correct"] = sum(task.is_correct(text, row) for text, _, _, _ in samples)
-    return EvalResult(summarize(records, reward_funcs, num_samples), records)
+    return records
 
 
 def _generate_all(
@@ -137,11 +151,11 @@ def _generate_all(
     sampling: Sampling,
     prompts_per_call: int,
     bar: Any,
-) -> list[list[tuple[str, int, bool, list[int]]]]:
+) -> list[list[Generated]]:
     """(text, token length, truncated, token ids) of `sampling.num_generations` completions for each
     prompt, in `texts` order; prompts go `prompts_per_call` at a time, in `order`."""
     per_prompt = sampling.num_generations
-    out: list[list[tuple[str, int, bool, list[int]]]] = [[] for _ in texts]
+    out: list[list[Generated]] = [[] for _ in texts]
     for start in range(0, len(order), prompts_per_call):
         idx = order[start : start + prompts_per_call]
         batch = engine.generate([texts[i] for i in idx], sampling)
