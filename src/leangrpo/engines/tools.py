@@ -340,7 +340,8 @@ def parse_turn(
     row: int,
 ) -> tuple[Message, list[Any]]:
     """One assistant turn as a message (transformers' parse_response, TRL's fallback to the decoded text)
-    and its tool calls. A call that does not parse counts as a call and a failure of tool "malformed"."""
+    and its tool calls. A call that does not parse in a finished turn counts as a call and a failure of
+    tool "malformed" (TRL counts neither)."""
     try:
         tools: list[Any] = list(toolbox.schemas)
         message = tokenizer.parse_response(ids, prefix=prefix, tools=tools)
@@ -348,7 +349,7 @@ def parse_turn(
             raise ValueError("nothing parsed")
     except (ValueError, TypeError):
         text = str(tokenizer.decode(ids, skip_special_tokens=True))
-        if TOOL_CALL_OPENER in text:
+        if TOOL_CALL_OPENER in text and ids and ids[-1] == tokenizer.eos_token_id:  # not cut at the budget
             use.calls[row]["malformed"] += 1
             use.failures[row]["malformed"] += 1
         return {"role": "assistant", "content": text}, []
