@@ -302,3 +302,76 @@ def test_lengths_and_the_loss_mask_count_the_models_tokens_only():
     assert batch.loss_mask.tolist() == [[1, 0, 0, 1, 0]]
     cat = RolloutBatch.cat([batch, batch.select(torch.tensor([0]))])
     assert cat.loss_mask.tolist() == [[1, 0, 0, 1, 0]] * 2
+
+
+# ------------------------------------------------------------------------------ through the Trainer
+
+SEEN: dict = {}
+
+
+def record_reward(prompts, completions, **kwargs):
+    """Scores 1 and keeps what it was given."""
+    SEEN.update(kwargs, completions=completions)
+    return [1.0] * len(completions)
+
+
+def _config(tmp_path, tiny_model_dir, gsm8k_dir, **extra):
+    from leangrpo.run.resolve import validate_config
+
+    return validate_config({
+        "model": {"name_or_path": str(tiny_model_dir), "gradient_checkpointing": False},
+        "data": {"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
+        "rewards": {"functions": [{"name": "test_tools:record_reward"}]},
+        "grpo": {"num_generations": 2, "max_completion_length": 8, "loss_type": "dapo"},
+        "optim": {"per_device_train_batch_size": 4, "max_steps": 1},
+        "logging": {"progress_bar": False, "log_completions_steps": 0},
+        "output_dir": str(tmp_path / "run"), **extra,
+    })  # fmt: skip
+
+
+def test_a_rollout_funcs_env_mask_reaches_the_loss_and_its_keys_the_rewards(
+    tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch
+):
+    import leangrpo.core.grpo as grpo_mod
+    from leangrpo.train.trainer import Trainer
+
+    masks = []
+    real_loss = grpo_mod.grpo_loss
+
+    def spy(logp, old, ref, adv, mask, **kwargs):
+        masks.append(mask.clone())
+        return real_loss(logp, old, ref, adv, mask, **kwargs)
+
+    monkeypatch.setattr(grpo_mod, "grpo_loss", spy)
+
+    def rollout_func(prompts, trainer):
+        n = len(prompts)
+        return {
+            "prompt_ids": [[10, 11, 12]] * n,
+            "completion_ids": [[20, 21, 22, 23, 2]] * n,
+            "logprobs": [[-1.0] * 5] * n,
+            "env_mask": [[1, 0, 0, 1, 1]] * n,
+            "turn_count": [2] * n,
+        }
+
+    metrics = Trainer(
+        _config(tmp_path, tiny_model_dir, gsm8k_dir), agent=AgentSpec(rollout_func=rollout_func)
+    ).step(1)
+    (mask,) = masks
+    assert mask.tolist() == [[1, 0, 0, 1, 1]] * 4
+    assert SEEN["turn_count"] == [2] * 4 and SEEN["completions"][0][0]["role"] == "assistant"
+    assert metrics["completion_length/mean"] == 3  # the model's tokens only, as TRL counts them
+
+
+def test_yaml_tools_run_a_step(tmp_path, tiny_model_dir, gsm8k_dir):
+    """`tools: {functions: [...]}` from the config: prompts carry the tool schema, the step runs and logs
+    TRL's tools/* metrics (the random tiny model calls no tool)."""
+    from leangrpo.train.trainer import Trainer
+
+    trainer = Trainer(_config(tmp_path, tiny_model_dir, gsm8k_dir, tools={"functions": ["test_tools:add"]}))
+    metrics = trainer.step(1)
+    assert metrics["tools/call_frequency"] == 0 and metrics["tools/turns"] == 1
+    assert isinstance(SEEN["completions"][0], list)  # messages, as TRL gives them with tools
+    assert '"name": "add"' in trainer.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "q"}], tools=[add], tokenize=False
+    )
