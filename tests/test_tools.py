@@ -227,15 +227,25 @@ def test_the_tool_loop_matches_trls(tool_tokenizer, max_iterations):
     )
 
     fake = SimpleNamespace(
-        max_tool_calling_iterations=max_iterations or 10**9, _sync_tool_dicts=[{"add": add, "broken": broken}] * 4,
-        _async_tool_dicts=[{}] * 4, processing_class=tok, _tokenizer=tok, _is_vlm=False, chat_template=None,
-        chat_template_kwargs={}, use_vllm=False, model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1024)),
-        max_completion_length=max_len, environment_factories=None, tools=[add, broken],
+        max_tool_calling_iterations=max_iterations or 10**9,
+        _sync_tool_dicts=[{"add": add, "broken": broken}] * 4,
+        _async_tool_dicts=[{}] * 4,
+        processing_class=tok,
+        _tokenizer=tok,
+        _is_vlm=False,
+        chat_template=None,
+        chat_template_kwargs={},
+        use_vllm=False,
+        model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1024)),
+        max_completion_length=max_len,
+        environment_factories=None,
+        tools=[add, broken],
         _generate_single_turn=lambda ids, *a, **k: (stub(ids, max_len), None),
-    )  # fmt: skip
+    )
     fake._get_tool_suffix_ids = lambda m: trl_grpo.GRPOTrainer._get_tool_suffix_ids(fake, m)
     completions = [
-        [parse_response(tok, ids, prefix=p, tools=[add, broken])] for ids, p in zip(first, prompts.values())
+        [parse_response(tok, ids, prefix=p, tools=[add, broken])]
+        for ids, p in zip(first, prompts.values(), strict=True)
     ]
     mask, messages, ids, _, calls, failures, _ = trl_grpo.GRPOTrainer._tool_call_loop(
         fake, copy.deepcopy(list(chats.values())), list(prompts.values()), copy.deepcopy(first), completions,
@@ -295,9 +305,15 @@ def test_environment_tokens_get_no_gradient(tiny_model_dir):
 
 def test_lengths_and_the_loss_mask_count_the_models_tokens_only():
     batch = RolloutBatch(
-        torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), torch.ones(1, 5, dtype=torch.long),
-        torch.tensor([[1, 1, 1, 1, 0]]), torch.zeros(1, dtype=torch.bool), [""], None, torch.tensor([[1, 0, 0, 1, 1]]),
-    )  # fmt: skip
+        torch.ones(1, 2, dtype=torch.long),
+        torch.ones(1, 2, dtype=torch.long),
+        torch.ones(1, 5, dtype=torch.long),
+        torch.tensor([[1, 1, 1, 1, 0]]),
+        torch.zeros(1, dtype=torch.bool),
+        [""],
+        None,
+        torch.tensor([[1, 0, 0, 1, 1]]),
+    )
     assert batch.lengths().tolist() == [2]
     assert batch.loss_mask.tolist() == [[1, 0, 0, 1, 0]]
     cat = RolloutBatch.cat([batch, batch.select(torch.tensor([0]))])

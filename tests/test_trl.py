@@ -243,9 +243,15 @@ def test_multi_turn_loss_and_gradient_match_trl(loss_type):
     tool_mask = torch.ones(n, c, dtype=torch.long)
     tool_mask[0, 2:4] = tool_mask[2, 1:5] = tool_mask[4, 1] = 0
     batch = RolloutBatch(
-        torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long), torch.zeros(n, c, dtype=torch.long),
-        mask, torch.zeros(n, dtype=torch.bool), [""] * n, None, tool_mask,
-    )  # fmt: skip
+        torch.zeros(n, 1, dtype=torch.long),
+        torch.ones(n, 1, dtype=torch.long),
+        torch.zeros(n, c, dtype=torch.long),
+        mask,
+        torch.zeros(n, dtype=torch.bool),
+        [""] * n,
+        None,
+        tool_mask,
+    )
     loss_mask = batch.loss_mask
     ours, theirs = base.clone().requires_grad_(), base.clone().requires_grad_()
     for rows in (slice(0, 3), slice(3, 6)):
@@ -255,9 +261,18 @@ def test_multi_turn_loss_and_gradient_match_trl(loss_type):
             max_completion_length=c, accumulation_steps=2, bias_correction_kl=False,
         )  # fmt: skip
         ref_loss, _ = trl_loss(
-            theirs[rows], old[rows], ref[rows], adv[rows], mask[rows], loss_type=loss_type, bias_correction_kl=False,
-            accumulation_steps=2, num_items=loss_mask.sum(), max_len=c, tool_mask=tool_mask[rows],
-        )  # fmt: skip
+            theirs[rows],
+            old[rows],
+            ref[rows],
+            adv[rows],
+            mask[rows],
+            loss_type=loss_type,
+            bias_correction_kl=False,
+            accumulation_steps=2,
+            num_items=loss_mask.sum(),
+            max_len=c,
+            tool_mask=tool_mask[rows],
+        )
         assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-12)
         loss.backward()
         ref_loss.backward()
