@@ -600,7 +600,7 @@ class Trainer:
             **scores.metrics,  # the rewards' log_metric values (this process's)
             **{f"vllm/{k}": v for k, v in (vars(mismatch) if mismatch else {}).items()},
             **(sampling or {}),
-            **(self._tool_metrics(rollout)),
+            **self._tool_metrics(rollout),
         }
         if self.is_main and _due(step, cfg.logging.log_completions_steps):
             sample = self.task.sample_view(rows[0], rollout.completion_texts[0])
