@@ -184,6 +184,30 @@ class RewardsConfig(Section):
     )
 
 
+class ToolsConfig(Section):
+    """Tools the model may call during a rollout, TRL's contract (docs/tools.md): Python functions with
+    type hints and Google-style docstrings, sync or async, named like rewards."""
+
+    functions: list[str] = Field(
+        default_factory=list, description="tools as 'package.module:function', offered to every rollout"
+    )
+    environment: str | dict[str, str] | None = Field(
+        None,
+        description="'package.module:Class' (TRL's environment_factory: one instance per rollout, its public "
+        "methods are tools, reset(**row) may add to the prompt, get_reward() is a reward), or a map of "
+        "them picked by each row's `environment` column",
+    )
+    timeout_s: float | None = Field(
+        30.0,
+        gt=0,
+        description="seconds a tool call may take; past it the model gets an error. null: no limit",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.functions or self.environment)
+
+
 class GRPOSection(Section):
     """Sampling and the GRPO objective."""
 
@@ -348,6 +372,9 @@ class GRPOSection(Section):
             )
         return v
 
+    max_tool_calling_iterations: int | None = Field(
+        None, ge=0, description="rounds of tool calls a rollout makes at most (TRL's); null: no limit"
+    )
     shuffle_rewards: bool = Field(
         False,
         description="control experiment: permute each group's rewards at random before the advantages, so "
@@ -446,7 +473,9 @@ class OptimConfig(Section):
 
 
 class CPUConfig(Section):
-    """The CPU's speed and memory levers (leangrpo.cpu); they do nothing on CUDA."""
+    """The CPU's speed and memory levers (leangrpo.cpu); they do nothing on CUDA. Their earlier names
+    (model.cpu_matmul, grpo.packed_generation, grpo.packed_lm_head, grpo.reference_on_disk) are still
+    read, with a one-line note, until the next release."""
 
     matmul: Literal["auto", "onednn", "blas"] = Field(
         "auto",
@@ -561,6 +590,7 @@ class Config(Section):
     model: ModelConfig = Field(..., description="the policy model")
     data: DataConfig = Field(..., description="the training prompts")
     rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="the reward functions")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="tools and environments in rollouts")
     grpo: GRPOSection = Field(default_factory=GRPOSection, description="sampling and the GRPO objective")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer, schedule, batch sizes")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="supervised cold start")
