@@ -212,7 +212,7 @@ def test_trl_conversational_data_and_trl_rewards_train_unchanged(tmp_path, tiny_
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["toy/global_step"] for m in metrics] == [0, 1]  # trainer_state and log_metric
     assert all(1 <= m["toy/tokens"] <= 6 for m in metrics)  # completion_ids: real token counts
-    assert all(m["rewards/trl.rewards:get_soft_overlong_punishment/mean"] <= 0 for m in metrics)
+    assert all(m["rewards/soft_overlong_punishment_reward/mean"] <= 0 for m in metrics)
     sample = json.loads((out / "completions.jsonl").read_text().splitlines()[0])
     assert sample["question"].startswith("What is") and sample["solution"] == sample["gold"]  # log_extra
 
@@ -222,7 +222,7 @@ def test_trl_standard_format_gives_string_completions(tmp_path, tiny_model_dir):
     rows = [{"prompt": p} for p in ("The sky is", "Once upon a time", "My favourite food is", "Hello")]
     out = run_train(tmp_path, tiny_model_dir, rows, [{"name": "toy_rewards:distinct_chars"}])
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["rewards/toy_rewards:distinct_chars/mean"] > 0 for m in metrics)
+    assert all(m["rewards/distinct_chars/mean"] > 0 for m in metrics)
     sample = json.loads((out / "completions.jsonl").read_text().splitlines()[0])
     assert sample["question"] in {r["prompt"] for r in rows} and sample["gold"] is None
 
