@@ -234,7 +234,8 @@ def test_kl_clip_ratio_and_entropy_are_means_of_micro_batch_means_as_in_trl():
 
 def test_trainer_step_matches_trl(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
     """One real step with GA = 2 micro-batches, num_iterations = 2, beta > 0 and bnpo: the logged loss,
-    kl, clip_ratio, reward_std and frac_reward_zero_std are TRL's, computed from what the trainer fed its loss.
+    kl, clip_ratio, reward_std and frac_reward_zero_std are TRL's, computed from what the trainer fed its
+    loss.
     The rewards are tiny (weight 1e-6), so every group's std lies between TRL's zero test (isclose 0)
     and 1e-6."""
     from trl.trainer.utils import nanstd

@@ -290,7 +290,7 @@ def is_trl_config(data: dict[str, Any]) -> bool:
     return bool((data.keys() - Config.model_fields.keys()) & accepted_fields())
 
 
-def _quiet(name: str, value: Any) -> bool:
+def asks_nothing(name: str, value: Any) -> bool:
     """A value that asks nothing leangrpo does not do: TRL's default, or one of `_QUIET`'s."""
     default = _SCRIPT_KEYS.get(name, TRL_DEFAULTS.get(name))
     return value == default or value in _QUIET.get(name, ())
@@ -320,7 +320,7 @@ def from_trl(
     for key, value in flat.items():
         if (target := _mapped(key)) is not None:
             put(target, value)
-        elif _quiet(key, value):
+        elif asks_nothing(key, value):
             continue
         elif key in _NOTED:
             logger.warning(f"{source}: {key}={value!r} ignored: {_NOTED[key]}")

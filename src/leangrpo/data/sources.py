@@ -265,6 +265,11 @@ def _make_row(
 def _prompt(record: dict[str, Any], column: str, system_prompt: str | None) -> str | list[Message]:
     """The row's prompt in TRL's shape: chat messages, or (a text ``prompt`` column) plain text."""
     value = record.get(column)
+    parts = isinstance(value, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list) for m in value
+    )
+    if parts or record.keys() & {"image", "images"}:
+        raise DataError("image prompts (an image column, or messages of content parts) are not supported yet")
     if isinstance(value, list):
         if not value or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value):
             raise BadRow(f"{column!r} is a list but not chat messages ({{'role': ..., 'content': ...}})")
