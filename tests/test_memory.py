@@ -325,7 +325,9 @@ def test_trainer_sets_the_allocator_before_loading_anything(tmp_path, tiny_model
     monkeypatch.setattr(CPULevers, "before_loading", lambda self: events.append("allocator"))
     real_load = trainer_mod.load_model_and_tokenizer
     monkeypatch.setattr(
-        trainer_mod, "load_model_and_tokenizer", lambda cfg: events.append("load") or real_load(cfg)
+        trainer_mod,
+        "load_model_and_tokenizer",
+        lambda cfg, *given: events.append("load") or real_load(cfg, *given),
     )
     cfg = make_cfg(
         model={"name_or_path": str(tiny_model_dir)},
