@@ -104,45 +104,13 @@ def lean_decoder(model: PreTrainedModel, rows: int, pack_head: bool = True) -> L
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules() if id(m) not in called):
         return None
     pack = torch.ops.mkldnn._reorder_linear_weight
-
-    def product(*linears: nn.Module) -> Product | None:
-        """The Linears' weights (LoRA folded in) stacked and packed; None for DoRA, or for biases on some
-        but not all (transformers' Llama, Qwen2 and Qwen3 give q/k/v, and gate/up, one bias setting)."""
-        weights = [linear_weight(m) for m in linears]
-        biases = [cast(nn.Linear, getattr(m, "base_layer", m)).bias for m in linears]
-        missing = sum(b is None for b in biases)
-        if any(w is None for w in weights) or 0 < missing < len(biases):
-            return None
-        bias = None if biases[0] is None else torch.cat(cast(list[Tensor], biases))
-        return Product(pack(torch.cat(cast(list[Tensor], weights)), rows), bias)
-
-    layers = []
     with torch.no_grad():
+        layers = []
         for block in inner.layers:
-            attn, mlp = block.self_attn, block.mlp
-            products = (
-                product(attn.q_proj, attn.k_proj, attn.v_proj),
-                product(attn.o_proj),
-                product(mlp.gate_proj, mlp.up_proj),
-                product(mlp.down_proj),
-            )
-            if any(p is None for p in products):
+            layer = _layer(block, cfg, rows)
+            if layer is None:
                 return None
-            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            qk_norm = None
-            if q_norm is not None and k_norm is not None:
-                heads = [q_norm.weight] * cfg.num_attention_heads + [k_norm.weight] * cfg.num_key_value_heads
-                qk_norm = torch.stack(heads)
-            layers.append(
-                Layer(
-                    *cast(tuple[Product, Product, Product, Product], products),
-                    input_norm=block.input_layernorm.weight,
-                    post_norm=block.post_attention_layernorm.weight,
-                    eps=block.input_layernorm.variance_epsilon,
-                    qk_norm=qk_norm,
-                    scaling=attn.scaling,
-                )
-            )
+            layers.append(layer)
         head_module = cast(nn.Linear, base.get_output_embeddings())
         head_weight = linear_weight(head_module)
         if head_weight is None:
@@ -152,6 +120,48 @@ def lean_decoder(model: PreTrainedModel, rows: int, pack_head: bool = True) -> L
         else:
             head = partial(wide_forward, head_weight, head_module.bias)
     return LeanDecoder(inner, layers, head, cfg)
+
+
+def _product(rows: int, *linears: nn.Module) -> Product | None:
+    """The Linears' weights (LoRA folded in) stacked and packed for `rows` rows; None for DoRA, or for
+    biases on some but not all (transformers' Llama, Qwen2 and Qwen3 give q/k/v, and gate/up, one bias
+    setting)."""
+    weights = [linear_weight(m) for m in linears]
+    biases = [cast(nn.Linear, getattr(m, "base_layer", m)).bias for m in linears]
+    missing = sum(b is None for b in biases)
+    if any(w is None for w in weights) or 0 < missing < len(biases):
+        return None
+    bias = None if biases[0] is None else torch.cat(cast(list[Tensor], biases))
+    return Product(
+        torch.ops.mkldnn._reorder_linear_weight(torch.cat(cast(list[Tensor], weights)), rows), bias
+    )
+
+
+def _layer(block: Any, cfg: Any, rows: int) -> Layer | None:
+    """One decoder layer's (a Llama, Qwen2 or Qwen3 block's) packed products and norm weights; None where a
+    product cannot be packed."""
+    attn, mlp = block.self_attn, block.mlp
+    products = (
+        _product(rows, attn.q_proj, attn.k_proj, attn.v_proj),
+        _product(rows, attn.o_proj),
+        _product(rows, mlp.gate_proj, mlp.up_proj),
+        _product(rows, mlp.down_proj),
+    )
+    if any(p is None for p in products):
+        return None
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    qk_norm = None
+    if q_norm is not None and k_norm is not None:
+        heads = [q_norm.weight] * cfg.num_attention_heads + [k_norm.weight] * cfg.num_key_value_heads
+        qk_norm = torch.stack(heads)
+    return Layer(
+        *cast(tuple[Product, Product, Product, Product], products),
+        input_norm=block.input_layernorm.weight,
+        post_norm=block.post_attention_layernorm.weight,
+        eps=block.input_layernorm.variance_epsilon,
+        qk_norm=qk_norm,
+        scaling=attn.scaling,
+    )
 
 
 class LeanDecoder:

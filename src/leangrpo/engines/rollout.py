@@ -198,17 +198,7 @@ def generate(
     )
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     eos = eos_token_ids(tokenizer, model)
-    # Sampling runs as logits processors ending in InverseCDFSampler, whose token greedy decoding then picks:
-    # generate()'s own sampling (torch.multinomial) costs ~9 ms per token for 8 × 49k on 2 CPU cores.
-    processors: list[LogitsProcessor] = []
-    if sampling.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
-    if sampling.do_sample:
-        processors += [TemperatureLogitsWarper(sampling.temperature)] if sampling.temperature != 1.0 else []
-        processors += [TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else []
-        processors += [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1.0 else []
-        processors += [MinPLogitsWarper(sampling.min_p)] if sampling.min_p else []
-        processors.append(InverseCDFSampler())
+    processors = logits_processors(sampling)
     gen_cfg = GenerationConfig(
         max_new_tokens=sampling.max_completion_length,
         min_new_tokens=sampling.max_completion_length if sampling.ignore_eos else 0,
@@ -243,6 +233,22 @@ def generate(
             completion_ids = out[:, prompt_ids.shape[1] :]
     model.train(was_training)
     return finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, sampling)
+
+
+def logits_processors(sampling: Sampling) -> list[LogitsProcessor]:
+    """Sampling as logits processors ending in InverseCDFSampler, whose token greedy decoding then picks:
+    generate()'s own sampling draws with torch.multinomial, which costs far more per token on a CPU
+    (benchmarks/RESULTS.md)."""
+    processors: list[LogitsProcessor] = []
+    if sampling.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
+    if sampling.do_sample:
+        processors += [TemperatureLogitsWarper(sampling.temperature)] if sampling.temperature != 1.0 else []
+        processors += [TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else []
+        processors += [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1.0 else []
+        processors += [MinPLogitsWarper(sampling.min_p)] if sampling.min_p else []
+        processors.append(InverseCDFSampler())
+    return processors
 
 
 # No text averages more characters a token, so a text's last 64·N characters hold its last N tokens.
