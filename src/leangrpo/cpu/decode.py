@@ -1,9 +1,9 @@
 """A lean decode loop for Llama, Qwen2 and Qwen3 decoders on CPU in float32: the tokens transformers'
 generate() would sample, without its per-layer Python.
 
-Decoding 8 rows of SmolLM2-135M's architecture, generate() with packed Linears spent about 3.4 s of a
-6.1 s rollout in the Linears, 0.9 s in SDPA's attention (about 330 µs a call, for one query row) and the
-rest in Python and small ops around them (benchmarks/RESULTS.md, "The lean decode loop"). Here each
+Decoding a handful of rows, generate() with packed Linears spends much of a rollout outside the Linears:
+in SDPA's attention, costly per call for one query row, and in Python and small ops around them
+(benchmarks/RESULTS.md, "The lean decode loop"). Here each
 layer is four packed oneDNN products (q/k/v and gate/up side by side, so a handful of rows reads each
 weight in one call), attention is two batched matmuls over the in-place KV cache, and nothing else runs
 per layer but the norms, the rotary embedding and the residual adds. The prompt is still prefilled by
@@ -44,9 +44,8 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def wide_forward(weight: Tensor, bias: Tensor | None, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    """x @ weight.T computed as (weight @ x.T).T: for the unpacked LM head against a few rows, 7.0 ms
-    for 8 rows x 576 x 49k where x @ weight.T takes 17.6 ms (a packed copy: 5.0 ms; two threads, a
-    by-hand micro-benchmark)."""
+    """x @ weight.T computed as (weight @ x.T).T: for the unpacked LM head against a few rows, the faster
+    order of the two when the weight is not packed (benchmarks/RESULTS.md)."""
     y = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().reshape(*x.shape[:-1], -1)
     return y if bias is None else y + bias
 
@@ -275,11 +274,10 @@ def packed_linears(
     packed once for the whole generate call.
 
     Decoding a handful of rows is bound by reading the weights; oneDNN's packed layout reads them
-    about 1.5× faster than the default sgemm, and a LoRA layer becomes one matmul instead of three.
-    The packed copies (one set of weights) live only inside the context. Without `pack_head`, the LM
-    head (the largest weight) is multiplied unpacked as (weight @ x.T).T instead, and its copy is saved
-    (113 MiB for SmolLM2-135M's tied 49k x 576 head) for about 0.4 s more per 8 x 96-token rollout
-    (5.3 vs 5.7 s by hand; docs/memory.md). Elsewhere a no-op.
+    faster than the default sgemm, and a LoRA layer becomes one matmul instead of three. The packed
+    copies (one set of weights) live only inside the context. Without `pack_head`, the LM head (the
+    largest weight) is multiplied unpacked as (weight @ x.T).T instead, which saves its copy for a
+    slower rollout (docs/memory.md). Elsewhere a no-op.
     """
     pack = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if (

@@ -396,8 +396,7 @@ def prefill_once_per_group(
     """Fill `cache` with all but the last prompt token, running each group's prompt once instead of
     `group` times, then repeat its entries for the group's rows; generate() then starts from the last
     prompt token. The rows of a group hold the same prompt (encode_prompts repeats them), so this is the
-    same cache for 1/`group` of the prefill's work (benchmarks/phases.py, G=8, an 82-token prompt, one
-    thread: generation 9.37 -> 7.74 s)."""
+    same cache for 1/`group` of the prefill's work (benchmarks/RESULTS.md, "CPU speed-ups, on and off")."""
     if prompt_ids.shape[1] < 2:
         return
     ids, mask = prompt_ids[::group, :-1], prompt_mask[::group, :-1]

@@ -95,7 +95,7 @@ def load_trained(
 
     trained = locate(source)
     if trained is None:
-        from .config import ModelConfig
+        from leangrpo.config.schema import ModelConfig
 
         cfg = ModelConfig(
             name_or_path=source, dtype=dtype or "float32", gradient_checkpointing=False,

@@ -30,8 +30,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS workspace: an estimate, not measured here
 ALLOCATOR_SLACK = 0.08  # reserved-but-free fraction of the caching allocator: an estimate, not measured here
-# A CPU run's own memory beside the tensors: Python, torch, transformers, tokenizer and data (536-548 MiB
-# measured at every point of benchmarks/plan_accuracy.py, 2026-11-26; the lower round figure).
+# A CPU run's own memory beside the tensors: Python, torch, transformers, tokenizer and data (what
+# benchmarks/plan_accuracy.py measures beside the tensors, rounded down; benchmarks/RESULTS.md).
 CPU_RUNTIME_BYTES = 512 * 2**20
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 states for smaller tensors
 BNB_BLOCK = 256  # bitsandbytes 8-bit optimizer: one fp32 absmax per 256 values per state
