@@ -42,7 +42,7 @@ import yaml
 from vs_trl import MALLOC, allocator_env  # the allocator settings both benchmarks share
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K = ROOT / "tests" / "data" / "gsm8k" / "train.jsonl"  # GSM8K's first 200 train rows, in the repo
 PROMPT_LEN = 64  # GSM8K chat prompts are all longer, so left truncation makes every prompt exactly this
 TINY = dict(
     hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2

@@ -424,3 +424,23 @@ def test_vllm_context_window_is_derived_from_the_lengths(minimal_yaml):
     )
     assert cfg.grpo.max_model_length == 128
     assert load_config(minimal_yaml, ["grpo.vllm_max_model_length=1000"]).grpo.max_model_length == 1000
+
+
+def test_the_cpu_fields_earlier_names_still_read_with_a_note(caplog):
+    """model.cpu_matmul and grpo.packed_generation / packed_lm_head / reference_on_disk moved to `cpu:`;
+    a config with the old names trains the same, says where each went, and is saved with the new ones."""
+    old = {
+        "model": {"name_or_path": "m", "cpu_matmul": "blas"},
+        "data": {"path": "d.jsonl"},
+        "rewards": {"functions": [{"name": "int"}]},
+        "grpo": {"packed_generation": False, "packed_lm_head": False, "reference_on_disk": True},
+    }
+    with caplog.at_level("WARNING", logger="leangrpo.config"):
+        cfg = validate_config(old)
+    assert cfg.cpu.model_dump() == {
+        "matmul": "blas", "packed_generation": False, "packed_lm_head": False, "reference_on_disk": True,
+    }  # fmt: skip
+    assert "model.cpu_matmul is now cpu.matmul" in caplog.text
+    assert caplog.text.count("is now cpu.") == 4
+    saved = cfg.model_dump(mode="json")
+    assert "cpu_matmul" not in saved["model"] and "packed_generation" not in saved["grpo"]

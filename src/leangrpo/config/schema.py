@@ -443,7 +443,9 @@ class OptimConfig(Section):
 
 
 class CPUConfig(Section):
-    """The CPU's speed and memory levers (leangrpo.cpu); they do nothing on CUDA."""
+    """The CPU's speed and memory levers (leangrpo.cpu); they do nothing on CUDA. Their earlier names
+    (model.cpu_matmul, grpo.packed_generation, grpo.packed_lm_head, grpo.reference_on_disk) are still
+    read, with a one-line note, until the next release."""
 
     matmul: Literal["auto", "onednn", "blas"] = Field(
         "auto",
