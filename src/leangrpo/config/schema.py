@@ -487,7 +487,7 @@ class CPUConfig(Section):
     packed_lm_head: bool = Field(
         True,
         description="with packed_generation: pack the LM head too. false: multiply it unpacked, which "
-        "saves its copy while generating (113 MiB for SmolLM2-135M) for about 7% slower generation "
+        "saves its copy (vocabulary x hidden size floats) while generating, for slower generation "
         "(docs/memory.md)",
     )
     reference_on_disk: bool = Field(
