@@ -25,7 +25,7 @@ def trl_loss(
     logp, old, ref, adv, mask, *, loss_type, bias_correction_kl, accumulation_steps, num_items, max_len,
     eps=EPS, eps_high=EPS_HIGH, beta=BETA,
     importance_sampling_level="token", delta=None, entropy=None, top_entropy_quantile=1.0,
-    sapo_temperatures=(1.0, 1.05),
+    sapo_temperatures=(1.0, 1.05), tool_mask=None,
 ):  # fmt: skip
     """TRL 1.16's `_compute_loss` on one micro-batch of one process: (loss, TRL's metrics dict)."""
     metrics = defaultdict(list)
@@ -72,6 +72,7 @@ def trl_loss(
         "old_per_token_logps": old,
         "ref_per_token_logps": ref,
         "num_items_in_batch": torch.tensor(float(num_items)),
+        **({} if tool_mask is None else {"tool_mask": tool_mask}),
     }
     return trl_grpo.GRPOTrainer._compute_loss(fake, None, inputs), metrics
 
@@ -230,6 +231,54 @@ def test_kl_clip_ratio_and_entropy_are_means_of_micro_batch_means_as_in_trl():
     clip_ratio = means["clip_ratio/region_mean"]
     token_weighted = sum(s.clipped_tokens for s in ours) / sum(s.tokens for s in ours)
     assert clip_ratio != pytest.approx(token_weighted, rel=1e-3)  # the example tells the two apart
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_multi_turn_loss_and_gradient_match_trl(loss_type):
+    """A multi-turn batch (tool tokens inside completions): leangrpo's loss over `RolloutBatch.loss_mask`
+    equals TRL's over completion_mask × tool_mask, and so does the gradient."""
+    from leangrpo.engines.rollout import RolloutBatch
+
+    base, old, ref, adv, mask = _batch(1)
+    n, c = base.shape
+    tool_mask = torch.ones(n, c, dtype=torch.long)
+    tool_mask[0, 2:4] = tool_mask[2, 1:5] = tool_mask[4, 1] = 0
+    batch = RolloutBatch(
+        torch.zeros(n, 1, dtype=torch.long),
+        torch.ones(n, 1, dtype=torch.long),
+        torch.zeros(n, c, dtype=torch.long),
+        mask,
+        torch.zeros(n, dtype=torch.bool),
+        [""] * n,
+        None,
+        tool_mask,
+    )
+    loss_mask = batch.loss_mask
+    ours, theirs = base.clone().requires_grad_(), base.clone().requires_grad_()
+    for rows in (slice(0, 3), slice(3, 6)):
+        loss, _ = grpo_loss(
+            ours[rows], old[rows], ref[rows], adv[rows], loss_mask[rows], loss_type=loss_type, epsilon=EPS,
+            epsilon_high=EPS_HIGH, beta=BETA, num_sequences=n, num_tokens=float(loss_mask.sum()),
+            max_completion_length=c, accumulation_steps=2, bias_correction_kl=False,
+        )  # fmt: skip
+        ref_loss, _ = trl_loss(
+            theirs[rows],
+            old[rows],
+            ref[rows],
+            adv[rows],
+            mask[rows],
+            loss_type=loss_type,
+            bias_correction_kl=False,
+            accumulation_steps=2,
+            num_items=loss_mask.sum(),
+            max_len=c,
+            tool_mask=tool_mask[rows],
+        )
+        assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-12)
+        loss.backward()
+        ref_loss.backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-12, rtol=0)
+    assert (ours.grad[tool_mask == 0] == 0).all()
 
 
 def test_trainer_step_matches_trl(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):

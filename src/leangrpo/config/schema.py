@@ -207,6 +207,30 @@ class RewardsConfig(Section):
     )
 
 
+class ToolsConfig(Section):
+    """Tools the model may call during a rollout, TRL's contract (docs/tools.md): Python functions with
+    type hints and Google-style docstrings, sync or async, named like rewards."""
+
+    functions: list[str] = Field(
+        default_factory=list, description="tools as 'package.module:function', offered to every rollout"
+    )
+    environment: str | dict[str, str] | None = Field(
+        None,
+        description="'package.module:Class' (TRL's environment_factory: one instance per rollout, its public "
+        "methods are tools, reset(**row) may add to the prompt, get_reward() is a reward), or a map of "
+        "them picked by each row's `environment` column",
+    )
+    timeout_s: float | None = Field(
+        30.0,
+        gt=0,
+        description="seconds a tool call may take; past it the model gets an error. null: no limit",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.functions or self.environment)
+
+
 class GRPOSection(Section):
     """Sampling and the GRPO objective."""
 
@@ -371,6 +395,9 @@ class GRPOSection(Section):
             )
         return v
 
+    max_tool_calling_iterations: int | None = Field(
+        None, ge=0, description="rounds of tool calls a rollout makes at most (TRL's); null: no limit"
+    )
     shuffle_rewards: bool = Field(
         False,
         description="control experiment: permute each group's rewards at random before the advantages, so "
@@ -502,7 +529,7 @@ class CPUConfig(Section):
     packed_lm_head: bool = Field(
         True,
         description="with packed_generation: pack the LM head too. false: multiply it unpacked, which "
-        "saves its copy while generating (113 MiB for SmolLM2-135M) for about 7% slower generation "
+        "saves its copy (vocabulary x hidden size floats) while generating, for slower generation "
         "(docs/memory.md)",
     )
     reference_on_disk: bool = Field(
@@ -621,6 +648,7 @@ class Config(Section):
     model: ModelConfig = Field(..., description="the policy model")
     data: DataConfig = Field(..., description="the training prompts")
     rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="the reward functions")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="tools and environments in rollouts")
     grpo: GRPOSection = Field(default_factory=GRPOSection, description="sampling and the GRPO objective")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer, schedule, batch sizes")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="supervised cold start")

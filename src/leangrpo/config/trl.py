@@ -177,7 +177,6 @@ _NOTED = {
     "vespo_lambda_pos": "read only by loss_type vespo",
     "vespo_k_neg": "read only by loss_type vespo",
     "vespo_lambda_neg": "read only by loss_type vespo",
-    "max_tool_calling_iterations": "tools are not supported yet",
     "log_multimodal": "images are not supported",
     "num_completions_to_print": "samples go to completions.jsonl",
     "log_unique_prompts": "samples go to completions.jsonl",

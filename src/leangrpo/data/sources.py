@@ -153,7 +153,7 @@ def _is_json_array(path: Path) -> bool:
 
 def _load_with_datasets(path: str, builder: str, data_files: str) -> datasets.Dataset:
     """One local file through a ``datasets`` packaged builder; any failure is a one-line DataError."""
-    import datasets  # here, not at the top: pyarrow and datasets cost ~80 MB RSS
+    import datasets  # here, not at the top: pyarrow and datasets are large in memory
 
     try:
         return datasets.load_dataset(builder, data_files=data_files, split="train")

@@ -97,9 +97,14 @@ class GRPOTrainer:
     ) -> None:
         self.args = args or GRPOConfig()
         problems: list[str] = []
-        agentic = {"tools": tools, "rollout_func": rollout_func, "environment_factory": environment_factory}
-        if given := [name for name, value in agentic.items() if value is not None]:
-            problems.append(f"{', '.join(given)}: not supported yet (agentic training)")
+        self._agent = None
+        if tools or rollout_func is not None or environment_factory is not None:
+            from leangrpo.engines.tools import AgentSpec
+
+            try:
+                self._agent = AgentSpec(tools or (), environment_factory, rollout_func)
+            except UserError as e:
+                problems.append(str(e))
         if any(o is not None for o in optimizers):
             problems.append("optimizers: leangrpo builds its optimizer and schedule from args (optim, ...)")
         if reward_processing_classes is not None:
@@ -163,7 +168,7 @@ class GRPOTrainer:
             run_dir = path.parent if path.name.startswith("checkpoint-") else path
             cfg = cfg.model_copy(update={"output_dir": str(run_dir)})
         resume = bool(resume_from_checkpoint)
-        trainer = Trainer(cfg, overwrite=not resume, resume=resume, extras=self._extras)
+        trainer = Trainer(cfg, overwrite=not resume, resume=resume, agent=self._agent, extras=self._extras)
         self._call("on_train_begin")
         try:
             self._final = trainer.train()

@@ -64,8 +64,8 @@ class StepInBackward:
     `max_grad_norm: null` and one micro-batch per optimizer step. The norm is still summed for the
     metrics. A non-finite gradient stops the stepping for the rest of that backward; parameters stepped
     before it keep their step (a non-finite loss makes the first gradient non-finite, so nothing steps).
-    That check reads each gradient's norm on the host: on CUDA one synchronisation per parameter (a few
-    hundred a step), whose cost no GPU has measured yet."""
+    That check reads each gradient's norm on the host: on CUDA one synchronisation per parameter, a few
+    hundred a step."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]):
         self.optimizer, self.active = optimizer, False
@@ -106,8 +106,8 @@ def build_scheduler(
     against it in tests/test_memory.py): linear, cosine (`num_cycles`) or
     cosine_with_min_lr (down to `min_lr` or `min_lr_rate` × the peak) decay after a linear warm-up, or
     constant (which ignores warm-up, as transformers' does). transformers' own import pulls in
-    `trainer_utils`, which imports peft and bitsandbytes: 69 MiB of RSS and 1.5 s of start-up in a full
-    fine-tuning run that uses neither."""
+    `trainer_utils`, which imports peft and bitsandbytes, memory and start-up time that a full
+    fine-tuning run using neither would pay for nothing (docs/memory.md)."""
 
     kind, kwargs = cfg.lr_scheduler_type, cfg.lr_scheduler_kwargs or {}
     num_warmup_steps = cfg.num_warmup_steps(num_training_steps)

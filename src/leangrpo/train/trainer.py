@@ -32,7 +32,10 @@ from leangrpo.engines.rollout import (
     RolloutEngine,
     Sampling,
     as_reward_inputs,
+    eos_token_ids,
+    rollout_func_batch,
 )
+from leangrpo.engines.tools import AgentSpec, prepare_tokenizer
 from leangrpo.engines.vllm import VLLMError, check_vllm
 from leangrpo.models.load import TensorStore, frozen_copy, is_peft, load_model_and_tokenizer
 from leangrpo.run.checkpoint import (
@@ -53,7 +56,7 @@ from leangrpo.run.rundir import RunDirError, RunLock, check_output_dir, drop_rep
 from leangrpo.run.signals import StopSignals
 from leangrpo.run.tracking import MetricsLogger, check_trackers, eval_line, open_trackers, peak_memory_mb
 from leangrpo.train import distributed, sft
-from leangrpo.train.engine import cpu_levers, rollout_engine
+from leangrpo.train.engine import agent_from_config, cpu_levers, rollout_engine
 from leangrpo.train.evaluation import TrainingEvaluator
 from leangrpo.train.extras import RuntimeExtras
 from leangrpo.train.logprobs import Policy, batch_logprobs, micro_batch_logprobs, shared_prompt_group
@@ -102,10 +105,16 @@ class Trainer:
     """Holds what the loop needs across steps; `train()` runs it."""
 
     def __init__(
-        self, cfg: Config, overwrite: bool = False, resume: bool = False, extras: RuntimeExtras | None = None
+        self,
+        cfg: Config,
+        overwrite: bool = False,
+        resume: bool = False,
+        agent: AgentSpec | None = None,
+        extras: RuntimeExtras | None = None,
     ):
-        """`resume`: continue the run in `cfg.output_dir` from its last complete checkpoint; `extras`: the
-        in-memory objects of a Python caller (rewards, rows, model, step hooks)."""
+        """`resume`: continue the run in `cfg.output_dir` from its last complete checkpoint. `agent`: the
+        tools, environments or rollout_func of TRL's GRPOTrainer (default: the config's `tools:`).
+        `extras`: the in-memory objects of a Python caller (rewards, rows, model, step hooks)."""
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
@@ -133,7 +142,10 @@ class Trainer:
         check_vllm(cfg, self.acc.num_processes)
         self.task = load_task(cfg.task)
         self.shuffle_generator = torch.Generator().manual_seed(cfg.seed)  # grpo.shuffle_rewards only
+        self.agent = agent if agent is not None else agent_from_config(cfg.tools)
         self.reward_funcs = load_rewards(cfg.rewards.functions, self.task, extras.reward_funcs)
+        if self.agent is not None:  # an environment's get_reward, as TRL adds it
+            self.reward_funcs += self.agent.environment_rewards()
         loaded = load_rows(cfg.data, self.task, extras.train_rows)
         self.rows, self.skipped = loaded.rows, loaded.skipped
         self.sft_task, self.sft_rows = self.task, self.rows  # the cold start's problems
@@ -152,6 +164,8 @@ class Trainer:
         if self.levers is not None:
             self.levers.prepare(model)
         self.conversational = has_chat_template(self.tokenizer)
+        if self.agent is not None and self.agent.uses_tools:
+            prepare_tokenizer(self.tokenizer)
         if self.is_main:
             self._warn_long_prompts()
         g, micro = cfg.grpo, cfg.optim.per_device_train_batch_size
@@ -302,14 +316,31 @@ class Trainer:
         else:
             indices = self.sampler.indices(step - 1)
         rows = [self.rows[i] for i in indices]
+        G, agent = cfg.grpo.num_generations, self.agent
+        if agent is not None and agent.rollout_func is not None:
+            with self.dist.full_weights(self.policy):
+                output = agent.rollout_func([r["prompt"] for r in rows for _ in range(G)], self)
+            eos = eos_token_ids(self.tokenizer, self.unwrapped.lm)
+            batch = rollout_func_batch(output, self.tokenizer, eos, self.acc.device, cfg.grpo.use_vllm)
+            self.release_memory()
+            return rows, batch
+        episodes = agent.start(rows, G) if agent is not None and agent.uses_tools else None
+        if episodes is not None:  # the prompts after the environments' reset, each with its tools
+            rows = [{**r, "prompt": p} for r, p in zip(rows, episodes.prompts, strict=True)]
         texts = [
             render_prompt(
-                self.tokenizer, r["prompt"], cfg.data.assistant_prefix, cfg.data.chat_template_kwargs
+                self.tokenizer, r["prompt"], cfg.data.assistant_prefix,
+                cfg.data.chat_template_kwargs if episodes is None
+                else {**(cfg.data.chat_template_kwargs or {}), "tools": episodes.toolboxes[i * G].schemas},
             )
-            for r in rows
-        ]
+            for i, r in enumerate(rows)
+        ]  # fmt: skip
         with self.dist.full_weights(self.policy):
-            batch = self.engine.generate(texts, Sampling.from_config(cfg)).to(self.acc.device)
+            batch = self.engine.generate(
+                texts, Sampling.from_config(cfg), None if episodes is None else episodes.toolboxes
+            ).to(self.acc.device)
+        if episodes is not None and episodes.environments is not None and batch.tool_use is not None:
+            batch.tool_use.columns["environments"] = episodes.environments  # TRL gives them to rewards
         self.release_memory()
         return rows, batch
 
@@ -321,6 +352,9 @@ class Trainer:
             [r["prompt"] for r in rows], rollout.completion_texts, self.conversational
         )
         columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+        if rollout.tool_use is not None:  # TRL's: the assistant's turns, tool calls and results as messages
+            completions = rollout.tool_use.messages if self.conversational else completions
+            columns.update(rollout.tool_use.columns)
         ids = rollout.completion_ids.cpu()
         mask = rollout.completion_mask.bool().cpu()
         context = RewardContext(
@@ -440,7 +474,7 @@ class Trainer:
             return None, None
         g = self.cfg.grpo
         return grpo.sampler_importance_weights(
-            old_logp, rollout.sampling_logprobs, rollout.completion_mask, g.vllm_importance_sampling_mode,
+            old_logp, rollout.sampling_logprobs, rollout.loss_mask, g.vllm_importance_sampling_mode,
             g.vllm_importance_sampling_clip_min, g.vllm_importance_sampling_clip_max,
         )  # fmt: skip
 
@@ -456,7 +490,7 @@ class Trainer:
         loss or gradient on any process skips that optimizer step on every process."""
         cfg, g = self.cfg, self.cfg.grpo
         micro = cfg.optim.per_device_train_batch_size
-        mask = rollout.completion_mask.float()
+        mask = rollout.loss_mask.float()  # the model's tokens: a tool's are no action of the policy
         if g.mask_truncated_completions:
             mask = grpo.mask_truncated(mask, rollout.truncated)
         # dapo normalises by every process's tokens (DDP then averages the gradients)
@@ -572,6 +606,7 @@ class Trainer:
             **scores.metrics,  # the rewards' log_metric values (this process's)
             **{f"vllm/{k}": v for k, v in (vars(mismatch) if mismatch else {}).items()},
             **(sampling or {}),
+            **self._tool_metrics(rollout),
         }
         if self.is_main and _due(step, cfg.logging.log_completions_steps):
             sample = self.task.sample_view(rows[0], rollout.completion_texts[0])
@@ -584,6 +619,11 @@ class Trainer:
             for hook in self.extras.step_hooks:
                 hook(step, metrics)
         return metrics
+
+    def _tool_metrics(self, rollout: RolloutBatch) -> dict[str, float]:
+        """tools/*, this process's (the rollouts it generated), when rollouts call tools."""
+        uses_tools = self.agent is not None and self.agent.uses_tools
+        return rollout.tool_use.metrics() if uses_tools and rollout.tool_use is not None else {}
 
     # ----------------------------------------------------------------------------------- the run
 
@@ -851,7 +891,11 @@ def _due(step: int, every: int) -> bool:
 
 
 def train(
-    cfg: Config, overwrite: bool = False, resume: bool = False, extras: RuntimeExtras | None = None
+    cfg: Config,
+    overwrite: bool = False,
+    resume: bool = False,
+    agent: AgentSpec | None = None,
+    extras: RuntimeExtras | None = None,
 ) -> Path | None:
     """Train as configured (or resume the run in `cfg.output_dir`); returns the final model's directory,
     or None when a signal stopped the run after saving a checkpoint.
@@ -860,7 +904,7 @@ def train(
     interpreter exit can abort the process after the work is done; the CLI then also skips the
     interpreter's own teardown: `cli._leave_if_one_of_many`). Only the group accelerate formed: a
     colocated vLLM's own single-process group stays for the next engine in this process."""
-    trainer = Trainer(cfg, overwrite, resume, extras)
+    trainer = Trainer(cfg, overwrite, resume, agent, extras)
     try:
         return trainer.train()
     finally:

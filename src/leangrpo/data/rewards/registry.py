@@ -121,19 +121,25 @@ def reward_name(spec_name: str, func: RewardFunc) -> str:
 
 
 def _import_reward(path: str) -> RewardFunc:
-    module_name, _, attr = path.partition(":")
+    func = import_object(path, "reward")
+    if not callable(func):
+        raise RewardError(f"reward {path!r} is not callable (it is a {type(func).__name__})")
+    return func
+
+
+def import_object(path: str, what: str) -> Any:
+    """The object user code names as ``package.module:object`` (a reward, a tool, an environment); every
+    import of user code by name goes through here. A bad path is a one-line RewardError naming `what`."""
+    module_name, _, attr = path.strip().partition(":")
     if not module_name or not attr or ":" in attr:
-        raise RewardError(f"invalid reward import path {path!r}; expected 'package.module:function'")
+        raise RewardError(f"invalid {what} import path {path!r}; expected 'package.module:object'")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
         raise RewardError(
-            f"cannot import module {module_name!r} for reward {path!r}: {type(exc).__name__}: {exc}"
+            f"cannot import module {module_name!r} for {what} {path!r}: {type(exc).__name__}: {exc}"
         ) from exc
     try:
-        func = getattr(module, attr)
+        return getattr(module, attr)
     except AttributeError as exc:
-        raise RewardError(f"module {module_name!r} has no attribute {attr!r} (reward {path!r})") from exc
-    if not callable(func):
-        raise RewardError(f"reward {path!r} is not callable (it is a {type(func).__name__})")
-    return func
+        raise RewardError(f"module {module_name!r} has no attribute {attr!r} ({what} {path!r})") from exc
