@@ -52,6 +52,8 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("-v", "--verbose", is_flag=True, help="Show debug logging.")
 def main(verbose: bool) -> None:
     """leangrpo: memory-lean GRPO for small language models."""
+    if os.getcwd() not in sys.path:  # `module:function` rewards beside the user, as `trl grpo` finds them
+        sys.path.insert(0, os.getcwd())
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",

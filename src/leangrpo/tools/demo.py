@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from leangrpo.config.schema import Config, ConfigError
 from leangrpo.run.resolve import apply_overrides, validate_config
-from leangrpo.run.rundir import read_jsonl
+from leangrpo.run.rundir import read_jsonl, with_trl_names
 
 FIXED_QUESTIONS = 3  # the first held-out questions, shown before and after training
 # the easy problems (MIT), shipped in the package
@@ -207,12 +207,14 @@ def run_demo(cfg: Config, task: str, write: Callable[[str], None]) -> Path | Non
     before, after = (read_jsonl(run_dir / "eval" / f"step-{s}.jsonl").rows for s in (0, cfg.optim.max_steps))
     cold = run_dir / "eval" / "cold-start.jsonl"
     write(before_after_text(before, after, read_jsonl(cold).rows if cold.is_file() else None))
-    train_rows = [r for r in read_jsonl(run_dir / "metrics.jsonl").rows if "reward" in r]
+    train_rows = [with_trl_names(r) for r in read_jsonl(run_dir / "metrics.jsonl").rows if "reward" in r]
     if len(train_rows) >= 2:
         write(reward_rise_text([r["reward"] for r in train_rows]))
-    format_keys = tuple(f"rewards/{n}/mean" for n in ("xmlcount", "soft_format", "strict_format", "int"))
+    formats = ("xmlcount_reward", "soft_format_reward", "strict_format_reward", "int_reward")
+    format_keys = tuple(f"rewards/{n}/mean" for n in formats)
+    correctness = ("rewards/correctness/mean", "rewards/correctness_reward/mean")  # chain_sum's, gsm8k's
     for curve in (
-        Curve("correctness_curve", "Correctness reward (training samples)", ("rewards/correctness/mean",)),
+        Curve("correctness_curve", "Correctness reward (training samples)", correctness),
         Curve("format_curve", "Format rewards (training samples)", format_keys),
     ):
         write(f"{curve.title}: {plot_curve(train_rows, curve, run_dir / f'{curve.stem}.png')}")

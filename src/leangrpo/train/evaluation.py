@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from leangrpo.config.schema import step_interval
 from leangrpo.core.errors import UserError
 from leangrpo.data.rewards import soft_format_reward, strict_format_reward
 from leangrpo.run.rundir import atomic_path, write_text_atomic
@@ -233,8 +234,8 @@ def summarize(records: list[dict[str, Any]], reward_funcs: RewardFuncs, num_samp
         "n": len(records),
         "accuracy": _mean([r["correct"] for r in records]),
         "accuracy/lenient": _mean([r["correct_lenient"] for r in records]),
-        "completion_length/mean": _mean([r.get("length") for r in records]),
-        "truncated_frac": _mean([r.get("truncated") for r in records]),
+        "completions/mean_length": _mean([r.get("length") for r in records]),
+        "completions/clipped_ratio": _mean([r.get("truncated") for r in records]),
         "reward": _mean([r["reward"] for r in records]),
     }
     for name, func, _ in reward_funcs:
@@ -289,7 +290,7 @@ class TrainingEvaluator:
 
     def due(self, step: int) -> bool:
         """Before training (step 0), every eval_steps, and at the last step."""
-        every = self.cfg.eval.eval_steps
+        every = step_interval(self.cfg.eval.eval_steps, self.cfg.optim.max_steps)
         return step in (0, self.cfg.optim.max_steps) or bool(every and step % every == 0)
 
     def __call__(

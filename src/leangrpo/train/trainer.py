@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from leangrpo.config.schema import Config
+from leangrpo.config.schema import Config, step_interval
 from leangrpo.core import grpo
 from leangrpo.core.errors import UserError, error_reason
 from leangrpo.data.rewards import RewardContext, RewardScores, TrainerState, load_rewards, score_completions
@@ -58,6 +58,7 @@ from leangrpo.run.tracking import MetricsLogger, check_trackers, eval_line, open
 from leangrpo.train import distributed, sft
 from leangrpo.train.engine import agent_from_config, cpu_levers, rollout_engine
 from leangrpo.train.evaluation import TrainingEvaluator
+from leangrpo.train.extras import RuntimeExtras
 from leangrpo.train.logprobs import Policy, batch_logprobs, micro_batch_logprobs, shared_prompt_group
 from leangrpo.train.optim import (
     StepInBackward,
@@ -104,14 +105,21 @@ class Trainer:
     """Holds what the loop needs across steps; `train()` runs it."""
 
     def __init__(
-        self, cfg: Config, overwrite: bool = False, resume: bool = False, agent: AgentSpec | None = None
+        self,
+        cfg: Config,
+        overwrite: bool = False,
+        resume: bool = False,
+        agent: AgentSpec | None = None,
+        extras: RuntimeExtras | None = None,
     ):
         """`resume`: continue the run in `cfg.output_dir` from its last complete checkpoint. `agent`: the
-        tools, environments or rollout_func of TRL's GRPOTrainer (default: the config's `tools:`)."""
+        tools, environments or rollout_func of TRL's GRPOTrainer (default: the config's `tools:`).
+        `extras`: the in-memory objects of a Python caller (rewards, rows, model, step hooks)."""
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
         self.cfg = cfg
+        self.extras = extras = extras or RuntimeExtras()
         # Without CUDA, cpu=True is what makes accelerate/torchrun processes form a gloo group.
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
         self.dist = distributed.setup(self.acc)
@@ -135,10 +143,10 @@ class Trainer:
         self.task = load_task(cfg.task)
         self.shuffle_generator = torch.Generator().manual_seed(cfg.seed)  # grpo.shuffle_rewards only
         self.agent = agent if agent is not None else agent_from_config(cfg.tools)
-        self.reward_funcs = load_rewards(cfg.rewards.functions, self.task)
+        self.reward_funcs = load_rewards(cfg.rewards.functions, self.task, extras.reward_funcs)
         if self.agent is not None:  # an environment's get_reward, as TRL adds it
             self.reward_funcs += self.agent.environment_rewards()
-        loaded = load_rows(cfg.data, self.task)
+        loaded = load_rows(cfg.data, self.task, extras.train_rows)
         self.rows, self.skipped = loaded.rows, loaded.skipped
         self.sft_task, self.sft_rows = self.task, self.rows  # the cold start's problems
         if cfg.sft.steps and cfg.sft.task is not None and not self.resume_from:
@@ -152,7 +160,7 @@ class Trainer:
         if cfg.eval.enabled:
             self.evaluator = TrainingEvaluator(cfg, self.run_dir, self.reward_funcs, self.task)
 
-        model, self.tokenizer = load_model_and_tokenizer(cfg.model)
+        model, self.tokenizer = load_model_and_tokenizer(cfg.model, extras.model, extras.tokenizer)
         if self.levers is not None:
             self.levers.prepare(model)
         self.conversational = has_chat_template(self.tokenizer)
@@ -194,9 +202,7 @@ class Trainer:
                 "reduced after the backward, and it steps during it"
             )
         total = cfg.optim.max_steps * g.num_iterations
-        self.scheduler = build_scheduler(
-            self.optimizer, cfg.optim.lr_scheduler_type, cfg.optim.num_warmup_steps(total), total
-        )
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, total)
         set_seed(cfg.seed, device_specific=True)  # different samples on each rank
         self.sampler = PromptSampler(
             len(self.rows), cfg.prompts_per_step, cfg.seed, self.acc.process_index,
@@ -569,29 +575,29 @@ class Trainer:
         sampler's gap to the trainer (vllm/*); `sampling`: dynamic sampling's dynamic_sampling/*."""
         cfg, gather, device = self.cfg, self.acc.gather, self.acc.device
         total, per_func = gather(scores.total.to(device)), gather(scores.per_func.to(device))
-        lengths = gather(rollout.lengths().float())
-        kl, clip_ratio, entropy = grpo.micro_batch_means(
-            update.stats, lambda t: self.acc.reduce(t.to(device), "sum")
-        )
+        lengths, truncated = gather(rollout.lengths().float()), gather(rollout.truncated)
+        means = grpo.micro_batch_means(update.stats, lambda t: self.acc.reduce(t.to(device), "sum"))
         step_seconds = sum(seconds.values())
         metrics: dict[str, Any] = {
             "step": step,
             "reward": float(total.nanmean()),
             "reward_std": float(total[~total.isnan()].std()),  # TRL's: all rewards, not within groups
-            "kl": kl if cfg.grpo.beta > 0 else None,
-            "clip_ratio": clip_ratio,
-            "entropy": entropy,
-            "completion_length/mean": float(lengths.mean()),
-            "completion_length/max": float(lengths.max()),
-            "truncated_frac": float(gather(rollout.truncated.float()).mean()),
-            "zero_std_frac": float(group_std.isclose(torch.zeros_like(group_std)).float().mean()),
+            **means,
+            "kl": means["kl"] if cfg.grpo.beta > 0 else None,
+            **_length_metrics(lengths, truncated),
+            "frac_reward_zero_std": float(group_std.isclose(torch.zeros_like(group_std)).float().mean()),
             "reward_failures": int(gather(scores.failed.float()).sum()),
             "skipped_steps": self.skipped_steps,
             "tokens_per_s": float(lengths.sum()) / step_seconds,
             "step_seconds": step_seconds,
             "peak_memory_mb": peak_memory_mb(),
             **{
-                f"rewards/{name}/mean": float(per_func[:, i].nanmean()) for i, name in enumerate(scores.names)
+                f"rewards/{name}/{stat}": value
+                for i, name in enumerate(scores.names)
+                for stat, value in (
+                    ("mean", float(per_func[:, i].nanmean())),
+                    ("std", _nanstd(per_func[:, i])),
+                )
             },
             "loss": update.loss,
             "grad_norm": update.grad_norm,
@@ -607,8 +613,11 @@ class Trainer:
             rewards = {n: float(scores.per_func[0, i]) for i, n in enumerate(scores.names)}
             extra = {column: values[0] for column, values in scores.extra.items() if values}
             self.logger.log_sample({"step": step, **sample, "rewards": rewards, **extra})
-        if self.is_main and _due(step, cfg.logging.logging_steps):
+        if self.is_main and _due(step, step_interval(cfg.logging.logging_steps, cfg.optim.max_steps)):
             self.logger.log(metrics)
+        if self.is_main:
+            for hook in self.extras.step_hooks:
+                hook(step, metrics)
         return metrics
 
     def _tool_metrics(self, rollout: RolloutBatch) -> dict[str, float]:
@@ -734,7 +743,7 @@ class Trainer:
             self.dist.clip_grad_norm(self.policy, cfg.optim.max_grad_norm or math.inf)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if (step + 1) % cfg.logging.logging_steps == 0 or step + 1 == s.steps:
+            if (step + 1) % step_interval(cfg.logging.logging_steps, s.steps) == 0 or step + 1 == s.steps:
                 self._write(f"sft step {step + 1:>4} | loss={loss.item():.4g}")
 
     def maybe_evaluate(self, step: int, name: str | None = None) -> None:
@@ -759,10 +768,11 @@ class Trainer:
     def _checkpoint_due(self, step: int) -> bool:
         """Every `save_steps` steps, once `save_minutes` have passed since the last save (decided by any
         process, so all save together), and at the last step; never when both are 0."""
-        log = self.cfg.logging
+        log, max_steps = self.cfg.logging, self.cfg.optim.max_steps
         if not (log.save_steps or log.save_minutes):
             return False
-        if step == self.cfg.optim.max_steps or (log.save_steps and step % log.save_steps == 0):
+        every = step_interval(log.save_steps, max_steps)
+        if step == max_steps or (every and step % every == 0):
             return True
         late = bool(log.save_minutes) and time.monotonic() - self.last_save >= 60 * log.save_minutes
         return self._any_process(late)
@@ -855,13 +865,37 @@ class Trainer:
         return bool(self.acc.reduce(torch.tensor(float(flag), device=self.acc.device), "sum") > 0)
 
 
+def _nanstd(values: Tensor) -> float:
+    """The std of the scored values (TRL's per-reward `std`, which leaves unscored ones out)."""
+    return float(values[~values.isnan()].std())
+
+
+def _length_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, float]:
+    """TRL's `completions/*` metrics: lengths of all completions, and of those that ended (EOS) before
+    max_completion_length (0 when none did, as TRL)."""
+    ended = lengths[~truncated]
+    out = {
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(truncated.float().mean()),
+    }
+    for stat in ("mean", "min", "max"):
+        out[f"completions/{stat}_terminated_length"] = float(getattr(ended, stat)()) if len(ended) else 0.0
+    return out
+
+
 def _due(step: int, every: int) -> bool:
     """A schedule of `every` steps (0: never) that also fires at step 1."""
     return bool(every) and (step % every == 0 or step == 1)
 
 
 def train(
-    cfg: Config, overwrite: bool = False, resume: bool = False, agent: AgentSpec | None = None
+    cfg: Config,
+    overwrite: bool = False,
+    resume: bool = False,
+    agent: AgentSpec | None = None,
+    extras: RuntimeExtras | None = None,
 ) -> Path | None:
     """Train as configured (or resume the run in `cfg.output_dir`); returns the final model's directory,
     or None when a signal stopped the run after saving a checkpoint.
@@ -870,7 +904,7 @@ def train(
     interpreter exit can abort the process after the work is done; the CLI then also skips the
     interpreter's own teardown: `cli._leave_if_one_of_many`). Only the group accelerate formed: a
     colocated vLLM's own single-process group stays for the next engine in this process."""
-    trainer = Trainer(cfg, overwrite, resume, agent)
+    trainer = Trainer(cfg, overwrite, resume, agent, extras)
     try:
         return trainer.train()
     finally:
