@@ -15,6 +15,7 @@ ALLOWED = {
     "train/trainer.py:__init__",
     "train/trainer.py:update",
     "train/trainer.py:_run",
+    "train/trainer.py:record",
 }
 
 

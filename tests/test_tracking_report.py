@@ -23,6 +23,7 @@ def test_train_with_eval_trackers_and_report(tmp_path, tiny_model_dir, gsm8k_dir
     from test_e2e import read_metrics, write_config
 
     from leangrpo.run.resolve import load_config
+    from leangrpo.tools.report import write_report_after_training
     from leangrpo.train.trainer import train
 
     out = tmp_path / "run"
@@ -42,6 +43,7 @@ def test_train_with_eval_trackers_and_report(tmp_path, tiny_model_dir, gsm8k_dir
         if hasattr(module, "TRACKIO_DIR"):
             monkeypatch.setattr(module, "TRACKIO_DIR", tmp_path / "trackio")
     train(load_config(cfg))
+    write_report_after_training(out, print)  # as `leangrpo train` and GRPOTrainer.train() end
     printed = "".join(capsys.readouterr())
 
     rows = read_metrics(out)

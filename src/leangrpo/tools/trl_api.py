@@ -13,14 +13,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from leangrpo.config.schema import Config, ConfigError
 from leangrpo.config.trl import accepted_fields, from_trl
 from leangrpo.config.trl_fields import TRL_DEFAULTS
 from leangrpo.core.errors import UserError
 from leangrpo.run.resolve import validate_config
+from leangrpo.tools.report import write_report_after_training
 from leangrpo.train.extras import RuntimeExtras
+
+if TYPE_CHECKING:
+    from leangrpo.engines.tools import AgentSpec
 
 
 class GRPOConfig:
@@ -74,6 +78,22 @@ class TrainOutput:
     metrics: dict[str, Any]
 
 
+def _agent(
+    tools: list[Callable[..., Any]] | None, environment_factory: Any, rollout_func: Any, problems: list[str]
+) -> AgentSpec | None:
+    """The tools, environments or rollout_func as the Trainer takes them (engines/tools.py); None without
+    any. A problem with them joins `problems`."""
+    if not tools and rollout_func is None and environment_factory is None:
+        return None
+    from leangrpo.engines.tools import AgentSpec
+
+    try:
+        return AgentSpec(tools or (), environment_factory, rollout_func)
+    except UserError as e:
+        problems.append(str(e))
+        return None
+
+
 class GRPOTrainer:
     """TRL 1.16's `GRPOTrainer` signature; `train()` runs leangrpo's trainer. Arguments leangrpo cannot
     honour are refused together, one line each, in a `UserError`."""
@@ -97,14 +117,7 @@ class GRPOTrainer:
     ) -> None:
         self.args = args or GRPOConfig()
         problems: list[str] = []
-        self._agent = None
-        if tools or rollout_func is not None or environment_factory is not None:
-            from leangrpo.engines.tools import AgentSpec
-
-            try:
-                self._agent = AgentSpec(tools or (), environment_factory, rollout_func)
-            except UserError as e:
-                problems.append(str(e))
+        self._agent = _agent(tools, environment_factory, rollout_func, problems)
         if any(o is not None for o in optimizers):
             problems.append("optimizers: leangrpo builds its optimizer and schedule from args (optim, ...)")
         if reward_processing_classes is not None:
@@ -175,6 +188,8 @@ class GRPOTrainer:
         finally:
             if trainer.acc.num_processes > 1:
                 torch.distributed.destroy_process_group()
+        if self._final is not None and trainer.is_main:
+            write_report_after_training(Path(cfg.output_dir), print)
         self._call("on_train_end")
         losses = [row["loss"] for row in self.state.log_history if "loss" in row]
         return TrainOutput(self.state.global_step, sum(losses) / max(len(losses), 1), {})
