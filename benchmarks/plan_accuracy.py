@@ -96,7 +96,7 @@ def worker(config_path: str, result_path: str) -> None:
         "rss_imported_kib": imported,
         "rss_loaded_kib": loaded,
         "rss_peak_kib": rss_kib("VmHWM"),
-        "completion_length_mean": [r["completion_length/mean"] for r in rows],
+        "completion_length_mean": [r["completions/mean_length"] for r in rows],
         "step_seconds": [r["step_seconds"] for r in rows],
         "malloc_env": allocator_env(),
     }

@@ -250,7 +250,7 @@ def test_trainer_releases_freed_memory_after_generation_and_update(
         ("update", True),
         ("release", None),
     ]
-    assert metrics["completion_length/mean"] == 4.0
+    assert metrics["completions/mean_length"] == 4.0
 
 
 @pytest.mark.slow
@@ -333,7 +333,9 @@ def test_trainer_sets_the_allocator_before_loading_anything(tmp_path, tiny_model
     monkeypatch.setattr(CPULevers, "before_loading", lambda self: events.append("allocator"))
     real_load = trainer_mod.load_model_and_tokenizer
     monkeypatch.setattr(
-        trainer_mod, "load_model_and_tokenizer", lambda cfg: events.append("load") or real_load(cfg)
+        trainer_mod,
+        "load_model_and_tokenizer",
+        lambda cfg, *given: events.append("load") or real_load(cfg, *given),
     )
     cfg = make_cfg(
         model={"name_or_path": str(tiny_model_dir)},
@@ -556,9 +558,19 @@ def test_max_grad_norm_zero_turns_clipping_off_as_in_trl():
     assert make_cfg().optim.max_grad_norm == 1.0
 
 
-@pytest.mark.parametrize("kind", ["linear", "cosine", "constant"])
+@pytest.mark.parametrize(
+    "kind, kwargs",
+    [
+        ("linear", None),
+        ("cosine", None),
+        ("cosine", {"num_cycles": 1.0}),
+        ("constant", None),
+        ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+        ("cosine_with_min_lr", {"min_lr": 0.02}),
+    ],
+)
 @pytest.mark.parametrize("warmup", [0, 3])
-def test_build_scheduler_follows_transformers_get_scheduler(kind, warmup):
+def test_build_scheduler_follows_transformers_get_scheduler(kind, kwargs, warmup):
     """Our schedules give transformers' learning rates step for step (TRL users' configs keep their
     schedule), without importing transformers.optimization (which pulls in peft and bitsandbytes)."""
     from transformers import get_scheduler
@@ -575,8 +587,17 @@ def test_build_scheduler_follows_transformers_get_scheduler(kind, warmup):
             scheduler.step()
         return out
 
-    ours = rates(lambda opt: build_scheduler(opt, kind, warmup, 10))
-    theirs = rates(lambda opt: get_scheduler(kind, opt, num_warmup_steps=warmup, num_training_steps=10))
+    from leangrpo.config.schema import OptimConfig
+
+    cfg = OptimConfig(
+        learning_rate=0.1, lr_scheduler_type=kind, lr_scheduler_kwargs=kwargs, warmup_steps=warmup
+    )
+    ours = rates(lambda opt: build_scheduler(opt, cfg, 10))
+    theirs = rates(
+        lambda opt: get_scheduler(
+            kind, opt, num_warmup_steps=warmup, num_training_steps=10, scheduler_specific_kwargs=kwargs
+        )
+    )
     assert ours == pytest.approx(theirs, abs=1e-12)
     assert len(set(ours)) > 1 or kind == "constant"
 

@@ -224,10 +224,11 @@ def test_kl_clip_ratio_and_entropy_are_means_of_micro_batch_means_as_in_trl():
         )  # fmt: skip
         for k, v in metrics.items():
             theirs[k] += v
-    kl, clip_ratio, mean_entropy = micro_batch_means(ours)
-    assert mean_entropy == pytest.approx(sum(theirs["entropy"]) / 2, rel=1e-6)
-    assert kl == pytest.approx(sum(theirs["kl"]) / 2, rel=1e-6)
-    assert clip_ratio == pytest.approx(sum(theirs["clip_ratio/region_mean"]) / 2, rel=1e-6)
+    means = micro_batch_means(ours)
+    for name in ("entropy", "kl", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+        assert means[name] == pytest.approx(sum(theirs[name]) / 2, rel=1e-6, abs=1e-12), name
+    assert means["clip_ratio/low_mean"] > 0 and means["clip_ratio/high_mean"] > 0  # both kinds occur
+    clip_ratio = means["clip_ratio/region_mean"]
     token_weighted = sum(s.clipped_tokens for s in ours) / sum(s.tokens for s in ours)
     assert clip_ratio != pytest.approx(token_weighted, rel=1e-3)  # the example tells the two apart
 
@@ -282,7 +283,8 @@ def test_multi_turn_loss_and_gradient_match_trl(loss_type):
 
 def test_trainer_step_matches_trl(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
     """One real step with GA = 2 micro-batches, num_iterations = 2, beta > 0 and bnpo: the logged loss,
-    kl, clip_ratio, reward_std and zero_std_frac are TRL's, computed from what the trainer fed its loss.
+    kl, clip_ratio, reward_std and frac_reward_zero_std are TRL's, computed from what the trainer fed its
+    loss.
     The rewards are tiny (weight 1e-6), so every group's std lies between TRL's zero test (isclose 0)
     and 1e-6."""
     from trl.trainer.utils import nanstd
@@ -330,15 +332,20 @@ def test_trainer_step_matches_trl(tmp_path, tiny_model_dir, gsm8k_dir, monkeypat
             theirs[k] += v
     assert metrics["loss"] == pytest.approx((sum(losses[:2]) + sum(losses[2:])) / 2, rel=1e-5, abs=1e-9)
     assert metrics["kl"] == pytest.approx(sum(theirs["kl"]) / 4, rel=1e-5)
-    assert metrics["clip_ratio"] == pytest.approx(sum(theirs["clip_ratio/region_mean"]) / 4, rel=1e-5)
+    assert metrics["clip_ratio/region_mean"] == pytest.approx(
+        sum(theirs["clip_ratio/region_mean"]) / 4, rel=1e-5
+    )
     assert metrics["entropy"] == pytest.approx(sum(theirs["entropy"]) / 4, rel=1e-5)
-    assert metrics["clip_ratio"] > 0 and metrics["kl"] > 0 and metrics["entropy"] > 0
+    assert metrics["clip_ratio/region_mean"] > 0 and metrics["kl"] > 0 and metrics["entropy"] > 0
 
     (r,) = rewards
     assert metrics["reward_std"] == pytest.approx(nanstd(r).item(), rel=1e-5)
     group_std = nanstd(r.view(-1, 4), dim=1)
-    assert metrics["zero_std_frac"] == torch.isclose(group_std, torch.zeros_like(group_std)).float().mean()
-    assert metrics["zero_std_frac"] < 1.0 and (group_std < 1e-6).all()
+    assert (
+        metrics["frac_reward_zero_std"]
+        == torch.isclose(group_std, torch.zeros_like(group_std)).float().mean()
+    )
+    assert metrics["frac_reward_zero_std"] < 1.0 and (group_std < 1e-6).all()
 
 
 def test_batch_statistics_span_every_process(tmp_path):

@@ -261,17 +261,7 @@ def sample(
 ) -> Tensor:
     """The completion ids generate() samples after left-padded prompts (each group's rows adjacent), padded
     after their EOS."""
-    # Sampling runs as logits processors ending in InverseCDFSampler, whose token greedy decoding then picks:
-    # generate()'s own sampling (torch.multinomial) costs ~9 ms per token for 8 × 49k on 2 CPU cores.
-    processors: list[LogitsProcessor] = []
-    if sampling.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
-    if sampling.do_sample:
-        processors += [TemperatureLogitsWarper(sampling.temperature)] if sampling.temperature != 1.0 else []
-        processors += [TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else []
-        processors += [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1.0 else []
-        processors += [MinPLogitsWarper(sampling.min_p)] if sampling.min_p else []
-        processors.append(InverseCDFSampler())
+    processors = logits_processors(sampling)
     gen_cfg = GenerationConfig(
         max_new_tokens=sampling.max_completion_length,
         min_new_tokens=sampling.max_completion_length if sampling.ignore_eos else 0,
@@ -438,6 +428,22 @@ def rollout_func_batch(
     return batch_of_lists(tokenizer, prompt_ids, prompt_mask, completions, model_mask, logprobs, eos, "", use)
 
 
+def logits_processors(sampling: Sampling) -> list[LogitsProcessor]:
+    """Sampling as logits processors ending in InverseCDFSampler, whose token greedy decoding then picks:
+    generate()'s own sampling draws with torch.multinomial, which costs far more per token on a CPU
+    (benchmarks/RESULTS.md)."""
+    processors: list[LogitsProcessor] = []
+    if sampling.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
+    if sampling.do_sample:
+        processors += [TemperatureLogitsWarper(sampling.temperature)] if sampling.temperature != 1.0 else []
+        processors += [TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else []
+        processors += [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1.0 else []
+        processors += [MinPLogitsWarper(sampling.min_p)] if sampling.min_p else []
+        processors.append(InverseCDFSampler())
+    return processors
+
+
 # No text averages more characters a token, so a text's last 64·N characters hold its last N tokens.
 MAX_CHARS_PER_TOKEN = 64
 
@@ -583,8 +589,7 @@ def prefill_once_per_group(
     """Fill `cache` with all but the last prompt token, running each group's prompt once instead of
     `group` times, then repeat its entries for the group's rows; generate() then starts from the last
     prompt token. The rows of a group hold the same prompt (encode_prompts repeats them), so this is the
-    same cache for 1/`group` of the prefill's work (benchmarks/phases.py, G=8, an 82-token prompt, one
-    thread: generation 9.37 -> 7.74 s)."""
+    same cache for 1/`group` of the prefill's work (benchmarks/RESULTS.md, "CPU speed-ups, on and off")."""
     if prompt_ids.shape[1] < 2:
         return
     ids, mask = prompt_ids[::group, :-1], prompt_mask[::group, :-1]

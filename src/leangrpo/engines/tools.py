@@ -285,16 +285,11 @@ def tool_loop(
             pending[i] = calls
     iteration = 0
     while pending and (max_iterations is None or iteration < max_iterations):
-        rows = list(pending)
-        results = run_tool_calls([(toolboxes[i], call) for i in rows for call in pending[i]])
+        results = run_tool_calls([(toolboxes[i], call) for i in pending for call in pending[i]])
         sequences, budgets = {}, {}
-        for i in rows:
-            tool_messages = []
-            for name, content, failed in results[: len(pending[i])]:
-                use.calls[i][name] += 1
-                use.failures[i][name] += failed
-                tool_messages.append({"role": "tool", "name": name, "content": content})
-            results = results[len(pending[i]) :]
+        for i, calls in pending.items():
+            mine, results = results[: len(calls)], results[len(calls) :]
+            tool_messages = [_tool_message(use, i, *result) for result in mine]
             sequence = prompt_ids[i] + completion_ids[i] + tool_suffix_ids(tokenizer, tool_messages)
             used = len(sequence) - len(prompt_ids[i])
             if used > max_completion_length or (max_model_len is not None and len(sequence) >= max_model_len):
@@ -321,6 +316,13 @@ def tool_loop(
                     pending[i] = calls
         iteration += 1
     return Trajectories(completion_ids, model_mask, logprobs, use)
+
+
+def _tool_message(use: ToolUse, row: int, name: str, content: str, failed: bool) -> Message:
+    """A tool's result as the message the model reads next, counted in `use` for rollout `row`."""
+    use.calls[row][name] += 1
+    use.failures[row][name] += failed
+    return {"role": "tool", "name": name, "content": content}
 
 
 def turn_message(tokenizer: PreTrainedTokenizerBase, ids: list[int], prefix: list[int]) -> Message:

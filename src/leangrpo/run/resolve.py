@@ -25,18 +25,20 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return getattr(e, "problem", None) or str(e).splitlines()[0]
 
 
-def _one_line(err: ValidationError, source: str) -> str:
-    first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"])
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key"
-    elif first["type"] == "missing":
-        msg = "required key is missing"
-    elif first["loc"] and not isinstance(first.get("input"), dict):
-        msg = f"{msg} (got {first['input']!r})"
-    more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
-    return f"config error in {source}: {key + ': ' if key else ''}{msg}{more}"
+def _problem_lines(err: ValidationError, source: str) -> str:
+    """Every problem the schema found, one line each, naming its key."""
+    lines = []
+    for problem in err.errors():
+        key = ".".join(str(p) for p in problem["loc"])
+        msg = problem["msg"].removeprefix("Value error, ")
+        if problem["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif problem["type"] == "missing":
+            msg = "required key is missing"
+        elif problem["loc"] and not isinstance(problem.get("input"), dict):
+            msg = f"{msg} (got {problem['input']!r})"
+        lines.append(f"config error in {source}: {key + ': ' if key else ''}{msg}")
+    return "\n".join(lines)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -95,7 +97,7 @@ def validate_config(data: dict[str, Any], source: str = "config") -> Config:
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_one_line(e, source)) from None
+        raise ConfigError(_problem_lines(e, source)) from None
     return resolve(cfg, source)
 
 

@@ -25,8 +25,8 @@ CONSOLE_COLUMNS = (
     ("reward_std", "reward_std"),
     ("loss", "loss"),
     ("kl", "kl"),
-    ("clip_ratio", "clip"),
-    ("completion_length/mean", "length"),
+    ("clip_ratio/region_mean", "clip"),
+    ("completions/mean_length", "length"),
     ("step_seconds", "s/step"),
 )
 HEADER_EVERY = 20  # rows between repeated headers

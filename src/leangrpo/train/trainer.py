@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from leangrpo.config.schema import Config
+from leangrpo.config.schema import Config, step_interval
 from leangrpo.core import grpo
 from leangrpo.core.errors import UserError, error_reason
 from leangrpo.data.rewards import RewardContext, RewardScores, TrainerState, load_rewards, score_completions
@@ -57,6 +57,7 @@ from leangrpo.run.tracking import MetricsLogger, eval_line, open_trackers, peak_
 from leangrpo.train import distributed, sft
 from leangrpo.train.engine import agent_from_config, cpu_levers, rollout_engine
 from leangrpo.train.evaluation import TrainingEvaluator
+from leangrpo.train.extras import RuntimeExtras
 from leangrpo.train.logprobs import Policy, batch_logprobs, micro_batch_logprobs, shared_prompt_group
 from leangrpo.train.optim import StepInBackward, activation_offload, build_optimizer, build_scheduler
 from leangrpo.train.preflight import World, preflight
@@ -102,15 +103,22 @@ class Trainer:
     """Holds what the loop needs across steps; `train()` runs it."""
 
     def __init__(
-        self, cfg: Config, overwrite: bool = False, resume: bool = False, agent: AgentSpec | None = None
+        self,
+        cfg: Config,
+        overwrite: bool = False,
+        resume: bool = False,
+        agent: AgentSpec | None = None,
+        extras: RuntimeExtras | None = None,
     ):
         """`resume`: continue the run in `cfg.output_dir` from its last complete checkpoint. `agent`: the
         tools, environments or rollout_func of TRL's GRPOTrainer (default: the config's `tools:`).
-        Everything that can fail on user input is checked before the model loads (`preflight`, then the
-        data), and the run directory is written only once the model has loaded (`_take_run_dir`)."""
+        `extras`: the in-memory objects of a Python caller (rewards, rows, model, step hooks). Everything
+        that can fail on user input is checked before the model loads (`preflight`, then the data), and
+        the run directory is written only once the model has loaded (`_take_run_dir`)."""
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
+        self.extras = extras or RuntimeExtras()
         # Without CUDA, cpu=True is what makes accelerate/torchrun processes form a gloo group.
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
         self.dist = distributed.setup(self.acc)
@@ -152,10 +160,10 @@ class Trainer:
         with the step count an epoch-based run takes over these rows."""
         self.task = load_task(cfg.task)
         self.shuffle_generator = torch.Generator().manual_seed(cfg.seed)  # grpo.shuffle_rewards only
-        self.reward_funcs = load_rewards(cfg.rewards.functions, self.task)
+        self.reward_funcs = load_rewards(cfg.rewards.functions, self.task, self.extras.reward_funcs)
         if self.agent is not None:  # an environment's get_reward, as TRL adds it
             self.reward_funcs += self.agent.environment_rewards()
-        loaded = load_rows(cfg.data, self.task)
+        loaded = load_rows(cfg.data, self.task, self.extras.train_rows)
         self.rows, self.skipped = loaded.rows, loaded.skipped
         self.sft_task, self.sft_rows = self.task, self.rows  # the cold start's problems
         if cfg.sft.steps and cfg.sft.task is not None and not self.resume_from:
@@ -167,7 +175,9 @@ class Trainer:
         """The policy model and tokenizer (prepared by the device's levers), and how many completions
         read each prompt once (`grpo.share_prompt`)."""
         g, micro = self.cfg.grpo, self.cfg.optim.per_device_train_batch_size
-        model, self.tokenizer = load_model_and_tokenizer(self.cfg.model)
+        model, self.tokenizer = load_model_and_tokenizer(
+            self.cfg.model, self.extras.model, self.extras.tokenizer
+        )
         if self.levers is not None:
             self.levers.prepare(model)
         self.conversational = has_chat_template(self.tokenizer)
@@ -209,8 +219,7 @@ class Trainer:
         params = [p for p in self.policy.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, optim)
         in_backward = StepInBackward(optimizer, params) if optim.optimizer_in_backward else None
-        total = optim.max_steps * self.cfg.grpo.num_iterations
-        scheduler = build_scheduler(optimizer, optim.lr_scheduler_type, optim.num_warmup_steps(total), total)
+        scheduler = build_scheduler(optimizer, optim, optim.max_steps * self.cfg.grpo.num_iterations)
         return optimizer, in_backward, scheduler
 
     def _prompt_samplers(self) -> tuple[PromptSampler, PromptSampler]:
@@ -616,30 +625,23 @@ class Trainer:
         sampler's gap to the trainer (vllm/*); `sampling`: dynamic sampling's dynamic_sampling/*."""
         cfg, gather, device = self.cfg, self.acc.gather, self.acc.device
         total, per_func = gather(scores.total.to(device)), gather(scores.per_func.to(device))
-        lengths = gather(rollout.lengths().float())
-        kl, clip_ratio, entropy = grpo.micro_batch_means(
-            update.stats, lambda t: self.acc.reduce(t.to(device), "sum")
-        )
+        lengths, truncated = gather(rollout.lengths().float()), gather(rollout.truncated)
+        means = grpo.micro_batch_means(update.stats, lambda t: self.acc.reduce(t.to(device), "sum"))
         step_seconds = sum(seconds.values())
         metrics: dict[str, Any] = {
             "step": step,
             "reward": float(total.nanmean()),
             "reward_std": float(total[~total.isnan()].std()),  # TRL's: all rewards, not within groups
-            "kl": kl if cfg.grpo.beta > 0 else None,
-            "clip_ratio": clip_ratio,
-            "entropy": entropy,
-            "completion_length/mean": float(lengths.mean()),
-            "completion_length/max": float(lengths.max()),
-            "truncated_frac": float(gather(rollout.truncated.float()).mean()),
-            "zero_std_frac": float(group_std.isclose(torch.zeros_like(group_std)).float().mean()),
+            **means,
+            "kl": means["kl"] if cfg.grpo.beta > 0 else None,
+            **_length_metrics(lengths, truncated),
+            "frac_reward_zero_std": float(group_std.isclose(torch.zeros_like(group_std)).float().mean()),
             "reward_failures": int(gather(scores.failed.float()).sum()),
             "skipped_steps": self.skipped_steps,
             "tokens_per_s": float(lengths.sum()) / step_seconds,
             "step_seconds": step_seconds,
             "peak_memory_mb": peak_memory_mb(),
-            **{
-                f"rewards/{name}/mean": float(per_func[:, i].nanmean()) for i, name in enumerate(scores.names)
-            },
+            **_reward_metrics(scores.names, per_func),
             "loss": update.loss,
             "grad_norm": update.grad_norm,
             "learning_rate": update.learning_rate,
@@ -654,8 +656,11 @@ class Trainer:
             rewards = {n: float(scores.per_func[0, i]) for i, n in enumerate(scores.names)}
             extra = {column: values[0] for column, values in scores.extra.items() if values}
             self.logger.log_sample({"step": step, **sample, "rewards": rewards, **extra})
-        if self.is_main and _due(step, cfg.logging.logging_steps):
+        if self.is_main and _due(step, step_interval(cfg.logging.logging_steps, cfg.optim.max_steps)):
             self.logger.log(metrics)
+        if self.is_main:
+            for hook in self.extras.step_hooks:
+                hook(step, metrics)
         return metrics
 
     def _tool_metrics(self, rollout: RolloutBatch) -> dict[str, float]:
@@ -786,7 +791,7 @@ class Trainer:
             self.dist.clip_grad_norm(self.policy, cfg.optim.max_grad_norm or math.inf)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if (step + 1) % cfg.logging.logging_steps == 0 or step + 1 == s.steps:
+            if (step + 1) % step_interval(cfg.logging.logging_steps, s.steps) == 0 or step + 1 == s.steps:
                 self._write(f"sft step {step + 1:>4} | loss={loss.item():.4g}")
 
     def maybe_evaluate(self, step: int, name: str | None = None) -> None:
@@ -811,10 +816,11 @@ class Trainer:
     def _checkpoint_due(self, step: int) -> bool:
         """Every `save_steps` steps, once `save_minutes` have passed since the last save (decided by any
         process, so all save together), and at the last step; never when both are 0."""
-        log = self.cfg.logging
+        log, max_steps = self.cfg.logging, self.cfg.optim.max_steps
         if not (log.save_steps or log.save_minutes):
             return False
-        if step == self.cfg.optim.max_steps or (log.save_steps and step % log.save_steps == 0):
+        every = step_interval(log.save_steps, max_steps)
+        if step == max_steps or (every and step % every == 0):
             return True
         late = bool(log.save_minutes) and time.monotonic() - self.last_save >= 60 * log.save_minutes
         return self._any_process(late)
@@ -907,13 +913,46 @@ class Trainer:
         return bool(self.acc.reduce(torch.tensor(float(flag), device=self.acc.device), "sum") > 0)
 
 
+def _nanstd(values: Tensor) -> float:
+    """The std of the scored values (TRL's per-reward `std`, which leaves unscored ones out)."""
+    return float(values[~values.isnan()].std())
+
+
+def _reward_metrics(names: list[str], per_func: Tensor) -> dict[str, float]:
+    """Each reward function's `rewards/<name>/mean` and `/std` over the scored completions."""
+    return {
+        f"rewards/{name}/{stat}": value
+        for i, name in enumerate(names)
+        for stat, value in (("mean", float(per_func[:, i].nanmean())), ("std", _nanstd(per_func[:, i])))
+    }
+
+
+def _length_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, float]:
+    """TRL's `completions/*` metrics: lengths of all completions, and of those that ended (EOS) before
+    max_completion_length (0 when none did, as TRL)."""
+    ended = lengths[~truncated]
+    out = {
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(truncated.float().mean()),
+    }
+    for stat in ("mean", "min", "max"):
+        out[f"completions/{stat}_terminated_length"] = float(getattr(ended, stat)()) if len(ended) else 0.0
+    return out
+
+
 def _due(step: int, every: int) -> bool:
     """A schedule of `every` steps (0: never) that also fires at step 1."""
     return bool(every) and (step % every == 0 or step == 1)
 
 
 def train(
-    cfg: Config, overwrite: bool = False, resume: bool = False, agent: AgentSpec | None = None
+    cfg: Config,
+    overwrite: bool = False,
+    resume: bool = False,
+    agent: AgentSpec | None = None,
+    extras: RuntimeExtras | None = None,
 ) -> Path | None:
     """Train as configured (or resume the run in `cfg.output_dir`); returns the final model's directory,
     or None when a signal stopped the run after saving a checkpoint.
@@ -922,7 +961,7 @@ def train(
     interpreter exit can abort the process after the work is done; the CLI then also skips the
     interpreter's own teardown: `cli._leave_if_one_of_many`). Only the group accelerate formed: a
     colocated vLLM's own single-process group stays for the next engine in this process."""
-    trainer = Trainer(cfg, overwrite, resume, agent)
+    trainer = Trainer(cfg, overwrite, resume, agent, extras)
     try:
         return trainer.train()
     finally:
