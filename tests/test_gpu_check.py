@@ -32,7 +32,7 @@ def positive(x: object) -> bool:
 def test_dry_run_runs_every_section_on_cpu(tmp_path, real_tokenizer_dir):
     out = tmp_path / "out"
     proc = run_check("--device", "cpu", "--tiny", "--out", str(out), "--work", str(tmp_path / "work"),
-                     "--tokenizer", str(real_tokenizer_dir), timeout=1200)  # fmt: skip
+                     "--tokenizer", str(real_tokenizer_dir), "--budget-s", "3600", timeout=3000)  # fmt: skip
     report = json.loads((out / "gpu_check.json").read_text())
     sections = report["sections"]
     broken = {
@@ -40,8 +40,9 @@ def test_dry_run_runs_every_section_on_cpu(tmp_path, real_tokenizer_dir):
     }
     assert proc.returncode == 0 and not broken, (broken, proc.stderr[-3000:])
     assert list(sections) == list(SECTIONS)
-    for s in sections.values():  # ran, or says why not
-        assert s["status"] == "ok" or (s["status"] == "skipped" and s["reason"]), s
+    trl_missing = importlib.util.find_spec("trl") is None
+    for name, s in sections.items():  # every section ran: only TRL's may be missing here
+        assert s["status"] == "ok" or (name == "trl" and trl_missing and s["status"] == "skipped"), s
         assert s["seconds"] >= 0
     markdown = (out / "gpu_check.md").read_text()
     assert "| section | status | seconds |" in markdown
@@ -79,8 +80,8 @@ def test_dry_run_runs_every_section_on_cpu(tmp_path, real_tokenizer_dir):
         assert math.isfinite(r["reference_mean_logp"]) and r["reference_mean_logp"] < 0
 
     trl = sections["trl"]
-    if importlib.util.find_spec("trl") is None:
-        assert trl["status"] == "skipped" and "trl is not importable" in trl["reason"]
+    if trl_missing:
+        assert "trl is not importable" in trl["reason"]
     else:
         assert [r["side"] for r in trl["rows"]] == ["ours", "trl"]
         assert all(positive(r[k]) for r in trl["rows"] for k in ("peak_mib", "median_step_s", "tokens_per_s"))
