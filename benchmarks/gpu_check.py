@@ -55,8 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_trl  # noqa: E402
 from plan_accuracy import MODELS, PROMPT_LEN, TINY, build_model, measure, predict, tokenizer_dir  # noqa: E402
 
-from leangrpo.logprobs import Policy, token_logprobs  # noqa: E402
-from leangrpo.rollout import Sampling, encode_prompts, generate  # noqa: E402
+from leangrpo.engines.rollout import Sampling, encode_prompts, generate
+from leangrpo.train.logprobs import Policy, token_logprobs
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO / "tests" / "data" / "gsm8k" / "train.jsonl"
@@ -192,9 +192,10 @@ def hf_generate(model: Any, tok: Any, prompt: str, tokens: int) -> torch.Tensor:
 
 
 def leangrpo_generate(model: Any, tok: Any, prompt: str, tokens: int) -> torch.Tensor:
-    """leangrpo's rollout, as the trainer calls it."""
+    """leangrpo's rollout, as the trainer calls it (with the CPU's levers in a CPU dry run)."""
     sampling = Sampling(G, PROMPT_LEN, tokens, ignore_eos=True)
-    return generate(model, tok, [prompt], sampling).completion_ids
+    levers = cpu_levers(model.device, CPUConfig())
+    return generate(model, tok, [prompt], sampling, levers=levers).completion_ids
 
 
 def decode_row(
