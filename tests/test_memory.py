@@ -620,3 +620,22 @@ def test_trainer_does_not_import_peft_for_full_fine_tuning(tmp_path, tiny_model_
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.stdout.split() == ["False", "False", "0.0"], proc.stderr[-2000:]
+
+
+def test_the_trainer_ignores_accelerates_mixed_precision(tmp_path, tiny_model_dir, gsm8k_dir):
+    """`accelerate launch` configured with bf16 or fp16 must not wrap leangrpo's step in autocast or scale
+    its loss (the optimizer is leangrpo's own, so the scale would never be undone): model.dtype decides."""
+    cfg = {
+        "model": {"name_or_path": str(tiny_model_dir)},
+        "data": {"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
+        "rewards": {"functions": [{"name": "int"}]},
+        "output_dir": str(tmp_path / "run"),
+    }
+    code = (
+        "from leangrpo.run.resolve import validate_config\n"
+        "from leangrpo.train.trainer import Trainer\n"
+        f"print(Trainer(validate_config({cfg!r})).acc.mixed_precision)"
+    )
+    env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "bf16"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.stdout.split() == ["no"], proc.stderr[-2000:]

@@ -376,7 +376,7 @@ def test_a_rollout_funcs_env_mask_reaches_the_loss_and_its_keys_the_rewards(
     (mask,) = masks
     assert mask.tolist() == [[1, 0, 0, 1, 1]] * 4
     assert SEEN["turn_count"] == [2] * 4 and SEEN["completions"][0][0]["role"] == "assistant"
-    assert metrics["completion_length/mean"] == 3  # the model's tokens only, as TRL counts them
+    assert metrics["completions/mean_length"] == 3  # the model's tokens only, as TRL counts them
 
 
 def test_yaml_tools_run_a_step(tmp_path, tiny_model_dir, gsm8k_dir):

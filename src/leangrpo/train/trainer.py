@@ -120,7 +120,10 @@ class Trainer:
 
         self.extras = extras or RuntimeExtras()
         # Without CUDA, cpu=True is what makes accelerate/torchrun processes form a gloo group.
-        self.acc = Accelerator(cpu=not torch.cuda.is_available())
+        # mixed_precision "no" whatever `accelerate launch` was configured with: the weights' dtype is
+        # model.dtype, and accelerate's autocast or fp16 loss scaling would act on an optimizer it does
+        # not own (never unscaled).
+        self.acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
         self.dist = distributed.setup(self.acc)
         self.levers = cpu_levers(self.acc.device, cfg.cpu)
         if self.levers is not None:
@@ -636,7 +639,7 @@ class Trainer:
             "kl": means["kl"] if cfg.grpo.beta > 0 else None,
             **_length_metrics(lengths, truncated),
             "frac_reward_zero_std": float(group_std.isclose(torch.zeros_like(group_std)).float().mean()),
-            "reward_failures": int(gather(scores.failed.float()).sum()),
+            "reward_failures": int(gather(scores.failed.float().to(device)).sum()),
             "skipped_steps": self.skipped_steps,
             "tokens_per_s": float(lengths.sum()) / step_seconds,
             "step_seconds": step_seconds,
