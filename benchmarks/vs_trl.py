@@ -223,7 +223,7 @@ def run_ours(s: Settings, out_dir: Path) -> dict:
         m = trainer.step(step)
         cpu.append(time.process_time() - cpu_start)
         seconds.append(m["step_seconds"])
-        lengths.append(m["completion_length/mean"])
+        lengths.append(m["completions/mean_length"])
         phases.append({k: v for k, v in m.items() if k.startswith("time/")})
     return {"step_seconds": seconds, "cpu_seconds": cpu, "completion_lengths": lengths,
             "peak_mb": peak_memory_mb(), "peak_after_load_mb": after_load,

@@ -356,7 +356,7 @@ def test_19_a_trl_config_takes_one_reward_name(tmp_path, gsm8k_dir):
     (tmp_path / "bad.yaml").write_text(
         yaml.safe_dump({**base, "reward_funcs": "xmlcount", "reward_weights": "abc"})
     )
-    with pytest.raises(UserError, match="reward_weights must be a list"):
+    with pytest.raises(UserError, match="reward_weights=.abc.: must be a list"):
         load_config(tmp_path / "bad.yaml")
 
 

@@ -162,23 +162,31 @@ def sampler_importance_weights(
 
 @dataclass
 class LossStats:
-    """Token sums from one micro-batch of one process, for the kl, clip_ratio and entropy metrics."""
+    """Token sums from one micro-batch of one process, for the kl, clip_ratio and entropy metrics:
+    `clipped_tokens` every token a clip zeroed, `low_clipped` / `high_clipped` those below 1 - epsilon
+    (negative advantage) and above 1 + epsilon_high (positive advantage), as TRL splits them."""
 
     kl_sum: float = 0.0
     clipped_tokens: float = 0.0
     tokens: float = 0.0
     entropy_sum: float = 0.0
+    low_clipped: float = 0.0
+    high_clipped: float = 0.0
 
 
 def micro_batch_means(
     stats: list[LossStats], sum_over_processes: Callable[[Tensor], Tensor] = lambda t: t
-) -> tuple[float, float, float]:
-    """The `kl`, `clip_ratio` and `entropy` metrics as TRL defines them: each micro-batch's token mean
-    over every process, then the mean over micro-batches (not weighted by their token counts)."""
-    rows = [[s.kl_sum, s.clipped_tokens, s.entropy_sum, s.tokens] for s in stats]
+) -> dict[str, float]:
+    """The `kl`, `entropy` and `clip_ratio/{region,low,high}_mean` metrics as TRL defines them: each
+    micro-batch's token mean over every process, then the mean over micro-batches (not weighted by their
+    token counts)."""
+    names = ("kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")
+    rows = [
+        [s.kl_sum, s.entropy_sum, s.clipped_tokens, s.low_clipped, s.high_clipped, s.tokens] for s in stats
+    ]
     sums = sum_over_processes(torch.tensor(rows))
-    kl, clip_ratio, entropy = (sums[:, :3] / sums[:, 3:].clamp(min=1)).mean(dim=0).tolist()
-    return kl, clip_ratio, entropy
+    means = (sums[:, :-1] / sums[:, -1:].clamp(min=1)).mean(dim=0).tolist()
+    return dict(zip(names, means, strict=True))
 
 
 def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float) -> Tensor:
@@ -245,16 +253,18 @@ def grpo_loss(
     if loss_type == "cispo":
         weight = torch.clamp(ratio, max=epsilon_high).detach()
         per_token = -weight * adv * torch.where(keep, logp, 0.0)
-        is_clipped = (ratio > epsilon_high) & (adv > 0)
+        is_clipped = is_high = (ratio > epsilon_high) & (adv > 0)
+        is_low = torch.zeros_like(is_clipped)
     elif loss_type == "sapo":
         tau = torch.where(adv > 0, *sapo_temperatures)
         per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
-        is_clipped = torch.zeros_like(adv, dtype=torch.bool)  # a gate, no clip
+        is_clipped = is_low = is_high = torch.zeros_like(adv, dtype=torch.bool)  # a gate, no clip
     else:
         clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
         capped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
         per_token = -torch.min(capped_ratio * adv, clipped_ratio * adv)
-        is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
+        is_low, is_high = (ratio < 1 - epsilon) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)
+        is_clipped = is_low | is_high
         if delta is not None:
             is_clipped |= (ratio > delta) & (adv < 0)
     if top_entropy_quantile < 1.0:
@@ -287,5 +297,7 @@ def grpo_loss(
             clipped_tokens=float((is_clipped & keep).sum()),
             tokens=float(keep.sum()),
             entropy_sum=float(entropy[keep].sum()) if entropy is not None else 0.0,
+            low_clipped=float((is_low & keep).sum()),
+            high_clipped=float((is_high & keep).sum()),
         )
     return loss, stats

@@ -21,6 +21,7 @@ from leangrpo.run.rundir import (
     claim,
     is_run_dir,
     read_jsonl,
+    with_trl_names,
     write_text_atomic,
 )
 from leangrpo.tools.compare import fmt_value
@@ -81,7 +82,7 @@ def load_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     if not (run_dir / "metrics.jsonl").is_file():
         raise RunDirError(f"run directory {run_dir} has no metrics.jsonl yet")
     loaded = read_jsonl(run_dir / "metrics.jsonl")
-    rows = [r for r in loaded.rows if _numeric(r.get("step"))]
+    rows = [with_trl_names(r) for r in loaded.rows if _numeric(r.get("step"))]
     if len(rows) < len(loaded.rows):
         loaded.notes.append(
             f"skipped {len(loaded.rows) - len(rows)} rows of metrics.jsonl with no step number"
