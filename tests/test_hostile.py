@@ -143,6 +143,33 @@ def test_3_the_current_directory_is_never_on_the_import_path(run, gsm8k_dir):
     assert not (run / "PWNED").exists()
 
 
+def test_3_a_users_own_config_finds_modules_beside_them(run, tmp_path, gsm8k_dir):
+    """The other side of test 3: `eval -c MINE.yaml` naming `mine:reward`, with mine.py in the current
+    directory (as `trl grpo` finds rewards), imports it."""
+    (tmp_path / "mine.py").write_text(
+        "def reward(completions, **kw):\n    return [0.25] * len(completions)\n"
+    )
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["rewards"]["functions"] = [{"name": "mine:reward"}]
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(cfg))
+    args = [
+        "--model",
+        str(run),
+        "-c",
+        "mine.yaml",
+        "--data",
+        str(gsm8k_dir),
+        "--limit",
+        "1",
+        "--out",
+        "e.json",
+    ]
+    proc = cli_proc("eval", *args, cwd=tmp_path)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    assert json.loads((tmp_path / "e.json").read_text())["metrics"]["rewards/reward/mean"] == 0.25
+
+
 # ------------------------------------------------------------------------------- 4-7. --overwrite
 
 

@@ -38,6 +38,13 @@ def _leave_if_one_of_many(code: int) -> None:
         os._exit(code)
 
 
+def _code_beside_the_user() -> None:
+    """Let `module:function` names in the user's own config find modules in the current directory, as
+    `trl grpo` does. Only then: code a run's config names never comes from there (`run.trust`)."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn a UserError into one line on stderr and exit code 2, never a traceback; a run stopped by a
     signal exits 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
@@ -62,8 +69,6 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("-v", "--verbose", is_flag=True, help="Show debug logging.")
 def main(verbose: bool) -> None:
     """leangrpo: memory-lean GRPO for small language models."""
-    if os.getcwd() not in sys.path:  # `module:function` rewards beside the user, as `trl grpo` finds them
-        sys.path.insert(0, os.getcwd())
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
@@ -94,9 +99,13 @@ def train(
         raise click.UsageError("--resume and --overwrite exclude each other")
     if resume:
         from leangrpo.run.checkpoint import resume_config
+        from leangrpo.run.trust import is_run_owned
 
+        if config_path is not None and not is_run_owned(config_path):
+            _code_beside_the_user()
         cfg = resume_config(config_path, list(overrides), resume, trust_run_code)
     else:
+        _code_beside_the_user()
         cfg = load_config(config_path, list(overrides))
     from leangrpo.tools.plan import memory_startup_warning
     from leangrpo.train.trainer import train as run_training
@@ -233,6 +242,7 @@ def demo(
     OVERRIDES set any config field of the recipe: model.gradient_checkpointing=true"""
     from leangrpo.tools.demo import demo_config, run_demo
 
+    _code_beside_the_user()
     cfg = demo_config(
         task, max_steps, full_finetune, output_dir, data_path=data_path, eval_path=eval_data,
         eval_limit=eval_limit, sft_steps=sft_steps, control=control, model=model, seed=seed,
@@ -356,9 +366,12 @@ def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: 
 @_user_errors
 def eval_cmd(model: str, pass_k: int, **options: Any) -> None:
     """Evaluate a model on held-out questions: accuracy, pass@k, format rates, rewards, lengths."""
+    from leangrpo.run.trust import is_run_owned
     from leangrpo.tools.compare import fmt_value, format_table
     from leangrpo.tools.evaluate import run_eval
 
+    if options["rewards"] or (options["config"] and not is_run_owned(options["config"])):
+        _code_beside_the_user()
     result, path = run_eval(model, num_samples=pass_k, **options)
     rows = [[k, fmt_value(v)] for k, v in result.metrics.items()]
     click.echo(format_table(["metric", "value"], rows))
