@@ -168,7 +168,8 @@ def chat(
     type=click.Choice(DEMO_TASKS),
     default=DEMO_TASKS[0],
     show_default=True,
-    help="chain_sum: generated two-digit sums (reasoning-gym); gsm8k: GSM8K with a cold start.",
+    help="chain_sum: generated two-digit sums (reasoning-gym); gsm8k: GSM8K with a cold start; tools: "
+    "3-4 digit sums with a calculator tool.",
 )
 @click.option("--max-steps", default=20, show_default=True, help="GRPO steps.")
 @click.option("--sft-steps", default=8, show_default=True, help="Supervised cold-start steps.")
@@ -176,7 +177,9 @@ def chat(
 @click.option("--data", "data_path", default=DEMO_DATA, show_default=True, help="gsm8k: training file.")
 @click.option("--eval-data", default=DEMO_EVAL_DATA, show_default=True, help="gsm8k: held-out file.")
 @click.option(
-    "--eval-limit", type=click.IntRange(min=3), help="Held-out questions (default: chain_sum 300, gsm8k 100)."
+    "--eval-limit",
+    type=click.IntRange(min=3),
+    help="Held-out questions (default: chain_sum 300, gsm8k 100, tools 200).",
 )
 @click.option(
     "--control",

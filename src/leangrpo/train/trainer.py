@@ -138,7 +138,7 @@ class Trainer:
         self.agent = agent if agent is not None else agent_from_config(cfg.tools)
         self.cfg = self._load_data(cfg)
         self.evaluator = (
-            TrainingEvaluator(self.cfg, self.run_dir, self.reward_funcs, self.task)
+            TrainingEvaluator(self.cfg, self.run_dir, self.reward_funcs, self.task, self.agent)
             if cfg.eval.enabled
             else None
         )
@@ -780,13 +780,18 @@ class Trainer:
         show = self.is_main and cfg.logging.progress_bar
         for step in trange(s.steps, desc="SFT cold start", disable=not show, dynamic_ncols=True):
             rows = [self.sft_rows[i] for i in order.indices(step)]
+            prompts, kwargs = [r["prompt"] for r in rows], None
+            if self.agent is not None and self.agent.uses_tools:  # the prompts as rollouts show them
+                episodes = self.agent.start(rows, 1)
+                prompts, kwargs = episodes.prompts, [{"tools": box.schemas} for box in episodes.toolboxes]
             batch = sft.sft_batch(
                 self.tokenizer,
-                [r["prompt"] for r in rows],
+                prompts,
                 [self.sft_task.solution(r) for r in rows],
                 assistant_prefix=cfg.data.assistant_prefix,
                 max_prompt_length=cfg.grpo.max_prompt_length,
                 max_completion_length=cfg.grpo.max_completion_length,
+                chat_template_kwargs=kwargs,
             ).to(self.acc.device)
             logp, mask = micro_batch_logprobs(self.policy, batch, slice(None), temperature=1.0)
             loss = sft.nll_loss(logp, mask)
