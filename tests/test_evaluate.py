@@ -49,10 +49,10 @@ def test_score_uses_math_verify_for_gsm8k_answers():
     metrics = summarize(records, REWARDS, num_samples=0)
     assert metrics["n"] == 5 and metrics["accuracy"] == pytest.approx(3 / 5)
     assert metrics["accuracy/lenient"] == pytest.approx(4 / 5)
-    assert metrics["format/strict_format_reward"] == pytest.approx(2 / 5)  # rows a and c
+    assert metrics["format/strict_format"] == pytest.approx(2 / 5)  # rows a and c (REWARDS' names)
     assert metrics["format/soft_format"] == pytest.approx(2 / 5)
     assert "format/math_verify" not in metrics
-    assert metrics["rewards/math_verify_reward/mean"] == pytest.approx(3 * 2.0 / 5)
+    assert metrics["rewards/math_verify/mean"] == pytest.approx(3 * 2.0 / 5)
     assert metrics["reward"] == pytest.approx((3.0 + 2.0 + 1.0 + 2.0 + 0.0) / 5)
 
 
@@ -88,7 +88,7 @@ def test_evaluate_batched_greedy_and_pass_at_k(tiny, test_rows):
         "pass@3",
         "pass@1/sampled",
         "completions/mean_length",
-        "format/strict_format_reward",
+        "format/strict_format",
     } <= set(res.metrics)
     assert all(0 <= r["samples_correct"] <= 3 and 1 <= r["length"] <= 6 for r in res.records)
 
