@@ -14,7 +14,6 @@ ALLOWED = {
     "core/shared_prompt.py:_attention",
     "train/trainer.py:__init__",
     "train/trainer.py:update",
-    "train/trainer.py:_run",
     "train/trainer.py:record",
 }
 

@@ -650,13 +650,8 @@ class Trainer:
 
         cfg = self.cfg
         self._write(f"training on {self.dist.describe()}, device {self.acc.device}")
-        asked = distributed.launcher_processes()
-        if asked and asked > self.acc.num_processes:
-            self._write(
-                f"warning: accelerate launch asked for {asked} processes but {self.acc.num_processes} formed "
-                f"(--cpu starts one); on CPU use torchrun --nproc_per_node {asked} or accelerate launch "
-                f"--multi_gpu --num_processes {asked} (docs/distributed.md)"
-            )
+        if warning := distributed.launch_warning(self.acc.num_processes):
+            self._write(warning)
         if self.is_main and self.skipped:
             self._write(f"data: skipped {len(self.skipped)} bad rows (first: {self.skipped[0]})")
         if cfg.grpo.use_vllm:  # before any work, so that a model vLLM cannot load stops the run at once
