@@ -721,6 +721,27 @@ def test_gguf_missing_file_is_one_line_error(tmp_path, monkeypatch):
     assert "missing.gguf" in one_line(err)
 
 
+def test_gguf_conversion_shows_a_progress_bar(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    import transformers
+
+    auto_model, auto_tokenizer = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
+    load_model, load_tok = auto_model.from_pretrained, auto_tokenizer.from_pretrained
+
+    def gguf_model(*args, **kwargs):  # what transformers gives for a GGUF: flagged as quantized
+        model = load_model(tiny_model_dir)
+        model.config.quantization_config = {"quant_method": "gguf"}
+        return model
+
+    monkeypatch.setattr(auto_tokenizer, "from_pretrained", lambda *a, **k: load_tok(tiny_model_dir))
+    monkeypatch.setattr(auto_model, "from_pretrained", gguf_model)
+    monkeypatch.setenv("LEANGRPO_CACHE", str(tmp_path / "cache"))
+    fake = tmp_path / "tiny.gguf"
+    fake.write_bytes(b"GGUF")
+    gguf_to_safetensors(fake)
+    err = capsys.readouterr().err
+    assert "unpacking tiny.gguf (once)" in err and "3/3" in err
+
+
 def test_gguf_garbage_file_is_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setenv("LEANGRPO_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "x.gguf"

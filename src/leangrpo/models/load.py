@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from leangrpo.core.errors import UserError
 
@@ -89,13 +90,30 @@ def gguf_to_safetensors(gguf_path: str | Path) -> Path:
         shutil.rmtree(cache)
 
     log.info("Dequantizing %s into %s (once)", gguf_path, cache)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        )
-    except Exception as e:  # noqa: BLE001 - gguf/transformers raise many kinds; report one line
-        raise ModelError(f"cannot read GGUF file {gguf_path}: {describe(e)}") from None
+    # a bar over the stages: reading the tokenizer and the weights takes most of a minute on a CPU
+    with tqdm(total=3, desc=f"unpacking {gguf_path.name} (once)", unit="stage", dynamic_ncols=True) as bar:
+        try:
+            bar.set_postfix_str("tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            bar.update()
+            bar.set_postfix_str("weights")
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            )
+            bar.update()
+        except Exception as e:  # noqa: BLE001 - gguf/transformers raise many kinds; report one line
+            raise ModelError(f"cannot read GGUF file {gguf_path}: {describe(e)}") from None
+        bar.set_postfix_str("saving")
+        _save_dequantized(model, tokenizer, gguf_path, cache)
+        bar.update()
+    return cache
+
+
+def _save_dequantized(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, gguf_path: Path, cache: Path
+) -> None:
+    """Write the GGUF-loaded model as plain float safetensors into `cache`, atomically, with the manifest
+    of its files' hashes."""
     # Drop the GGUF quantization flag: the weights are plain float tensors now.
     del model.config.quantization_config
     # torch types Module.__setattr__'s value as Tensor | Module; plain attributes are set as on any object
@@ -109,7 +127,6 @@ def gguf_to_safetensors(gguf_path: str | Path) -> Path:
     files = {p.name: _sha256(p) for p in tmp.glob("*.safetensors")}
     (tmp / _MANIFEST).write_text(json.dumps({"source": str(gguf_path), "files": files}))
     tmp.rename(cache)
-    return cache
 
 
 def resolve_model_path(name_or_path: str) -> str:

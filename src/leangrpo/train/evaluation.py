@@ -103,7 +103,11 @@ def evaluate(
         num_generations=1, max_prompt_length=max_prompt_length, max_completion_length=max_new_tokens,
         do_sample=False, assistant_prefix=assistant_prefix,
     )  # fmt: skip
-    bar = tqdm(total=len(rows) * (1 + num_samples), desc="eval", unit="completion", disable=not progress)
+    # leave=False: in training, the bar goes once done and the console table goes on under the GRPO bar
+    bar = tqdm(
+        total=len(rows) * (1 + num_samples), desc="eval", unit="completion", disable=not progress,
+        leave=False, dynamic_ncols=True,
+    )  # fmt: skip
     with bar, _left_padded(tokenizer), torch.inference_mode():
         greedy = gen(greedy_sampling, batch_size, bar)
         sampled = None
@@ -318,7 +322,7 @@ class TrainingEvaluator:
             temperature=cfg.grpo.temperature,
             top_p=cfg.grpo.top_p,
             seed=cfg.seed,
-            progress=False,
+            progress=cfg.logging.progress_bar,  # called on the main process only
             engine=engine,
         )
         stem = name or f"step-{step}"
