@@ -12,9 +12,6 @@ LIMIT, CORE_LIMIT = 60, 40
 ALLOWED = {
     "core/grpo.py:grpo_loss",
     "core/shared_prompt.py:_attention",
-    "train/trainer.py:__init__",
-    "train/trainer.py:update",
-    "train/trainer.py:record",
 }
 
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from leangrpo.config.schema import Config, ConfigError
-from leangrpo.run.resolve import load_config, save_config, validate_config
+from leangrpo.run.resolve import load_config, resolve_steps, save_config, validate_config, with_model_path
 
 MINIMAL = """\
 model:
@@ -333,6 +333,38 @@ def test_save_config_round_trip(minimal_yaml, tmp_path):
     saved = yaml.safe_load(out.read_text())
     assert set(saved) >= {"model", "data", "rewards", "grpo", "optim", "logging", "output_dir", "seed"}
     assert saved["data"]["system_prompt"] == cfg.data.system_prompt
+
+
+def test_the_resolved_config_is_frozen(minimal_yaml):
+    from pydantic import ValidationError
+
+    cfg = load_config(minimal_yaml)
+    for section, key, value in [
+        (cfg.optim, "max_steps", 3),
+        (cfg.model, "name_or_path", "other"),
+        (cfg.model.lora, "r", 4),
+        (cfg.task, "name", "dataset"),
+        (cfg, "output_dir", "elsewhere"),
+    ]:
+        with pytest.raises(ValidationError, match="frozen"):
+            setattr(section, key, value)
+    assert cfg.optim.max_steps != 3 and cfg.model.name_or_path != "other" and cfg.output_dir != "elsewhere"
+
+
+def test_epochs_resolve_to_steps_in_a_new_config(minimal_yaml):
+    # 2 epochs of 10 rows, 2 prompts per step per process (4 completions / 2 generations), 3 processes
+    cfg = load_config(minimal_yaml, ["optim.num_train_epochs=2", "optim.per_device_train_batch_size=4",
+                                     "grpo.num_generations=2"])  # fmt: skip
+    resolved = resolve_steps(cfg, num_rows=10, num_processes=3)
+    assert resolved.optim.max_steps == 4 and cfg.optim.max_steps == 100  # ceil(20 / 6); cfg unchanged
+    assert resolved.grpo == cfg.grpo and resolved.optim.learning_rate == cfg.optim.learning_rate
+    explicit = load_config(minimal_yaml, ["optim.num_train_epochs=2", "optim.max_steps=7"])
+    assert resolve_steps(explicit, num_rows=10, num_processes=3) is explicit  # max_steps wins
+    moved = with_model_path(cfg, "runs/x/base-model")
+    assert (
+        moved.model.name_or_path == "runs/x/base-model" and cfg.model.name_or_path != moved.model.name_or_path
+    )
+    assert moved.model.lora == cfg.model.lora
 
 
 # --------------------------------------------------------------------------- CLI

@@ -15,7 +15,8 @@ from memtrack import PeakLargeTensors
 from leangrpo.core.errors import DeviceOptionError, UserError
 from leangrpo.cpu.allocator import MMAP_THRESHOLD, release_freed_memory
 from leangrpo.run.resolve import validate_config
-from leangrpo.train.optim import activation_offload, build_optimizer, check_device_options
+from leangrpo.train.optim import activation_offload, build_optimizer
+from leangrpo.train.preflight import World, preflight
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -33,11 +34,18 @@ def make_cfg(**sections):
     return validate_config(data)
 
 
-def test_defaults_need_nothing_special():
-    cfg = make_cfg()
+def test_defaults_need_nothing_special(tmp_path):
+    cfg = make_cfg(output_dir=str(tmp_path / "run"))
     assert cfg.optim.optimizer == "adamw" and cfg.model.activation_offload is False
     assert cfg.grpo.ignore_eos is False
-    check_device_options(cfg)  # no error anywhere
+    preflight(cfg, World(device="cuda" if CUDA else "cpu"))  # no error anywhere
+
+
+def test_optimizer_in_backward_refused_on_several_processes(tmp_path):
+    cfg = make_cfg(optim={"optimizer_in_backward": True, "max_grad_norm": None}, output_dir=str(tmp_path))
+    preflight(cfg, World(num_processes=1))
+    with pytest.raises(UserError, match="^optim.optimizer_in_backward runs on one process only: the"):
+        preflight(cfg, World(num_processes=2))
 
 
 def test_unknown_optimizer_is_a_config_error():
@@ -52,9 +60,9 @@ def test_unknown_optimizer_is_a_config_error():
         ({"model": {"activation_offload": True}}, "model.activation_offload=false"),
     ],
 )
-def test_gpu_options_refused_on_cpu_with_the_fix(sections, needle):
+def test_gpu_options_refused_on_cpu_with_the_fix(tmp_path, sections, needle):
     with pytest.raises(DeviceOptionError, match="needs a CUDA GPU") as err:
-        check_device_options(make_cfg(**sections))
+        preflight(make_cfg(**sections, output_dir=str(tmp_path / "run")), World(device="cpu"))
     assert needle in str(err.value) and "\n" not in str(err.value)
     assert isinstance(err.value, UserError)
 
@@ -66,13 +74,13 @@ def test_gpu_options_refused_on_cpu_with_the_fix(sections, needle):
         ({"model": {"load_in_4bit": True, "lora": {"enabled": True}}}, "model.load_in_4bit"),
     ],
 )
-def test_bitsandbytes_options_without_bitsandbytes_name_the_install(monkeypatch, sections, option):
+def test_bitsandbytes_options_without_bitsandbytes_name_the_install(tmp_path, monkeypatch, sections, option):
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n: None if n == "bitsandbytes" else real(n))
     with pytest.raises(UserError) as err:
-        check_device_options(make_cfg(**sections))
+        preflight(make_cfg(**sections, output_dir=str(tmp_path / "run")), World())
     assert str(err.value) == (
         f"{option} needs bitsandbytes: pip install 'leangrpo[qlora]' (or pip install bitsandbytes)"
     )
@@ -160,11 +168,11 @@ def test_generation_runs_without_grad_and_with_the_kv_cache(tiny_model_dir, leve
     assert model.training  # train mode restored for the update
 
 
-def test_adamw_8bit_steps_with_8bit_state():
+def test_adamw_8bit_steps_with_8bit_state(tmp_path):
     """bitsandbytes' 8-bit AdamW, on CPU or CUDA: uint8 moments for a large tensor, and it learns."""
     pytest.importorskip("bitsandbytes")
-    cfg = make_cfg(optim={"optimizer": "adamw_8bit", "learning_rate": 1e-2})
-    check_device_options(cfg)
+    cfg = make_cfg(optim={"optimizer": "adamw_8bit", "learning_rate": 1e-2}, output_dir=str(tmp_path / "run"))
+    preflight(cfg, World(device="cuda" if CUDA else "cpu"))
     p = torch.nn.Parameter(torch.randn(8192, device="cuda" if CUDA else "cpu"))
     opt = build_optimizer([p], cfg.optim)
     assert type(opt).__name__ == "AdamW8bit"

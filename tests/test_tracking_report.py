@@ -14,8 +14,10 @@ import pytest
 from click.testing import CliRunner
 
 from leangrpo.cli import main
+from leangrpo.run.resolve import validate_config
 from leangrpo.run.rundir import CURVES
-from leangrpo.run.tracking import TrackerError, check_trackers
+from leangrpo.run.tracking import TrackerError
+from leangrpo.train.preflight import World, preflight
 
 
 @pytest.mark.slow
@@ -142,6 +144,13 @@ def wandb_history(path: Path) -> list[tuple[int, dict]]:
     return out
 
 
+def tracked(tmp_path, gsm8k_dir, report_to):
+    return validate_config(
+        {"model": {"name_or_path": "m"}, "data": {"path": str(gsm8k_dir / "train.jsonl")},
+         "logging": {"report_to": report_to}, "output_dir": str(tmp_path / "run")}
+    )  # fmt: skip
+
+
 def test_missing_tracker_package_is_one_line(monkeypatch, tmp_path, gsm8k_dir):
     import importlib.util
 
@@ -152,8 +161,8 @@ def test_missing_tracker_package_is_one_line(monkeypatch, tmp_path, gsm8k_dir):
         importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
     )
     with pytest.raises(TrackerError, match="the wandb package is not installed: pip install wandb"):
-        check_trackers(["tensorboard", "wandb"])
-    check_trackers(["tensorboard"])
+        preflight(tracked(tmp_path, gsm8k_dir, ["tensorboard", "wandb"]), World())
+    preflight(tracked(tmp_path, gsm8k_dir, ["tensorboard"]), World())
     # From the CLI: one line, before any model loads (the model path does not even exist).
     cfg = write_config(tmp_path / "c.yaml", tmp_path / "no-model", gsm8k_dir / "train.jsonl", tmp_path / "r")
     result = CliRunner().invoke(main, ["train", "-c", str(cfg), "logging.report_to=[tensorboard, wandb]"])

@@ -46,7 +46,10 @@ def installed_trackers() -> list[str]:
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    """A config section: unknown keys refused; frozen, since a run's config is resolved once, before any
+    model loads, and nothing changes it after (a resolved value is a new object: `model_copy`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class LoraConfig(Section):
@@ -114,7 +117,7 @@ class TaskConfig(Section):
     """What to learn: `name` picks a task module (leangrpo/tasks/); the other keys are that task's own
     options, checked by it. `task: gsm8k` is short for `task: {name: gsm8k}`."""
 
-    model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
 
     name: str = Field(
         "gsm8k",

@@ -30,7 +30,7 @@ from leangrpo.models.load import is_peft, peft_base
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from leangrpo.config.schema import Config
+    from leangrpo.config.schema import GRPOSection
 
 
 @dataclass
@@ -142,14 +142,14 @@ class Sampling:
     max_tool_calling_iterations: int | None = None
 
     @classmethod
-    def from_config(cls, cfg: Config) -> Sampling:
-        """The training rollout's."""
-        g = cfg.grpo
+    def from_config(cls, g: GRPOSection, assistant_prefix: str) -> Sampling:
+        """The training rollout's: `grpo`'s sampling settings, each completion opened by the data's
+        `assistant_prefix`."""
         return cls(
             num_generations=g.num_generations, max_prompt_length=g.max_prompt_length,
             max_completion_length=g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
             top_k=g.top_k, min_p=g.min_p, repetition_penalty=g.repetition_penalty,
-            generation_kwargs=g.generation_kwargs, assistant_prefix=cfg.data.assistant_prefix,
+            generation_kwargs=g.generation_kwargs, assistant_prefix=assistant_prefix,
             ignore_eos=g.ignore_eos, max_tool_calling_iterations=g.max_tool_calling_iterations,
         )  # fmt: skip
 

@@ -49,17 +49,6 @@ def import_vllm() -> Any:
     return vllm
 
 
-def check_vllm(cfg: Config, num_processes: int) -> None:
-    """Everything about `use_vllm` that can fail, checked before the model loads."""
-    if not cfg.grpo.use_vllm:
-        return
-    import_vllm()
-    if num_processes > 1:
-        raise VLLMError(f"grpo.use_vllm: one training process only for now (this run has {num_processes})")
-    if cfg.grpo.vllm_enable_sleep_mode and not torch.cuda.is_available():
-        raise VLLMError("grpo.vllm_enable_sleep_mode needs CUDA (vLLM sleeps only on GPUs); set it to false")
-
-
 class VLLMEngine:
     """A RolloutEngine on one colocated `vllm.LLM`."""
 

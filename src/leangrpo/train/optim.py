@@ -10,27 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from leangrpo.core.errors import DeviceOptionError
-
 if TYPE_CHECKING:
-    from leangrpo.config.schema import Config, OptimConfig
-
-
-def check_device_options(cfg: Config) -> None:
-    """Refuse, before any model loads, options this machine cannot provide: bitsandbytes' (8-bit AdamW,
-    a 4-bit base: CPU or CUDA) without bitsandbytes, activation offload without CUDA."""
-    from leangrpo.models.load import require_bitsandbytes
-
-    cuda = torch.cuda.is_available()
-    if cfg.optim.optimizer == "adamw_8bit":
-        require_bitsandbytes("optim.optimizer=adamw_8bit")
-    if cfg.model.load_in_4bit:
-        require_bitsandbytes("model.load_in_4bit")
-    if cfg.model.activation_offload and not cuda:
-        raise DeviceOptionError(
-            "model.activation_offload needs a CUDA GPU (on CPU the activations already live in CPU memory); "
-            "set model.activation_offload=false"
-        )
+    from leangrpo.config.schema import OptimConfig
 
 
 def build_optimizer(
