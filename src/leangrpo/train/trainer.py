@@ -740,20 +740,15 @@ class Trainer:
         self._check_finite_weights("the final model")
         lm = self.dist.saveable(self.policy)
         if lm is not None:
-            save_final_model(lm, self.tokenizer, final)
+            save_final_model(lm, self.tokenizer, final, self.cfg.model.name_or_path)
         return final
 
     def _announce(self) -> None:
         """Say where the run trains, warn of a launch that formed fewer processes than it asked for, and
         count the data's bad rows."""
         self._write(f"training on {self.dist.describe()}, device {self.acc.device}")
-        asked = distributed.launcher_processes()
-        if asked and asked > self.acc.num_processes:
-            self._write(
-                f"warning: accelerate launch asked for {asked} processes but {self.acc.num_processes} formed "
-                f"(--cpu starts one); on CPU use torchrun --nproc_per_node {asked} or accelerate launch "
-                f"--multi_gpu --num_processes {asked} (docs/distributed.md)"
-            )
+        if warning := distributed.launch_warning(self.acc.num_processes):
+            self._write(warning)
         if self.is_main and self.skipped:
             self._write(f"data: skipped {len(self.skipped)} bad rows (first: {self.skipped[0]})")
 
