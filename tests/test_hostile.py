@@ -126,6 +126,15 @@ def test_1_resume_asks_for_the_grant(run, tmp_path, monkeypatch):
     assert resume_config(None, ["rewards.functions=[{name: correctness}]"], str(run))
 
 
+def test_1_eval_refuses_the_tools_a_run_names(run, tmp_path, gsm8k_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**data, "tools": {"functions": ["os:system"]}}))
+    result = cli("eval", "--model", str(run), "--data", str(gsm8k_dir), "--limit", "1", "--out", "e.json")
+    no_traceback(result)
+    assert "os:system" in result.output and "--trust-run-code" in result.output
+
+
 def test_3_the_current_directory_is_never_on_the_import_path(run, gsm8k_dir):
     """`cd RUN; python -m leangrpo eval --model .` with an `evil.py` (and a `click.py`) there: even granted,
     `evil:reward` is not found and nothing in the directory runs. The user's own modules, on their
