@@ -1,7 +1,7 @@
 """The trust boundary. What a run directory, checkpoint or export holds is data: its config, its
 `leangrpo_export.json`, its files. Code such a config names (an import-path reward, a reward model, a
-tool or environment, the model's own code) is run only when the user names it in their own config or on the command line, or
-passes `--trust-run-code`."""
+tool or environment, the model's own code) is run only when the user names it in their own config or
+on the command line, or passes `--trust-run-code`."""
 
 from __future__ import annotations
 
