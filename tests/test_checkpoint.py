@@ -24,7 +24,7 @@ from leangrpo.run.checkpoint import (
     truncate_log,
 )
 from leangrpo.run.resolve import save_config, validate_config
-from leangrpo.run.rundir import RunDirError, RunLock, check_output_dir
+from leangrpo.run.rundir import MANIFEST, RunDirError, RunLock, check_output_dir
 from leangrpo.train.preflight import check_resumable
 
 
@@ -188,6 +188,9 @@ def test_run_dir_rules(tmp_path):
     save_config(make_cfg(run), run / "config.yaml")
     with pytest.raises(RunDirError, match="--resume"):
         check_output_dir(run, overwrite=False)
+    with pytest.raises(RunDirError, match="no .leangrpo-manifest"):  # what it wrote is unknown
+        check_output_dir(run, overwrite=True)
+    (run / MANIFEST).write_text("config.yaml\n")
     check_output_dir(run, overwrite=True)
 
     blocker = tmp_path / "file"

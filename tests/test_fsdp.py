@@ -76,7 +76,7 @@ def test_fsdp_run_resumes_exactly_and_exports_a_plain_model(tmp_path, tiny_model
     assert "done: final model in" in proc.stdout  # printed before the process leaves without teardown
     resumed = tmp_path / "resumed"
     shutil.copytree(run, resumed, ignore=shutil.ignore_patterns("checkpoint-3", "model"))
-    proc = launch("--resume", str(resumed), port=29543)
+    proc = launch("--resume", str(resumed), "--trust-run-code", port=29543)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from" in proc.stdout + proc.stderr
     straight, again = weights(run / "model"), weights(resumed / "model")

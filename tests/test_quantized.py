@@ -162,7 +162,9 @@ def test_qlora_8bit_bf16_trains_resumes_exports_and_chats(tmp_path, tiny_model_d
         **sections["optim"], "max_steps": 2}})  # fmt: skip
     result = cli.invoke(main, ["train", "-c", str(cut)])
     assert result.exit_code == 0, result.output
-    result = cli.invoke(main, ["train", "--resume", str(tmp_path / "cut"), "optim.max_steps=3"])
+    result = cli.invoke(
+        main, ["train", "--resume", str(tmp_path / "cut"), "--trust-run-code", "optim.max_steps=3"]
+    )
     assert result.exit_code == 0, result.output
     rows, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "cut")
     assert rows[-1]["kl"] > 0  # the reference (adapter disabled) differs from the trained policy

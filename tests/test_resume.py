@@ -20,6 +20,7 @@ from test_e2e import PYTHONPATH, TESTS, read_metrics, write_config
 
 from leangrpo.cli import main
 from leangrpo.core import grpo
+from leangrpo.core.errors import Stopped
 from leangrpo.run.checkpoint import checkpoint_dirs, is_complete
 from leangrpo.run.resolve import load_config
 from leangrpo.train.trainer import Trainer, TrainingError
@@ -103,7 +104,9 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_model_d
     monkeypatch.setenv("LEANGRPO_TEST_OUT", str(tmp_path / "resumed"))
     with monkeypatch.context() as m:
         interrupt_after(m, 2)
-        assert Trainer(runs["resumed"], overwrite=True).train() is None  # stopped by the signal
+        with pytest.raises(Stopped) as stopped:  # by the signal, after its checkpoint
+            Trainer(runs["resumed"], overwrite=True).train()
+        assert stopped.value.exit_code == 130
     assert [p.name for p in checkpoint_dirs(tmp_path / "resumed")] == ["checkpoint-2"]
     trainer = Trainer(runs["resumed"], resume=True)
     assert trainer.start_step == 2
@@ -137,12 +140,16 @@ def test_resume_refuses_a_changed_config_and_a_finished_run(tmp_path, tiny_model
     run, cli = tmp_path / "run", CliRunner()
     result = cli.invoke(main, ["train", "-c", str(cfg_path)])
     assert result.exit_code == 0 and "sft step" in result.output
-    result = cli.invoke(main, ["train", "--resume", str(run), "optim.learning_rate=0.5", "grpo.beta=0.1"])
+    result = cli.invoke(
+        main, ["train", "--resume", str(run), "--trust-run-code", "optim.learning_rate=0.5", "grpo.beta=0.1"]
+    )
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
     assert "differs in grpo.beta (0.0 → 0.1); optim.learning_rate (0.001 → 0.5)" in result.output
-    result = cli.invoke(main, ["train", "--resume", str(run)])
+    result = cli.invoke(main, ["train", "--resume", str(run), "--trust-run-code"])
     assert result.exit_code == 2 and "raise optim.max_steps" in result.output
-    result = cli.invoke(main, ["train", "--resume", str(run), "optim.max_steps=3"])  # extend a finished run
+    result = cli.invoke(
+        main, ["train", "--resume", str(run), "--trust-run-code", "optim.max_steps=3"]
+    )  # extend a finished run
     assert result.exit_code == 0, result.output
     assert "sft step" not in result.output  # the cold start belongs to the start of the run only
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
@@ -177,19 +184,19 @@ def test_sigkill_during_checkpoint_write_then_sigterm_then_finish(tmp_path, tiny
     assert [p.name for p in checkpoint_dirs(run, complete=False)] == ["checkpoint-2"]
     assert is_complete(run / "checkpoint-2") and partial.is_dir()
 
-    # 2. Resume, then SIGTERM: the step finishes, a checkpoint is saved, exit 0 with how to resume.
-    proc = start("--resume", str(run))
+    # 2. Resume, then SIGTERM: the step finishes, a checkpoint is saved, exit 143 with how to resume.
+    proc = start("--resume", str(run), "--trust-run-code")
     wait_for(lambda: (run / "metrics.jsonl").is_file() and read_metrics(run)[-1]["step"] >= 5, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 143, err[-3000:]
     assert f"resume with: leangrpo train --resume {run}" in out + err
     stopped = read_metrics(run)[-1]["step"]
     assert 5 <= stopped < 8 and is_complete(run / f"checkpoint-{stopped}")
     assert not partial.exists()
 
     # 3. Resume to the end (in this process): every step logged exactly once, every checkpoint complete.
-    result = CliRunner().invoke(main, ["train", "--resume", str(run)])
+    result = CliRunner().invoke(main, ["train", "--resume", str(run), "--trust-run-code"])
     assert result.exit_code == 0, result.output
     assert [r["step"] for r in read_metrics(run)] == list(range(1, 9))
     assert all(is_complete(c) for c in checkpoint_dirs(run, complete=False))

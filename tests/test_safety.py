@@ -31,8 +31,18 @@ from leangrpo.run.checkpoint import (
     save_final_model,
 )
 from leangrpo.run.resolve import load_config, save_config, validate_config
-from leangrpo.run.rundir import REPLACED, RunDirError, RunLock, check_output_dir, drop_replaced, start_run
+from leangrpo.run.rundir import (
+    MANIFEST,
+    REPLACED,
+    RunDirError,
+    RunLock,
+    check_output_dir,
+    claim,
+    drop_replaced,
+    start_run,
+)
 from leangrpo.run.tracking import MetricsLogger
+from leangrpo.run.trust import UntrustedCodeError
 from leangrpo.train.trainer import Trainer
 
 
@@ -57,6 +67,8 @@ def fake_run(run_dir: Path, steps: tuple[int, ...] = (2,)) -> Path:
     (run_dir / "reward_curve.png").write_text("png")
     for step in steps:
         (run_dir / f"checkpoint-{step}").mkdir()
+    names = ["model", "config.yaml", "metrics.jsonl", "reward_curve.png", *(f"checkpoint-{s}" for s in steps)]
+    (run_dir / MANIFEST).write_text("".join(f"{n}\n" for n in names))
     return run_dir
 
 
@@ -106,20 +118,21 @@ def test_replacing_a_run_moves_only_its_own_entries_aside_until_the_new_one_star
     (run / "notes.txt").write_text("mine")
     (run / "my_plot.png").write_text("mine")
     assert start_run(run, overwrite=True, base="some/hub-id") == "some/hub-id"
-    assert sorted(p.name for p in run.iterdir()) == [REPLACED, "my_plot.png", "notes.txt"]
+    assert sorted(p.name for p in run.iterdir()) == [MANIFEST, REPLACED, "my_plot.png", "notes.txt"]
     aside = run / REPLACED
     assert {p.name for p in aside.iterdir()} == {
-        "checkpoint-2", "checkpoint-4", "config.yaml", "metrics.jsonl", "model", "reward_curve.png",
+        "checkpoint-2", "checkpoint-4", "config.yaml", "metrics.jsonl", "model", "reward_curve.png", MANIFEST,
     }  # fmt: skip
     # A replacing run that dies before its first step: the next --overwrite deletes its files and keeps
     # the earlier run aside, untouched.
     (run / "config.yaml").write_text((aside / "config.yaml").read_text())
     (run / "metrics.jsonl").write_text("")
+    claim(run, "metrics.jsonl")
     start_run(run, overwrite=True, base="some/hub-id")
-    assert sorted(p.name for p in run.iterdir()) == [REPLACED, "my_plot.png", "notes.txt"]
+    assert sorted(p.name for p in run.iterdir()) == [MANIFEST, REPLACED, "my_plot.png", "notes.txt"]
     assert (aside / "model" / "config.json").is_file()
     drop_replaced(run)
-    assert sorted(p.name for p in run.iterdir()) == ["my_plot.png", "notes.txt"]
+    assert sorted(p.name for p in run.iterdir()) == [MANIFEST, "my_plot.png", "notes.txt"]
 
 
 def test_a_non_run_directory_is_written_into_only_when_nothing_clashes(tmp_path):
@@ -128,11 +141,15 @@ def test_a_non_run_directory_is_written_into_only_when_nothing_clashes(tmp_path)
     (other / "notes.txt").write_text("mine")
     with pytest.raises(RunDirError, match="not a leangrpo run"):
         check_output_dir(other, overwrite=False)
-    assert start_run(other, overwrite=True, base="m") == "m"
-    assert (other / "notes.txt").read_text() == "mine"
     (other / "checkpoint-5").mkdir()  # another trainer's checkpoint
     with pytest.raises(RunDirError, match="checkpoint-5"):
         check_output_dir(other, overwrite=True)
+    (other / "checkpoint-5").rmdir()
+    assert start_run(other, overwrite=True, base="m") == "m"
+    assert (other / "notes.txt").read_text() == "mine"
+    (other / "checkpoint-5").mkdir()  # written after the run started: not the run's
+    start_run(other, overwrite=True, base="m")
+    assert (other / "notes.txt").read_text() == "mine" and (other / "checkpoint-5").is_dir()
 
 
 def test_train_from_the_runs_own_model_into_the_run_with_overwrite(tmp_path, tiny_model_dir, gsm8k_dir):
@@ -195,7 +212,7 @@ def test_a_default_run_checkpoints_and_can_be_extended(tmp_path, tiny_model_dir,
     run = tmp_path / "x"
     assert train_cli("-c", str(tiny_run_config(tmp_path, tiny_model_dir, gsm8k_dir, run))).exit_code == 0
     assert [p.name for p in checkpoint_dirs(run)] == ["checkpoint-2"]  # the last step, by default
-    result = train_cli("--resume", str(run), "optim.max_steps=3")
+    result = train_cli("--resume", str(run), "--trust-run-code", "optim.max_steps=3")
     assert result.exit_code == 0, result.output
     assert steps_logged(run) == [1, 2, 3]
 
@@ -221,7 +238,7 @@ def test_resume_completes_a_final_save_the_run_died_in(tmp_path, tiny_model_dir,
         with pytest.raises(KeyboardInterrupt):
             Trainer(load_config(str(cfg))).train()
     assert is_complete(run / "checkpoint-2") and not (run / "model").exists()
-    result = train_cli("--resume", str(run))
+    result = train_cli("--resume", str(run), "--trust-run-code")
     assert result.exit_code == 0 and "final model was never saved" in result.output, result.output
     assert (run / "model" / "model.safetensors").is_file()
     assert steps_logged(run) == [1, 2]
@@ -338,7 +355,7 @@ def test_corrupt_checkpoint_is_named_and_the_previous_one_used(tmp_path, tiny_mo
     flip_a_byte(run / "model" / "model.safetensors")
     result = CliRunner().invoke(main, ["export", str(run), "--out", str(tmp_path / "out")])
     one_line_error(result, "model.safetensors is corrupt")
-    result = train_cli("--resume", str(run), "optim.max_steps=3")
+    result = train_cli("--resume", str(run), "--trust-run-code", "optim.max_steps=3")
     assert result.exit_code == 0, result.output
     assert "checkpoint-2/model.safetensors is corrupt" in caplog.text  # a warning on stderr
     assert f"resuming from {run / 'checkpoint-1'} at step 1" in result.output
@@ -367,8 +384,9 @@ def test_a_run_directory_cannot_grant_itself_remote_code(tmp_path):
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     cfg["model"]["trust_remote_code"] = True
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
-    with pytest.raises(CheckpointError, match="cannot grant itself"):
+    with pytest.raises(UntrustedCodeError, match="cannot grant itself"):
         resume_config(None, [], str(run))
+    assert resume_config(None, [], str(run), trust_run_code=True).model.trust_remote_code
     assert resume_config(None, ["model.trust_remote_code=true"], str(run)).model.trust_remote_code
 
 
@@ -408,18 +426,6 @@ def test_non_finite_weights_are_never_saved(tmp_path, tiny_model_dir, gsm8k_dir,
 def test_plan_refuses_nonsense(args):
     result = CliRunner().invoke(main, ["plan", "--model", "m", "--gpu-memory", "24GB", *args])
     assert result.exit_code == 2 and "Invalid value" in result.output and "Traceback" not in result.output
-
-
-def test_a_second_sigterm_aborts():
-    import signal
-
-    from leangrpo.run.signals import StopSignals
-
-    with StopSignals() as signals, pytest.raises(SystemExit) as caught:
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert signals.requested  # the first one asks for a graceful stop
-        os.kill(os.getpid(), signal.SIGTERM)
-    assert caught.value.code == 128 + signal.SIGTERM
 
 
 def test_eval_checks_split_and_output_before_loading_the_model(tmp_path, gsm8k_dir, monkeypatch):

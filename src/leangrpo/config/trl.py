@@ -385,9 +385,13 @@ def _translate_rewards(
 ) -> None:
     """`reward_funcs` (TRL registry names or dotted import paths), `reward_weights` and
     `reward_model_name_or_path` as `rewards.functions`; `given` specs stand in for the first two."""
-    names = list(flat.pop("reward_funcs", None) or [])
+    names = flat.pop("reward_funcs", None) or []
+    names = [names] if isinstance(names, str) else list(names)  # TRL takes one name as well as a list
     model = flat.pop("reward_model_name_or_path", None)
     weights = flat.pop("reward_weights", None)
+    if weights is not None and not isinstance(weights, list):
+        refused.append(f"reward_weights={weights!r}: must be a list of numbers, one per reward")
+        weights = None
     specs: list[dict[str, Any]] = [{"name": model}] if model else []
     for name in names:
         path, kwargs = _TRL_REWARDS.get(name, (None, None))

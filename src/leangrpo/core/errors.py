@@ -24,3 +24,12 @@ def error_reason(e: BaseException) -> str:
             return os_reason(cause)
         cause = cause.__cause__ or cause.__context__
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+class Stopped(Exception):
+    """The run stopped because a signal asked it to, after saving what could be saved and saying how to
+    resume; the CLI prints `message` and exits with `exit_code` (128 + the signal: 130, 143)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from leangrpo.core.errors import UserError, error_reason
-from leangrpo.run.rundir import is_run_dir
+from leangrpo.run.rundir import claim, is_run_dir, replaced_note, write_text_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -103,9 +103,11 @@ def corruption(saved: Path) -> str | None:
 
 
 def last_good_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint whose files verify; each corrupt one is named in a warning."""
-    for ckpt in reversed(checkpoint_dirs(run_dir)):
-        problem = corruption(ckpt)
+    """The newest complete checkpoint whose files verify; each incomplete or corrupt one is named in a
+    warning."""
+    for ckpt in reversed(checkpoint_dirs(run_dir, complete=False)):
+        incomplete = f"{ckpt} is incomplete (a file it lists is missing or cut short)"
+        problem = corruption(ckpt) if is_complete(ckpt) else incomplete
         if problem is None:
             return ckpt
         log.warning("%s; using the checkpoint before it", problem)
@@ -135,15 +137,17 @@ def save_checkpoint(
     state: dict[str, Any],
     rank: int,
     barrier: Callable[[], None],
+    rng: dict[str, Any] | None = None,
 ) -> Path:
     """Write `checkpoint-{step}` atomically; every rank calls this (each saves its RNG state).
 
     `model` (the whole causal LM, needed on rank 0 only) and `optimizer_state` come from the trainer's
     `distributed` strategy, which gathers them when sharded. The checkpoint holds the trainable weights
     (`save_pretrained`: the adapter only for peft models, naming the base as the user did), the tokenizer,
-    the optimizer and scheduler states, every rank's RNG states, the resolved config and `state` (step
-    counters). Older checkpoints beyond `logging.save_total_limit` are deleted after the new one is
-    complete. A failed write (disk full...) removes the partial files and raises a CheckpointError.
+    the optimizer and scheduler states, every rank's RNG states (`rng`: this rank's to record, by default
+    the current one), the resolved config and `state` (step counters). Older checkpoints beyond
+    `logging.save_total_limit` are deleted after the new one is complete. A failed write (disk full...)
+    removes the partial files and raises a CheckpointError.
     """
     from leangrpo.models.load import name_adapter_base
     from leangrpo.run.resolve import save_config
@@ -155,7 +159,7 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         barrier()
-        _torch_save(rng_state(), tmp / f"rng_state_{rank}.pt")
+        _torch_save(rng or rng_state(), tmp / f"rng_state_{rank}.pt")
         barrier()
         if rank == 0:
             assert model is not None, "rank 0 saves the model"
@@ -169,6 +173,7 @@ def save_checkpoint(
             files = {str(p.relative_to(tmp)): p.stat().st_size for p in tmp.rglob("*") if p.is_file()}
             info = {**state, "step": step, "files": files, "sha256": file_hashes(tmp)}
             (tmp / STATE_FILE).write_text(json.dumps(info, indent=1))
+            claim(run_dir, target.name)
             _commit(tmp, target)
     except Exception as e:  # noqa: BLE001 - torch and safetensors report a full disk as their own errors
         shutil.rmtree(tmp, ignore_errors=True)
@@ -226,6 +231,7 @@ def save_final_model(model: PreTrainedModel, tokenizer: Any, out_dir: Path, base
         shutil.rmtree(tmp, ignore_errors=True)
         save_model(model, tokenizer, tmp, merge=True, base_name=base_name)
         (tmp / SHA_FILE).write_text(json.dumps(file_hashes(tmp), indent=1))
+        claim(out_dir.parent, out_dir.name)
         _commit(tmp, out_dir)
     except Exception as e:  # noqa: BLE001 - as in save_checkpoint
         shutil.rmtree(tmp, ignore_errors=True)
@@ -297,15 +303,19 @@ def load_trainable(model: torch.nn.Module, ckpt: Path) -> None:
 
     from leangrpo.models.load import is_peft
 
+    weights = [ckpt / "adapter_model.safetensors"] if is_peft(model) else sorted(ckpt.glob("*.safetensors"))
+    if not weights or not weights[0].is_file():
+        missing = weights[0].name if weights else "*.safetensors"
+        raise CheckpointError(f"{ckpt} holds no trainable weights ({missing} is missing)")
     if is_peft(model):
         from peft import set_peft_model_state_dict
 
-        result = set_peft_model_state_dict(model, load_file(ckpt / "adapter_model.safetensors"))
+        result = set_peft_model_state_dict(model, load_file(weights[0]))
         # peft annotates the result as `namedtuple`; it is torch's load_state_dict result
         problems = list(result.unexpected_keys)  # type: ignore[attr-defined]
     else:
         state: dict[str, Any] = {}
-        for path in sorted(ckpt.glob("*.safetensors")):
+        for path in weights:
             state.update(load_file(path))
         result = model.load_state_dict(state, strict=False)
         params = dict(model.named_parameters())  # tied weights appear once, under the name that was saved
@@ -314,11 +324,15 @@ def load_trainable(model: torch.nn.Module, ckpt: Path) -> None:
         raise CheckpointError(f"{ckpt} does not match the model: {', '.join(problems[:3])}")
 
 
-def resume_config(config_path: str | None, overrides: list[str], resume: str) -> Config:
+def resume_config(
+    config_path: str | None, overrides: list[str], resume: str, trust_run_code: bool = False
+) -> Config:
     """The config of a resumed run. `--resume RUN_DIR`: the run's own config.yaml (or `-c`), with the
-    overrides on top and output_dir set to RUN_DIR. `--resume latest`: the run in the output_dir of `-c`."""
+    overrides on top and output_dir set to RUN_DIR. `--resume latest`: the run in the output_dir of `-c`.
+    Code the run's own config names runs only with `trust_run_code` (see `run.trust`)."""
     from leangrpo.config.schema import ConfigError
     from leangrpo.run.resolve import load_config
+    from leangrpo.run.trust import code_named, is_run_owned, refusal
 
     if resume == "latest":
         if config_path is None:
@@ -329,13 +343,10 @@ def resume_config(config_path: str | None, overrides: list[str], resume: str) ->
     run_dir = Path(resume)
     if config_path is None and not is_run_dir(run_dir):
         raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
-    cfg = load_config(config_path or run_dir / "config.yaml", overrides)
-    granted = any(o.startswith("model.trust_remote_code=") for o in overrides)
-    if config_path is None and cfg.model.trust_remote_code and not granted:
-        raise CheckpointError(
-            f"--resume {run_dir}: its config.yaml sets model.trust_remote_code, which a run directory cannot "
-            "grant itself; pass model.trust_remote_code=true to let the model's own code run"
-        )
+    source = config_path or run_dir / "config.yaml"
+    cfg = load_config(source, overrides)
+    if is_run_owned(source) and not trust_run_code and (named := code_named(cfg, overrides)):
+        raise refusal(f"--resume {run_dir}: {source}", named)
     return cfg.model_copy(update={"output_dir": str(run_dir)})
 
 
@@ -345,9 +356,10 @@ def resume_checkpoint(run_dir: Path) -> Path:
         raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
     ckpt = last_good_checkpoint(run_dir)
     if ckpt is None:
+        advice = replaced_note(run_dir) or "; start it again with --overwrite"
         raise CheckpointError(
             f"--resume {run_dir}: the run has no complete, intact checkpoint to resume from "
-            "(none was saved, or none verifies); start it again with --overwrite"
+            f"(none was saved, or none verifies){advice}"
         )
     return ckpt
 
@@ -375,6 +387,4 @@ def truncate_log(path: Path, step: int) -> None:
                 kept.append(line + "\n")
         except (ValueError, KeyError, TypeError):
             continue
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(kept))

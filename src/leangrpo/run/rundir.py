@@ -2,13 +2,16 @@
 reading what it holds (metrics tolerating a crash-truncated last line, the final model, evaluations).
 Light: no torch, so `compare` and `report` start fast.
 
-Nothing a run did not write is ever removed. `--overwrite` checks the directory before anything loads,
-and only once every input is validated and the model is in memory does it move the earlier run's own
-entries aside into `.leangrpo-replaced/`, which is deleted when the new run has finished its first step.
+Nothing a run did not write is ever removed. A run records each path it creates in its manifest
+(`.leangrpo-manifest`), and `--overwrite` moves exactly those: a directory without a manifest is never
+overwritten. It checks the directory before anything loads, and only once every input is validated and
+the model is in memory does it move the earlier run's paths aside into `.leangrpo-replaced/`, which is
+deleted when the new run has finished its first step, and moved back if it fails before that.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -65,7 +68,9 @@ CURVES = (
 
 REPLACED = ".leangrpo-replaced"  # the earlier run, moved aside until the new one has finished a step
 LOCK_FILE = ".leangrpo.lock"
-_OWNED = re.compile(r"^(checkpoint-\d+|\.(checkpoint-\d+|model)\.(tmp|old))$")
+MANIFEST = ".leangrpo-manifest"  # every path the run created, relative to the run directory, one a line
+_CHECKPOINT = re.compile(r"^checkpoint-\d+$")
+_PARTIAL = re.compile(r"^\.(checkpoint-\d+|model)\.(tmp|old)$")  # an interrupted save of a claimed entry
 
 
 class RunDirError(UserError, RuntimeError):
@@ -82,7 +87,8 @@ def atomic_path(path: Path) -> Iterator[Path]:
         yield tmp
         os.replace(tmp, path)
     except Exception as e:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only directory: there is no tmp to remove
+            tmp.unlink(missing_ok=True)
         if isinstance(e, UserError):
             raise
         raise RunDirError(f"cannot write {path}: {error_reason(e)}") from None
@@ -107,29 +113,58 @@ def write_text_atomic(path: Path, text: str) -> None:
 # ------------------------------------------------------------------------------ owning a run directory
 
 
+def claim(run_dir: Path, *paths: str) -> None:
+    """Record `paths` (relative to `run_dir`) in the run's manifest as the run's own, before or as it
+    creates them: `--overwrite` moves exactly these. Nothing is recorded where there is no manifest (a
+    directory `start_run` did not take)."""
+    manifest = run_dir / MANIFEST
+    if not manifest.is_file():
+        return
+    known = set(manifest.read_text(encoding="utf-8").splitlines())
+    new = [p for p in dict.fromkeys(paths) if p not in known]
+    if new:
+        with manifest.open("a", encoding="utf-8") as f:
+            f.write("".join(f"{p}\n" for p in new))
+
+
 def run_entries(run_dir: Path) -> list[Path]:
-    """The entries at the top of `run_dir` whose names a run writes: RUN_FILES, the report's PNGs,
-    `checkpoint-N/` and interrupted saves. In a leangrpo run these are the run's own."""
-    names = {*RUN_FILES, *(f"{c.stem}.png" for c in CURVES)}
-    if not run_dir.is_dir():
+    """What the run in `run_dir` created and still exists: the paths in its manifest, and interrupted
+    saves. Empty for a directory without a manifest."""
+    manifest = run_dir / MANIFEST
+    if not manifest.is_file():
         return []
-    return sorted(p for p in run_dir.iterdir() if p.name in names or _OWNED.match(p.name))
+    listed = (run_dir / p for p in manifest.read_text(encoding="utf-8").splitlines() if _inside(p))
+    partial = (p for p in run_dir.iterdir() if _PARTIAL.match(p.name))
+    return sorted({p for p in (*listed, *partial) if p.exists() or p.is_symlink()})
+
+
+def _inside(relative: str) -> bool:
+    """A manifest line that names a path inside the run directory (a hand-edited one might not)."""
+    parts = Path(relative).parts
+    return bool(parts) and not Path(relative).is_absolute() and ".." not in parts and parts[0] != REPLACED
 
 
 def check_output_dir(run_dir: Path, overwrite: bool) -> None:
     """Refuse an output_dir a fresh run may not use; reads only, so it runs before anything loads.
 
-    An earlier run needs `--overwrite`. A non-empty directory that is not a run needs `--overwrite` too,
-    and even then is refused if it holds anything under a name a run writes: those files are the user's."""
+    An earlier run needs `--overwrite`, and a manifest saying what it wrote. A non-empty directory that is
+    not a run needs `--overwrite` too, and even then is refused if it holds anything under a name a run
+    writes: those files are the user's."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"output_dir {run_dir} is a file, not a directory")
     if not run_dir.is_dir() or all(p.name == LOCK_FILE for p in run_dir.iterdir()):
         return
-    if is_run_dir(run_dir):
+    if is_run_dir(run_dir) or (run_dir / MANIFEST).is_file():
         if not overwrite:
             raise RunDirError(
                 f"output_dir {run_dir} already holds a run; continue it with --resume {run_dir}, "
                 "replace it with --overwrite, or choose another output_dir"
+            )
+        if not (run_dir / MANIFEST).is_file():
+            raise RunDirError(
+                f"output_dir {run_dir} holds a config.yaml but no {MANIFEST} listing what a run wrote, so "
+                "leangrpo cannot tell its files from yours and replaces nothing there: choose another "
+                "output_dir, or move the directory away"
             )
         return
     if not overwrite:
@@ -137,42 +172,95 @@ def check_output_dir(run_dir: Path, overwrite: bool) -> None:
             f"output_dir {run_dir} exists and is not a leangrpo run; choose another output_dir "
             "or pass --overwrite to write into it (nothing of it is deleted)"
         )
-    if clash := run_entries(run_dir):
-        names = ", ".join(p.name for p in clash[:5])
+    names = {*RUN_FILES, *(f"{c.stem}.png" for c in CURVES)}
+    if clash := sorted(p.name for p in run_dir.iterdir() if p.name in names or _CHECKPOINT.match(p.name)):
         raise RunDirError(
-            f"output_dir {run_dir} is not a leangrpo run but holds {names}, which a run would write; "
-            "leangrpo never replaces files it did not write: move them or choose another output_dir"
+            f"output_dir {run_dir} is not a leangrpo run but holds {', '.join(clash[:5])}, which a run would "
+            "write; leangrpo never replaces files it did not write: move them or choose another output_dir"
         )
 
 
 def start_run(run_dir: Path, overwrite: bool, base: str) -> str:
     """Make `run_dir` ready for a fresh run, once every input is validated and the model is loaded (and
-    under the lock). An earlier run's entries are moved into `.leangrpo-replaced/` (deleted by
-    `drop_replaced` once the new run has finished a step); when that already exists, the entries are
-    those of a replacing run that never finished a step, and are deleted. An entry holding the model
-    being trained (`--overwrite` of `runs/x` from `runs/x/model`) is kept, as `base-model/`: a resume or
-    an export of an adapter still finds its base. Returns the model path to record in the config."""
+    under the lock), and start its manifest. An earlier run's paths are moved into `.leangrpo-replaced/`
+    (deleted by `drop_replaced` once the new run has finished a step, moved back by `restore_replaced` if
+    it fails first); when that already exists, the paths are those of a replacing run that never finished
+    a step, and are deleted. An entry holding the model being trained (`--overwrite` of `runs/x` from
+    `runs/x/model`) is kept, as `base-model/`: a resume or an export of an adapter still finds its base.
+    Returns the model path to record in the config."""
     check_output_dir(run_dir, overwrite)
-    entries = run_entries(run_dir) if overwrite and is_run_dir(run_dir) else []
+    entries = run_entries(run_dir) if overwrite else []
     source = Path(base).resolve() if Path(base).exists() else None
     keep = next((e for e in entries if source and e.resolve() in (source, *source.parents)), None)
     aside = run_dir / REPLACED
+    manifest = run_dir / MANIFEST
     try:
         if entries and not aside.exists():
-            aside.mkdir()
             for entry in entries:
                 if entry != keep:
-                    entry.rename(aside / entry.name)
+                    _move(entry, aside / entry.relative_to(run_dir))
+            _move(manifest, aside / MANIFEST)
         else:
             for entry in entries:
                 if entry != keep:
                     remove(entry)
-        if keep is not None and source is not None and keep.name != BASE_MODEL:
-            keep.rename(run_dir / BASE_MODEL)
+        _drop_empty_dirs(run_dir, entries)
+        manifest.write_text("config.yaml\n", encoding="utf-8")
+        if keep is not None and source is not None:
+            if keep.name != BASE_MODEL:
+                keep.rename(run_dir / BASE_MODEL)
+            claim(run_dir, BASE_MODEL)
             return str(run_dir / BASE_MODEL / source.relative_to(keep.resolve()))
     except OSError as e:
         raise RunDirError(f"cannot replace the run in {run_dir}: {os_reason(e)}") from None
     return base
+
+
+def _move(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    src.rename(dst)
+
+
+def _drop_empty_dirs(run_dir: Path, moved: list[Path]) -> None:
+    """Remove the folders that moving `moved` left empty (`eval/`), up to `run_dir`; a folder still
+    holding anything (the user's own files) stays."""
+    for entry in moved:
+        for folder in entry.parents:
+            if folder == run_dir or run_dir not in folder.parents:
+                break
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def restore_replaced(run_dir: Path) -> bool:
+    """Undo `start_run`'s replacement when the new run failed before finishing a step: its own paths are
+    deleted and the earlier run's moved back. False when there was nothing to restore."""
+    aside = run_dir / REPLACED
+    if not (aside / MANIFEST).is_file():
+        return False
+    failed = run_entries(run_dir)
+    for entry in failed:
+        remove(entry)
+    _drop_empty_dirs(run_dir, failed)
+    (run_dir / MANIFEST).unlink(missing_ok=True)
+    for entry in (aside / MANIFEST, *run_entries(aside)):
+        _move(entry, run_dir / entry.relative_to(aside))
+    shutil.rmtree(aside)
+    return True
+
+
+def replaced_note(run_dir: Path) -> str:
+    """Where the run that `run_dir`'s failed replacement moved aside is, and how to restore it ('' if
+    none is)."""
+    aside = run_dir / REPLACED
+    if not aside.is_dir():
+        return ""
+    return (
+        f"; the run it replaced is intact in {aside}: to restore it, move the new run's entries out of "
+        f"{run_dir} and everything in {aside} (its {MANIFEST} too) back into {run_dir}"
+    )
 
 
 def drop_replaced(run_dir: Path) -> None:

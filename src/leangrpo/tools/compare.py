@@ -115,12 +115,14 @@ def flips(
     """(wrong→right, right→wrong) pairs of records of the same question, in A's order."""
     if a.records is None or b.records is None:
         return [], []
-    by_question = {(r["question"], str(r["gold"])): r for r in b.records}
+    by_question = {(r.get("question"), str(r.get("gold"))): r for r in b.records}
     pairs = [
-        (ra, rb) for ra in a.records if (rb := by_question.get((ra["question"], str(ra["gold"])))) is not None
+        (ra, rb)
+        for ra in a.records
+        if (rb := by_question.get((ra.get("question"), str(ra.get("gold"))))) is not None
     ]
-    better = [(ra, rb) for ra, rb in pairs if not ra["correct"] and rb["correct"]]
-    worse = [(ra, rb) for ra, rb in pairs if ra["correct"] and not rb["correct"]]
+    better = [(ra, rb) for ra, rb in pairs if not ra.get("correct") and rb.get("correct")]
+    worse = [(ra, rb) for ra, rb in pairs if ra.get("correct") and not rb.get("correct")]
     return better, worse
 
 
@@ -141,11 +143,11 @@ def compare(source_a: str, source_b: str, max_flips: int = 5) -> str:
             out += ["", f"{title}: {len(pairs)} question(s){more}"]
             for ra, rb in shown:
                 out += [
-                    f"  Q: {ra['question']}",
-                    f"  gold: {ra['gold']}",
-                    f"    A (extracted {ra['extracted']!r}):",
-                    _indent(ra["completion"]),
-                    f"    B (extracted {rb['extracted']!r}):",
-                    _indent(rb["completion"]),
+                    f"  Q: {ra.get('question')}",
+                    f"  gold: {ra.get('gold')}",
+                    f"    A (extracted {ra.get('extracted')!r}):",
+                    _indent(str(ra.get("completion", ""))),
+                    f"    B (extracted {rb.get('extracted')!r}):",
+                    _indent(str(rb.get("completion", ""))),
                 ]
     return "\n".join(out)

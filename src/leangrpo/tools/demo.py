@@ -215,16 +215,24 @@ def expected_minutes(cfg: Config, task: str, threads: int) -> float | None:
     return seconds * max(1.0, r.threads / threads) / 60
 
 
-def run_demo(cfg: Config, task: str, write: Callable[[str], None]) -> Path | None:
+def run_demo(cfg: Config, task: str, write: Callable[[str], None]) -> Path:
     """Train with the demo recipe, then print the before/after answers, the held-out table with its
     intervals and the reward rise, and save the correctness and format curves. Returns the final model
-    directory (None if stopped)."""
+    directory (a signal stops it with Stopped). It replaces an earlier run (by its manifest), and refuses
+    a directory with files that is not one: the demo's own PNGs could be the user's."""
     import torch
 
-    from leangrpo.run.rundir import Curve
+    from leangrpo.run.rundir import LOCK_FILE, MANIFEST, Curve, RunDirError, claim
     from leangrpo.tools.report import plot_curve, write_report_after_training
     from leangrpo.train.trainer import train
 
+    run_dir = Path(cfg.output_dir)
+    theirs = run_dir.is_dir() and not (run_dir / MANIFEST).is_file()
+    if theirs and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+        raise RunDirError(
+            f"--output-dir {run_dir} holds files and is not a leangrpo run; the demo writes only into "
+            "a new or empty directory or over an earlier run: choose another --output-dir"
+        )
     threads, why = choose_threads()
     torch.set_num_threads(threads)
     write(why)
@@ -236,9 +244,6 @@ def run_demo(cfg: Config, task: str, write: Callable[[str], None]) -> Path | Non
         else f"expected time: not measured for --task {task}"
     )
     final = train(cfg, overwrite=True)
-    if final is None:
-        return None
-    run_dir = Path(cfg.output_dir)
     write_report_after_training(run_dir, write)
     before, after = (read_jsonl(run_dir / "eval" / f"step-{s}.jsonl").rows for s in (0, cfg.optim.max_steps))
     cold = run_dir / "eval" / "cold-start.jsonl"
@@ -253,6 +258,7 @@ def run_demo(cfg: Config, task: str, write: Callable[[str], None]) -> Path | Non
         Curve("correctness_curve", "Correctness reward (training samples)", correctness),
         Curve("format_curve", "Format rewards (training samples)", format_keys),
     ):
+        claim(run_dir, f"{curve.stem}.png")
         write(f"{curve.title}: {plot_curve(train_rows, curve, run_dir / f'{curve.stem}.png')}")
     return final
 

@@ -3,6 +3,7 @@ task, prompt format, rewards and tools of its training config unless told otherw
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from leangrpo.config.schema import Config, CPUConfig, DataConfig, RewardSpec, TaskConfig
 from leangrpo.data.rewards import load_rewards
+from leangrpo.data.rewards.registry import foreign_rewards
 from leangrpo.data.tasks import Task, load_task
 from leangrpo.engines.rollout import HFEngine, RolloutEngine, eos_token_ids
 from leangrpo.engines.tools import AgentSpec, prepare_tokenizer
@@ -17,6 +19,7 @@ from leangrpo.engines.vllm import VLLMEngine, import_vllm
 from leangrpo.run.resolve import load_config, validate_config
 from leangrpo.run.rundir import check_writable, is_run_dir
 from leangrpo.run.trained import Trained, load_trained, locate
+from leangrpo.run.trust import TRUST_FLAG, is_run_owned, refusal, tool_code
 from leangrpo.train.engine import agent_from_config, cpu_levers
 from leangrpo.train.evaluation import (
     EvalError,
@@ -29,6 +32,8 @@ from leangrpo.train.evaluation import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 
 def run_eval(
@@ -47,17 +52,21 @@ def run_eval(
     seed: int = 0,
     dtype: str | None = None,
     trust_remote_code: bool = False,
+    trust_run_code: bool = False,
     engine: Literal["hf", "vllm"] = "hf",
 ) -> tuple[EvalResult, Path]:
     """`leangrpo eval`: task, prompt format, rewards and lengths come from `config` (a run config YAML or
     run directory; by default the training config of `model` when it is a run, checkpoint or export),
-    else the default task's. Every input is checked before the model loads."""
+    else the default task's. Every input is checked before the model loads. Correctness needs no reward
+    code: rewards that a run's own config names beyond leangrpo's are skipped with a note unless
+    `trust_run_code` (see `run.trust`)."""
     if not re.fullmatch(r"\w[\w.-]*", split):
         raise EvalError(f"--split {split!r} is not a split name (letters, digits, '_', '.', '-')")
     trained = locate(model)
     path = _output(out, trained, split)
     cfg = _config_for(model, config, trained)
-    inputs = _inputs(cfg, data, split, limit, rewards)
+    untrusted = cfg is not None and (config is None or is_run_owned(config)) and not trust_run_code
+    inputs = _inputs(cfg, data, split, limit, rewards, untrusted)
     dtype = dtype or (cfg.model.dtype if cfg else None)
     if engine == "vllm":
         import_vllm()  # its one-line error before the model loads
@@ -124,10 +133,16 @@ class EvalInputs:
 
 
 def _inputs(
-    cfg: Config | None, data: str | None, split: str, limit: int | None, rewards: tuple[str, ...]
+    cfg: Config | None,
+    data: str | None,
+    split: str,
+    limit: int | None,
+    rewards: tuple[str, ...],
+    untrusted: bool,
 ) -> EvalInputs:
     """The task, data, rewards and tools of `cfg` (the default task's without one), `data` and `rewards`
-    winning; the rows are read and the tools imported and checked here, before any model loads."""
+    winning; the rows are read and the tools imported and checked here, before any model loads. An
+    `untrusted` config (a run's, not granted) gives no rewards beyond leangrpo's own, and refuses tools."""
     data = data or (cfg.eval.path if cfg else None)
     if not data:
         raise EvalError(
@@ -136,6 +151,16 @@ def _inputs(
     task = load_task(cfg.task if cfg else TaskConfig())
     data_cfg = cfg.data if cfg else DataConfig(path=data, system_prompt=task.system_prompt)
     specs = cfg.rewards.functions if cfg else []
+    if untrusted and cfg and (tools := tool_code(cfg)):
+        raise refusal("the run's config", tools)
+    if untrusted and (skipped := foreign_rewards(specs)):
+        log.warning(
+            "note: not scoring %s: the run's config names them, and code from a run runs only with %s "
+            "(or name them with --reward or in your own -c)",
+            ", ".join(skipped),
+            TRUST_FLAG,
+        )
+        specs = [s for s in specs if s.name not in skipped]
     if rewards or not specs:
         specs = [RewardSpec(name=n) for n in rewards or task.default_rewards]
     source = resolve_data_path(data, split)

@@ -76,6 +76,8 @@ class ModelShape:
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
+            if heads < 1:
+                raise PlanError(f"model {name}: config.json's num_attention_heads is {heads}, not a count")
             return cls(
                 name=name,
                 model_type=model_type,

@@ -18,6 +18,7 @@ from leangrpo.run.rundir import (
     Curve,
     RunDirError,
     atomic_path,
+    claim,
     is_run_dir,
     read_jsonl,
     with_trl_names,
@@ -74,13 +75,19 @@ def plot_curve(rows: list[dict[str, Any]], curve: Curve, out: Path) -> Path | No
 
 
 def load_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """The run's metrics rows and notes about skipped lines; one-line errors for a non-run."""
+    """The run's metrics rows (those with a step number) and notes about skipped lines; one-line errors
+    for a non-run."""
     if not is_run_dir(run_dir):
         raise RunDirError(f"{run_dir} is not a run directory (no leangrpo config.yaml)")
     if not (run_dir / "metrics.jsonl").is_file():
         raise RunDirError(f"run directory {run_dir} has no metrics.jsonl yet")
     loaded = read_jsonl(run_dir / "metrics.jsonl")
-    return [with_trl_names(row) for row in loaded.rows], loaded.notes
+    rows = [with_trl_names(r) for r in loaded.rows if _numeric(r.get("step"))]
+    if len(rows) < len(loaded.rows):
+        loaded.notes.append(
+            f"skipped {len(loaded.rows) - len(rows)} rows of metrics.jsonl with no step number"
+        )
+    return rows, loaded.notes
 
 
 def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
@@ -156,6 +163,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, list[str]]:
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     images = []
     for curve in CURVES:
+        claim(run_dir, f"{curve.stem}.png")
         png = plot_curve(evals if curve.eval_rows else train, curve, run_dir / f"{curve.stem}.png")
         if png is None:
             (run_dir / f"{curve.stem}.png").unlink(missing_ok=True)  # an earlier run's, now stale
@@ -191,6 +199,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, list[str]]:
 </body></html>
 """
     out = run_dir / "report.html"
+    claim(run_dir, out.name)
     write_text_atomic(out, page)
     return out, notes
 

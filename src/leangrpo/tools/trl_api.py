@@ -188,7 +188,7 @@ class GRPOTrainer:
         finally:
             if trainer.acc.num_processes > 1:
                 torch.distributed.destroy_process_group()
-        if self._final is not None and trainer.is_main:
+        if trainer.is_main:  # a signal stops train() with Stopped
             write_report_after_training(Path(cfg.output_dir), print)
         self._call("on_train_end")
         losses = [row["loss"] for row in self.state.log_history if "loss" in row]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from leangrpo.config.schema import step_interval
 from leangrpo.core.errors import UserError
 from leangrpo.data.rewards import soft_format_reward, strict_format_reward
-from leangrpo.run.rundir import atomic_path, write_text_atomic
+from leangrpo.run.rundir import atomic_path, claim, write_text_atomic
 
 # (text, token length, truncated, token ids) of each completion of each prompt
 Completions = list[list[tuple[str, int, bool, list[int]]]]
@@ -61,6 +61,8 @@ class EvalResult:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         records_path = path.with_suffix(".jsonl")
+        if path.parent.name == "eval":  # a run's eval/: the run's own, from now on
+            claim(path.parent.parent, f"eval/{path.name}", f"eval/{records_path.name}")
         with atomic_path(records_path) as tmp, tmp.open("w") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records)
         doc = {**meta, "metrics": self.metrics, "records_file": records_path.name}

@@ -21,8 +21,15 @@ from torch import Tensor
 
 from leangrpo.config.schema import Config, step_interval
 from leangrpo.core import grpo
-from leangrpo.core.errors import UserError, error_reason
-from leangrpo.data.rewards import RewardContext, RewardScores, TrainerState, load_rewards, score_completions
+from leangrpo.core.errors import Stopped, UserError, error_reason
+from leangrpo.data.rewards import (
+    RewardContext,
+    RewardsAbandoned,
+    RewardScores,
+    TrainerState,
+    load_rewards,
+    score_completions,
+)
 from leangrpo.data.rows import has_chat_template, render_prompt
 from leangrpo.data.sources import PromptSampler, load_rows
 from leangrpo.data.tasks import load_task
@@ -44,6 +51,7 @@ from leangrpo.run.checkpoint import (
     read_state,
     remove_partial,
     resume_checkpoint,
+    rng_state,
     save_checkpoint,
     save_final_model,
     set_rng_state,
@@ -51,7 +59,15 @@ from leangrpo.run.checkpoint import (
     what_holds,
 )
 from leangrpo.run.resolve import resolve_steps, save_config, with_model_path
-from leangrpo.run.rundir import RunDirError, RunLock, drop_replaced, start_run
+from leangrpo.run.rundir import (
+    RunDirError,
+    RunLock,
+    claim,
+    drop_replaced,
+    replaced_note,
+    restore_replaced,
+    start_run,
+)
 from leangrpo.run.signals import StopSignals
 from leangrpo.run.tracking import MetricsLogger, eval_line, open_trackers, peak_memory_mb
 from leangrpo.train import distributed, sft
@@ -156,6 +172,7 @@ class Trainer:
         self.start_step, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0
         self._engine: RolloutEngine | None = None  # built at the first rollout, after any resume or SFT
         self.last_save = time.monotonic()
+        self.signals = StopSignals()  # active while the steps run
         self._open_run_dir(overwrite)
 
     def _load_data(self, cfg: Config) -> Config:
@@ -244,12 +261,26 @@ class Trainer:
         self.lock = RunLock(self.run_dir) if self.is_main else None
         try:
             self._take_run_dir(overwrite)
-        except OSError as e:  # a tracker's directory, a log... on a full or read-only disk
+        except BaseException as e:
+            self._restore_replaced()
             self.release()
-            raise RunDirError(f"cannot write in {self.run_dir}: {error_reason(e)}") from None
-        except BaseException:
-            self.release()
-            raise
+            if not isinstance(e, (OSError, RunDirError)):
+                raise
+            # a tracker's directory, a log... on a full or read-only disk
+            why = e if isinstance(e, RunDirError) else f"cannot write in {self.run_dir}: {error_reason(e)}"
+            raise RunDirError(f"{why}; {what_holds(self.run_dir)}" if self.resume_from else why) from None
+
+    def _restore_replaced(self) -> None:
+        """When the new run ends before finishing a step, however it ends, the run it replaced is moved
+        back (or, if that fails, where it is and how to restore it is said)."""
+        if not self.is_main:
+            return
+        try:
+            if restore_replaced(self.run_dir):
+                self._write("the run stopped before its first step; the run it replaced is back")
+        except OSError as e:
+            why = f"cannot restore the replaced run: {error_reason(e)}{replaced_note(self.run_dir)}"
+            self._write(f"error: {why}")
 
     def _reference_file(self) -> TensorStore:
         """cpu.reference_on_disk's file: on the run directory's disk (its nearest existing folder: the
@@ -282,6 +313,8 @@ class Trainer:
         cfg = self.cfg
         trackers = []
         if self.is_main:
+            tracker_dirs = {"tensorboard", "wandb"} & set(cfg.logging.report_to)
+            claim(self.run_dir, "metrics.jsonl", "completions.jsonl", *sorted(tracker_dirs))
             name = cfg.logging.run_name or self.run_dir.name
             trackers = open_trackers(
                 cfg.logging.report_to, self.run_dir, cfg.model_dump(mode="json"), cfg.logging.project, name
@@ -399,6 +432,7 @@ class Trainer:
             cfg.rewards.on_error,
             context,
             cfg.rewards.timeout_s,
+            stop=lambda: self.signals.requested,
         )
 
     def resample(
@@ -673,9 +707,9 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------- the run
 
-    def train(self) -> Path | None:
-        """Run every step and save the final model; returns its directory, or None when a signal stopped
-        the run (after saving a checkpoint and printing how to resume)."""
+    def train(self) -> Path:
+        """Run every step and save the final model; returns its directory. A signal stops the run with
+        Stopped (after saving a checkpoint), whose message says how to resume."""
         try:
             return self._run()
         except (OSError, RunDirError) as e:  # a full disk or I/O error in a log, an eval, a tracker...
@@ -686,9 +720,10 @@ class Trainer:
         finally:
             if self.is_main:
                 self.logger.close()
+            self._restore_replaced()
             self.release()
 
-    def _run(self) -> Path | None:
+    def _run(self) -> Path:
         from tqdm import tqdm
 
         cfg = self.cfg
@@ -707,18 +742,22 @@ class Trainer:
             disable=not (self.is_main and cfg.logging.progress_bar),
             dynamic_ncols=True,
         )
-        with StopSignals() as signals:
+        with self.signals:
             for step in range(self.start_step + 1, cfg.optim.max_steps + 1):
+                rng = rng_state()  # what a checkpoint of the step before holds, should this one be dropped
                 try:
                     metrics = self.step(step)
                 except VLLMError as e:  # the engine fails before the step's update: keep the last one's
                     raise self._engine_failed(step, e) from e
+                except RewardsAbandoned:
+                    bar.close()
+                    raise self._abandoned(step, rng) from None
                 if self.is_main and step == self.start_step + 1:
                     drop_replaced(self.run_dir)  # the run this one replaced: it has now started
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
                 self.maybe_evaluate(step)
-                stop = self._any_process(signals.requested)
+                stop = self._any_process(self.signals.requested)
                 diverged = self.nonfinite_in_a_row >= cfg.optim.max_nonfinite_steps
                 if stop or diverged or self._checkpoint_due(step):
                     ckpt = self.save_checkpoint(step)
@@ -730,10 +769,9 @@ class Trainer:
                     )
                 if stop:
                     bar.close()
-                    self._write(
+                    raise self.signals.stopped(
                         f"stopped at step {step}; resume with: leangrpo train --resume {self.run_dir}"
                     )
-                    return None
         bar.close()
         final = self.run_dir / "model"
         self.acc.wait_for_everyone()
@@ -742,6 +780,21 @@ class Trainer:
         if lm is not None:
             save_final_model(lm, self.tokenizer, final, self.cfg.model.name_or_path)
         return final
+
+    def _abandoned(self, step: int, rng: dict[str, Any]) -> Stopped:
+        """A stop asked for while `step`'s rewards still ran: the step is dropped, and the one before it
+        checkpointed with the RNG state it ended with (an exact resume), unless a checkpoint holds it."""
+        done = step - 1
+        if done == 0:
+            return self.signals.stopped(
+                "stopped during step 1, before any step had finished: nothing to resume"
+            )
+        if not (self.run_dir / f"checkpoint-{done}").is_dir():
+            self.save_checkpoint(done, rng)
+        return self.signals.stopped(
+            f"stopped during step {step}, its rewards abandoned while still running; resume from step {done} "
+            f"with: leangrpo train --resume {self.run_dir}"
+        )
 
     def _announce(self) -> None:
         """Say where the run trains, warn of a launch that formed fewer processes than it asked for, and
@@ -837,7 +890,9 @@ class Trainer:
                 f"the trained weights are not finite (NaN or inf), so {what} is not saved; {holds}"
             )
 
-    def save_checkpoint(self, step: int) -> Path:
+    def save_checkpoint(self, step: int, rng: dict[str, Any] | None = None) -> Path:
+        """`checkpoint-{step}` of the weights and states now (`rng`: the RNG state to record instead of
+        the current one)."""
         self._check_finite_weights(f"checkpoint-{step}")
         state = {
             "world_size": self.acc.num_processes,
@@ -848,6 +903,7 @@ class Trainer:
             self.run_dir, step, model=self.dist.saveable(self.policy), tokenizer=self.tokenizer,
             optimizer_state=self.dist.optimizer_state(self.policy, self.optimizer), scheduler=self.scheduler,
             cfg=self.cfg, state=state, rank=self.acc.process_index, barrier=self.acc.wait_for_everyone,
+            rng=rng,
         )  # fmt: skip
         self.last_save = time.monotonic()
         return ckpt
@@ -956,9 +1012,9 @@ def train(
     resume: bool = False,
     agent: AgentSpec | None = None,
     extras: RuntimeExtras | None = None,
-) -> Path | None:
-    """Train as configured (or resume the run in `cfg.output_dir`); returns the final model's directory,
-    or None when a signal stopped the run after saving a checkpoint.
+) -> Path:
+    """Train as configured (or resume the run in `cfg.output_dir`); returns the final model's directory.
+    A signal stops it with Stopped, after saving a checkpoint.
 
     Ends by tearing down the process group of a multi-process run (gloo's threads left running at
     interpreter exit can abort the process after the work is done; the CLI then also skips the

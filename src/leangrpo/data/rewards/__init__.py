@@ -18,7 +18,13 @@ from leangrpo.data.rewards.builtin import (
     xmlcount_reward,
 )
 from leangrpo.data.rewards.registry import BUILTIN_REWARDS, load_reward, load_rewards
-from leangrpo.data.rewards.scoring import RewardContext, RewardScores, TrainerState, score_completions
+from leangrpo.data.rewards.scoring import (
+    RewardContext,
+    RewardsAbandoned,
+    RewardScores,
+    TrainerState,
+    score_completions,
+)
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -26,6 +32,7 @@ __all__ = [
     "RewardContext",
     "RewardFunc",
     "RewardScores",
+    "RewardsAbandoned",
     "TrainerState",
     "answers_match",
     "completion_text",

@@ -57,7 +57,7 @@ def load_reward(
     name = name.strip()
     if ":" in name:
         func = _import_reward(name)
-    elif Path(name).expanduser().is_dir() or _HUB_ID.match(name):
+    elif _is_reward_model(name):
         from leangrpo.data.rewards.model import RewardModel
 
         return RewardModel(
@@ -94,6 +94,16 @@ def _from_factory(name: str, factory: Callable[..., Any], kwargs: dict[str, Any]
             f"reward {name!r} called with kwargs returned a {type(func).__name__}, not a reward function"
         )
     return func
+
+
+def foreign_rewards(specs: list[RewardSpec]) -> list[str]:
+    """The rewards in `specs` that leangrpo does not ship: import paths and reward models, whose loading
+    runs or reads code and files leangrpo cannot vouch for (decided in `load_reward`'s order)."""
+    return [s.name for s in specs if ":" in s.name or _is_reward_model(s.name.strip())]
+
+
+def _is_reward_model(name: str) -> bool:
+    return Path(name).expanduser().is_dir() or bool(_HUB_ID.match(name))
 
 
 def load_rewards(

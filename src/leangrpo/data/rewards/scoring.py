@@ -1,8 +1,9 @@
 """Score a batch of completions with several reward functions, isolating misbehaving ones.
 
 Each function is called as TRL 1.16 calls it: ``prompts``, ``completions``, ``completion_ids``, every
-column under its own name, ``trainer_state``, ``log_extra`` and ``log_metric``. Async functions are
-awaited, all of a batch's concurrently.
+column under its own name, ``trainer_state``, ``log_extra`` and ``log_metric``. Each call runs in a
+worker thread (async functions awaited there), all of a batch's concurrently, so that a hung one can be
+abandoned.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import logging
 import math
 import numbers
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -121,6 +122,7 @@ def score_completions(
     on_error: Literal["raise", "missing"],
     context: RewardContext | None = None,
     timeout_s: float | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> RewardScores:
     """Call each ``(name, func, weight)`` once on the batch, TRL-style, and combine the scores.
 
@@ -130,8 +132,9 @@ def score_completions(
     ``on_error``: "raise" raises a one-line RewardError naming the function and, when it can be found, the
     completion; "missing" re-runs it on each completion alone, marks those that still fail as
     failed (total NaN) and keeps the individual scores of the rest.
-    A call that takes longer than ``timeout_s`` is a failure of the whole batch (no
-    per-completion retry: each would wait as long again).
+    Every call runs in a worker thread, the batch's functions at once. A call that takes longer than
+    ``timeout_s`` (None: no limit) is a failure of the whole batch (no per-completion retry: each would
+    wait as long again). When ``stop()`` turns true while calls still run, RewardsAbandoned is raised.
     """
     import torch  # lazy: importing leangrpo.data.rewards must not pull in torch
 
@@ -141,9 +144,9 @@ def score_completions(
         raise RewardError(f"prompts and every column must have one entry per completion ({n})")
     per_func = torch.full((n, len(funcs)), math.nan, dtype=torch.float32)
     failed = torch.zeros(n, dtype=torch.bool)
-    batch = _Batch(prompts, completions, columns, context, timeout_s)
+    batch = _Batch(prompts, completions, columns, context, timeout_s, stop)
     everyone = list(range(n))
-    outputs = _resolve([batch.invoke(func, everyone) for _, func, _ in funcs])
+    outputs = batch.run([batch.bind(func, everyone) for _, func, _ in funcs])
     for f, ((name, func, _), output) in enumerate(zip(funcs, outputs, strict=True)):
         values = _score_function(name, func, batch, _checked(output, everyone), on_error, failed)
         per_func[:, f] = torch.tensor(values, dtype=torch.float32)
@@ -161,70 +164,69 @@ class _Batch:
     columns: dict[str, list]
     context: RewardContext
     timeout_s: float | None = None
+    stop: Callable[[], bool] | None = None
 
-    def invoke(self, func: RewardFunc, indices: list[int]) -> Any:
-        """``func`` on the completions at ``indices``: what it returned (maybe a coroutine), or raised
-        (or, past ``timeout_s``, a _Timeout)."""
-        call = functools.partial(
+    def bind(self, func: RewardFunc, indices: list[int]) -> Callable[[], Any]:
+        """``func`` called on the completions at ``indices``, ready to run."""
+        return functools.partial(
             func,
             prompts=[self.prompts[i] for i in indices],
             completions=[self.completions[i] for i in indices],
             **{key: [column[i] for i in indices] for key, column in self.columns.items()},
             **self.context.kwargs(indices),
         )
-        if self.timeout_s is not None:
-            return _bounded(call, self.timeout_s)
-        try:
-            return call()
-        except (Exception, SystemExit) as exc:  # a reward calling sys.exit must not end the run unnamed
-            return exc
+
+    def run(self, calls: list[Callable[[], Any]]) -> list[Any]:
+        """Each call in a daemon worker thread of its own, all at once (an awaitable it returns awaited
+        there): what each returned or raised, or a _Timeout for one still running after ``timeout_s``.
+        While waiting, ``stop()`` is asked five times a second; when it says so the calls are abandoned
+        (left running: Python cannot stop a thread) and RewardsAbandoned is raised, so that a hung
+        reward never keeps a run from stopping."""
+        boxes: list[list[Any]] = [[] for _ in calls]
+        workers = [
+            threading.Thread(target=_fill, args=(call, box), daemon=True, name="leangrpo-reward")
+            for call, box in zip(calls, boxes, strict=True)
+        ]
+        for worker in workers:
+            worker.start()
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        for worker in workers:
+            while worker.is_alive():
+                if self.stop is not None and self.stop():
+                    raise RewardsAbandoned("a stop was asked for while the rewards were still running")
+                wait = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+                if wait <= 0:
+                    break
+                worker.join(wait)
+        timeout = f"did not return within rewards.timeout_s={self.timeout_s}s"  # a box is empty only then
+        return [box[0] if box else _Timeout(timeout) for box in boxes]
 
     def call(self, func: RewardFunc, indices: list[int]) -> list[float] | _Failure:
-        return _checked(_resolve([self.invoke(func, indices)])[0], indices)
+        return _checked(self.run([self.bind(func, indices)])[0], indices)
+
+
+_POLL_S = 0.2
+
+
+class RewardsAbandoned(Exception):
+    """The rewards of a step were abandoned, still running, because the run was asked to stop."""
 
 
 class _Timeout(Exception):
     """A reward call that did not return within rewards.timeout_s."""
 
 
-def _bounded(call: Callable[[], Any], timeout_s: float) -> Any:
-    """``call()`` (awaited, if it returns an awaitable) in a daemon thread, given ``timeout_s`` seconds: what
-    it returned or raised, or a _Timeout. A stuck call is left running: Python cannot stop a thread."""
-    box: list[Any] = []
-
-    def run() -> None:
-        try:
-            out = call()
-            box.append(asyncio.run(_awaited(out)) if inspect.isawaitable(out) else out)
-        except (Exception, SystemExit) as exc:
-            box.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True, name="leangrpo-reward")
-    thread.start()
-    thread.join(timeout_s)
-    return box[0] if box else _Timeout(f"did not return within rewards.timeout_s={timeout_s:g}s")
+def _fill(call: Callable[[], Any], box: list[Any]) -> None:
+    """Put what ``call()`` returns (awaited, if it is awaitable) or raises into ``box``."""
+    try:
+        out = call()
+        box.append(asyncio.run(_awaited(out)) if inspect.isawaitable(out) else out)
+    except (Exception, SystemExit) as exc:  # a reward calling sys.exit must not end the run unnamed
+        box.append(exc)
 
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
-
-
-def _resolve(outputs: list[Any]) -> list[Any]:
-    """The outputs with every awaitable awaited, concurrently, on an event loop of their own (a thread,
-    so that it works under a caller's running loop too); what one raised takes its place."""
-    pending = [i for i, output in enumerate(outputs) if inspect.isawaitable(output)]
-    if not pending:
-        return outputs
-
-    async def gather() -> list[Any]:
-        return await asyncio.gather(*(outputs[i] for i in pending), return_exceptions=True)
-
-    with ThreadPoolExecutor(1) as pool:
-        results = pool.submit(asyncio.run, gather()).result()
-    resolved = list(outputs)
-    for i, result in zip(pending, results, strict=True):
-        resolved[i] = result
-    return resolved
 
 
 def _score_function(
