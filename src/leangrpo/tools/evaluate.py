@@ -81,23 +81,13 @@ def run_eval(
         else HFEngine(lm, tokenizer, cpu_levers(lm.device, cfg.cpu if cfg else CPUConfig()))
     )
     result = evaluate(
-        lm,
-        tokenizer,
-        inputs.rows,
-        inputs.reward_funcs,
-        inputs.task,
-        assistant_prefix=inputs.data.assistant_prefix,
-        max_new_tokens=max_new_tokens,
-        max_prompt_length=max_prompt_length,
-        batch_size=batch_size,
-        num_samples=num_samples,
-        temperature=cfg.grpo.temperature if cfg else 1.0,
-        top_p=cfg.grpo.top_p if cfg else 1.0,
-        seed=seed,
-        engine=generator,
-        agent=inputs.agent,
+        lm, tokenizer, inputs.rows, inputs.reward_funcs, inputs.task,
+        assistant_prefix=inputs.data.assistant_prefix, max_new_tokens=max_new_tokens,
+        max_prompt_length=max_prompt_length, batch_size=batch_size, num_samples=num_samples,
+        temperature=cfg.grpo.temperature if cfg else 1.0, top_p=cfg.grpo.top_p if cfg else 1.0, seed=seed,
+        engine=generator, agent=inputs.agent,
         max_tool_calling_iterations=cfg.grpo.max_tool_calling_iterations if cfg else None,
-    )
+    )  # fmt: skip
     meta = dict(model=model, adapter=adapter, data=inputs.source, split=split, num_samples=num_samples)
     return result, result.save(path, **meta)
 
