@@ -56,6 +56,7 @@ from leangrpo.train import distributed, sft
 from leangrpo.train.engine import cpu_levers, rollout_engine
 from leangrpo.train.evaluation import TrainingEvaluator
 from leangrpo.train.logprobs import Policy, batch_logprobs, micro_batch_logprobs, shared_prompt_group
+from leangrpo.train.loss import loss_spec
 from leangrpo.train.optim import (
     StepInBackward,
     activation_offload,
@@ -458,6 +459,8 @@ class Trainer:
             mask = grpo.mask_truncated(mask, rollout.truncated)
         # dapo normalises by every process's tokens (DDP then averages the gradients)
         num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
+        spec = loss_spec(g)
+        batch = grpo.BatchTotals(len(rollout), num_tokens, math.ceil(len(rollout) / micro))
         self.policy.train()
         loss_total, stats, skipped = 0.0, [], False
         grad_norm, lr = math.nan, float(self.scheduler.get_last_lr()[0])
@@ -481,20 +484,9 @@ class Trainer:
                         None if ref_logp is None else ref_logp[rows, :width],
                         advantages[rows],
                         mask[rows, :width],
-                        loss_type=g.loss_type,
-                        sapo_temperatures=(g.sapo_temperature_pos, g.sapo_temperature_neg),
-                        epsilon=g.epsilon,
-                        epsilon_high=g.epsilon_high or g.epsilon,
-                        beta=g.beta,
-                        num_sequences=len(rollout),
-                        num_tokens=num_tokens,
-                        max_completion_length=g.max_completion_length,
-                        importance_sampling_level=g.importance_sampling_level,
-                        delta=g.delta,
-                        accumulation_steps=math.ceil(len(rollout) / micro),
-                        bias_correction_kl=g.use_bias_correction_kl,
+                        spec=spec,
+                        batch=batch,
                         entropy=entropy,
-                        top_entropy_quantile=g.top_entropy_quantile,
                         sampler_weights=None if sampler_weights is None else sampler_weights[rows, :width],
                     )
                     self.acc.backward(loss)
