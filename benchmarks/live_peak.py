@@ -126,7 +126,7 @@ def worker(config_path: str, result_path: str) -> None:
         "at_start": tracker.start,
         "phases": phases,
         "seconds": time.perf_counter() - start,
-        "completion_length_mean": row["completion_length/mean"],
+        "completion_length_mean": row["completions/mean_length"],
     }
     Path(result_path).write_text(json.dumps(result))
 

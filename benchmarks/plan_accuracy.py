@@ -42,7 +42,7 @@ import yaml
 from vs_trl import MALLOC, allocator_env  # the allocator settings both benchmarks share
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K = ROOT / "tests" / "data" / "gsm8k" / "train.jsonl"  # GSM8K's first 200 train rows, in the repo
 PROMPT_LEN = 64  # GSM8K chat prompts are all longer, so left truncation makes every prompt exactly this
 TINY = dict(
     hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
@@ -96,7 +96,7 @@ def worker(config_path: str, result_path: str) -> None:
         "rss_imported_kib": imported,
         "rss_loaded_kib": loaded,
         "rss_peak_kib": rss_kib("VmHWM"),
-        "completion_length_mean": [r["completion_length/mean"] for r in rows],
+        "completion_length_mean": [r["completions/mean_length"] for r in rows],
         "step_seconds": [r["step_seconds"] for r in rows],
         "malloc_env": allocator_env(),
     }
@@ -201,8 +201,10 @@ def predict(config_path: Path, device: str) -> dict:
     return {"peak": est.peak, "phase": est.phase, "at_load": at_load}
 
 
-def measure(point: dict, work: Path, tok: Path, malloc: str, overrides: list[str]) -> Path:
-    """Run one grid point in its own process; returns the result file."""
+def measure(
+    point: dict, work: Path, tok: Path, malloc: str, overrides: list[str], timeout: float | None = None
+) -> Path:
+    """Run one grid point in its own process (at most `timeout` seconds); returns the result file."""
     stem = work / point["key"].replace("/", "_")
     model_dir = work / f"{point['model']}-{point['dtype']}"
     build_model(model_dir, point["arch"], dict(point["dims"]), tok, point["dtype"])
@@ -210,7 +212,7 @@ def measure(point: dict, work: Path, tok: Path, malloc: str, overrides: list[str
     cfg_path.write_text(yaml.safe_dump(run_config(point, model_dir, work / "runs" / stem.name, overrides)))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **MALLOC[malloc]}
     cmd = [sys.executable, __file__, "--worker", str(cfg_path), str(result_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if proc.returncode:
         raise RuntimeError(f"point {point['key']} failed:\n{proc.stderr[-3000:]}")
     return result_path

@@ -127,11 +127,13 @@ class Settings:
     clip: bool = True  # gradient clipping at norm 1.0 (TRL's default) on both sides; False: none on either
 
 
+DEFAULT_DATA = REPO / "tests" / "data" / "gsm8k" / "train.jsonl"  # GSM8K's first 200 train rows, in the repo
+
+
 def default_data() -> Path:
-    for root in (REPO.parent / "shared", Path("/work/shared")):
-        if (root / "data/gsm8k/train.jsonl").is_file():
-            return root / "data/gsm8k/train.jsonl"
-    sys.exit("error: GSM8K not found at ../shared/data/gsm8k/train.jsonl; pass --data")
+    if DEFAULT_DATA.is_file():
+        return DEFAULT_DATA
+    sys.exit(f"error: GSM8K not found at {DEFAULT_DATA}; pass --data")
 
 
 def build_model(cache: Path) -> Path:
@@ -221,7 +223,7 @@ def run_ours(s: Settings, out_dir: Path) -> dict:
         m = trainer.step(step)
         cpu.append(time.process_time() - cpu_start)
         seconds.append(m["step_seconds"])
-        lengths.append(m["completion_length/mean"])
+        lengths.append(m["completions/mean_length"])
         phases.append({k: v for k, v in m.items() if k.startswith("time/")})
     return {"step_seconds": seconds, "cpu_seconds": cpu, "completion_lengths": lengths,
             "peak_mb": peak_memory_mb(), "peak_after_load_mb": after_load,
@@ -412,7 +414,7 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--long-steps", type=int, help="steps of row c (512-token completions); default --steps")
     p.add_argument("--model", help="model directory (default: random SmolLM2-135M-architecture, built once)")
-    p.add_argument("--data", help="GSM8K train.jsonl (default: ../shared/data/gsm8k/train.jsonl)")
+    p.add_argument("--data", help="GSM8K train.jsonl (default: tests/data/gsm8k/train.jsonl, 200 rows)")
     p.add_argument("--prompts", type=int, default=1, help="distinct prompts per step (G completions each)")
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--completion-length", type=int, help="override every row's completion length")
@@ -446,6 +448,8 @@ def row_settings(a: argparse.Namespace, name: str) -> Settings:
     )
     beta = a.beta if row.beta is None else row.beta
     data = a.data or str(default_data())
+    if a.data is None and a.prompts > (rows := len(DEFAULT_DATA.read_text(encoding="utf-8").splitlines())):
+        sys.exit(f"error: --prompts {a.prompts} needs --data: {DEFAULT_DATA} holds {rows} rows")
     return Settings(model, data, row, steps, a.num_generations, a.prompts, a.loss_type, beta, 1e-6, a.seed,
                     a.ours_set, clip=not a.no_clip)  # fmt: skip
 

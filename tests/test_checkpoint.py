@@ -12,7 +12,6 @@ import yaml
 
 from leangrpo.run.checkpoint import (
     CheckpointError,
-    check_resumable,
     checkpoint_dirs,
     is_complete,
     last_checkpoint,
@@ -26,6 +25,7 @@ from leangrpo.run.checkpoint import (
 )
 from leangrpo.run.resolve import save_config, validate_config
 from leangrpo.run.rundir import RunDirError, RunLock, check_output_dir
+from leangrpo.train.preflight import check_resumable
 
 
 def make_cfg(out: Path, **optim):

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from leangrpo.config.schema import Config, ConfigError
-from leangrpo.run.resolve import load_config, save_config, validate_config
+from leangrpo.run.resolve import load_config, resolve_steps, save_config, validate_config, with_model_path
 
 MINIMAL = """\
 model:
@@ -335,6 +335,38 @@ def test_save_config_round_trip(minimal_yaml, tmp_path):
     assert saved["data"]["system_prompt"] == cfg.data.system_prompt
 
 
+def test_the_resolved_config_is_frozen(minimal_yaml):
+    from pydantic import ValidationError
+
+    cfg = load_config(minimal_yaml)
+    for section, key, value in [
+        (cfg.optim, "max_steps", 3),
+        (cfg.model, "name_or_path", "other"),
+        (cfg.model.lora, "r", 4),
+        (cfg.task, "name", "dataset"),
+        (cfg, "output_dir", "elsewhere"),
+    ]:
+        with pytest.raises(ValidationError, match="frozen"):
+            setattr(section, key, value)
+    assert cfg.optim.max_steps != 3 and cfg.model.name_or_path != "other" and cfg.output_dir != "elsewhere"
+
+
+def test_epochs_resolve_to_steps_in_a_new_config(minimal_yaml):
+    # 2 epochs of 10 rows, 2 prompts per step per process (4 completions / 2 generations), 3 processes
+    cfg = load_config(minimal_yaml, ["optim.num_train_epochs=2", "optim.per_device_train_batch_size=4",
+                                     "grpo.num_generations=2"])  # fmt: skip
+    resolved = resolve_steps(cfg, num_rows=10, num_processes=3)
+    assert resolved.optim.max_steps == 4 and cfg.optim.max_steps == 100  # ceil(20 / 6); cfg unchanged
+    assert resolved.grpo == cfg.grpo and resolved.optim.learning_rate == cfg.optim.learning_rate
+    explicit = load_config(minimal_yaml, ["optim.num_train_epochs=2", "optim.max_steps=7"])
+    assert resolve_steps(explicit, num_rows=10, num_processes=3) is explicit  # max_steps wins
+    moved = with_model_path(cfg, "runs/x/base-model")
+    assert (
+        moved.model.name_or_path == "runs/x/base-model" and cfg.model.name_or_path != moved.model.name_or_path
+    )
+    assert moved.model.lora == cfg.model.lora
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -424,3 +456,23 @@ def test_vllm_context_window_is_derived_from_the_lengths(minimal_yaml):
     )
     assert cfg.grpo.max_model_length == 128
     assert load_config(minimal_yaml, ["grpo.vllm_max_model_length=1000"]).grpo.max_model_length == 1000
+
+
+def test_the_cpu_fields_earlier_names_still_read_with_a_note(caplog):
+    """model.cpu_matmul and grpo.packed_generation / packed_lm_head / reference_on_disk moved to `cpu:`;
+    a config with the old names trains the same, says where each went, and is saved with the new ones."""
+    old = {
+        "model": {"name_or_path": "m", "cpu_matmul": "blas"},
+        "data": {"path": "d.jsonl"},
+        "rewards": {"functions": [{"name": "int"}]},
+        "grpo": {"packed_generation": False, "packed_lm_head": False, "reference_on_disk": True},
+    }
+    with caplog.at_level("WARNING", logger="leangrpo.config"):
+        cfg = validate_config(old)
+    assert cfg.cpu.model_dump() == {
+        "matmul": "blas", "packed_generation": False, "packed_lm_head": False, "reference_on_disk": True,
+    }  # fmt: skip
+    assert "model.cpu_matmul is now cpu.matmul" in caplog.text
+    assert caplog.text.count("is now cpu.") == 4
+    saved = cfg.model_dump(mode="json")
+    assert "cpu_matmul" not in saved["model"] and "packed_generation" not in saved["grpo"]

@@ -49,10 +49,10 @@ def test_score_uses_math_verify_for_gsm8k_answers():
     metrics = summarize(records, REWARDS, num_samples=0)
     assert metrics["n"] == 5 and metrics["accuracy"] == pytest.approx(3 / 5)
     assert metrics["accuracy/lenient"] == pytest.approx(4 / 5)
-    assert metrics["format/strict_format"] == pytest.approx(2 / 5)  # rows a and c
+    assert metrics["format/strict_format_reward"] == pytest.approx(2 / 5)  # rows a and c
     assert metrics["format/soft_format"] == pytest.approx(2 / 5)
     assert "format/math_verify" not in metrics
-    assert metrics["rewards/math_verify/mean"] == pytest.approx(3 * 2.0 / 5)
+    assert metrics["rewards/math_verify_reward/mean"] == pytest.approx(3 * 2.0 / 5)
     assert metrics["reward"] == pytest.approx((3.0 + 2.0 + 1.0 + 2.0 + 0.0) / 5)
 
 
@@ -83,9 +83,13 @@ def test_evaluate_batched_greedy_and_pass_at_k(tiny, test_rows):
     assert tok.padding_side == "left"
     assert [r["question"] for r in res.records] == [r["question"] for r in test_rows]
     assert res.metrics["n"] == 4
-    assert {"accuracy", "pass@3", "pass@1/sampled", "completion_length/mean", "format/strict_format"} <= set(
-        res.metrics
-    )
+    assert {
+        "accuracy",
+        "pass@3",
+        "pass@1/sampled",
+        "completions/mean_length",
+        "format/strict_format_reward",
+    } <= set(res.metrics)
     assert all(0 <= r["samples_correct"] <= 3 and 1 <= r["length"] <= 6 for r in res.records)
 
     # Left padding: a prompt's greedy completion does not depend on what it is batched with.
@@ -107,7 +111,9 @@ def test_eval_cli_writes_metrics_and_records(tmp_path, tiny_model_dir, gsm8k_dir
         doc["split"] == "test" and doc["data"].endswith("test.jsonl") and doc["records_file"] == "base.jsonl"
     )
     assert (
-        doc["metrics"]["n"] == 3 and "pass@2" in doc["metrics"] and "format/strict_format" in doc["metrics"]
+        doc["metrics"]["n"] == 3
+        and "pass@2" in doc["metrics"]
+        and "format/strict_format_reward" in doc["metrics"]
     )
     records = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
     assert len(records) == 3

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from test_e2e import PYTHONPATH, TESTS, run_cli, torchrun, write_config
 
 from leangrpo.core.errors import UserError
-from leangrpo.train.distributed import Sharded, check_options, fsdp_requested
+from leangrpo.train.distributed import fsdp_requested
+from leangrpo.train.preflight import World, preflight
 
 pytestmark = pytest.mark.slow
 FSDP2_CONFIG = TESTS.parent / "configs" / "accelerate" / "fsdp2.yaml"
@@ -125,4 +126,4 @@ def test_fsdp1_and_conflicting_options_are_one_line(monkeypatch, tmp_path, tiny_
                               ("model.load_in_4bit=true", "load_in_4bit")]:  # fmt: skip
         with pytest.raises(UserError, match=f"{problem} cannot run under FSDP"):
             bad = load_config(str(cfg), [override, "model.lora.enabled=true"])
-            check_options(Sharded(None), bad)  # type: ignore[arg-type]
+            preflight(bad, World(num_processes=2, device="cuda", sharded=True))

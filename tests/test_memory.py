@@ -15,7 +15,8 @@ from memtrack import PeakLargeTensors
 from leangrpo.core.errors import DeviceOptionError, UserError
 from leangrpo.cpu.allocator import MMAP_THRESHOLD, release_freed_memory
 from leangrpo.run.resolve import validate_config
-from leangrpo.train.optim import activation_offload, build_optimizer, check_device_options
+from leangrpo.train.optim import activation_offload, build_optimizer
+from leangrpo.train.preflight import World, preflight
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -33,11 +34,18 @@ def make_cfg(**sections):
     return validate_config(data)
 
 
-def test_defaults_need_nothing_special():
-    cfg = make_cfg()
+def test_defaults_need_nothing_special(tmp_path):
+    cfg = make_cfg(output_dir=str(tmp_path / "run"))
     assert cfg.optim.optimizer == "adamw" and cfg.model.activation_offload is False
     assert cfg.grpo.ignore_eos is False
-    check_device_options(cfg)  # no error anywhere
+    preflight(cfg, World(device="cuda" if CUDA else "cpu"))  # no error anywhere
+
+
+def test_optimizer_in_backward_refused_on_several_processes(tmp_path):
+    cfg = make_cfg(optim={"optimizer_in_backward": True, "max_grad_norm": None}, output_dir=str(tmp_path))
+    preflight(cfg, World(num_processes=1))
+    with pytest.raises(UserError, match="^optim.optimizer_in_backward runs on one process only: the"):
+        preflight(cfg, World(num_processes=2))
 
 
 def test_unknown_optimizer_is_a_config_error():
@@ -52,9 +60,9 @@ def test_unknown_optimizer_is_a_config_error():
         ({"model": {"activation_offload": True}}, "model.activation_offload=false"),
     ],
 )
-def test_gpu_options_refused_on_cpu_with_the_fix(sections, needle):
+def test_gpu_options_refused_on_cpu_with_the_fix(tmp_path, sections, needle):
     with pytest.raises(DeviceOptionError, match="needs a CUDA GPU") as err:
-        check_device_options(make_cfg(**sections))
+        preflight(make_cfg(**sections, output_dir=str(tmp_path / "run")), World(device="cpu"))
     assert needle in str(err.value) and "\n" not in str(err.value)
     assert isinstance(err.value, UserError)
 
@@ -66,13 +74,13 @@ def test_gpu_options_refused_on_cpu_with_the_fix(sections, needle):
         ({"model": {"load_in_4bit": True, "lora": {"enabled": True}}}, "model.load_in_4bit"),
     ],
 )
-def test_bitsandbytes_options_without_bitsandbytes_name_the_install(monkeypatch, sections, option):
+def test_bitsandbytes_options_without_bitsandbytes_name_the_install(tmp_path, monkeypatch, sections, option):
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n: None if n == "bitsandbytes" else real(n))
     with pytest.raises(UserError) as err:
-        check_device_options(make_cfg(**sections))
+        preflight(make_cfg(**sections, output_dir=str(tmp_path / "run")), World())
     assert str(err.value) == (
         f"{option} needs bitsandbytes: pip install 'leangrpo[qlora]' (or pip install bitsandbytes)"
     )
@@ -160,11 +168,11 @@ def test_generation_runs_without_grad_and_with_the_kv_cache(tiny_model_dir, leve
     assert model.training  # train mode restored for the update
 
 
-def test_adamw_8bit_steps_with_8bit_state():
+def test_adamw_8bit_steps_with_8bit_state(tmp_path):
     """bitsandbytes' 8-bit AdamW, on CPU or CUDA: uint8 moments for a large tensor, and it learns."""
     pytest.importorskip("bitsandbytes")
-    cfg = make_cfg(optim={"optimizer": "adamw_8bit", "learning_rate": 1e-2})
-    check_device_options(cfg)
+    cfg = make_cfg(optim={"optimizer": "adamw_8bit", "learning_rate": 1e-2}, output_dir=str(tmp_path / "run"))
+    preflight(cfg, World(device="cuda" if CUDA else "cpu"))
     p = torch.nn.Parameter(torch.randn(8192, device="cuda" if CUDA else "cpu"))
     opt = build_optimizer([p], cfg.optim)
     assert type(opt).__name__ == "AdamW8bit"
@@ -242,7 +250,7 @@ def test_trainer_releases_freed_memory_after_generation_and_update(
         ("update", True),
         ("release", None),
     ]
-    assert metrics["completion_length/mean"] == 4.0
+    assert metrics["completions/mean_length"] == 4.0
 
 
 @pytest.mark.slow
@@ -325,7 +333,9 @@ def test_trainer_sets_the_allocator_before_loading_anything(tmp_path, tiny_model
     monkeypatch.setattr(CPULevers, "before_loading", lambda self: events.append("allocator"))
     real_load = trainer_mod.load_model_and_tokenizer
     monkeypatch.setattr(
-        trainer_mod, "load_model_and_tokenizer", lambda cfg: events.append("load") or real_load(cfg)
+        trainer_mod,
+        "load_model_and_tokenizer",
+        lambda cfg, *given: events.append("load") or real_load(cfg, *given),
     )
     cfg = make_cfg(
         model={"name_or_path": str(tiny_model_dir)},
@@ -548,9 +558,19 @@ def test_max_grad_norm_zero_turns_clipping_off_as_in_trl():
     assert make_cfg().optim.max_grad_norm == 1.0
 
 
-@pytest.mark.parametrize("kind", ["linear", "cosine", "constant"])
+@pytest.mark.parametrize(
+    "kind, kwargs",
+    [
+        ("linear", None),
+        ("cosine", None),
+        ("cosine", {"num_cycles": 1.0}),
+        ("constant", None),
+        ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+        ("cosine_with_min_lr", {"min_lr": 0.02}),
+    ],
+)
 @pytest.mark.parametrize("warmup", [0, 3])
-def test_build_scheduler_follows_transformers_get_scheduler(kind, warmup):
+def test_build_scheduler_follows_transformers_get_scheduler(kind, kwargs, warmup):
     """Our schedules give transformers' learning rates step for step (TRL users' configs keep their
     schedule), without importing transformers.optimization (which pulls in peft and bitsandbytes)."""
     from transformers import get_scheduler
@@ -567,8 +587,17 @@ def test_build_scheduler_follows_transformers_get_scheduler(kind, warmup):
             scheduler.step()
         return out
 
-    ours = rates(lambda opt: build_scheduler(opt, kind, warmup, 10))
-    theirs = rates(lambda opt: get_scheduler(kind, opt, num_warmup_steps=warmup, num_training_steps=10))
+    from leangrpo.config.schema import OptimConfig
+
+    cfg = OptimConfig(
+        learning_rate=0.1, lr_scheduler_type=kind, lr_scheduler_kwargs=kwargs, warmup_steps=warmup
+    )
+    ours = rates(lambda opt: build_scheduler(opt, cfg, 10))
+    theirs = rates(
+        lambda opt: get_scheduler(
+            kind, opt, num_warmup_steps=warmup, num_training_steps=10, scheduler_specific_kwargs=kwargs
+        )
+    )
     assert ours == pytest.approx(theirs, abs=1e-12)
     assert len(set(ours)) > 1 or kind == "constant"
 
@@ -591,3 +620,22 @@ def test_trainer_does_not_import_peft_for_full_fine_tuning(tmp_path, tiny_model_
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.stdout.split() == ["False", "False", "0.0"], proc.stderr[-2000:]
+
+
+def test_the_trainer_ignores_accelerates_mixed_precision(tmp_path, tiny_model_dir, gsm8k_dir):
+    """`accelerate launch` configured with bf16 or fp16 must not wrap leangrpo's step in autocast or scale
+    its loss (the optimizer is leangrpo's own, so the scale would never be undone): model.dtype decides."""
+    cfg = {
+        "model": {"name_or_path": str(tiny_model_dir)},
+        "data": {"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
+        "rewards": {"functions": [{"name": "int"}]},
+        "output_dir": str(tmp_path / "run"),
+    }
+    code = (
+        "from leangrpo.run.resolve import validate_config\n"
+        "from leangrpo.train.trainer import Trainer\n"
+        f"print(Trainer(validate_config({cfg!r})).acc.mixed_precision)"
+    )
+    env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "bf16"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.stdout.split() == ["no"], proc.stderr[-2000:]

@@ -14,11 +14,11 @@ from click.testing import CliRunner
 
 from leangrpo.cli import main
 from leangrpo.config.schema import LoraConfig
-from leangrpo.engines.rollout import RolloutBatch
+from leangrpo.engines.rollout import CACHE_KWARG, RolloutBatch, kv_cache, prefill_once_per_group
 from leangrpo.models.load import apply_lora
 from leangrpo.run.resolve import validate_config
 from leangrpo.tools import plan
-from leangrpo.train.logprobs import Policy, micro_batch_logprobs
+from leangrpo.train.logprobs import Policy, micro_batch_logprobs, shared_prompt_group
 
 KNOWN_TOTALS = {
     "Qwen/Qwen2.5-0.5B": 494_032_768,
@@ -113,17 +113,47 @@ def test_adamw_8bit_state_follows_bitsandbytes_layout():
     assert plan.optimizer_bytes(tensors, 2, "adamw_8bit") == expected
 
 
-def test_kv_cache_equals_a_real_dynamic_cache():
+def test_kv_cache_is_the_cache_generation_preallocates():
+    """rollout.kv_cache's buffers, filled as the step fills them (a prefill per group, then generate()),
+    hold what the plan's KV cache says: every row at the capacity kv_capacity gives."""
     model, shape = tiny("llama", dtype=torch.bfloat16)
-    prompts, prompt_len, new = 3, 7, 5
-    ids = torch.randint(0, 1000, (prompts, prompt_len))
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-        return_dict_in_generate=True, pad_token_id=0,
-    )  # fmt: skip
-    cache = out.past_key_values
-    real = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    assert plan.kv_cache_bytes(shape, prompts, prompt_len + new - 1, 2) == real
+    knobs = plan.Knobs(num_generations=2, per_device_train_batch_size=4, max_prompt_length=7,
+                       max_completion_length=5)  # fmt: skip
+    ids = torch.randint(0, 1000, (2, knobs.max_prompt_length)).repeat_interleave(2, 0)
+    mask = torch.ones_like(ids)
+    cache = kv_cache(model, ids.shape[1] + knobs.max_completion_length)  # as rollout.generate sizes it
+    prefill_once_per_group(model, ids, mask, knobs.num_generations, cache)
+    new = knobs.max_completion_length
+    model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                   pad_token_id=0, **{CACHE_KWARG: cache})  # fmt: skip
+    real = sum(t.nbytes for layer in cache.layers for t in (layer.key_buffer, layer.value_buffer))
+    assert plan.kv_cache_bytes(shape, knobs.generation_batch, plan.kv_capacity(knobs), 2) == real
+
+
+def test_plan_defaults_are_the_configs_and_the_steps():
+    """Knobs default to the config's defaults (dtype aside), the config's chunk size is the log-prob
+    code's, and a dtype's bytes are torch's."""
+    from leangrpo.core.logprobs import LOGPROB_CHUNK_SIZE
+    from leangrpo.models.load import DTYPES as TORCH_DTYPES
+
+    knobs = plan.Knobs()
+    assert knobs.logprob_chunk_size == LOGPROB_CHUNK_SIZE
+    cfg = validate_config({
+        "model": {"name_or_path": "HuggingFaceTB/SmolLM2-135M", "dtype": "bfloat16"},
+        "data": {"path": "x.jsonl"}, "rewards": {"functions": [{"name": "x"}]},
+    })  # fmt: skip
+    assert plan.knobs_from_config(cfg) == knobs
+    assert {name: t.itemsize for name, t in TORCH_DTYPES.items()} == plan.DTYPE_BYTES
+
+
+@pytest.mark.parametrize(
+    ("batch", "group", "share"), [(8, 8, True), (4, 8, True), (6, 4, True), (8, 8, False)]
+)
+def test_shared_group_is_the_steps(batch, group, share):
+    model, _ = tiny("llama")
+    knobs = plan.Knobs(per_device_train_batch_size=batch, num_generations=group, share_prompt=share)
+    step = shared_prompt_group(model, batch, group)[0] if share else 1  # as the Trainer picks it
+    assert plan.shared_group(knobs) == step
 
 
 def saved_tensor_bytes(model, batch: int, prompt: int, completion: int, group: int) -> int:

@@ -16,7 +16,7 @@ import torch
 import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from test_e2e import PYTHONPATH, read_metrics, write_config
+from test_e2e import PYTHONPATH, TESTS, read_metrics, write_config
 
 from leangrpo.cli import main
 from leangrpo.core import grpo
@@ -155,10 +155,10 @@ def test_sigkill_during_checkpoint_write_then_sigterm_then_finish(tmp_path, tiny
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": PYTHONPATH}
 
-    def start(*args, **extra_env):
+    def start(*args, runner=("-m", "leangrpo")):
         return subprocess.Popen(
-            [sys.executable, "-m", "leangrpo", "train", *args],
-            env={**env, **extra_env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, *runner, "train", *args],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
 
     def wait_for(condition, proc, timeout=120.0):
@@ -168,8 +168,8 @@ def test_sigkill_during_checkpoint_write_then_sigterm_then_finish(tmp_path, tiny
             assert time.monotonic() < deadline, "timed out"
             time.sleep(0.05)
 
-    # 1. SIGKILL while checkpoint-4 is half written (the test hook sleeps inside the save).
-    proc = start("-c", str(cfg_path), LEANGRPO_TEST_SAVE_DELAY="2")
+    # 1. SIGKILL while checkpoint-4 is half written (slow_checkpoint.py sleeps inside each save).
+    proc = start("-c", str(cfg_path), runner=(str(TESTS / "slow_checkpoint.py"), "2"))
     partial = run / ".checkpoint-4.tmp"
     wait_for(lambda: (partial / "optimizer.pt").is_file(), proc)
     proc.kill()

@@ -14,8 +14,10 @@ import pytest
 from click.testing import CliRunner
 
 from leangrpo.cli import main
+from leangrpo.run.resolve import validate_config
 from leangrpo.run.rundir import CURVES
-from leangrpo.run.tracking import TrackerError, check_trackers
+from leangrpo.run.tracking import TrackerError
+from leangrpo.train.preflight import World, preflight
 
 
 @pytest.mark.slow
@@ -23,6 +25,7 @@ def test_train_with_eval_trackers_and_report(tmp_path, tiny_model_dir, gsm8k_dir
     from test_e2e import read_metrics, write_config
 
     from leangrpo.run.resolve import load_config
+    from leangrpo.tools.report import write_report_after_training
     from leangrpo.train.trainer import train
 
     out = tmp_path / "run"
@@ -42,6 +45,7 @@ def test_train_with_eval_trackers_and_report(tmp_path, tiny_model_dir, gsm8k_dir
         if hasattr(module, "TRACKIO_DIR"):
             monkeypatch.setattr(module, "TRACKIO_DIR", tmp_path / "trackio")
     train(load_config(cfg))
+    write_report_after_training(out, print)  # as `leangrpo train` and GRPOTrainer.train() end
     printed = "".join(capsys.readouterr())
 
     rows = read_metrics(out)
@@ -49,9 +53,12 @@ def test_train_with_eval_trackers_and_report(tmp_path, tiny_model_dir, gsm8k_dir
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["step"] for r in train] == [1, 2, 3]
     assert [r["step"] for r in evals] == [0, 2, 3]  # before training, every eval_steps, at the end
-    assert {"eval/n", "eval/pass@2", "eval/format/strict_format", "eval/completion_length/mean"} <= evals[
-        0
-    ].keys()
+    assert {
+        "eval/n",
+        "eval/pass@2",
+        "eval/format/strict_format_reward",
+        "eval/completions/mean_length",
+    } <= evals[0].keys()
     assert evals[0]["eval/n"] == 2
     assert (out / "eval" / "step-0.json").is_file() and (out / "eval" / "step-3.jsonl").is_file()
     assert "  step   reward" in printed and "eval at step 0: n=2" in printed
@@ -65,6 +72,14 @@ def test_train_with_eval_trackers_and_report(tmp_path, tiny_model_dir, gsm8k_dir
         (r["step"], round(r["reward"], 5)) for r in train
     ]  # HF/TRL's tags: train/..., eval/...
     assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 2, 3]
+    trl_tags = {
+        "train/completions/mean_length", "train/completions/min_length", "train/completions/max_length",
+        "train/completions/clipped_ratio", "train/completions/mean_terminated_length",
+        "train/frac_reward_zero_std", "train/clip_ratio/low_mean", "train/clip_ratio/high_mean",
+        "train/clip_ratio/region_mean", "train/entropy", "train/rewards/strict_format_reward/mean",
+        "train/rewards/strict_format_reward/std",
+    }  # fmt: skip
+    assert trl_tags <= set(events.Tags()["scalars"]), trl_tags - set(events.Tags()["scalars"])
     assert [e.step for e in events.Tensors("completions/text_summary")] == [1, 2, 3]
     first = events.Tensors("completions/text_summary")[0].tensor_proto.string_val[0].decode()
     assert first.startswith("| step | question | completion |") and "reward/strict_format" in first
@@ -129,6 +144,13 @@ def wandb_history(path: Path) -> list[tuple[int, dict]]:
     return out
 
 
+def tracked(tmp_path, gsm8k_dir, report_to):
+    return validate_config(
+        {"model": {"name_or_path": "m"}, "data": {"path": str(gsm8k_dir / "train.jsonl")},
+         "logging": {"report_to": report_to}, "output_dir": str(tmp_path / "run")}
+    )  # fmt: skip
+
+
 def test_missing_tracker_package_is_one_line(monkeypatch, tmp_path, gsm8k_dir):
     import importlib.util
 
@@ -139,8 +161,8 @@ def test_missing_tracker_package_is_one_line(monkeypatch, tmp_path, gsm8k_dir):
         importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
     )
     with pytest.raises(TrackerError, match="the wandb package is not installed: pip install wandb"):
-        check_trackers(["tensorboard", "wandb"])
-    check_trackers(["tensorboard"])
+        preflight(tracked(tmp_path, gsm8k_dir, ["tensorboard", "wandb"]), World())
+    preflight(tracked(tmp_path, gsm8k_dir, ["tensorboard"]), World())
     # From the CLI: one line, before any model loads (the model path does not even exist).
     cfg = write_config(tmp_path / "c.yaml", tmp_path / "no-model", gsm8k_dir / "train.jsonl", tmp_path / "r")
     result = CliRunner().invoke(main, ["train", "-c", str(cfg), "logging.report_to=[tensorboard, wandb]"])
@@ -177,6 +199,22 @@ def make_run(run_dir: Path, steps: int = 12) -> Path:
 
     (run_dir / "config.yaml").write_text(RUN_CONFIG)
     return run_dir
+
+
+def test_earlier_metric_names_read_as_trls():
+    """Run directories written before leangrpo took TRL's names read with TRL's names."""
+    from leangrpo.run.rundir import with_trl_names
+
+    old = {
+        "completion_length/mean": 1, "truncated_frac": 2, "zero_std_frac": 3, "clip_ratio": 4,
+        "rewards/correctness/mean": 5, "rewards/trl.rewards:accuracy_reward/mean": 6,
+        "rewards//models/my-rm/mean": 7, "reward": 8,
+    }  # fmt: skip
+    assert with_trl_names(old) == {
+        "completions/mean_length": 1, "completions/clipped_ratio": 2, "frac_reward_zero_std": 3,
+        "clip_ratio/region_mean": 4, "rewards/correctness_reward/mean": 5, "rewards/accuracy_reward/mean": 6,
+        "rewards/my-rm/mean": 7, "reward": 8,
+    }  # fmt: skip
 
 
 def test_report_cli_writes_pngs_and_notes_torn_line(tmp_path):

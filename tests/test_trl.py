@@ -25,7 +25,7 @@ def trl_loss(
     logp, old, ref, adv, mask, *, loss_type, bias_correction_kl, accumulation_steps, num_items, max_len,
     eps=EPS, eps_high=EPS_HIGH, beta=BETA,
     importance_sampling_level="token", delta=None, entropy=None, top_entropy_quantile=1.0,
-    sapo_temperatures=(1.0, 1.05),
+    sapo_temperatures=(1.0, 1.05), tool_mask=None,
 ):  # fmt: skip
     """TRL 1.16's `_compute_loss` on one micro-batch of one process: (loss, TRL's metrics dict)."""
     metrics = defaultdict(list)
@@ -72,6 +72,7 @@ def trl_loss(
         "old_per_token_logps": old,
         "ref_per_token_logps": ref,
         "num_items_in_batch": torch.tensor(float(num_items)),
+        **({} if tool_mask is None else {"tool_mask": tool_mask}),
     }
     return trl_grpo.GRPOTrainer._compute_loss(fake, None, inputs), metrics
 
@@ -221,17 +222,67 @@ def test_kl_clip_ratio_and_entropy_are_means_of_micro_batch_means_as_in_trl():
         )  # fmt: skip
         for k, v in metrics.items():
             theirs[k] += v
-    kl, clip_ratio, mean_entropy = micro_batch_means(ours)
-    assert mean_entropy == pytest.approx(sum(theirs["entropy"]) / 2, rel=1e-6)
-    assert kl == pytest.approx(sum(theirs["kl"]) / 2, rel=1e-6)
-    assert clip_ratio == pytest.approx(sum(theirs["clip_ratio/region_mean"]) / 2, rel=1e-6)
+    means = micro_batch_means(ours)
+    for name in ("entropy", "kl", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+        assert means[name] == pytest.approx(sum(theirs[name]) / 2, rel=1e-6, abs=1e-12), name
+    assert means["clip_ratio/low_mean"] > 0 and means["clip_ratio/high_mean"] > 0  # both kinds occur
+    clip_ratio = means["clip_ratio/region_mean"]
     token_weighted = sum(s.clipped_tokens for s in ours) / sum(s.tokens for s in ours)
     assert clip_ratio != pytest.approx(token_weighted, rel=1e-3)  # the example tells the two apart
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_multi_turn_loss_and_gradient_match_trl(loss_type):
+    """A multi-turn batch (tool tokens inside completions): leangrpo's loss over `RolloutBatch.loss_mask`
+    equals TRL's over completion_mask × tool_mask, and so does the gradient."""
+    from leangrpo.engines.rollout import RolloutBatch
+
+    base, old, ref, adv, mask = _batch(1)
+    n, c = base.shape
+    tool_mask = torch.ones(n, c, dtype=torch.long)
+    tool_mask[0, 2:4] = tool_mask[2, 1:5] = tool_mask[4, 1] = 0
+    batch = RolloutBatch(
+        torch.zeros(n, 1, dtype=torch.long),
+        torch.ones(n, 1, dtype=torch.long),
+        torch.zeros(n, c, dtype=torch.long),
+        mask,
+        torch.zeros(n, dtype=torch.bool),
+        [""] * n,
+        None,
+        tool_mask,
+    )
+    loss_mask = batch.loss_mask
+    ours, theirs = base.clone().requires_grad_(), base.clone().requires_grad_()
+    for rows in (slice(0, 3), slice(3, 6)):
+        loss, _ = grpo_loss(
+            ours[rows], old[rows], ref[rows], adv[rows], loss_mask[rows],
+            LossSpec(loss_type, EPS, EPS_HIGH, c, beta=BETA, bias_correction_kl=False),
+            BatchTotals(n, float(loss_mask.sum()), accumulation_steps=2),
+        )  # fmt: skip
+        ref_loss, _ = trl_loss(
+            theirs[rows],
+            old[rows],
+            ref[rows],
+            adv[rows],
+            mask[rows],
+            loss_type=loss_type,
+            bias_correction_kl=False,
+            accumulation_steps=2,
+            num_items=loss_mask.sum(),
+            max_len=c,
+            tool_mask=tool_mask[rows],
+        )
+        assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-12)
+        loss.backward()
+        ref_loss.backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-12, rtol=0)
+    assert (ours.grad[tool_mask == 0] == 0).all()
+
+
 def test_trainer_step_matches_trl(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
     """One real step with GA = 2 micro-batches, num_iterations = 2, beta > 0 and bnpo: the logged loss,
-    kl, clip_ratio, reward_std and zero_std_frac are TRL's, computed from what the trainer fed its loss.
+    kl, clip_ratio, reward_std and frac_reward_zero_std are TRL's, computed from what the trainer fed its
+    loss.
     The rewards are tiny (weight 1e-6), so every group's std lies between TRL's zero test (isclose 0)
     and 1e-6."""
     from trl.trainer.utils import nanstd
@@ -279,15 +330,20 @@ def test_trainer_step_matches_trl(tmp_path, tiny_model_dir, gsm8k_dir, monkeypat
             theirs[k] += v
     assert metrics["loss"] == pytest.approx((sum(losses[:2]) + sum(losses[2:])) / 2, rel=1e-5, abs=1e-9)
     assert metrics["kl"] == pytest.approx(sum(theirs["kl"]) / 4, rel=1e-5)
-    assert metrics["clip_ratio"] == pytest.approx(sum(theirs["clip_ratio/region_mean"]) / 4, rel=1e-5)
+    assert metrics["clip_ratio/region_mean"] == pytest.approx(
+        sum(theirs["clip_ratio/region_mean"]) / 4, rel=1e-5
+    )
     assert metrics["entropy"] == pytest.approx(sum(theirs["entropy"]) / 4, rel=1e-5)
-    assert metrics["clip_ratio"] > 0 and metrics["kl"] > 0 and metrics["entropy"] > 0
+    assert metrics["clip_ratio/region_mean"] > 0 and metrics["kl"] > 0 and metrics["entropy"] > 0
 
     (r,) = rewards
     assert metrics["reward_std"] == pytest.approx(nanstd(r).item(), rel=1e-5)
     group_std = nanstd(r.view(-1, 4), dim=1)
-    assert metrics["zero_std_frac"] == torch.isclose(group_std, torch.zeros_like(group_std)).float().mean()
-    assert metrics["zero_std_frac"] < 1.0 and (group_std < 1e-6).all()
+    assert (
+        metrics["frac_reward_zero_std"]
+        == torch.isclose(group_std, torch.zeros_like(group_std)).float().mean()
+    )
+    assert metrics["frac_reward_zero_std"] < 1.0 and (group_std < 1e-6).all()
 
 
 def test_batch_statistics_span_every_process(tmp_path):

@@ -212,7 +212,7 @@ def test_trl_conversational_data_and_trl_rewards_train_unchanged(tmp_path, tiny_
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["toy/global_step"] for m in metrics] == [0, 1]  # trainer_state and log_metric
     assert all(1 <= m["toy/tokens"] <= 6 for m in metrics)  # completion_ids: real token counts
-    assert all(m["rewards/trl.rewards:get_soft_overlong_punishment/mean"] <= 0 for m in metrics)
+    assert all(m["rewards/soft_overlong_punishment_reward/mean"] <= 0 for m in metrics)
     sample = json.loads((out / "completions.jsonl").read_text().splitlines()[0])
     assert sample["question"].startswith("What is") and sample["solution"] == sample["gold"]  # log_extra
 
@@ -222,7 +222,7 @@ def test_trl_standard_format_gives_string_completions(tmp_path, tiny_model_dir):
     rows = [{"prompt": p} for p in ("The sky is", "Once upon a time", "My favourite food is", "Hello")]
     out = run_train(tmp_path, tiny_model_dir, rows, [{"name": "toy_rewards:distinct_chars"}])
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["rewards/toy_rewards:distinct_chars/mean"] > 0 for m in metrics)
+    assert all(m["rewards/distinct_chars/mean"] > 0 for m in metrics)
     sample = json.loads((out / "completions.jsonl").read_text().splitlines()[0])
     assert sample["question"] in {r["prompt"] for r in rows} and sample["gold"] is None
 
@@ -301,23 +301,20 @@ def test_flat_trl_yaml_is_ported_field_by_field(tmp_path):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (
-            {"torch_compile": True, "eval_strategy": "steps"},
-            "eval_strategy='steps', torch_compile=True",
-        ),
-        ({"max_steps": 41}, "max_steps=41 .*must be a multiple of 2"),
-        ({"steps_per_generation": 4}, "steps_per_generation=4 .*must equal gradient_accumulation_steps=2"),
-        ({"generation_batch_size": 64}, "generation_batch_size=64 .*= 16"),
+        ({"sync_ref_model": True, "entropy_coef": 0.1}, "entropy_coef=0.1: .*\n.*sync_ref_model=True: "),
+        ({"max_steps": 41}, "max_steps=41: .*must be a multiple of 2"),
+        ({"steps_per_generation": 4}, "steps_per_generation=4: .*must equal gradient_accumulation_steps=2"),
+        ({"generation_batch_size": 64}, "generation_batch_size=64: .*= 16"),
         ({"optim": "adafactor"}, "optim='adafactor'"),
     ],
 )
-def test_flat_trl_yaml_refuses_what_leangrpo_cannot_honour_in_one_line(tmp_path, change, message):
+def test_flat_trl_yaml_refuses_what_leangrpo_cannot_honour_one_line_each(tmp_path, change, message):
     from leangrpo.core.errors import UserError
     from leangrpo.run.resolve import load_config
 
-    with pytest.raises(UserError, match=f"TRL fields leangrpo does not support: .*{message}") as info:
+    with pytest.raises(UserError, match=f"trl.yaml: {message}") as info:
         load_config(write_yaml(tmp_path, {**TRL_YAML, **change}))
-    assert "\n" not in str(info.value)
+    assert len(str(info.value).splitlines()) == len(change)
 
 
 def test_nested_config_refuses_sampling_knobs_in_generation_kwargs():

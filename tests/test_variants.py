@@ -110,7 +110,7 @@ def test_mask_truncated_completions_leaves_cut_off_completions_out(tmp_path, tin
     # ignore_eos cuts every completion off at max_completion_length: with the mask, nothing trains.
     grpo_section = {"ignore_eos": True, "mask_truncated_completions": True}
     masked = make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, grpo=grpo_section).step(1)
-    assert masked["truncated_frac"] == 1.0
+    assert masked["completions/clipped_ratio"] == 1.0
     assert masked["loss"] == 0.0 and masked["grad_norm"] == 0.0
     grpo_section["mask_truncated_completions"] = False
     unmasked = make_trainer(tmp_path / "b", tiny_model_dir, gsm8k_dir, grpo=grpo_section).step(1)
@@ -163,7 +163,7 @@ def test_dynamic_sampling_trains_on_informative_groups(tmp_path, tiny_model_dir,
     assert metrics["dynamic_sampling/prompts_drawn"] == 2 * (rounds + 1)
     drawn = [q for batch in seen for q in batch]
     assert metrics["dynamic_sampling/groups_dropped"] == sum(len(q) % 3 != 0 for q in drawn)
-    assert metrics["dynamic_sampling/filled"] == 0 and metrics["zero_std_frac"] == 0.0
+    assert metrics["dynamic_sampling/filled"] == 0 and metrics["frac_reward_zero_std"] == 0.0
     # The extra rounds' prompts come from their own seeded order, a pure function of seed, step and round.
     assert seen[1] == [trainer.rows[i]["question"] for i in trainer.resampler.indices(0)]
 
@@ -177,7 +177,7 @@ def test_dynamic_sampling_stops_after_max_resample_rounds(tmp_path, tiny_model_d
     metrics = trainer.step(1)
     assert metrics["dynamic_sampling/rounds"] == 2 and metrics["dynamic_sampling/prompts_drawn"] == 6
     assert metrics["dynamic_sampling/filled"] == 2 and metrics["dynamic_sampling/groups_dropped"] == 4
-    assert metrics["zero_std_frac"] == 1.0 and metrics["loss"] == 0.0
+    assert metrics["frac_reward_zero_std"] == 1.0 and metrics["loss"] == 0.0
 
 
 @pytest.mark.slow
@@ -206,7 +206,7 @@ def test_dapo_recipe_example_trains_from_the_cli(tmp_path, tiny_model_dir, gsm8k
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1]
     assert rows[0]["dynamic_sampling/rounds"] <= 1 and "time/resample" in rows[0]
-    assert "rewards/trl.rewards:get_soft_overlong_punishment/mean" in rows[0]
+    assert "rewards/soft_overlong_punishment_reward/mean" in rows[0]
 
 
 @pytest.mark.slow

@@ -22,10 +22,10 @@ _POSITIVE = click.IntRange(min=1)
 
 def _leave_if_one_of_many(code: int) -> None:
     """End a process of a multi-process run (WORLD_SIZE > 1) here, once atexit handlers have run and
-    output is flushed, without finalizing the interpreter. With torch 2.13, gloo's worker threads outlive
-    destroy_process_group once FSDP2's functional collectives have used the group (4 threads left after
-    it, 1 without them), and tearing the interpreter down under them can abort a process whose work is
-    done (SIGABRT, "terminate called without an active exception"; seen in CI, not reproduced locally)."""
+    output is flushed, without finalizing the interpreter. gloo's worker threads outlive
+    destroy_process_group once FSDP2's functional collectives have used the group, and tearing the
+    interpreter down under them can abort a process whose work is done (SIGABRT, "terminate called
+    without an active exception")."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         atexit._run_exitfuncs()
         sys.stdout.flush()
@@ -52,6 +52,8 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("-v", "--verbose", is_flag=True, help="Show debug logging.")
 def main(verbose: bool) -> None:
     """leangrpo: memory-lean GRPO for small language models."""
+    if os.getcwd() not in sys.path:  # `module:function` rewards beside the user, as `trl grpo` finds them
+        sys.path.insert(0, os.getcwd())
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",

@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM
 
 from leangrpo.config.schema import LoraConfig
 from leangrpo.engines.rollout import Sampling, eos_token_ids, generate
-from leangrpo.engines.vllm import VLLMEngine, VLLMError, check_vllm
+from leangrpo.engines.vllm import VLLMEngine, VLLMError
 from leangrpo.models.load import apply_lora, load_tokenizer
 from leangrpo.run.resolve import validate_config
 from leangrpo.train.logprobs import Policy, batch_logprobs
+from leangrpo.train.preflight import World, preflight
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: plenty for a 2-layer model, kind to the machine
 PROMPTS = ["The cat sat on the", "Once upon a time, in a land far away, there lived a"]
@@ -39,6 +40,7 @@ def config(model_dir, **grpo):
             "data": {"path": "unused.jsonl"},
             "rewards": {"functions": [{"name": "int"}]},
             "grpo": {"use_vllm": True, "max_prompt_length": 32, "max_completion_length": 12, **grpo},
+            "output_dir": "no-such-run",  # for preflight: a fresh run's directory
         }
     )
 
@@ -151,10 +153,10 @@ def test_bad_inputs_get_one_line(model_dir, tmp_path, tokenizer):
     cfg = config(model_dir, vllm_enable_sleep_mode=True)
     if not torch.cuda.is_available():
         with pytest.raises(VLLMError, match="^grpo.vllm_enable_sleep_mode needs CUDA") as info:
-            check_vllm(cfg, num_processes=1)
+            preflight(cfg, World(num_processes=1, device="cpu"))
         assert "\n" not in str(info.value)
     with pytest.raises(VLLMError, match="one training process only") as info:
-        check_vllm(config(model_dir), num_processes=2)
+        preflight(config(model_dir), World(num_processes=2, device="cuda"))
     (tmp_path / "config.json").write_text(
         '{"architectures": ["NoSuchModelForCausalLM"], "model_type": "nosuch"}'
     )

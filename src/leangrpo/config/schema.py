@@ -25,8 +25,31 @@ class ConfigError(UserError, ValueError):
     """A one-line, user-facing configuration error that names the offending key."""
 
 
+def whole_steps(steps: float) -> float:
+    """A step interval: a whole count, or below 1 a ratio of the run (TRL's rule)."""
+    if steps >= 1 and steps != int(steps):
+        raise ValueError(f"{steps}: a step count (>= 1) must be whole; below 1 it is a ratio of the run")
+    return steps
+
+
+def step_interval(steps: float, max_steps: int) -> int:
+    """Steps between two events for a `*_steps` field: the count, or a ratio's share of `max_steps`
+    (rounded up, as transformers does); 0: never."""
+    return int(steps) if steps >= 1 or steps == 0 else math.ceil(steps * max_steps)
+
+
+def installed_trackers() -> list[str]:
+    """The trackers whose package is installed: what TRL's `report_to: all` means."""
+    import importlib.util
+
+    return [name for name in ("tensorboard", "wandb", "trackio") if importlib.util.find_spec(name)]
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    """A config section: unknown keys refused; frozen, since a run's config is resolved once, before any
+    model loads, and nothing changes it after (a resolved value is a new object: `model_copy`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class LoraConfig(Section):
@@ -58,6 +81,12 @@ class ModelConfig(Section):
     )
     activation_offload: bool = Field(False, description="CUDA only: saved activations in pinned CPU RAM")
     trust_remote_code: bool = Field(False, description="allow the model repository's own Python code to run")
+    attn_implementation: str | None = Field(
+        None,
+        description="attention kernel for from_pretrained (eager, sdpa, flash_attention_2...); "
+        "null: transformers picks",
+    )
+    disable_dropout: bool = Field(False, description="set every dropout probability to 0 (TRL's option)")
     load_in_4bit: bool = Field(
         False,
         description="QLoRA: the frozen base in 4 bits (bitsandbytes, CPU or CUDA), computed in model.dtype; "
@@ -88,7 +117,7 @@ class TaskConfig(Section):
     """What to learn: `name` picks a task module (leangrpo/tasks/); the other keys are that task's own
     options, checked by it. `task: gsm8k` is short for `task: {name: gsm8k}`."""
 
-    model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
 
     name: str = Field(
         "gsm8k",
@@ -179,6 +208,30 @@ class RewardsConfig(Section):
         description="seconds a reward function's call may take; a call past it is named and handled "
         "per on_error (its batch unscored). Set, each call runs in a worker thread. null: no limit",
     )
+
+
+class ToolsConfig(Section):
+    """Tools the model may call during a rollout, TRL's contract (docs/tools.md): Python functions with
+    type hints and Google-style docstrings, sync or async, named like rewards."""
+
+    functions: list[str] = Field(
+        default_factory=list, description="tools as 'package.module:function', offered to every rollout"
+    )
+    environment: str | dict[str, str] | None = Field(
+        None,
+        description="'package.module:Class' (TRL's environment_factory: one instance per rollout, its public "
+        "methods are tools, reset(**row) may add to the prompt, get_reward() is a reward), or a map of "
+        "them picked by each row's `environment` column",
+    )
+    timeout_s: float | None = Field(
+        30.0,
+        gt=0,
+        description="seconds a tool call may take; past it the model gets an error. null: no limit",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.functions or self.environment)
 
 
 class GRPOSection(Section):
@@ -345,6 +398,9 @@ class GRPOSection(Section):
             )
         return v
 
+    max_tool_calling_iterations: int | None = Field(
+        None, ge=0, description="rounds of tool calls a rollout makes at most (TRL's); null: no limit"
+    )
     shuffle_rewards: bool = Field(
         False,
         description="control experiment: permute each group's rewards at random before the advantages, so "
@@ -368,6 +424,7 @@ class OptimConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
     adam_beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2")
+    adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon")
     max_grad_norm: float | None = Field(
         1.0, gt=0, description="gradient clipping by global norm; null (or TRL's 0): no clipping"
     )
@@ -387,8 +444,13 @@ class OptimConfig(Section):
         description="TRL 1.16's: optimizer steps spent warming up; below 1, a ratio of all of them "
         "(instead of warmup_ratio)",
     )
-    lr_scheduler_type: Literal["linear", "cosine", "constant"] = Field(
-        "linear", description="learning-rate schedule"
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "cosine_with_min_lr"] = Field(
+        "linear", description="learning-rate schedule (after warm-up)"
+    )
+    lr_scheduler_kwargs: dict[str, float] | None = Field(
+        None,
+        description="cosine_with_min_lr: min_lr (absolute) or min_lr_rate (a share of learning_rate); "
+        "cosine: num_cycles (default 0.5)",
     )
     max_steps: int = Field(
         100,
@@ -430,6 +492,16 @@ class OptimConfig(Section):
             raise ValueError("set warmup_steps or warmup_ratio, not both")
         return self
 
+    @model_validator(mode="after")
+    def _scheduler_kwargs(self) -> OptimConfig:
+        allowed = {"cosine_with_min_lr": {"min_lr", "min_lr_rate"}, "cosine": {"num_cycles"}}
+        given = set(self.lr_scheduler_kwargs or {})
+        if extra := sorted(given - allowed.get(self.lr_scheduler_type, set())):
+            raise ValueError(f"lr_scheduler_kwargs {', '.join(extra)}: not read by {self.lr_scheduler_type}")
+        if self.lr_scheduler_type == "cosine_with_min_lr" and len(given) != 1:
+            raise ValueError("cosine_with_min_lr needs lr_scheduler_kwargs with min_lr or min_lr_rate")
+        return self
+
     def num_warmup_steps(self, num_updates: int) -> int:
         """Warm-up length in optimizer steps, as transformers computes it from either field."""
         if self.warmup_steps >= 1:
@@ -443,7 +515,9 @@ class OptimConfig(Section):
 
 
 class CPUConfig(Section):
-    """The CPU's speed and memory levers (leangrpo.cpu); they do nothing on CUDA."""
+    """The CPU's speed and memory levers (leangrpo.cpu); they do nothing on CUDA. Their earlier names
+    (model.cpu_matmul, grpo.packed_generation, grpo.packed_lm_head, grpo.reference_on_disk) are still
+    read, with a one-line note, until the next release."""
 
     matmul: Literal["auto", "onednn", "blas"] = Field(
         "auto",
@@ -458,7 +532,7 @@ class CPUConfig(Section):
     packed_lm_head: bool = Field(
         True,
         description="with packed_generation: pack the LM head too. false: multiply it unpacked, which "
-        "saves its copy while generating (113 MiB for SmolLM2-135M) for about 7% slower generation "
+        "saves its copy (vocabulary x hidden size floats) while generating, for slower generation "
         "(docs/memory.md)",
     )
     reference_on_disk: bool = Field(
@@ -496,9 +570,14 @@ class SFTConfig(Section):
 class LoggingConfig(Section):
     """What a run records, and where."""
 
-    logging_steps: int = Field(1, ge=1, description="write a metrics row every N steps")
-    save_steps: int = Field(
-        50, ge=0, description="checkpoint every N steps, and at the last step; 0: not by step count"
+    logging_steps: float = Field(
+        1, gt=0, description="write a metrics row every N steps; below 1, a ratio of the run (as TRL)"
+    )
+    save_steps: float = Field(
+        50,
+        ge=0,
+        description="checkpoint every N steps (below 1, a ratio of the run, as TRL), and at the last step; "
+        "0: not by step count",
     )
     save_minutes: float = Field(
         30,
@@ -525,10 +604,16 @@ class LoggingConfig(Section):
     @field_validator("report_to", mode="before")
     @classmethod
     def _report_to_list(cls, v: Any) -> Any:
-        # TRL style: "none", "wandb", "tensorboard,wandb" or a list.
-        if v is None or v == "none":
-            return []
-        return [s.strip() for s in v.split(",")] if isinstance(v, str) else v
+        # TRL style: "none", "all", "wandb", "tensorboard,wandb" or a list (which may say "none" or "all").
+        names = [s.strip() for s in v.split(",")] if isinstance(v, str) else list(v or [])
+        if "all" in names:
+            return installed_trackers()
+        return [name for name in names if name != "none"]
+
+    @field_validator("logging_steps", "save_steps")
+    @classmethod
+    def _whole_steps(cls, v: float) -> float:
+        return whole_steps(v)
 
 
 class EvalConfig(Section):
@@ -543,7 +628,15 @@ class EvalConfig(Section):
     )
     split: str = Field("test", description="held-out split")
     limit: int = Field(64, ge=1, description="held-out questions evaluated")
-    eval_steps: int = Field(0, ge=0, description="0: only before training and at the end")
+    eval_steps: float = Field(
+        0, ge=0, description="evaluate every N steps (below 1, a ratio of the run); 0: only before and after"
+    )
+
+    @field_validator("eval_steps")
+    @classmethod
+    def _whole_steps(cls, v: float) -> float:
+        return whole_steps(v)
+
     max_new_tokens: int | None = Field(None, ge=1, description="default: grpo.max_completion_length")
     batch_size: int = Field(16, ge=1, description="prompts per generate call")
     num_samples: int = Field(
@@ -558,6 +651,7 @@ class Config(Section):
     model: ModelConfig = Field(..., description="the policy model")
     data: DataConfig = Field(..., description="the training prompts")
     rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="the reward functions")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="tools and environments in rollouts")
     grpo: GRPOSection = Field(default_factory=GRPOSection, description="sampling and the GRPO objective")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer, schedule, batch sizes")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="supervised cold start")

@@ -1,21 +1,30 @@
 """A flat TRL YAML (`GRPOConfig` fields with `trl grpo`'s model, dataset and reward keys) as a leangrpo
-config: `leangrpo train -c trl_config.yaml` reads it unchanged.
+config: `leangrpo train -c trl_config.yaml` reads it unchanged, and `leangrpo.GRPOConfig` goes through the
+same translation.
 
-Every field leangrpo has is mapped to its section; the fields whose meaning differs are translated so
-that the run trains as TRL would (TRL's `max_steps` counts optimizer steps, leangrpo's steps are
-generation batches of `num_iterations` optimizer steps each); any other field is refused in one line that
-lists them all. The resolved, nested config is written to the run directory as usual (`config.yaml`).
+Every field of TRL 1.16's `GRPOConfig` is in one of three lists (`field_table`, which docs/trl.md shows):
+honoured (mapped to its leangrpo field, or translated so that the run trains as TRL would), noted (ignored
+with a one-line notice: ignoring it changes no trained weight), or refused with its reason (leangrpo cannot
+honour it, and ignoring it would change training). A noted or refused field at TRL's default (or at a value
+that asks for what leangrpo does anyway) passes silently. Every refusal is reported at once, one line each.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any
+import typing
+from typing import Any, Literal
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from leangrpo.core.errors import UserError
+from leangrpo.config.schema import ConfigError
+from leangrpo.config.trl_fields import TRL_DEFAULTS
+
+logger = logging.getLogger("leangrpo.config.trl")
+
+Handling = Literal["honoured", "noted", "refused"]
 
 _SECTIONS_SEARCHED = ("grpo", "optim", "logging", "rewards", "data", "model")
 """Sections whose field names are TRL's: a flat key with one of their field names goes there."""
@@ -31,25 +40,175 @@ _RENAMED = {
     "dataset_name": "data.path",
     "dataset_config": "data.hub_config",
     "dataset_train_split": "data.split",
+    "dataset_test_split": "eval.split",
     "dataset_prompt_column": "data.prompt_column",  # open-r1's recipes
+    "per_device_eval_batch_size": "eval.batch_size",
+    "num_generations_eval": "eval.num_samples",
+    "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max",  # TRL's older name
 }
 
 _TOP_LEVEL = ("output_dir", "seed")
 
-_NEUTRAL = {
-    "bf16": False, "fp16": False, "tf32": None, "push_to_hub": False, "use_vllm": False, "do_train": True,
-    "use_liger_kernel": False, "logging_strategy": "steps", "save_strategy": "steps",
-    "remove_unused_columns": False, "log_completions": True, "do_eval": False, "eval_strategy": "no",
-    "model_revision": "main",
+_SCRIPT_KEYS = {
+    "model_revision": "main", "overwrite_output_dir": None, "gradient_checkpointing_use_reentrant": False,
+    "dataset_streaming": False, "lora_task_type": "CAUSAL_LM", "use_rslora": False, "use_dora": False,
+    "lora_modules_to_save": None, "load_in_8bit": False,
 }  # fmt: skip
-"""TRL fields whose value (here) asks for what leangrpo does anyway: accepted and dropped."""
+"""Keys of `trl grpo`'s script arguments (and fields recipes still carry from older releases) that are not
+GRPOConfig fields, with the value that passes silently."""
 
-_NO_EFFECT = (
-    "log_level", "logging_first_step", "gradient_checkpointing_kwargs", "per_device_eval_batch_size",
-    "overwrite_output_dir", "hub_model_id", "hub_strategy", "dataloader_num_workers",
-)  # fmt: skip
-"""TRL fields that change nothing a leangrpo run does, whatever their value (leangrpo logs step 1, picks
-non-reentrant checkpointing, never overwrites a run without --overwrite, pushes nothing): dropped."""
+_TRANSLATED = {
+    "bf16": "`true`: model.dtype bfloat16 (no fp32 master copy; log-probs stay fp32)",
+    "fp16": "`true`: model.dtype float16",
+    "optim": "adamw_torch(_fused) → optim.optimizer adamw, adamw_bnb_8bit / adamw_8bit → adamw_8bit",
+    "log_completions": "`false`: logging.log_completions_steps 0",
+    "reward_weights": "rewards.functions[].weight",
+    "max_steps": "optim.max_steps = max_steps / num_iterations (TRL counts optimizer steps)",
+    "num_train_epochs": "optim.num_train_epochs (a positive max_steps wins, as in TRL)",
+    "steps_per_generation": "gradient_accumulation_steps (one generation per optimizer step), or refused",
+    "generation_batch_size": "per_device_train_batch_size × gradient_accumulation_steps × processes",
+    "save_strategy": "`steps`: as save_steps; `no`: logging.save_steps 0 and save_minutes 0",
+    "eval_strategy": "`steps`: eval.enabled, every eval_steps (TRL's default: logging_steps)",
+    "eval_steps": "eval.eval_steps (below 1, a ratio of the run)",
+    "model_init_kwargs": "dtype / torch_dtype, attn_implementation, trust_remote_code → model.*",
+    "disable_tqdm": "logging.progress_bar = not disable_tqdm",
+}
+"""GRPOConfig fields honoured by a translation (`_translate_special`), as the table shows them."""
+
+_NOTED = {
+    "average_tokens_across_devices": "GRPO normalises its loss itself (loss_type)",
+    "label_smoothing_factor": "GRPO's loss has no labels",
+    "bf16_full_eval": "evaluation runs in the model's dtype",
+    "fp16_full_eval": "evaluation runs in the model's dtype",
+    "tf32": "torch's TF32 setting is left as it is (speed only)",
+    "activation_checkpointing": "model.gradient_checkpointing recomputes activations",
+    "activation_checkpointing_kwargs": "leangrpo picks its own checkpointing",
+    "gradient_checkpointing_kwargs": "leangrpo always uses non-reentrant checkpointing",
+    "torch_compile": "speed only",
+    "torch_compile_backend": "speed only",
+    "torch_compile_mode": "speed only",
+    "use_liger_kernel": "Liger's fused loss computes the same loss (memory and speed only)",
+    "liger_kernel_config": "Liger is not used",
+    "use_cache": "rollouts always use the KV cache; the update never does",
+    "torch_empty_cache_steps": "leangrpo frees cached memory after each phase",
+    "auto_find_batch_size": "size batches with `leangrpo plan` instead",
+    "logging_strategy": "metrics rows follow logging_steps",
+    "logging_first_step": "leangrpo always logs step 1",
+    "log_on_each_node": "leangrpo logs on the main process only",
+    "logging_nan_inf_filter": "non-finite steps are skipped and counted (skipped_steps)",
+    "include_num_input_tokens_seen": "tokens_per_s is logged instead",
+    "log_level": "logging only",
+    "log_level_replica": "logging only",
+    "trackio_space_id": "trackio logs locally",
+    "trackio_bucket_id": "trackio logs locally",
+    "trackio_static_space_id": "trackio logs locally",
+    "eval_delay": "evaluation follows eval_steps",
+    "prediction_loss_only": "GRPO evaluation scores completions",
+    "eval_on_start": "leangrpo evaluates before step 1 whenever evaluation is on",
+    "eval_do_concat_batches": "GRPO evaluation scores completions",
+    "eval_use_gather_object": "GRPO evaluation scores completions",
+    "eval_accumulation_steps": "GRPO evaluation scores completions",
+    "include_for_metrics": "GRPO evaluation scores completions",
+    "batch_eval_metrics": "GRPO evaluation scores completions",
+    "save_only_model": "checkpoints keep the optimizer state, so that a resume is exact",
+    "save_on_each_node": "the main process saves",
+    "enable_jit_checkpoint": "checkpoints follow save_steps and logging.save_minutes",
+    "push_to_hub": "leangrpo pushes nothing: `leangrpo export`, then upload",
+    "hub_token": "nothing is pushed",
+    "hub_private_repo": "nothing is pushed",
+    "hub_model_id": "nothing is pushed",
+    "hub_strategy": "nothing is pushed",
+    "hub_always_push": "nothing is pushed",
+    "hub_revision": "nothing is pushed",
+    "load_best_model_at_end": "the final model is the last step's",
+    "metric_for_best_model": "the final model is the last step's",
+    "greater_is_better": "the final model is the last step's",
+    "ignore_data_skip": "a resume continues the seeded prompt order exactly",
+    "restore_callback_states_from_checkpoint": "callbacks keep no state in checkpoints",
+    "full_determinism": "runs are seeded; CUDA kernels may still differ run to run",
+    "data_seed": "the prompt order follows seed",
+    "use_cpu": "CUDA is used when present; hide it with CUDA_VISIBLE_DEVICES=",
+    "accelerator_config": "accelerate is configured by `accelerate launch`",
+    "parallelism_config": "accelerate is configured by `accelerate launch`",
+    "dataloader_drop_last": "prompts are drawn without a dataloader",
+    "dataloader_num_workers": "prompts are drawn without a dataloader",
+    "dataloader_pin_memory": "prompts are drawn without a dataloader",
+    "dataloader_persistent_workers": "prompts are drawn without a dataloader",
+    "dataloader_prefetch_factor": "prompts are drawn without a dataloader",
+    "dataloader_multiprocessing_context": "prompts are drawn without a dataloader",
+    "dataloader_in_order": "prompts are drawn without a dataloader",
+    "remove_unused_columns": "every column reaches the rewards",
+    "label_names": "GRPO has no labels",
+    "train_sampling_strategy": "prompts are drawn in a seeded shuffled order",
+    "length_column_name": "GRPO does not group by length",
+    "ddp_find_unused_parameters": "DDP is set up by leangrpo",
+    "ddp_bucket_cap_mb": "speed only",
+    "ddp_broadcast_buffers": "DDP is set up by leangrpo",
+    "ddp_static_graph": "speed only",
+    "ddp_backend": "accelerate picks nccl (CUDA) or gloo (CPU)",
+    "ddp_timeout": "accelerate's default",
+    "fsdp": "shard with `accelerate launch --config_file` (docs/distributed.md): memory only",
+    "fsdp_config": "shard with `accelerate launch --config_file` (docs/distributed.md): memory only",
+    "deepspeed": "use FSDP2 through accelerate (docs/distributed.md): memory only",
+    "debug": "debugging only",
+    "skip_memory_metrics": "peak_memory_mb is always logged",
+    "do_train": "`leangrpo train` trains",
+    "do_eval": "evaluation follows eval_strategy",
+    "do_predict": "GRPO has no prediction step",
+    "local_rank": "set by the launcher",
+    "cast_lm_head_to_fp32": "log-probs are always computed in fp32",
+    "ds3_gather_for_generation": "DeepSpeed is not used",
+    "pad_to_multiple_of": "padding shape only",
+    "cache_implementation": "generation speed only",
+    "vllm_model_impl": "speed only",
+    "vllm_server_base_url": "vllm_mode server is refused",
+    "vllm_server_host": "vllm_mode server is refused",
+    "vllm_server_port": "vllm_mode server is refused",
+    "vllm_server_timeout": "vllm_mode server is refused",
+    "vllm_group_port": "vllm_mode server is refused",
+    "vllm_tensor_parallel_size": "one vLLM engine per process (memory and speed only)",
+    "ref_model_mixup_alpha": "read only with sync_ref_model",
+    "ref_model_sync_steps": "read only with sync_ref_model",
+    "entropy_coef_min": "read only with use_adaptive_entropy",
+    "entropy_coef_max": "read only with use_adaptive_entropy",
+    "entropy_coef_delta": "read only with use_adaptive_entropy",
+    "entropy_target": "read only with use_adaptive_entropy",
+    "vespo_k_pos": "read only by loss_type vespo",
+    "vespo_lambda_pos": "read only by loss_type vespo",
+    "vespo_k_neg": "read only by loss_type vespo",
+    "vespo_lambda_neg": "read only by loss_type vespo",
+    "log_multimodal": "images are not supported",
+    "num_completions_to_print": "samples go to completions.jsonl",
+    "log_unique_prompts": "samples go to completions.jsonl",
+    "log_completions_hub_repo": "nothing is pushed",
+    "use_transformers_continuous_batching": "generation speed only",
+    "transformers_continuous_batching_config": "generation speed only",
+    "use_transformers_paged": "generation speed only",
+}
+"""GRPOConfig fields ignored with a notice when set to another value than TRL's default."""
+
+_REFUSED = {
+    "optim_args": "AdamW takes adam_beta1, adam_beta2, adam_epsilon and weight_decay",
+    "optim_target_modules": "GaLore-style optimizers are not supported",
+    "neftune_noise_alpha": "NEFTune's embedding noise is not supported",
+    "resume_from_checkpoint": "use `leangrpo train --resume RUN_DIR` or train(resume_from_checkpoint=...)",
+    "router_aux_loss_coef": "the MoE router's auxiliary loss is not added",
+    "shuffle_dataset": "prompts are always drawn in a seeded shuffled order (an exact resume relies on it)",
+    "sync_ref_model": "TR-DPO's reference sync is not supported: the reference stays the starting model",
+    "entropy_coef": "an entropy bonus in the loss is not supported",
+    "use_adaptive_entropy": "an entropy bonus in the loss is not supported",
+    "off_policy_mask_threshold": "off-policy sequence masking is not supported",
+    "vllm_structured_outputs_regex": "constrained decoding is not supported",
+}
+"""GRPOConfig fields refused (with this reason) when set to another value than TRL's default."""
+
+_QUIET: dict[str, tuple[Any, ...]] = {
+    "log_on_each_node": (False,), "logging_first_step": (True,), "logging_strategy": ("steps",),
+    "gradient_checkpointing_kwargs": ({"use_reentrant": False},), "do_train": (True,), "tf32": (False,),
+    "overwrite_output_dir": (True, False), "use_cache": (True,), "save_only_model": (False,),
+    "remove_unused_columns": (False, True),
+}  # fmt: skip
+"""Values other than TRL's default that ask for what leangrpo does anyway: no notice."""
 
 _OPTIMIZERS = {
     "adamw_torch": "adamw", "adamw_torch_fused": "adamw",
@@ -66,30 +225,14 @@ _TRL_REWARDS = {  # `trl grpo`'s registry, as its script builds it
     ),
 }
 
-
-_SPECIAL = (
-    "bf16", "fp16", "optim", "log_completions", "reward_funcs", "reward_weights", "reward_model_name_or_path",
-    "steps_per_generation", "generation_batch_size", "max_steps", "num_train_epochs",
-)  # fmt: skip
-"""TRL fields translated by `_translate_special`."""
+_MODEL_INIT_KWARGS = {
+    "dtype": "dtype", "torch_dtype": "dtype", "attn_implementation": "attn_implementation",
+    "trust_remote_code": "trust_remote_code",
+}  # fmt: skip
 
 
-class TRLConfigError(UserError, ValueError):
-    """A flat TRL config with fields leangrpo cannot honour."""
-
-
-def is_trl_config(data: dict[str, Any]) -> bool:
-    """A flat TRL config: no leangrpo section is a mapping, and some top-level key is a TRL field leangrpo
-    maps (`model_name_or_path`, `learning_rate`, ...); a mere typo stays a leangrpo "unknown key"."""
-    from leangrpo.config.schema import Config
-
-    if any(isinstance(value, dict) for key, value in data.items() if key in Config.model_fields):
-        return False
-    unknown = data.keys() - Config.model_fields.keys()
-    known = {*_RENAMED, *_SPECIAL}
-    for section in _SECTIONS_SEARCHED:
-        known |= _section_fields(section).keys()
-    return bool(unknown & known) or isinstance(data.get("optim"), str)
+class TRLConfigError(ConfigError):
+    """A flat TRL config with values leangrpo cannot honour: one line each."""
 
 
 def _section_fields(section: str) -> dict[str, FieldInfo]:
@@ -101,9 +244,64 @@ def _section_fields(section: str) -> dict[str, FieldInfo]:
     return model.model_fields
 
 
-def from_trl(flat: dict[str, Any], source: str) -> dict[str, Any]:
-    """The nested leangrpo config for a flat TRL one; unsupported fields raise one TRLConfigError."""
+def _mapped(name: str) -> str | None:
+    """The leangrpo field a flat key goes to unchanged (or renamed), if any."""
+    if name in _RENAMED:
+        return _RENAMED[name]
+    if name in _TOP_LEVEL:
+        return name
+    return next((f"{s}.{name}" for s in _SECTIONS_SEARCHED if name in _section_fields(s)), None)
 
+
+def handling(name: str) -> tuple[Handling, str]:
+    """How a GRPOConfig field is handled, and its leangrpo field or the reason."""
+    if name in _TRANSLATED:
+        return "honoured", _TRANSLATED[name]
+    if (target := _mapped(name)) is not None:
+        return "honoured", target
+    if name in _NOTED:
+        return "noted", _NOTED[name]
+    if name in _REFUSED:
+        return "refused", _REFUSED[name]
+    raise KeyError(name)
+
+
+def field_table() -> list[tuple[str, Handling, str]]:
+    """Every TRL 1.16 GRPOConfig field, how it is handled, and its leangrpo field or the reason."""
+    return [(name, *handling(name)) for name in TRL_DEFAULTS]
+
+
+def accepted_fields() -> set[str]:
+    """Every flat key a TRL config (or `leangrpo.GRPOConfig`) may hold."""
+    keys = {*TRL_DEFAULTS, *_RENAMED, *_TOP_LEVEL, *_SCRIPT_KEYS, "reward_funcs", "reward_model_name_or_path"}
+    for section in _SECTIONS_SEARCHED:
+        keys |= _section_fields(section).keys()
+    return keys
+
+
+def is_trl_config(data: dict[str, Any]) -> bool:
+    """A flat TRL config: no leangrpo section is a mapping, and some top-level key is a TRL field leangrpo
+    maps (`model_name_or_path`, `learning_rate`, ...); a mere typo stays a leangrpo "unknown key"."""
+    from leangrpo.config.schema import Config
+
+    if any(isinstance(value, dict) for key, value in data.items() if key in Config.model_fields):
+        return False
+    return bool((data.keys() - Config.model_fields.keys()) & accepted_fields())
+
+
+def asks_nothing(name: str, value: Any) -> bool:
+    """A value that asks nothing leangrpo does not do: TRL's default, or one of `_QUIET`'s."""
+    default = _SCRIPT_KEYS.get(name, TRL_DEFAULTS.get(name))
+    return value == default or value in _QUIET.get(name, ())
+
+
+def from_trl(
+    flat: dict[str, Any], source: str, reward_specs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The nested leangrpo config for a flat TRL one. Ignored values are logged, one notice each; values
+    that cannot be honoured raise one TRLConfigError listing them all, one line each. `reward_specs`:
+    `rewards.functions` entries standing in for `reward_funcs` (the Python API's), weighted by
+    `reward_weights`."""
     flat = dict(flat)
     out: dict[str, Any] = {"task": "dataset", "data": {"system_prompt": None}}
     refused: list[str] = []
@@ -116,23 +314,23 @@ def from_trl(flat: dict[str, Any], source: str) -> dict[str, Any]:
         node[leaf] = value
 
     _translate_special(flat, put, refused)
-    fields = {s: _section_fields(s) for s in _SECTIONS_SEARCHED}
+    _translate_rewards(flat, put, refused, reward_specs)
+    _translate_steps(flat, put, refused)
     for key, value in flat.items():
-        if key in _RENAMED:
-            put(_RENAMED[key], value)
-        elif key in _TOP_LEVEL:
-            out[key] = value
-        elif section := next((s for s in _SECTIONS_SEARCHED if key in fields[s]), None):
-            put(f"{section}.{key}", value)
-        elif (key in _NEUTRAL and value == _NEUTRAL[key]) or key in _NO_EFFECT:
+        if (target := _mapped(key)) is not None:
+            put(target, value)
+        elif asks_nothing(key, value):
             continue
+        elif key in _NOTED:
+            logger.warning(f"{source}: {key}={value!r} ignored: {_NOTED[key]}")
+        elif key in _REFUSED:
+            refused.append(f"{key}={value!r}: {_REFUSED[key]}")
+        elif key in _SCRIPT_KEYS:
+            refused.append(f"{key}={value!r}: not supported")
         else:
-            refused.append(f"{key}={value!r}")
+            refused.append(f"{key}: not a TRL 1.16 GRPOConfig field (docs/trl.md lists them all)")
     if refused:
-        raise TRLConfigError(
-            f"{source}: TRL fields leangrpo does not support: {', '.join(refused)} "
-            "(docs/trl.md lists every field and its leangrpo name)"
-        )
+        raise TRLConfigError("\n".join(f"{source}: {line}" for line in refused))
     if out.get("model", {}).get("dtype") == "auto":
         del out["model"]["dtype"]
     return out
@@ -140,26 +338,53 @@ def from_trl(flat: dict[str, Any], source: str) -> dict[str, Any]:
 
 def _translate_special(flat: dict[str, Any], put: Any, refused: list[str]) -> None:
     """The fields whose TRL meaning needs a translation; each is popped from ``flat`` once handled."""
+    from leangrpo.config.schema import GRPOSection
+
     for key, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
-        if flat.get(key) is True:
-            flat.pop(key)
+        if flat.pop(key, None) is True:
             put("model.dtype", dtype)
     if "optim" in flat:
         name = flat.pop("optim")
         if name in _OPTIMIZERS:
             put("optim.optimizer", _OPTIMIZERS[name])
         else:
-            refused.append(f"optim={name!r} (leangrpo has {', '.join(_OPTIMIZERS)})")
-    if flat.get("log_completions") is False:
-        flat.pop("log_completions")
+            refused.append(f"optim={name!r}: leangrpo has {', '.join(_OPTIMIZERS)}")
+    if flat.pop("log_completions", None) is False:
         put("logging.log_completions_steps", 0)
-    _translate_rewards(flat, put)
-    _translate_steps(flat, put, refused)
+    if "disable_tqdm" in flat:
+        put("logging.progress_bar", not flat.pop("disable_tqdm"))
+    for key, value in (flat.pop("model_init_kwargs", None) or {}).items():
+        if key in _MODEL_INIT_KWARGS:
+            put(f"model.{_MODEL_INIT_KWARGS[key]}", value)
+        else:
+            refused.append(
+                f"model_init_kwargs.{key}: not supported (leangrpo reads {', '.join(_MODEL_INIT_KWARGS)})"
+            )
+    strategy = flat.pop("save_strategy", "steps")
+    if strategy == "no":
+        put("logging.save_steps", 0)
+        put("logging.save_minutes", 0)
+    elif strategy != "steps":
+        logger.warning(f"save_strategy={strategy!r} ignored: checkpoints follow save_steps")
+    evaluation = flat.pop("eval_strategy", "no")
+    eval_steps = flat.pop("eval_steps", None)
+    if evaluation == "steps":
+        put("eval.enabled", True)
+        put("eval.eval_steps", eval_steps or flat.get("logging_steps", 10))
+    elif evaluation != "no":
+        logger.warning(f"eval_strategy={evaluation!r} ignored: set eval_strategy: steps to evaluate")
+    loss_types = typing.get_args(GRPOSection.model_fields["loss_type"].annotation)
+    if flat.get("loss_type", "dapo") not in loss_types:
+        refused.append(
+            f"loss_type={flat.pop('loss_type')!r}: not supported (leangrpo has {', '.join(loss_types)})"
+        )
 
 
-def _translate_rewards(flat: dict[str, Any], put: Any) -> None:
+def _translate_rewards(
+    flat: dict[str, Any], put: Any, refused: list[str], given: list[dict[str, Any]] | None
+) -> None:
     """`reward_funcs` (TRL registry names or dotted import paths), `reward_weights` and
-    `reward_model_name_or_path` as `rewards.functions`."""
+    `reward_model_name_or_path` as `rewards.functions`; `given` specs stand in for the first two."""
     names = list(flat.pop("reward_funcs", None) or [])
     model = flat.pop("reward_model_name_or_path", None)
     weights = flat.pop("reward_weights", None)
@@ -170,10 +395,11 @@ def _translate_rewards(flat: dict[str, Any], put: Any) -> None:
             module, _, func = name.rpartition(".")
             path = f"{module}:{func}" if module else name
         specs.append({"name": path, **({"kwargs": kwargs} if kwargs else {})})
+    specs = [dict(spec) for spec in given] if given is not None else specs
     if weights is not None:
         if len(weights) != len(specs):
-            raise TRLConfigError(f"reward_weights has {len(weights)} entries for {len(specs)} rewards")
-        for spec, weight in zip(specs, weights, strict=True):
+            refused.append(f"reward_weights: {len(weights)} entries for {len(specs)} rewards")
+        for spec, weight in zip(specs, weights, strict=False):
             spec["weight"] = weight
     if specs:
         put("rewards.functions", specs)
@@ -188,23 +414,24 @@ def _translate_steps(flat: dict[str, Any], put: Any, refused: list[str]) -> None
     steps_per_generation = flat.pop("steps_per_generation", None)
     if steps_per_generation is not None and int(steps_per_generation) != accumulation:
         refused.append(
-            f"steps_per_generation={steps_per_generation} (leangrpo generates once per optimizer step: "
-            f"it must equal gradient_accumulation_steps={accumulation})"
+            f"steps_per_generation={steps_per_generation}: leangrpo generates once per optimizer step, so it "
+            f"must equal gradient_accumulation_steps={accumulation}"
         )
     generation_batch_size = flat.pop("generation_batch_size", None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if generation_batch_size is not None and int(generation_batch_size) != per_device * accumulation * world:
         refused.append(
-            f"generation_batch_size={generation_batch_size} (it must be per_device_train_batch_size × "
-            f"gradient_accumulation_steps × processes = {per_device * accumulation * world})"
+            f"generation_batch_size={generation_batch_size}: leangrpo generates once per optimizer step, "
+            f"so it must be per_device_train_batch_size × gradient_accumulation_steps × processes = "
+            f"{per_device * accumulation * world}"
         )
     max_steps = flat.pop("max_steps", None)
     if max_steps is not None and int(max_steps) > 0:
         flat.pop("num_train_epochs", None)  # TRL: a positive max_steps wins over epochs
         if int(max_steps) % iterations:
             refused.append(
-                f"max_steps={max_steps} (TRL counts optimizer steps; leangrpo makes num_iterations="
-                f"{iterations} of them per generation batch, so it must be a multiple of {iterations})"
+                f"max_steps={max_steps}: TRL counts optimizer steps; leangrpo makes num_iterations="
+                f"{iterations} of them per generation batch, so it must be a multiple of {iterations}"
             )
         else:
             put("optim.max_steps", int(max_steps) // iterations)

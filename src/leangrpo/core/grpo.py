@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -165,23 +165,31 @@ def sampler_importance_weights(
 
 @dataclass
 class LossStats:
-    """Token sums from one micro-batch of one process, for the kl, clip_ratio and entropy metrics."""
+    """Token sums from one micro-batch of one process, for the kl, clip_ratio and entropy metrics:
+    `clipped_tokens` every token a clip zeroed, `low_clipped` / `high_clipped` those below 1 - epsilon
+    (negative advantage) and above 1 + epsilon_high (positive advantage), as TRL splits them."""
 
     kl_sum: float = 0.0
     clipped_tokens: float = 0.0
     tokens: float = 0.0
     entropy_sum: float = 0.0
+    low_clipped: float = 0.0
+    high_clipped: float = 0.0
 
 
 def micro_batch_means(
     stats: list[LossStats], sum_over_processes: Callable[[Tensor], Tensor] = lambda t: t
-) -> tuple[float, float, float]:
-    """The `kl`, `clip_ratio` and `entropy` metrics as TRL defines them: each micro-batch's token mean
-    over every process, then the mean over micro-batches (not weighted by their token counts)."""
-    rows = [[s.kl_sum, s.clipped_tokens, s.entropy_sum, s.tokens] for s in stats]
+) -> dict[str, float]:
+    """The `kl`, `entropy` and `clip_ratio/{region,low,high}_mean` metrics as TRL defines them: each
+    micro-batch's token mean over every process, then the mean over micro-batches (not weighted by their
+    token counts)."""
+    names = ("kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")
+    rows = [
+        [s.kl_sum, s.entropy_sum, s.clipped_tokens, s.low_clipped, s.high_clipped, s.tokens] for s in stats
+    ]
     sums = sum_over_processes(torch.tensor(rows))
-    kl, clip_ratio, entropy = (sums[:, :3] / sums[:, 3:].clamp(min=1)).mean(dim=0).tolist()
-    return kl, clip_ratio, entropy
+    means = (sums[:, :-1] / sums[:, -1:].clamp(min=1)).mean(dim=0).tolist()
+    return dict(zip(names, means, strict=True))
 
 
 def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float) -> Tensor:
@@ -266,9 +274,18 @@ class Registry(dict[str, Fn]):
         raise ValueError(f"unknown {self.kind} {name!r} (known: {', '.join(self)})")
 
 
-# (ratio, advantages [N, 1], logp, keep, spec) -> per-token loss, and where a clip zeroes the gradient
-# (with GSPO's sequence-level ratio, every token of a clipped completion).
-Objective = Callable[[Tensor, Tensor, Tensor, Tensor, LossSpec], tuple[Tensor, Tensor]]
+class Clipped(NamedTuple):
+    """Where a clip zeroes the gradient (with GSPO's sequence-level ratio, every token of a clipped
+    completion): `low` below 1 - epsilon with a negative advantage, `high` above the upper bound with a
+    positive one (TRL's split), `region` every clipped token (delta's cap included)."""
+
+    low: Tensor
+    high: Tensor
+    region: Tensor
+
+
+# (ratio, advantages [N, 1], logp, keep, spec) -> the per-token loss, and where a clip acted.
+Objective = Callable[[Tensor, Tensor, Tensor, Tensor, LossSpec], tuple[Tensor, Clipped]]
 OBJECTIVES: Registry[Objective] = Registry("objective")
 
 # (per-token loss with masked positions 0, keep, spec, batch) -> the micro-batch's share of the loss.
@@ -279,35 +296,38 @@ AGGREGATIONS: Registry[Aggregation] = Registry("aggregation")
 @OBJECTIVES.register("clip")
 def clipped_surrogate(
     ratio: Tensor, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Clipped]:
     """PPO's clipped surrogate -min(r·A, clip(r, 1 - epsilon, 1 + epsilon_high)·A), with r also capped
     at `delta` when set, so that a negative advantage's ratio is bounded too."""
-    low, high = 1 - spec.epsilon, 1 + spec.epsilon_high
-    clipped_ratio = torch.clamp(ratio, low, high)
+    lower, upper = 1 - spec.epsilon, 1 + spec.epsilon_high
+    clipped_ratio = torch.clamp(ratio, lower, upper)
     capped_ratio = ratio if spec.delta is None else torch.clamp(ratio, max=spec.delta)
     per_token = -torch.min(capped_ratio * adv, clipped_ratio * adv)
-    is_clipped = ((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0))
+    low, high = (ratio < lower) & (adv < 0), (ratio > upper) & (adv > 0)
+    region = low | high
     if spec.delta is not None:
-        is_clipped |= (ratio > spec.delta) & (adv < 0)
-    return per_token, is_clipped
+        region |= (ratio > spec.delta) & (adv < 0)
+    return per_token, Clipped(low, high, region)
 
 
 @OBJECTIVES.register("cispo")
-def cispo(ratio: Tensor, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec) -> tuple[Tensor, Tensor]:
+def cispo(ratio: Tensor, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec) -> tuple[Tensor, Clipped]:
     """CISPO (MiniMax-M1): each token's log-prob weighted by its ratio capped at `epsilon_high`, a
     constant (no gradient through the weight), so a capped token still has a gradient."""
     weight = torch.clamp(ratio, max=spec.epsilon_high).detach()
     per_token = -weight * adv * torch.where(keep, logp, 0.0)
-    return per_token, (ratio > spec.epsilon_high) & (adv > 0)
+    high = (ratio > spec.epsilon_high) & (adv > 0)
+    return per_token, Clipped(torch.zeros_like(high), high, high)
 
 
 @OBJECTIVES.register("sapo")
-def sapo(ratio: Tensor, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec) -> tuple[Tensor, Tensor]:
+def sapo(ratio: Tensor, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec) -> tuple[Tensor, Clipped]:
     """SAPO (Qwen): a sigmoid gate on the ratio in place of the clip, with `sapo_temperatures`; no token
     counts as clipped."""
     tau = torch.where(adv > 0, *spec.sapo_temperatures)
     per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
-    return per_token, torch.zeros_like(adv, dtype=torch.bool)
+    none = torch.zeros_like(adv, dtype=torch.bool)
+    return per_token, Clipped(none, none, none)
 
 
 @AGGREGATIONS.register("grpo")
@@ -353,14 +373,16 @@ def masked_kl(logp: Tensor, ref_logp: Tensor, keep: Tensor, ratio: Tensor, bias_
     return kl * ratio if bias_correction else kl
 
 
-def loss_stats(keep: Tensor, kl: Tensor | None, is_clipped: Tensor, entropy: Tensor | None) -> LossStats:
+def loss_stats(keep: Tensor, kl: Tensor | None, clipped: Clipped, entropy: Tensor | None) -> LossStats:
     """The micro-batch's token sums for the metrics."""
     with torch.no_grad():
         return LossStats(
             kl_sum=float(kl[keep].sum()) if kl is not None else 0.0,
-            clipped_tokens=float((is_clipped & keep).sum()),
+            clipped_tokens=float((clipped.region & keep).sum()),
             tokens=float(keep.sum()),
             entropy_sum=float(entropy[keep].sum()) if entropy is not None else 0.0,
+            low_clipped=float((clipped.low & keep).sum()),
+            high_clipped=float((clipped.high & keep).sum()),
         )
 
 
@@ -385,7 +407,7 @@ def grpo_loss(
     keep = mask.bool()
     objective, aggregation = LOSS_TYPES[spec.loss_type]
     ratio = importance_ratio(logp, old_logp, keep, spec.importance_sampling_level)
-    per_token, is_clipped = OBJECTIVES[objective](ratio, advantages[:, None], logp, keep, spec)
+    per_token, clipped = OBJECTIVES[objective](ratio, advantages[:, None], logp, keep, spec)
     if spec.top_entropy_quantile < 1.0:
         if entropy is None:
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropy")
@@ -397,4 +419,4 @@ def grpo_loss(
         per_token = per_token + spec.beta * kl
     per_token = torch.where(keep, per_token, 0.0)
     loss = AGGREGATIONS[aggregation](per_token, keep, spec, batch)
-    return loss, loss_stats(keep, kl, is_clipped, entropy)
+    return loss, loss_stats(keep, kl, clipped, entropy)

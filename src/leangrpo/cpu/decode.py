@@ -1,9 +1,9 @@
 """A lean decode loop for Llama, Qwen2 and Qwen3 decoders on CPU in float32: the tokens transformers'
 generate() would sample, without its per-layer Python.
 
-Decoding 8 rows of SmolLM2-135M's architecture, generate() with packed Linears spent about 3.4 s of a
-6.1 s rollout in the Linears, 0.9 s in SDPA's attention (about 330 µs a call, for one query row) and the
-rest in Python and small ops around them (benchmarks/RESULTS.md, "The lean decode loop"). Here each
+Decoding a handful of rows, generate() with packed Linears spends much of a rollout outside the Linears:
+in SDPA's attention, costly per call for one query row, and in Python and small ops around them
+(benchmarks/RESULTS.md, "The lean decode loop"). Here each
 layer is four packed oneDNN products (q/k/v and gate/up side by side, so a handful of rows reads each
 weight in one call), attention is two batched matmuls over the in-place KV cache, and nothing else runs
 per layer but the norms, the rotary embedding and the residual adds. The prompt is still prefilled by
@@ -44,9 +44,8 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def wide_forward(weight: Tensor, bias: Tensor | None, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-    """x @ weight.T computed as (weight @ x.T).T: for the unpacked LM head against a few rows, 7.0 ms
-    for 8 rows x 576 x 49k where x @ weight.T takes 17.6 ms (a packed copy: 5.0 ms; two threads, a
-    by-hand micro-benchmark)."""
+    """x @ weight.T computed as (weight @ x.T).T: for the unpacked LM head against a few rows, the faster
+    order of the two when the weight is not packed (benchmarks/RESULTS.md)."""
     y = torch.mm(weight, x.reshape(-1, x.shape[-1]).t()).t().reshape(*x.shape[:-1], -1)
     return y if bias is None else y + bias
 
@@ -104,45 +103,13 @@ def lean_decoder(model: PreTrainedModel, rows: int, pack_head: bool = True) -> L
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules() if id(m) not in called):
         return None
     pack = torch.ops.mkldnn._reorder_linear_weight
-
-    def product(*linears: nn.Module) -> Product | None:
-        """The Linears' weights (LoRA folded in) stacked and packed; None for DoRA, or for biases on some
-        but not all (transformers' Llama, Qwen2 and Qwen3 give q/k/v, and gate/up, one bias setting)."""
-        weights = [linear_weight(m) for m in linears]
-        biases = [cast(nn.Linear, getattr(m, "base_layer", m)).bias for m in linears]
-        missing = sum(b is None for b in biases)
-        if any(w is None for w in weights) or 0 < missing < len(biases):
-            return None
-        bias = None if biases[0] is None else torch.cat(cast(list[Tensor], biases))
-        return Product(pack(torch.cat(cast(list[Tensor], weights)), rows), bias)
-
-    layers = []
     with torch.no_grad():
+        layers = []
         for block in inner.layers:
-            attn, mlp = block.self_attn, block.mlp
-            products = (
-                product(attn.q_proj, attn.k_proj, attn.v_proj),
-                product(attn.o_proj),
-                product(mlp.gate_proj, mlp.up_proj),
-                product(mlp.down_proj),
-            )
-            if any(p is None for p in products):
+            layer = _layer(block, cfg, rows)
+            if layer is None:
                 return None
-            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            qk_norm = None
-            if q_norm is not None and k_norm is not None:
-                heads = [q_norm.weight] * cfg.num_attention_heads + [k_norm.weight] * cfg.num_key_value_heads
-                qk_norm = torch.stack(heads)
-            layers.append(
-                Layer(
-                    *cast(tuple[Product, Product, Product, Product], products),
-                    input_norm=block.input_layernorm.weight,
-                    post_norm=block.post_attention_layernorm.weight,
-                    eps=block.input_layernorm.variance_epsilon,
-                    qk_norm=qk_norm,
-                    scaling=attn.scaling,
-                )
-            )
+            layers.append(layer)
         head_module = cast(nn.Linear, base.get_output_embeddings())
         head_weight = linear_weight(head_module)
         if head_weight is None:
@@ -152,6 +119,48 @@ def lean_decoder(model: PreTrainedModel, rows: int, pack_head: bool = True) -> L
         else:
             head = partial(wide_forward, head_weight, head_module.bias)
     return LeanDecoder(inner, layers, head, cfg)
+
+
+def _product(rows: int, *linears: nn.Module) -> Product | None:
+    """The Linears' weights (LoRA folded in) stacked and packed for `rows` rows; None for DoRA, or for
+    biases on some but not all (transformers' Llama, Qwen2 and Qwen3 give q/k/v, and gate/up, one bias
+    setting)."""
+    weights = [linear_weight(m) for m in linears]
+    biases = [cast(nn.Linear, getattr(m, "base_layer", m)).bias for m in linears]
+    missing = sum(b is None for b in biases)
+    if any(w is None for w in weights) or 0 < missing < len(biases):
+        return None
+    bias = None if biases[0] is None else torch.cat(cast(list[Tensor], biases))
+    return Product(
+        torch.ops.mkldnn._reorder_linear_weight(torch.cat(cast(list[Tensor], weights)), rows), bias
+    )
+
+
+def _layer(block: Any, cfg: Any, rows: int) -> Layer | None:
+    """One decoder layer's (a Llama, Qwen2 or Qwen3 block's) packed products and norm weights; None where a
+    product cannot be packed."""
+    attn, mlp = block.self_attn, block.mlp
+    products = (
+        _product(rows, attn.q_proj, attn.k_proj, attn.v_proj),
+        _product(rows, attn.o_proj),
+        _product(rows, mlp.gate_proj, mlp.up_proj),
+        _product(rows, mlp.down_proj),
+    )
+    if any(p is None for p in products):
+        return None
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    qk_norm = None
+    if q_norm is not None and k_norm is not None:
+        heads = [q_norm.weight] * cfg.num_attention_heads + [k_norm.weight] * cfg.num_key_value_heads
+        qk_norm = torch.stack(heads)
+    return Layer(
+        *cast(tuple[Product, Product, Product, Product], products),
+        input_norm=block.input_layernorm.weight,
+        post_norm=block.post_attention_layernorm.weight,
+        eps=block.input_layernorm.variance_epsilon,
+        qk_norm=qk_norm,
+        scaling=attn.scaling,
+    )
 
 
 class LeanDecoder:
@@ -265,11 +274,10 @@ def packed_linears(
     packed once for the whole generate call.
 
     Decoding a handful of rows is bound by reading the weights; oneDNN's packed layout reads them
-    about 1.5× faster than the default sgemm, and a LoRA layer becomes one matmul instead of three.
-    The packed copies (one set of weights) live only inside the context. Without `pack_head`, the LM
-    head (the largest weight) is multiplied unpacked as (weight @ x.T).T instead, and its copy is saved
-    (113 MiB for SmolLM2-135M's tied 49k x 576 head) for about 0.4 s more per 8 x 96-token rollout
-    (5.3 vs 5.7 s by hand; docs/memory.md). Elsewhere a no-op.
+    faster than the default sgemm, and a LoRA layer becomes one matmul instead of three. The packed
+    copies (one set of weights) live only inside the context. Without `pack_head`, the LM head (the
+    largest weight) is multiplied unpacked as (weight @ x.T).T instead, which saves its copy for a
+    slower rollout (docs/memory.md). Elsewhere a no-op.
     """
     pack = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if (

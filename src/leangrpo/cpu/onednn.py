@@ -1,12 +1,10 @@
 """float32 products on CPU through oneDNN instead of torch's BLAS, for the CPUs where that BLAS is slow.
 
-torch's x86 wheels multiply float32 matrices with MKL, which on an AMD CPU runs no faster than with its
-instructions capped at AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2: 201 GFLOP/s either way, by hand). On an AMD
-EPYC (Zen 5, AVX-512), two threads of torch.mm reach 207-221 GFLOP/s on the training step's products,
-oneDNN (also inside torch) 377-496 (benchmarks/matmul_rates.py; benchmarks/RESULTS.md, "vs TRL on an
-AMD EPYC"). `use_onednn` turns a model's Linears into `Linear`, whose forward and backward products
-both run in oneDNN; the chunked log-probs use `linear` for the LM head. `preferred` decides what
-`model.cpu_matmul: auto` does.
+torch's x86 wheels multiply float32 matrices with MKL, which on an AMD CPU does not use its AVX-512
+instructions; oneDNN (also inside torch) does, and runs the training step's products faster there
+(benchmarks/matmul_rates.py; benchmarks/RESULTS.md, "vs TRL on an AMD EPYC"). `use_onednn` turns a
+model's Linears into `Linear`, whose forward and backward products both run in oneDNN; the chunked
+log-probs use `linear` for the LM head. `preferred` decides what `model.cpu_matmul: auto` does.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ def available() -> bool:
 
 
 def preferred(cpuinfo: str | None = None) -> bool:
-    """`model.cpu_matmul: auto`: oneDNN on AMD CPUs with AVX-512 (measured: 1.8-2.3x MKL on a Zen 5 EPYC),
+    """`model.cpu_matmul: auto`: oneDNN on AMD CPUs with AVX-512, where it beats MKL (benchmarks/RESULTS.md),
     torch's own BLAS elsewhere, where the two were not compared (MKL is Intel's own, tuned for its CPUs)."""
     if cpuinfo is None:
         try:

@@ -65,13 +65,18 @@ class LoadedData:
         return f"skipped {len(self.skipped)} bad row(s) (first: {self.skipped[0]})"
 
 
-def load_rows(data: DataConfig, task: Task) -> LoadedData:
-    """Load the rows of ``data`` for ``task``, validating each row.
+def load_rows(data: DataConfig, task: Task, records: Iterable[dict[str, Any]] | None = None) -> LoadedData:
+    """Load the rows of ``data`` for ``task``, validating each row. ``records``: rows already in memory (a
+    ``datasets.Dataset`` or a list of dicts from the Python API), read instead of ``data.path``, which
+    then only names them in messages.
 
     Raises DataError for a missing source, a misnamed column, a bad row under
     ``on_bad_row="error"``, or when no usable row remains.
     """
-    source, raw_rows = _open_source(data, task)
+    if records is None:
+        source, raw_rows = _open_source(data, task)
+    else:
+        source, raw_rows = data.path, _table_rows(data.path, records)
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     columns: tuple[str, str | None] | None = None
@@ -148,7 +153,7 @@ def _is_json_array(path: Path) -> bool:
 
 def _load_with_datasets(path: str, builder: str, data_files: str) -> datasets.Dataset:
     """One local file through a ``datasets`` packaged builder; any failure is a one-line DataError."""
-    import datasets  # here, not at the top: pyarrow and datasets cost ~80 MB RSS
+    import datasets  # here, not at the top: pyarrow and datasets are large in memory
 
     try:
         return datasets.load_dataset(builder, data_files=data_files, split="train")
@@ -260,6 +265,11 @@ def _make_row(
 def _prompt(record: dict[str, Any], column: str, system_prompt: str | None) -> str | list[Message]:
     """The row's prompt in TRL's shape: chat messages, or (a text ``prompt`` column) plain text."""
     value = record.get(column)
+    parts = isinstance(value, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list) for m in value
+    )
+    if parts or record.keys() & {"image", "images"}:
+        raise DataError("image prompts (an image column, or messages of content parts) are not supported yet")
     if isinstance(value, list):
         if not value or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value):
             raise BadRow(f"{column!r} is a list but not chat messages ({{'role': ..., 'content': ...}})")

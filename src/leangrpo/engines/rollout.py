@@ -4,9 +4,11 @@ rollout to update. A RolloutEngine runs it: HF generate here (the default), vLLM
 from __future__ import annotations
 
 import inspect
+import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
@@ -22,12 +24,13 @@ from transformers.generation.logits_process import (
 )
 
 from leangrpo.core.grpo import mask_after_eos
+from leangrpo.engines.tools import Toolbox, ToolError, ToolUse, TurnGenerator, tool_loop, turn_message
 from leangrpo.models.load import is_peft, peft_base
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from leangrpo.config.schema import Config
+    from leangrpo.config.schema import GRPOSection
 
 
 @dataclass
@@ -41,6 +44,10 @@ class RolloutBatch:
     truncated: Tensor  # [N] bool: hit max_completion_length without an EOS
     completion_texts: list[str]  # decoded, with the assistant prefix (if any) in front
     sampling_logprobs: Tensor | None = None  # [N, C]: the sampler's own log-probs (vLLM), 0 past the end
+    # [N, C]: 1 where the model wrote the token, 0 on a tool's or environment's (TRL's tool_mask); None: all
+    # the model's (a single-turn rollout)
+    model_mask: Tensor | None = None
+    tool_use: ToolUse | None = None  # what each rollout did with its tools (rollouts with tools only)
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -53,22 +60,33 @@ class RolloutBatch:
     def attention_mask(self) -> Tensor:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
 
+    @property
+    def loss_mask(self) -> Tensor:
+        """The tokens the model wrote: what the loss, KL, entropy and token counts cover."""
+        return self.completion_mask if self.model_mask is None else self.completion_mask * self.model_mask
+
     def lengths(self) -> Tensor:
-        return self.completion_mask.sum(dim=1)
+        """Tokens the model wrote in each completion (TRL's completion length: tool results excluded)."""
+        return self.loss_mask.sum(dim=1)
 
     def to(self, device: torch.device) -> RolloutBatch:
-        return self._map(lambda t: t.to(device), self.completion_texts)
+        return self._map(lambda t: t.to(device), self.completion_texts, self.tool_use)
 
     def select(self, rows: Tensor) -> RolloutBatch:
         """The completions at `rows` [K], in that order."""
-        return self._map(lambda t: t[rows], [self.completion_texts[i] for i in rows.tolist()])
+        indices = rows.tolist()
+        use = None if self.tool_use is None else self.tool_use.select(indices)
+        return self._map(lambda t: t[rows], [self.completion_texts[i] for i in indices], use)
 
-    def _map(self, f: Callable[[Tensor], Tensor], texts: list[str]) -> RolloutBatch:
-        """Every tensor through `f`, with `texts`."""
+    def _map(
+        self, f: Callable[[Tensor], Tensor], texts: list[str], use: ToolUse | None = None
+    ) -> RolloutBatch:
+        """Every tensor through `f`, with `texts` and `use`."""
         logp = None if self.sampling_logprobs is None else f(self.sampling_logprobs)
+        model_mask = None if self.model_mask is None else f(self.model_mask)
         return RolloutBatch(
             f(self.prompt_ids), f(self.prompt_mask), f(self.completion_ids), f(self.completion_mask),
-            f(self.truncated), texts, logp,
+            f(self.truncated), texts, logp, model_mask, use,
         )  # fmt: skip
 
     @staticmethod
@@ -82,6 +100,10 @@ class RolloutBatch:
             return torch.cat([torch.nn.functional.pad(t, p) for t, p in zip(tensors, pad, strict=True)])
 
         logps = [b.sampling_logprobs for b in batches if b.sampling_logprobs is not None]
+        uses = [b.tool_use for b in batches if b.tool_use is not None]
+        multi_turn = any(b.model_mask is not None for b in batches)
+        # a batch without a model mask: every token is the model's
+        model_masks = [b.completion_mask if b.model_mask is None else b.model_mask for b in batches]
         return RolloutBatch(
             cat([b.prompt_ids for b in batches], P, left=True),
             cat([b.prompt_mask for b in batches], P, left=True),
@@ -90,6 +112,8 @@ class RolloutBatch:
             torch.cat([b.truncated for b in batches]),
             [text for b in batches for text in b.completion_texts],
             None if len(logps) < len(batches) else cat(logps, C, left=False),
+            cat(model_masks, C, left=False) if multi_turn else None,
+            ToolUse.cat(uses) if len(uses) == len(batches) else None,
         )
 
 
@@ -100,7 +124,8 @@ class Sampling:
     The knobs apply in transformers' order (repetition penalty, temperature, top-k, top-p, min-p);
     `generation_kwargs` are further `GenerationConfig` fields for HF (their logits processors run first)
     or `SamplingParams` fields for vLLM, as TRL passes them. `ignore_eos` forces every completion to
-    max_completion_length tokens (for benchmarks that must compare equal work)."""
+    max_completion_length tokens (for benchmarks that must compare equal work).
+    `max_tool_calling_iterations`: rounds of tool calls a rollout makes at most (None: no limit)."""
 
     num_generations: int
     max_prompt_length: int
@@ -114,17 +139,18 @@ class Sampling:
     do_sample: bool = True
     assistant_prefix: str = ""
     ignore_eos: bool = False
+    max_tool_calling_iterations: int | None = None
 
     @classmethod
-    def from_config(cls, cfg: Config) -> Sampling:
-        """The training rollout's."""
-        g = cfg.grpo
+    def from_config(cls, g: GRPOSection, assistant_prefix: str) -> Sampling:
+        """The training rollout's: `grpo`'s sampling settings, each completion opened by the data's
+        `assistant_prefix`."""
         return cls(
             num_generations=g.num_generations, max_prompt_length=g.max_prompt_length,
             max_completion_length=g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
             top_k=g.top_k, min_p=g.min_p, repetition_penalty=g.repetition_penalty,
-            generation_kwargs=g.generation_kwargs, assistant_prefix=cfg.data.assistant_prefix,
-            ignore_eos=g.ignore_eos,
+            generation_kwargs=g.generation_kwargs, assistant_prefix=assistant_prefix,
+            ignore_eos=g.ignore_eos, max_tool_calling_iterations=g.max_tool_calling_iterations,
         )  # fmt: skip
 
 
@@ -132,7 +158,12 @@ class RolloutEngine(Protocol):
     """What the trainer generates with; `sync_weights` makes the next rollout use the model's current
     weights."""
 
-    def generate(self, prompt_texts: list[str], sampling: Sampling) -> RolloutBatch: ...
+    def generate(
+        self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
+    ) -> RolloutBatch:
+        """Completions of each prompt; with `toolboxes` (one per completion), multi-turn rollouts that
+        call those tools."""
+        ...
 
     def sync_weights(self, model: PreTrainedModel) -> None: ...
 
@@ -166,8 +197,12 @@ class HFEngine:
     ):
         self.model, self.tokenizer, self.levers = model, tokenizer, levers
 
-    def generate(self, prompt_texts: list[str], sampling: Sampling) -> RolloutBatch:
-        return generate(self.model, self.tokenizer, prompt_texts, sampling, levers=self.levers)
+    def generate(
+        self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
+    ) -> RolloutBatch:
+        return generate(
+            self.model, self.tokenizer, prompt_texts, sampling, levers=self.levers, toolboxes=toolboxes
+        )
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         pass
@@ -189,26 +224,44 @@ def generate(
     sampling: Sampling,
     *,
     levers: GenerateLevers | None = None,
+    toolboxes: list[Toolbox] | None = None,
 ) -> RolloutBatch:
     """Sample `sampling.num_generations` completions per prompt. Tokens after the first EOS are masked out.
-    `levers`: the device's speed levers (leangrpo.cpu's on CPU), which sample the same distribution."""
+    `levers`: the device's speed levers (leangrpo.cpu's on CPU), which sample the same distribution.
+    `toolboxes` (one per completion): rollouts go on after each turn that calls tools (`with_tools`)."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(
         tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
     )
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     eos = eos_token_ids(tokenizer, model)
-    # Sampling runs as logits processors ending in InverseCDFSampler, whose token greedy decoding then picks:
-    # generate()'s own sampling (torch.multinomial) costs ~9 ms per token for 8 × 49k on 2 CPU cores.
-    processors: list[LogitsProcessor] = []
-    if sampling.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
-    if sampling.do_sample:
-        processors += [TemperatureLogitsWarper(sampling.temperature)] if sampling.temperature != 1.0 else []
-        processors += [TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else []
-        processors += [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1.0 else []
-        processors += [MinPLogitsWarper(sampling.min_p)] if sampling.min_p else []
-        processors.append(InverseCDFSampler())
+    completion_ids = sample(model, tokenizer, prompt_ids, prompt_mask, sampling, eos, levers)
+    batch = finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, sampling)
+    if toolboxes is None:
+        return batch
+    one = replace(sampling, num_generations=1)
+
+    def next_turns(sequences: list[list[int]], max_new: int) -> tuple[list[list[int]], None]:
+        ids, mask = left_padded(sequences, tokenizer.pad_token_id, device)
+        out = sample(model, tokenizer, ids, mask, replace(one, max_completion_length=max_new), eos, levers)
+        return ended_at_eos(out, eos), None
+
+    return with_tools(batch, tokenizer, toolboxes, sampling, next_turns, eos, model_length(model))
+
+
+@torch.no_grad()
+def sample(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    sampling: Sampling,
+    eos: list[int],
+    levers: GenerateLevers | None = None,
+) -> Tensor:
+    """The completion ids generate() samples after left-padded prompts (each group's rows adjacent), padded
+    after their EOS."""
+    processors = logits_processors(sampling)
     gen_cfg = GenerationConfig(
         max_new_tokens=sampling.max_completion_length,
         min_new_tokens=sampling.max_completion_length if sampling.ignore_eos else 0,
@@ -242,7 +295,153 @@ def generate(
                 )
             completion_ids = out[:, prompt_ids.shape[1] :]
     model.train(was_training)
-    return finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, sampling)
+    return completion_ids
+
+
+def model_length(model: PreTrainedModel) -> int | None:
+    """The most positions the model takes (its config's max_position_embeddings), if it says."""
+    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
+def left_padded(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Token lists as left-padded ids and their attention mask."""
+    width = max(map(len, sequences))
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq) :], mask[row, width - len(seq) :] = torch.tensor(seq), 1
+    return ids.to(device), mask.to(device)
+
+
+def ended_at_eos(completion_ids: Tensor, eos: list[int]) -> list[list[int]]:
+    """Each row's tokens up to and including its first EOS."""
+    mask, _ = mask_after_eos(completion_ids, eos)
+    return [row[: int(n)].tolist() for row, n in zip(completion_ids, mask.sum(dim=1), strict=True)]
+
+
+def with_tools(
+    first: RolloutBatch,
+    tokenizer: PreTrainedTokenizerBase,
+    toolboxes: list[Toolbox],
+    sampling: Sampling,
+    next_turns: TurnGenerator,
+    eos: list[int],
+    max_model_len: int | None,
+) -> RolloutBatch:
+    """The first turns `first` continued through their tool calls (`tool_loop`, TRL's contract): each
+    completion holds the model's turns and the tool results between them, `model_mask` tells them apart,
+    and a completion is truncated when its last token is not an EOS (TRL's test)."""
+    if len(toolboxes) != len(first):
+        raise ValueError(f"{len(toolboxes)} toolboxes for {len(first)} completions")
+    prompts = [
+        ids[mask.bool()].tolist() for ids, mask in zip(first.prompt_ids, first.prompt_mask, strict=True)
+    ]
+    lengths = first.completion_mask.sum(dim=1).tolist()
+    logprobs = first.sampling_logprobs
+    trajectories = tool_loop(
+        tokenizer, prompts,
+        [ids[:n].tolist() for ids, n in zip(first.completion_ids, lengths, strict=True)],
+        None if logprobs is None else [lp[:n].tolist() for lp, n in zip(logprobs, lengths, strict=True)],
+        toolboxes, next_turns, sampling.max_completion_length, sampling.max_tool_calling_iterations,
+        max_model_len,
+    )  # fmt: skip
+    return batch_of_lists(
+        tokenizer, first.prompt_ids, first.prompt_mask, trajectories.completion_ids, trajectories.model_mask,
+        trajectories.logprobs, eos, sampling.assistant_prefix, trajectories.use,
+    )  # fmt: skip
+
+
+def batch_of_lists(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completions: list[list[int]],
+    model_mask: list[list[int]] | None,
+    logprobs: list[list[float]] | None,
+    eos: list[int],
+    assistant_prefix: str,
+    use: ToolUse | None,
+) -> RolloutBatch:
+    """A RolloutBatch of completions given as token lists (multi-turn rollouts, a rollout_func's), each
+    whole: truncated when its last token is not an EOS (TRL's test)."""
+    width, device = max(map(len, completions)), prompt_ids.device
+
+    def padded(rows: list[list[Any]], value: float, dtype: torch.dtype) -> Tensor:
+        out = torch.full((len(rows), width), value, dtype=dtype)
+        for r, row in enumerate(rows):
+            out[r, : len(row)] = torch.tensor(row, dtype=dtype)
+        return out.to(device)
+
+    return RolloutBatch(
+        prompt_ids,
+        prompt_mask,
+        padded(completions, tokenizer.pad_token_id, torch.long),
+        padded([[1] * len(row) for row in completions], 0, torch.long),
+        torch.tensor([not row or row[-1] not in eos for row in completions], device=device),
+        [
+            assistant_prefix + cast(str, tokenizer.decode(row, skip_special_tokens=True))
+            for row in completions
+        ],
+        None if logprobs is None else padded(logprobs, 0.0, torch.float32),
+        None if model_mask is None else padded(model_mask, 0, torch.long),
+        use,
+    )
+
+
+def rollout_func_batch(
+    output: dict[str, Any], tokenizer: PreTrainedTokenizerBase, eos: list[int], device: torch.device,
+    keep_logprobs: bool,
+) -> RolloutBatch:  # fmt: skip
+    """TRL's rollout_func output (`prompt_ids`, `completion_ids`, `logprobs`, optionally `env_mask`: 1 on
+    the model's tokens; any other key, one value per rollout or one for all, goes to the rewards) as a
+    RolloutBatch. `keep_logprobs`: the sampler's log-probs are kept (vLLM runs; TRL uses them only there)."""
+    missing = sorted({"prompt_ids", "completion_ids", "logprobs"} - output.keys())
+    if missing:
+        raise ToolError(f"rollout_func must return the keys {missing} in its output dict")
+    completions = [list(ids) for ids in output["completion_ids"]]
+    n = len(completions)
+    if len(output["prompt_ids"]) != n or not all(completions):
+        raise ToolError(
+            f"rollout_func returned {len(output['prompt_ids'])} prompts and {n} completions, some empty"
+        )
+    env_mask = output.get("env_mask")
+    logprobs = output["logprobs"] if keep_logprobs else None
+    for name, rows in (("env_mask", env_mask), ("logprobs", logprobs)):
+        if rows is not None and [len(r) for r in rows] != [len(c) for c in completions]:
+            raise ToolError(f"rollout_func's {name} must have one value per completion token")
+    if logprobs is not None:
+        logprobs = [[math.nan if lp is None else float(lp) for lp in row] for row in logprobs]
+    prompt_ids, prompt_mask = left_padded(
+        [list(p) for p in output["prompt_ids"]], tokenizer.pad_token_id, device
+    )
+    extra = {
+        key: values if isinstance(values, list) else [values] * n
+        for key, values in output.items()
+        if key not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")
+    }
+    prompts = [list(p) for p in output["prompt_ids"]]
+    messages = [
+        [turn_message(tokenizer, ids, prompt)] for ids, prompt in zip(completions, prompts, strict=True)
+    ]
+    use = ToolUse(messages, [1] * n, [Counter() for _ in range(n)], [Counter() for _ in range(n)], extra)
+    model_mask = None if env_mask is None else [list(m) for m in env_mask]
+    return batch_of_lists(tokenizer, prompt_ids, prompt_mask, completions, model_mask, logprobs, eos, "", use)
+
+
+def logits_processors(sampling: Sampling) -> list[LogitsProcessor]:
+    """Sampling as logits processors ending in InverseCDFSampler, whose token greedy decoding then picks:
+    generate()'s own sampling draws with torch.multinomial, which costs far more per token on a CPU
+    (benchmarks/RESULTS.md)."""
+    processors: list[LogitsProcessor] = []
+    if sampling.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
+    if sampling.do_sample:
+        processors += [TemperatureLogitsWarper(sampling.temperature)] if sampling.temperature != 1.0 else []
+        processors += [TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else []
+        processors += [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1.0 else []
+        processors += [MinPLogitsWarper(sampling.min_p)] if sampling.min_p else []
+        processors.append(InverseCDFSampler())
+    return processors
 
 
 # No text averages more characters a token, so a text's last 64·N characters hold its last N tokens.
@@ -390,8 +589,7 @@ def prefill_once_per_group(
     """Fill `cache` with all but the last prompt token, running each group's prompt once instead of
     `group` times, then repeat its entries for the group's rows; generate() then starts from the last
     prompt token. The rows of a group hold the same prompt (encode_prompts repeats them), so this is the
-    same cache for 1/`group` of the prefill's work (benchmarks/phases.py, G=8, an 82-token prompt, one
-    thread: generation 9.37 -> 7.74 s)."""
+    same cache for 1/`group` of the prefill's work (benchmarks/RESULTS.md, "CPU speed-ups, on and off")."""
     if prompt_ids.shape[1] < 2:
         return
     ids, mask = prompt_ids[::group, :-1], prompt_mask[::group, :-1]

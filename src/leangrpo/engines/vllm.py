@@ -12,13 +12,15 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from leangrpo.core.errors import UserError
-from leangrpo.engines.rollout import RolloutBatch, Sampling, encode_prompts, finish_batch
+from leangrpo.engines.rollout import RolloutBatch, Sampling, encode_prompts, finish_batch, with_tools
+from leangrpo.engines.tools import Toolbox
 from leangrpo.models.load import is_peft, linear_weight, resolve_model_path
 
 if TYPE_CHECKING:
@@ -45,17 +47,6 @@ def import_vllm() -> Any:
             "(on a CPU: scripts/setup-vllm.sh, see docs/vllm.md)"
         ) from None
     return vllm
-
-
-def check_vllm(cfg: Config, num_processes: int) -> None:
-    """Everything about `use_vllm` that can fail, checked before the model loads."""
-    if not cfg.grpo.use_vllm:
-        return
-    import_vllm()
-    if num_processes > 1:
-        raise VLLMError(f"grpo.use_vllm: one training process only for now (this run has {num_processes})")
-    if cfg.grpo.vllm_enable_sleep_mode and not torch.cuda.is_available():
-        raise VLLMError("grpo.vllm_enable_sleep_mode needs CUDA (vLLM sleeps only on GPUs); set it to false")
 
 
 class VLLMEngine:
@@ -110,16 +101,55 @@ class VLLMEngine:
             sleep_mode=g.vllm_enable_sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
         )  # fmt: skip
 
-    def generate(self, prompt_texts: list[str], sampling: Sampling) -> RolloutBatch:
+    def generate(
+        self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
+    ) -> RolloutBatch:
         """`sampling.num_generations` completions per prompt, as `rollout.generate` draws them, with vLLM's
         log-prob of each sampled token. Each completion is its own request seeded from torch's RNG, so
-        that a resumed run (which restores that RNG) draws the same samples."""
-        from vllm import SamplingParams
-
+        that a resumed run (which restores that RNG) draws the same samples. `toolboxes` (one per
+        completion): rollouts go on after each turn that calls tools (`with_tools`), each later turn a
+        request of its own; the log-probs cover the model's tokens, 0 on the tools'."""
         prompt_ids, prompt_mask = encode_prompts(
             self.tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
         )
-        seeds = torch.randint(2**31 - 1, (len(prompt_ids),)).tolist()
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["kv_cache"])
+        batch = self._generate(prompt_ids, prompt_mask, sampling, toolboxes)
+        if self.sleep_mode:  # level 2 also drops the weights: the update then has the GPU to itself
+            self.llm.sleep(level=2)
+            self.weights_asleep = True
+        return batch
+
+    def _generate(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, sampling: Sampling, toolboxes: list[Toolbox] | None
+    ) -> RolloutBatch:
+        rows = zip(prompt_ids, prompt_mask.bool(), strict=True)
+        ids, logprobs = self._sample([ids[mask].tolist() for ids, mask in rows], sampling)
+        width = max(map(len, ids))
+        completion_ids = torch.full((len(ids), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        sampling_logprobs = torch.zeros(len(ids), width)
+        for row, (tokens, logps) in enumerate(zip(ids, logprobs, strict=True)):
+            completion_ids[row, : len(tokens)] = torch.tensor(tokens)
+            sampling_logprobs[row, : len(tokens)] = torch.tensor(logps)
+        batch = finish_batch(
+            self.tokenizer, prompt_ids, prompt_mask, completion_ids, self.eos, sampling, sampling_logprobs
+        )
+        if toolboxes is None:
+            return batch
+
+        def next_turns(sequences: list[list[int]], max_new: int) -> tuple[list[list[int]], list[list[float]]]:
+            return self._sample(sequences, replace(sampling, max_completion_length=max_new))
+
+        max_model_len = self.llm.llm_engine.model_config.max_model_len
+        return with_tools(batch, self.tokenizer, toolboxes, sampling, next_turns, self.eos, max_model_len)
+
+    def _sample(
+        self, prompts: list[list[int]], sampling: Sampling
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """One completion of each token list (its own request and seed) and vLLM's log-prob of each token."""
+        from vllm import SamplingParams
+
+        seeds = torch.randint(2**31 - 1, (len(prompts),)).tolist()
         sample, length = sampling.do_sample, sampling.max_completion_length
         common = dict(
             temperature=sampling.temperature if sample else 0.0,
@@ -135,28 +165,15 @@ class VLLMEngine:
             detokenize=False,
             **(sampling.generation_kwargs or {}),  # further SamplingParams fields, as TRL passes them to vLLM
         )
-        rows = zip(prompt_ids, prompt_mask.bool(), strict=True)
-        requests = [{"prompt_token_ids": ids[mask].tolist()} for ids, mask in rows]
+        requests = [{"prompt_token_ids": ids} for ids in prompts]
         params = [SamplingParams(seed=seed, **common) for seed in seeds]
-        if self.sleep_mode:
-            self.llm.wake_up(tags=["kv_cache"])
         with _failure("generating"):
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-        if self.sleep_mode:  # level 2 also drops the weights: the update then has the GPU to itself
-            self.llm.sleep(level=2)
-            self.weights_asleep = True
         completions = [out.outputs[0] for out in outputs]
-        width = max(len(c.token_ids) for c in completions)
-        completion_ids = torch.full((len(completions), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(len(completions), width)
-        for row, c in enumerate(completions):
-            completion_ids[row, : len(c.token_ids)] = torch.tensor(c.token_ids)
-            logprobs[row, : len(c.token_ids)] = torch.tensor(
-                [step[token].logprob for step, token in zip(c.logprobs, c.token_ids, strict=True)]
-            )
-        return finish_batch(
-            self.tokenizer, prompt_ids, prompt_mask, completion_ids, self.eos, sampling, logprobs
-        )
+        return [list(c.token_ids) for c in completions], [
+            [step[token].logprob for step, token in zip(c.logprobs, c.token_ids, strict=True)]
+            for c in completions
+        ]
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         """Load `model`'s current weights into vLLM's copy, one tensor at a time, and drop its prefix cache

@@ -137,17 +137,25 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     return tok
 
 
-def load_model_and_tokenizer(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the policy as configured: dtype, gradient checkpointing, LoRA when enabled."""
+def load_model_and_tokenizer(
+    cfg: ModelConfig, model: PreTrainedModel | None = None, tokenizer: PreTrainedTokenizerBase | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the policy as configured: dtype, gradient checkpointing, LoRA when enabled. ``model`` and
+    ``tokenizer``: objects a Python caller already holds, used instead of loading ``cfg.name_or_path``."""
 
-    path = resolve_model_path(cfg.name_or_path)
-    _check_local(path)
-    tokenizer = load_tokenizer(path, cfg.trust_remote_code)
-    model = load_base(path, cfg)
+    if model is None or tokenizer is None:
+        path = resolve_model_path(cfg.name_or_path)
+        _check_local(path)
+        tokenizer = tokenizer or load_tokenizer(path, cfg.trust_remote_code)
+        model = model or load_base(path, cfg)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.gradient_checkpointing:
         enable_checkpointing(model)
+    if cfg.disable_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora)
     return model, tokenizer
@@ -170,6 +178,8 @@ def load_base(path: str, cfg: ModelConfig, dtype: str | None = None) -> PreTrain
 
     torch_dtype = DTYPES[dtype or cfg.dtype]
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
     if cfg.load_in_4bit:
         from transformers import BitsAndBytesConfig
 

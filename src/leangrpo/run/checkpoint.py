@@ -14,12 +14,9 @@ import os
 import random
 import re
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
-
-import yaml
 
 from leangrpo.core.errors import UserError, error_reason
 from leangrpo.run.rundir import is_run_dir
@@ -43,9 +40,6 @@ RESUMABLE_KEYS = (
     "logging.",
     "rewards.on_error",
 )
-# Test hook: seconds to sleep inside a save, after the weights are written and before the rename,
-# so that a test can kill the process in the middle of a checkpoint write.
-SAVE_DELAY_ENV = "LEANGRPO_TEST_SAVE_DELAY"
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -169,7 +163,6 @@ def save_checkpoint(
             _torch_save(optimizer_state, tmp / "optimizer.pt")
             _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
             save_config(cfg, tmp / "config.yaml")
-            time.sleep(float(os.environ.get(SAVE_DELAY_ENV, 0)))
             files = {str(p.relative_to(tmp)): p.stat().st_size for p in tmp.rglob("*") if p.is_file()}
             info = {**state, "step": step, "files": files, "sha256": file_hashes(tmp)}
             (tmp / STATE_FILE).write_text(json.dumps(info, indent=1))
@@ -339,8 +332,7 @@ def resume_config(config_path: str | None, overrides: list[str], resume: str) ->
             f"--resume {run_dir}: its config.yaml sets model.trust_remote_code, which a run directory cannot "
             "grant itself; pass model.trust_remote_code=true to let the model's own code run"
         )
-    cfg.output_dir = str(run_dir)
-    return cfg
+    return cfg.model_copy(update={"output_dir": str(run_dir)})
 
 
 def resume_checkpoint(run_dir: Path) -> Path:
@@ -356,30 +348,15 @@ def resume_checkpoint(run_dir: Path) -> Path:
     return ckpt
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as `section.key` -> value (to name the keys two configs differ in)."""
     flat: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
-
-
-def check_resumable(ckpt: Path, cfg: Config, world_size: int) -> None:
-    """Refuse to resume when the new config (or process count) would change the trajectory."""
-    old = _flatten(yaml.safe_load((ckpt / "config.yaml").read_text()))
-    new = _flatten(cfg.model_dump(mode="json"))
-    differ = [
-        f"{key} ({old.get(key)!r} → {new.get(key)!r})"
-        for key in sorted(old.keys() | new.keys())
-        if old.get(key) != new.get(key) and not key.startswith(RESUMABLE_KEYS)
-    ]
-    saved_world = read_state(ckpt).get("world_size", 1)
-    if saved_world != world_size:
-        differ.append(f"number of processes ({saved_world} → {world_size})")
-    if differ:
-        raise CheckpointError(f"cannot resume from {ckpt}: the config differs in {'; '.join(differ)}")
 
 
 def truncate_log(path: Path, step: int) -> None:

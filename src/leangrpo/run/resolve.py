@@ -1,10 +1,13 @@
 """Reading a run's configuration: YAML file (leangrpo's nested sections, or a flat TRL config) +
 `a.b=value` overrides -> the schema's checks -> what the task decides filled in. One function,
-`load_config`, does it all, before any model loads; the result is the run's config.yaml.
+`load_config`, does it all, before any model loads. Two values need the run itself, and the trainer
+resolves them as new config objects: the step count of an epoch-based run (`resolve_steps`: the rows and
+processes) and where the model now lives (`with_model_path`). The result is the run's config.yaml.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,18 +25,20 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return getattr(e, "problem", None) or str(e).splitlines()[0]
 
 
-def _one_line(err: ValidationError, source: str) -> str:
-    first = err.errors()[0]
-    key = ".".join(str(p) for p in first["loc"])
-    msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key"
-    elif first["type"] == "missing":
-        msg = "required key is missing"
-    elif first["loc"] and not isinstance(first.get("input"), dict):
-        msg = f"{msg} (got {first['input']!r})"
-    more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
-    return f"config error in {source}: {key + ': ' if key else ''}{msg}{more}"
+def _problem_lines(err: ValidationError, source: str) -> str:
+    """Every problem the schema found, one line each, naming its key."""
+    lines = []
+    for problem in err.errors():
+        key = ".".join(str(p) for p in problem["loc"])
+        msg = problem["msg"].removeprefix("Value error, ")
+        if problem["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif problem["type"] == "missing":
+            msg = "required key is missing"
+        elif problem["loc"] and not isinstance(problem.get("input"), dict):
+            msg = f"{msg} (got {problem['input']!r})"
+        lines.append(f"config error in {source}: {key + ': ' if key else ''}{msg}")
+    return "\n".join(lines)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -92,7 +97,7 @@ def validate_config(data: dict[str, Any], source: str = "config") -> Config:
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_one_line(e, source)) from None
+        raise ConfigError(_problem_lines(e, source)) from None
     return resolve(cfg, source)
 
 
@@ -132,6 +137,22 @@ def resolve(cfg: Config, source: str = "config") -> Config:
         rewards = rewards.model_copy(update={"functions": [RewardSpec(name=n) for n in task.default_rewards]})
     task_cfg = TaskConfig.model_validate({"name": task.name, **options.model_dump()})
     return cfg.model_copy(update={"task": task_cfg, "data": data, "rewards": rewards})
+
+
+def resolve_steps(cfg: Config, num_rows: int, num_processes: int) -> Config:
+    """`cfg` with `optim.max_steps` worked out from `optim.num_train_epochs` (when it is set and
+    max_steps is not): enough steps for every process together to draw each of `num_rows` rows that
+    many times."""
+    optim = cfg.optim
+    if not optim.num_train_epochs or "max_steps" in optim.model_fields_set:
+        return cfg
+    steps = math.ceil(optim.num_train_epochs * num_rows / (cfg.prompts_per_step * num_processes))
+    return cfg.model_copy(update={"optim": optim.model_copy(update={"max_steps": steps})})
+
+
+def with_model_path(cfg: Config, path: str) -> Config:
+    """`cfg` training the model at `path` (where the run directory keeps it: `rundir.start_run`)."""
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": path})})
 
 
 def _task_options(task: type[Task], cfg: TaskConfig, error: Callable[[str], ConfigError]) -> TaskOptions:

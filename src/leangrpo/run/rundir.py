@@ -48,9 +48,11 @@ CURVES = (
     Curve("kl", "KL to the reference", ("kl",)),
     Curve("loss", "Loss", ("loss",)),
     Curve(
-        "completion_length", "Completion length (tokens)", ("completion_length/mean", "completion_length/max")
+        "completion_length",
+        "Completion length (tokens)",
+        ("completions/mean_length", "completions/max_length"),
     ),
-    Curve("clip_ratio", "Clip ratio", ("clip_ratio",)),
+    Curve("clip_ratio", "Clip ratio", ("clip_ratio/",)),
     Curve("phase_seconds", "Seconds per step, by phase", ("time/",)),
     Curve(
         "eval_accuracy",
@@ -230,6 +232,35 @@ class JsonlRows:
 
     rows: list[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
+
+
+_EARLIER_NAMES = {
+    "completion_length/mean": "completions/mean_length",
+    "completion_length/max": "completions/max_length",
+    "truncated_frac": "completions/clipped_ratio",
+    "zero_std_frac": "frac_reward_zero_std",
+    "clip_ratio": "clip_ratio/region_mean",
+}
+"""Metric names of run directories written before leangrpo took TRL's, and TRL's name for each."""
+
+
+def with_trl_names(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A metrics row (or an evaluation's metrics) with earlier leangrpo names as TRL's, so that `report` and
+    `compare` read older run directories. A per-reward key named after its config spec
+    (`rewards/pkg.mod:func/mean`, `rewards//path/to/rm/mean`, `rewards/correctness/mean`) takes the name
+    TRL logs: the function's, the reward model's basename, a built-in's function name."""
+    from leangrpo.data.rewards import BUILTIN_REWARDS
+
+    out = {}
+    for key, value in metrics.items():
+        if key.startswith("rewards/") and key.endswith("/mean") and key != "rewards//mean":
+            name = key.removeprefix("rewards/").removesuffix("/mean")
+            name = name.rpartition(":")[2].rstrip("/").rpartition("/")[2]
+            if name in BUILTIN_REWARDS:
+                name = BUILTIN_REWARDS[name].__name__
+            key = f"rewards/{name}/mean"
+        out[_EARLIER_NAMES.get(key, key)] = value
+    return out
 
 
 def read_jsonl(path: Path) -> JsonlRows:

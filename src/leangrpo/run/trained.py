@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
+from leangrpo.config.schema import ModelConfig
 from leangrpo.core.errors import UserError
 from leangrpo.models.load import (
     DTYPES,
@@ -95,8 +96,6 @@ def load_trained(
 
     trained = locate(source)
     if trained is None:
-        from .config import ModelConfig
-
         cfg = ModelConfig(
             name_or_path=source, dtype=dtype or "float32", gradient_checkpointing=False,
             trust_remote_code=trust_remote_code,
@@ -112,8 +111,6 @@ def load_trained(
             if trained.full is not None:
                 model = AutoModelForCausalLM.from_pretrained(trained.full, **kwargs)
             else:  # the base as it was trained on (4-bit for QLoRA), then the adapter merged in
-                from .config import ModelConfig
-
                 base_cfg = ModelConfig.model_validate(
                     {**trained.config["model"], "trust_remote_code": trust_remote_code}
                 )

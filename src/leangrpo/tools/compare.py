@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from leangrpo.run.rundir import RunDirError, eval_files, is_run_dir, read_jsonl
+from leangrpo.run.rundir import RunDirError, eval_files, is_run_dir, read_jsonl, with_trl_names
 
 
 @dataclass
@@ -30,7 +30,7 @@ def load_eval_json(path: Path) -> Side:
         raise RunDirError(f"cannot read evaluation {path}: {e}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("metrics"), dict):
         raise RunDirError(f"{path} is not an evaluation written by leangrpo (no 'metrics' object)")
-    side = Side(str(path), dict(doc["metrics"]), None)
+    side = Side(str(path), with_trl_names(doc["metrics"]), None)
     records_path = path.parent / str(doc.get("records_file", path.with_suffix(".jsonl").name))
     if records_path.is_file():
         loaded = read_jsonl(records_path)

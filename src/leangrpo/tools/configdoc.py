@@ -1,6 +1,7 @@
 """docs/config.md, generated: every section and field of the config with its default and description,
-and each task's options. Regenerate with `python -m leangrpo.tools.configdoc > docs/config.md` (a test
-checks that the file is current)."""
+and each task's options. Regenerate with `python -m leangrpo.tools.configdoc > docs/config.md`; the table of
+TRL's GRPOConfig fields in docs/trl.md with `python -m leangrpo.tools.configdoc --trl-table` (tests check
+that both are current)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,16 @@ def reference() -> str:
     return "\n".join(lines) + "\n"
 
 
+def trl_table() -> str:
+    """docs/trl.md's table: every TRL 1.16 GRPOConfig field, how leangrpo handles it, and where it goes
+    or why (from `config.trl.field_table`, the lists the translation itself uses)."""
+    from leangrpo.config.trl import field_table
+
+    lines = ["| TRL field | leangrpo | field, or why |", "|---|---|---|"]
+    lines += [f"| `{name}` | {how} | {why} |" for name, how, why in field_table()]
+    return "\n".join(lines) + "\n"
+
+
 def _default(field: Any) -> str:
     value = field.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
@@ -62,4 +73,6 @@ def _default(field: Any) -> str:
 
 
 if __name__ == "__main__":
-    print(reference(), end="")
+    import sys
+
+    print(trl_table() if sys.argv[1:] == ["--trl-table"] else reference(), end="")

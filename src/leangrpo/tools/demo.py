@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from leangrpo.config.schema import Config, ConfigError
 from leangrpo.run.resolve import apply_overrides, validate_config
-from leangrpo.run.rundir import read_jsonl
+from leangrpo.run.rundir import read_jsonl, with_trl_names
 
 FIXED_QUESTIONS = 3  # the first held-out questions, shown before and after training
 # the easy problems (MIT), shipped in the package
@@ -30,12 +30,13 @@ DEMO_DATA = str(_PACKAGED_GSM8K / "train.jsonl")
 DEMO_EVAL_DATA = str(_PACKAGED_GSM8K / "test.jsonl")
 DEMO_TASKS = ("chain_sum", "gsm8k")
 CHAIN_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}
-"""The default task's difficulty, picked by measurement (benchmarks/RESULTS.md, 2026-11-25)."""
+"""The default task's difficulty: two-digit sums of two terms, hard enough for GRPO to show a gain and easy
+enough to show it within minutes (benchmarks/RESULTS.md, "Demo task choice")."""
 SFT_CHAIN_SUM = {**CHAIN_SUM, "min_digits": 1, "max_digits": 1}
 """The cold start's problems: one-digit sums teach the answer format, not the two-digit sums held out."""
 EVAL_LIMITS = {"chain_sum": 300, "gsm8k": 100}
-"""Held-out questions by default. chain_sum: 300, because the first 100 overstated the gain by 7 points
-(benchmarks/RESULTS.md: the shipped runs on 500 held-out sums); gsm8k: 100, at 1.25 s a question."""
+"""Held-out questions by default. chain_sum: 300, because fewer overstated the gain (benchmarks/RESULTS.md:
+the shipped runs on 500 held-out sums); gsm8k: 100, since each question costs far more to answer."""
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,10 @@ class Rates:
 
 
 RATES = {
-    # `leangrpo demo --seed 4`, 2026-11-25 evening, alone on the idle machine (benchmarks/RESULTS.md): 367 s
-    # in all with two threads (one thread, the other core busy: 637-644 s, under these rates' 736)
+    # `leangrpo demo --seed 4` alone on the idle machine (benchmarks/RESULTS.md, "Seeds 4 and 5")
     "chain_sum": Rates(grpo_step=13.6, sft_step=2.8, eval_question=0.20, startup=14, threads=2),
-    # `leangrpo demo` with the GSM8K recipe, 2026-11-21 (docs/demo.md): 12m03s for 20 steps of 28.6 s and
-    # 2 x 50 questions; the cold start and start-up (26 s together) were not timed apart
+    # `leangrpo demo` with the GSM8K recipe (benchmarks/RESULTS.md, "Figures moved from docstrings"); its
+    # cold start and start-up were not timed apart
     "gsm8k": Rates(grpo_step=28.6, sft_step=0.0, eval_question=1.25, startup=26, threads=2),
 }
 Control = Literal["none", "random-reward"]
@@ -79,14 +79,14 @@ def demo_config(
     `overrides` (`section.key=value`, as `leangrpo train` takes them) applied last.
 
     chain_sum: out of the box the model writes the sum inside `<answer>` but keeps talking and never
-    closes the tag (measured: 0 of 48 closed it), so every completion of a group scores the same and GRPO
+    closes the tag, so every completion of a group scores the same and GRPO
     has no signal. An 8-step cold start on the answer format (`<answer>` holding the gold sum, no worked
     reasoning) fixes that. Its problems are one-digit sums (`sft.task`), so that it teaches the format
     and not the two-digit sums held out; the held-out set is evaluated after it too, and the
     `--control random-reward` run gets the same cold start: the two runs' difference is GRPO's. GRPO
     samples 8 completions per prompt at temperature 1.2: at 1.0 most groups wrote one answer 8 times.
     With `full_finetune`, GRPO's learning rate is 5e-6: at 2e-5 GRPO undid the cold start in one of two
-    seeds (held-out correct 55 → 27 of 300); at 5e-6 both seeds gained (docs/demo.md).
+    seeds; at 5e-6 both seeds gained (docs/demo.md).
 
     gsm8k: the model almost never writes the tags, so every group scores the same and GRPO has no signal;
     a prefilled `<reasoning>` tag, an 8-step supervised cold start on GSM8K's worked solutions in the tag
@@ -105,39 +105,9 @@ def demo_config(
         "output_dir": output_dir,
         "seed": seed,
     }
-    if task == "gsm8k":
-        recipe: dict[str, Any] = {
-            "task": {"name": "gsm8k", "max_solution_steps": 2},
-            "data": {"path": data_path, "assistant_prefix": "<reasoning>\n"},
-            "grpo": {"num_generations": 4, "max_completion_length": 96, "max_prompt_length": 256},
-            "sft": {"steps": sft_steps, "learning_rate": 5e-5 if full_finetune else 5e-4, "batch_size": 8},
-            "optim": {"per_device_train_batch_size": 8, "learning_rate": 2e-5 if full_finetune else 2e-4},
-            "eval": {
-                "enabled": True,
-                "path": eval_path,
-                "limit": eval_limit or EVAL_LIMITS[task],
-                "batch_size": 25,
-            },
-        }
-    else:
-        recipe = {
-            "task": {"name": "reasoning_gym", "config": {task: CHAIN_SUM}},
-            "data": {"path": f"reasoning_gym:{task}", "assistant_prefix": "<reasoning>\n"},
-            "grpo": {
-                "num_generations": 8,
-                "max_completion_length": 48,
-                "max_prompt_length": 256,
-                "temperature": 1.2,
-            },
-            "sft": {
-                "steps": sft_steps,
-                "learning_rate": 2e-5 if full_finetune else 2e-4,
-                "batch_size": 8,
-                "task": {"config": {task: SFT_CHAIN_SUM}},
-            },
-            "optim": {"per_device_train_batch_size": 32, "learning_rate": 5e-6 if full_finetune else 2e-4},
-            "eval": {"enabled": True, "limit": eval_limit or EVAL_LIMITS[task], "batch_size": 25},
-        }
+    recipe = _task_recipe(
+        task, full_finetune, data_path, eval_path, eval_limit or EVAL_LIMITS[task], sft_steps
+    )
     recipe["grpo"]["shuffle_rewards"] = control == "random-reward"
     cfg = {**common, **recipe, "optim": {**common["optim"], **recipe["optim"]}}
     # a copy: overrides write into nested dicts, and the recipe's task settings are module constants
@@ -147,12 +117,45 @@ def demo_config(
     return config
 
 
+def _task_recipe(
+    task: str, full_finetune: bool, data_path: str, eval_path: str, eval_limit: int, sft_steps: int
+) -> dict[str, Any]:
+    """The sections of demo_config's recipe that differ by task (its docstring says why each)."""
+    if task == "gsm8k":
+        return {
+            "task": {"name": "gsm8k", "max_solution_steps": 2},
+            "data": {"path": data_path, "assistant_prefix": "<reasoning>\n"},
+            "grpo": {"num_generations": 4, "max_completion_length": 96, "max_prompt_length": 256},
+            "sft": {"steps": sft_steps, "learning_rate": 5e-5 if full_finetune else 5e-4, "batch_size": 8},
+            "optim": {"per_device_train_batch_size": 8, "learning_rate": 2e-5 if full_finetune else 2e-4},
+            "eval": {"enabled": True, "path": eval_path, "limit": eval_limit, "batch_size": 25},
+        }
+    return {
+        "task": {"name": "reasoning_gym", "config": {task: CHAIN_SUM}},
+        "data": {"path": f"reasoning_gym:{task}", "assistant_prefix": "<reasoning>\n"},
+        "grpo": {
+            "num_generations": 8,
+            "max_completion_length": 48,
+            "max_prompt_length": 256,
+            "temperature": 1.2,
+        },
+        "sft": {
+            "steps": sft_steps,
+            "learning_rate": 2e-5 if full_finetune else 2e-4,
+            "batch_size": 8,
+            "task": {"config": {task: SFT_CHAIN_SUM}},
+        },
+        "optim": {"per_device_train_batch_size": 32, "learning_rate": 5e-6 if full_finetune else 2e-4},
+        "eval": {"enabled": True, "limit": eval_limit, "batch_size": 25},
+    }
+
+
 def choose_threads() -> tuple[int, str]:
     """Torch threads for this machine now: one per core that other processes leave idle (at least one),
-    because oversubscribed threads were measured 4x slower than one thread on a busy 2-core CPU. Busy
-    cores are sampled over half a second (the load average lags by a minute: right after another job
-    it gave one thread on an idle machine). An explicit OMP_NUM_THREADS wins. Returns the count and a
-    line saying why."""
+    because threads contending with other processes for the same cores run slower than one thread
+    alone. Busy cores are sampled over half a second (the load average lags by a minute: right after
+    another job it gives one thread on an idle machine). An explicit OMP_NUM_THREADS wins. Returns the
+    count and a line saying why."""
     import psutil
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -204,12 +207,14 @@ def run_demo(cfg: Config, task: str, write: Callable[[str], None]) -> Path | Non
     before, after = (read_jsonl(run_dir / "eval" / f"step-{s}.jsonl").rows for s in (0, cfg.optim.max_steps))
     cold = run_dir / "eval" / "cold-start.jsonl"
     write(before_after_text(before, after, read_jsonl(cold).rows if cold.is_file() else None))
-    train_rows = [r for r in read_jsonl(run_dir / "metrics.jsonl").rows if "reward" in r]
+    train_rows = [with_trl_names(r) for r in read_jsonl(run_dir / "metrics.jsonl").rows if "reward" in r]
     if len(train_rows) >= 2:
         write(reward_rise_text([r["reward"] for r in train_rows]))
-    format_keys = tuple(f"rewards/{n}/mean" for n in ("xmlcount", "soft_format", "strict_format", "int"))
+    formats = ("xmlcount_reward", "soft_format_reward", "strict_format_reward", "int_reward")
+    format_keys = tuple(f"rewards/{n}/mean" for n in formats)
+    correctness = ("rewards/correctness/mean", "rewards/correctness_reward/mean")  # chain_sum's, gsm8k's
     for curve in (
-        Curve("correctness_curve", "Correctness reward (training samples)", ("rewards/correctness/mean",)),
+        Curve("correctness_curve", "Correctness reward (training samples)", correctness),
         Curve("format_curve", "Format rewards (training samples)", format_keys),
     ):
         write(f"{curve.title}: {plot_curve(train_rows, curve, run_dir / f'{curve.stem}.png')}")

@@ -4,19 +4,30 @@ task, prompt format and rewards of its training config unless told otherwise."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from leangrpo.config.schema import Config, CPUConfig, DataConfig, RewardSpec, TaskConfig
 from leangrpo.data.rewards import load_rewards
-from leangrpo.data.tasks import load_task
+from leangrpo.data.tasks import Task, load_task
 from leangrpo.engines.rollout import HFEngine, RolloutEngine, eos_token_ids
 from leangrpo.engines.vllm import VLLMEngine, import_vllm
 from leangrpo.run.resolve import load_config, validate_config
 from leangrpo.run.rundir import check_writable, is_run_dir
-from leangrpo.run.trained import load_trained, locate
+from leangrpo.run.trained import Trained, load_trained, locate
 from leangrpo.train.engine import cpu_levers
-from leangrpo.train.evaluation import EvalError, EvalResult, evaluate, load_eval_rows, resolve_data_path
+from leangrpo.train.evaluation import (
+    EvalError,
+    EvalResult,
+    RewardFuncs,
+    evaluate,
+    load_eval_rows,
+    resolve_data_path,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def run_eval(
@@ -43,14 +54,73 @@ def run_eval(
     if not re.fullmatch(r"\w[\w.-]*", split):
         raise EvalError(f"--split {split!r} is not a split name (letters, digits, '_', '.', '-')")
     trained = locate(model)
-    if out is None:
-        run_dir = trained.run_dir if trained else None
-        out = str(run_dir / "eval" / f"eval-{split}.json") if run_dir else f"eval-{split}.json"
-    check_writable(Path(out))  # before the evaluation, not after it
+    path = _output(out, trained, split)
+    cfg = _config_for(model, config, trained)
+    inputs = _inputs(cfg, data, split, limit, rewards)
+    dtype = dtype or (cfg.model.dtype if cfg else None)
+    if engine == "vllm":
+        import_vllm()  # its one-line error before the model loads
+    lm, tokenizer, _ = load_trained(model, dtype=dtype, adapter=adapter, trust_remote_code=trust_remote_code)
+    max_new_tokens = max_new_tokens or (cfg.grpo.max_completion_length if cfg else 256)
+    max_prompt_length = cfg.grpo.max_prompt_length if cfg else 512
+    generator = (
+        _vllm_engine(lm, tokenizer, cfg, max_prompt_length + max_new_tokens, dtype, seed, trust_remote_code)
+        if engine == "vllm"
+        else HFEngine(lm, tokenizer, cpu_levers(lm.device, cfg.cpu if cfg else CPUConfig()))
+    )
+    result = evaluate(
+        lm,
+        tokenizer,
+        inputs.rows,
+        inputs.reward_funcs,
+        inputs.task,
+        assistant_prefix=inputs.data.assistant_prefix,
+        max_new_tokens=max_new_tokens,
+        max_prompt_length=max_prompt_length,
+        batch_size=batch_size,
+        num_samples=num_samples,
+        temperature=cfg.grpo.temperature if cfg else 1.0,
+        top_p=cfg.grpo.top_p if cfg else 1.0,
+        seed=seed,
+        engine=generator,
+    )
+    meta = dict(model=model, adapter=adapter, data=inputs.source, split=split, num_samples=num_samples)
+    return result, result.save(path, **meta)
+
+
+def _output(out: str | None, trained: Trained | None, split: str) -> Path:
+    """Where the result goes: `out`, else the run's eval/ folder, else the working directory; checked
+    writable now, before the evaluation rather than after it."""
+    run_dir = trained.run_dir if trained else None
+    path = Path(out or (run_dir / "eval" / f"eval-{split}.json" if run_dir else f"eval-{split}.json"))
+    check_writable(path)
+    return path
+
+
+def _config_for(model: str, config: str | None, trained: Trained | None) -> Config | None:
+    """The config the evaluation follows: `config` (a YAML file or run directory), else the training
+    config of a trained `model`, else none (the default task's)."""
     if config:
-        cfg: Config | None = load_config(Path(config) / "config.yaml" if is_run_dir(Path(config)) else config)
-    else:
-        cfg = validate_config(trained.config, f"the training config of {model}") if trained else None
+        return load_config(Path(config) / "config.yaml" if is_run_dir(Path(config)) else config)
+    return validate_config(trained.config, f"the training config of {model}") if trained else None
+
+
+@dataclass(frozen=True)
+class EvalInputs:
+    """What one evaluation reads: its task, data settings, rewards, and the rows of its data source."""
+
+    task: Task
+    data: DataConfig
+    reward_funcs: RewardFuncs
+    source: str
+    rows: list[dict[str, Any]]
+
+
+def _inputs(
+    cfg: Config | None, data: str | None, split: str, limit: int | None, rewards: tuple[str, ...]
+) -> EvalInputs:
+    """The task, data and rewards of `cfg` (the default task's without one), `data` and `rewards` winning;
+    the rows are read and checked here, before any model loads."""
     data = data or (cfg.eval.path if cfg else None)
     if not data:
         raise EvalError(
@@ -61,41 +131,26 @@ def run_eval(
     specs = cfg.rewards.functions if cfg else []
     if rewards or not specs:
         specs = [RewardSpec(name=n) for n in rewards or task.default_rewards]
-    reward_funcs = load_rewards(specs, task)
     source = resolve_data_path(data, split)
     rows = load_eval_rows(data_cfg, task, source, split, limit)
+    return EvalInputs(task, data_cfg, load_rewards(specs, task), source, rows)
 
-    dtype = dtype or (cfg.model.dtype if cfg else None)
-    if engine == "vllm":
-        import_vllm()  # its one-line error before the model loads
-    lm, tokenizer, _ = load_trained(model, dtype=dtype, adapter=adapter, trust_remote_code=trust_remote_code)
-    max_new_tokens = max_new_tokens or (cfg.grpo.max_completion_length if cfg else 256)
-    max_prompt_length = cfg.grpo.max_prompt_length if cfg else 512
-    generator: RolloutEngine = HFEngine(lm, tokenizer, cpu_levers(lm.device, cfg.cpu if cfg else CPUConfig()))
-    if engine == "vllm":  # vLLM loads the checkpoint, then takes the weights evaluated (adapter merged)
-        assert lm.name_or_path is not None, "from_pretrained sets it"
-        generator = VLLMEngine(
-            lm.name_or_path, tokenizer, eos_token_ids(tokenizer, lm),
-            max_model_len=max_prompt_length + max_new_tokens, dtype=dtype or "float32", seed=seed,
-            trust_remote_code=trust_remote_code,
-            gpu_memory_utilization=cfg.grpo.vllm_gpu_memory_utilization if cfg else 0.3,
-        )  # fmt: skip
-        generator.sync_weights(lm)
-    result = evaluate(
-        lm,
-        tokenizer,
-        rows,
-        reward_funcs,
-        task,
-        assistant_prefix=data_cfg.assistant_prefix,
-        max_new_tokens=max_new_tokens,
-        max_prompt_length=max_prompt_length,
-        batch_size=batch_size,
-        num_samples=num_samples,
-        temperature=cfg.grpo.temperature if cfg else 1.0,
-        top_p=cfg.grpo.top_p if cfg else 1.0,
-        seed=seed,
-        engine=generator,
-    )
-    meta = {"model": model, "adapter": adapter, "data": source, "split": split, "num_samples": num_samples}
-    return result, result.save(out, **meta)
+
+def _vllm_engine(
+    lm: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: Config | None,
+    max_model_len: int,
+    dtype: str | None,
+    seed: int,
+    trust_remote_code: bool,
+) -> RolloutEngine:
+    """A vLLM engine that loads the checkpoint, then takes the weights evaluated (adapter merged)."""
+    assert lm.name_or_path is not None, "from_pretrained sets it"
+    generator = VLLMEngine(
+        lm.name_or_path, tokenizer, eos_token_ids(tokenizer, lm),
+        max_model_len=max_model_len, dtype=dtype or "float32", seed=seed, trust_remote_code=trust_remote_code,
+        gpu_memory_utilization=cfg.grpo.vllm_gpu_memory_utilization if cfg else 0.3,
+    )  # fmt: skip
+    generator.sync_weights(lm)
+    return generator

@@ -2,9 +2,12 @@
 shape alone (config.json, never the weights), and a search for the largest configuration that fits.
 
 Every term follows the code path it models, and says which: trainer.py (phases, micro-batches,
-reference), logprobs.Policy + logprobs._ChunkedTokenLogprobs (the log-prob workspace), rollout.generate (HF
-generate with a DynamicCache), peft (fp32 adapters) and the optimizers (torch AdamW, bitsandbytes 8-bit
-AdamW). The formulas are plain arithmetic: no torch import.
+reference), logprobs.Policy + logprobs._ChunkedTokenLogprobs (the log-prob workspace), rollout.generate
+(a preallocated KV cache, the prefill once per group), cpu/decode.py (the packed generation copy), peft
+(fp32 adapters) and the optimizers (torch AdamW, bitsandbytes 8-bit AdamW). The settings default to the
+config schema's defaults and are read from a config by the same keys; tests/test_plan.py and
+tests/test_live_peak.py check the terms against the step's own code. The formulas are plain arithmetic:
+no torch import, so `leangrpo plan` answers at once.
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
+from functools import reduce
 from pathlib import Path
 from typing import Any, Literal
 
+from leangrpo.config.schema import Config
 from leangrpo.core.errors import UserError
 
 Method = Literal["full", "lora", "qlora-4bit"]
@@ -25,8 +30,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS workspace: an estimate, not measured here
 ALLOCATOR_SLACK = 0.08  # reserved-but-free fraction of the caching allocator: an estimate, not measured here
-# A CPU run's own memory beside the tensors: Python, torch, transformers, tokenizer and data (536-548 MiB
-# measured at every point of benchmarks/plan_accuracy.py, 2026-11-26; the lower round figure).
+# A CPU run's own memory beside the tensors: Python, torch, transformers, tokenizer and data (what
+# benchmarks/plan_accuracy.py measures beside the tensors, rounded down; benchmarks/RESULTS.md).
 CPU_RUNTIME_BYTES = 512 * 2**20
 BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps fp32 states for smaller tensors
 BNB_BLOCK = 256  # bitsandbytes 8-bit optimizer: one fp32 absmax per 256 values per state
@@ -199,34 +204,63 @@ def resolve_shape(name_or_path: str) -> ModelShape:
 # ---------------------------------------------------------------- knobs
 
 
+def config_default(key: str) -> Any:
+    """The config's default for a dotted key (`grpo.logprob_chunk_size`): what a run that leaves it unset
+    trains with, so the plan's defaults are the step's."""
+    section: Any = Config
+    for name in key.split("."):
+        info = section.model_fields[name]
+        section = info.annotation
+    return info.get_default(call_default_factory=True)
+
+
+def _knob(key: str, default: Any = MISSING) -> Any:
+    """A Knobs field read from config key `key`, defaulting to the config's default unless `default`."""
+    return field(default=config_default(key) if default is MISSING else default, metadata={"config": key})
+
+
+def parse_targets(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """peft's target_modules as plan understands it: 'all-linear' or a list/comma string of names."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    items = [t.strip() for t in items if t.strip()]
+    if items in (["all-linear"], []):
+        return LINEARS
+    unknown = [t for t in items if t not in LINEARS]
+    if unknown:
+        raise PlanError(f"LoRA target {unknown[0]!r} is not a decoder Linear (known: {', '.join(LINEARS)})")
+    return tuple(items)
+
+
 @dataclass(frozen=True)
 class Knobs:
-    """The training settings that move memory. Field meanings follow config.py's keys."""
+    """The training settings that move memory. A field with a config key takes that key's value from a
+    config (`knobs_from_config`) and its default from the config schema, except `dtype`, which defaults
+    to bfloat16, what a GPU run sets."""
 
     method: Method = "full"
-    lora_r: int = 16
-    lora_targets: tuple[str, ...] = LINEARS  # "all-linear" in peft = every decoder Linear
-    lora_dropout: float = 0.05
-    dtype: str = "bfloat16"
-    num_generations: int = 8
-    per_device_train_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    max_prompt_length: int = 512
-    max_completion_length: int = 256
-    gradient_checkpointing: bool = True
-    optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
-    optimizer_in_backward: bool = False
-    beta: float = 0.0
-    reference_dtype: Literal["auto", "bfloat16"] = "auto"  # the full-fine-tuning reference copy's weights
-    reference_on_disk: bool = False  # CPU: that copy resident during its own pass only
-    num_iterations: int = 1
-    logprob_chunk_size: int = 256
-    share_prompt: bool = True
-    packed_generation: bool = True  # CPU, float32: generation packs a copy of the Linear weights
-    packed_lm_head: bool = True
+    lora_r: int = _knob("model.lora.r")
+    lora_targets: tuple[str, ...] = parse_targets(config_default("model.lora.target_modules"))
+    lora_dropout: float = _knob("model.lora.dropout")
+    dtype: str = _knob("model.dtype", "bfloat16")
+    num_generations: int = _knob("grpo.num_generations")
+    per_device_train_batch_size: int = _knob("optim.per_device_train_batch_size")
+    gradient_accumulation_steps: int = _knob("optim.gradient_accumulation_steps")
+    max_prompt_length: int = _knob("grpo.max_prompt_length")
+    max_completion_length: int = _knob("grpo.max_completion_length")
+    gradient_checkpointing: bool = _knob("model.gradient_checkpointing")
+    optimizer: Literal["adamw", "adamw_8bit"] = _knob("optim.optimizer")
+    optimizer_in_backward: bool = _knob("optim.optimizer_in_backward")
+    beta: float = _knob("grpo.beta")
+    reference_dtype: Literal["auto", "bfloat16"] = _knob("grpo.reference_dtype")
+    reference_on_disk: bool = _knob("cpu.reference_on_disk")  # CPU: the reference copy resident in its pass
+    num_iterations: int = _knob("grpo.num_iterations")
+    logprob_chunk_size: int = _knob("grpo.logprob_chunk_size")
+    share_prompt: bool = _knob("grpo.share_prompt")
+    packed_generation: bool = _knob("cpu.packed_generation")  # CPU, float32: a packed copy of the Linears
+    packed_lm_head: bool = _knob("cpu.packed_lm_head")
     rollout: Literal["hf", "vllm"] = "hf"
-    vllm_gpu_memory_utilization: float = 0.3
-    activation_offload: bool = False
+    vllm_gpu_memory_utilization: float = _knob("grpo.vllm_gpu_memory_utilization")
+    activation_offload: bool = _knob("model.activation_offload")
     device: Literal["cuda", "cpu"] = "cuda"
     fsdp: int = 1  # processes sharing the model under FSDP2 (1: not sharded); the plan is per process
 
@@ -257,18 +291,6 @@ def make_knobs(**values: Any) -> Knobs:
     if k.optimizer_in_backward and (k.gradient_accumulation_steps > 1 or k.fsdp > 1):
         raise PlanError("--optimizer-in-backward needs one micro-batch a step (--grad-accum 1), no --fsdp")
     return k
-
-
-def parse_targets(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """peft's target_modules as plan understands it: 'all-linear' or a list/comma string of names."""
-    items = value.split(",") if isinstance(value, str) else list(value)
-    items = [t.strip() for t in items if t.strip()]
-    if items in (["all-linear"], []):
-        return LINEARS
-    unknown = [t for t in items if t not in LINEARS]
-    if unknown:
-        raise PlanError(f"LoRA target {unknown[0]!r} is not a decoder Linear (known: {', '.join(LINEARS)})")
-    return tuple(items)
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -511,98 +533,156 @@ PHASE_PARTS = {
 }  # fmt: skip
 
 
-def estimate(shape: ModelShape, k: Knobs) -> Estimate:
-    """Predict every component and each phase's peak of one steady-state GRPO step (step ≥ 2: the
-    optimizer state exists; step 1 peaks no higher)."""
+@dataclass(frozen=True)
+class Resident:
+    """Bytes that live through the whole step, per process (FSDP2 shards them over `k.fsdp`)."""
+
+    weights: int
+    adapters: int
+    grads: int  # every trainable tensor's gradient, unsharded
+    step_grads: int  # the gradients alive at the optimizer step
+    optim: int
+    ref: int  # the reference copy, wherever it lives
+    resident_ref: int  # the part of it in memory outside its own pass
+    gathered: int  # FSDP2's update: the root group and two layers gathered
+    layer_grad: int  # FSDP2's update: one layer's full gradient
+    n: int  # processes sharing the persistent tensors
+
+    @property
+    def persistent(self) -> int:
+        return math.ceil((self.weights + self.adapters + self.optim + self.resident_ref) / self.n)
+
+
+def resident(shape: ModelShape, k: Knobs) -> Resident:
+    """Weights, adapters, gradients, optimizer state and the reference copy: the step's resident tensors."""
     if k.fsdp > 1 and (k.method == "qlora-4bit" or k.optimizer == "adamw_8bit"):
         raise PlanError("--fsdp: leangrpo's FSDP2 runs neither 4-bit weights nor adamw_8bit")
-    e = k.e
     tensors = trainable_tensors(shape, k)
-    n_train = sum(n for _, n in tensors)
     tb = trainable_bytes_per_param(k)
-    weights = weight_bytes(shape, k)
-    adapters = n_train * tb if k.method != "full" else 0
-    grads = n_train * tb
-    optim = optimizer_bytes(tensors, tb, k.optimizer)
+    grads = sum(n for _, n in tensors) * tb
     ref_bytes = DTYPE_BYTES["bfloat16"] if k.reference_dtype == "bfloat16" else k.e
     ref = shape.num_params() * ref_bytes if (k.beta > 0 and k.method == "full") else 0  # LoRA: adapter off
-    n = k.fsdp  # FSDP2 splits every persistent tensor over n processes
-    # gradients alive at the optimizer step: all (sharded), or with optimizer_in_backward only the tensor
-    # being stepped, each freed as soon as its step is taken
-    step_grads = max(t for _, t in tensors) * tb if k.optimizer_in_backward else math.ceil(grads / n)
     if ref and k.reference_on_disk and (k.device != "cpu" or k.fsdp > 1):  # the trainer refuses it too
         raise PlanError("cpu.reference_on_disk is for CPU runs without FSDP: plan it with --device cpu")
-    resident_ref = 0 if k.reference_on_disk else ref  # on disk: read in by its own pass (below) only
-    persistent = math.ceil((weights + adapters + optim + resident_ref) / n)
+    n = k.fsdp
     layer_numel = sum(c for _, c in shape.layer_tensors())
-    # FSDP2 in the update: the root group (embeddings, final norm, LM head) stays gathered through forward
-    # and backward, plus two layers (the one computing, the next prefetched) and one layer's full gradient.
-    gathered = (shape.num_params() - (shape.num_hidden_layers - 2) * layer_numel) * e if n > 1 else 0
-    layer_grad = layer_numel * tb if n > 1 and k.method == "full" else 0
+    return Resident(
+        weights=weight_bytes(shape, k),
+        adapters=grads if k.method != "full" else 0,
+        grads=grads,
+        # with optimizer_in_backward only the tensor being stepped: each is freed once its step is taken
+        step_grads=max(t for _, t in tensors) * tb if k.optimizer_in_backward else math.ceil(grads / n),
+        optim=optimizer_bytes(tensors, tb, k.optimizer),
+        ref=ref,
+        resident_ref=0 if k.reference_on_disk else ref,  # on disk: read in by its own pass only
+        # the root group (embeddings, final norm, LM head) stays gathered through forward and backward,
+        # plus two layers (the one computing, the next prefetched)
+        gathered=(shape.num_params() - (shape.num_hidden_layers - 2) * layer_numel) * k.e if n > 1 else 0,
+        layer_grad=layer_numel * tb if n > 1 and k.method == "full" else 0,
+        n=n,
+    )
 
-    B, P, C = k.per_device_train_batch_size, k.max_prompt_length, k.max_completion_length
-    N, S = k.generation_batch, P + C - 1
-    rows = UpdateLayout.of(B, P, C, math.gcd(B, k.num_generations) if k.share_prompt else 1)
-    acts = decoder_activation_bytes(shape, k, rows, B * C)
-    flipped = replace(k, gradient_checkpointing=not k.gradient_checkpointing)
-    acts_other = decoder_activation_bytes(shape, flipped, rows, B * C)
-    lp_fwd = logprob_workspace(shape, k, B * C, backward=False, entropy=True)  # the update logs entropy
-    lp_bwd = logprob_workspace(shape, k, B * C, backward=True)
-    micro = k.gradient_accumulation_steps
-    grads_before = grads if micro > 1 else 0  # accumulated grads live through later micro-batches
+
+def shared_group(k: Knobs) -> int:
+    """Completions per decoder row sharing one prompt copy, as train/logprobs.shared_prompt_group decides
+    for a model that runs the layout: as many of a group as every micro-batch holds; 1 with it off."""
+    return math.gcd(k.per_device_train_batch_size, k.num_generations) if k.share_prompt else 1
+
+
+def update_peak(shape: ModelShape, k: Knobs, r: Resident, rows: UpdateLayout) -> int:
+    """The update phase: one micro-batch's forward and backward over the resident tensors, or the
+    optimizer step, whichever holds more."""
+    e, completion_rows = k.e, k.per_device_train_batch_size * k.max_completion_length
+    acts = decoder_activation_bytes(shape, k, rows, completion_rows)
+    workspace = max(
+        logprob_workspace(shape, k, completion_rows, backward=False, entropy=True),  # the update logs entropy
+        logprob_workspace(shape, k, completion_rows, backward=True),
+    )
+    # accumulated grads live through later micro-batches (FSDP2 keeps them unsharded until the last
+    # micro-batch's reduce-scatter)
+    grads_before = r.grads if k.gradient_accumulation_steps > 1 else 0
     # one layer's saved tensors live on the device during its backward: recomputed, or back from the CPU
     on_device_layer = k.gradient_checkpointing or k.activation_offload
     recompute = layer_activation_bytes(shape, k, rows) if on_device_layer else 0
     layer_bwd = rows.tokens * (2 * shape.intermediate_size * e + 2 * shape.hidden_size * 4)
     dequant = max(a * b for a, b in shape.linear_shapes().values()) * e if k.method == "qlora-4bit" else 0
-    # FSDP2 keeps accumulated gradients unsharded until the last micro-batch's reduce-scatter.
-    update = (
-        persistent
-        + gathered
+    return (
+        r.persistent
+        + r.gathered
         + max(
-            grads_before + acts + max(lp_fwd, lp_bwd),
-            grads_before + acts + recompute + layer_bwd + layer_grad + dequant,
-            step_grads,  # the optimizer step: fused AdamW and 8-bit AdamW update in place
+            grads_before + acts + workspace,
+            grads_before + acts + recompute + layer_bwd + r.layer_grad + dequant,
+            r.step_grads,  # the optimizer step: fused AdamW and 8-bit AdamW update in place
         )
     )
 
-    kv = kv_cache_bytes(shape, N, S, e)
-    logits = N * shape.vocab_size * (e + 12)  # last-position logits, fp32 copy, scaled scores, softmax
-    cat = kv // (2 * shape.num_hidden_layers)  # DynamicCache grows by torch.cat: one old tensor lingers
-    prefill = forward_transient(shape, k, N * P) + kv_cache_bytes(shape, N, P, e)
-    gen_ws = max(prefill, kv + cat + logits + forward_transient(shape, k, N)) - kv
+
+def kv_capacity(k: Knobs) -> int:
+    """Positions of each row's KV cache: rollout.generate preallocates the prompt's tokens plus every
+    completion token (rollout.kv_cache, PreallocatedLayer), written in place."""
+    return k.max_prompt_length + k.max_completion_length
+
+
+def generation_workspace(shape: ModelShape, k: Knobs) -> int:
+    """Generation's temporaries beside the full KV cache, at the larger of its two peaks. The prefill runs
+    once per group (rollout.prefill_once_per_group: a prompt's rows, all but its last token, with the
+    logits of every position) into a cache of those rows; decoding holds the whole batch's cache, one
+    position's logits and their sampling copies, and one token's forward."""
+    e, n, capacity = k.e, k.generation_batch, kv_capacity(k)
+    prompts, prompt_tokens = n // k.num_generations, k.max_prompt_length - 1
+    prefill = (
+        kv_cache_bytes(shape, prompts, capacity, e)
+        + forward_transient(shape, k, prompts * prompt_tokens)
+        + prompts * prompt_tokens * shape.vocab_size * e
+    )
+    logits = n * shape.vocab_size * (e + 12)  # last-position logits, fp32 copy, scaled scores, softmax
+    decode = kv_cache_bytes(shape, n, capacity, e) + logits + forward_transient(shape, k, n)
+    return max(prefill, decode) - kv_cache_bytes(shape, n, capacity, e)
+
+
+def reference_peak(shape: ModelShape, k: Knobs, r: Resident, rows: UpdateLayout) -> int:
+    """The reference (or old log-probs) pass: a no-grad forward per micro-batch, the reference copy in
+    memory (read in from disk with cpu.reference_on_disk)."""
+    completion_rows = k.per_device_train_batch_size * k.max_completion_length
+    head = logprob_workspace(shape, k, completion_rows, backward=False)
+    hidden = completion_rows * shape.hidden_size * k.e
+    forward = max(forward_transient(shape, k, rows.tokens), head + hidden)
+    return r.persistent + (r.ref - r.resident_ref) + r.gathered + forward
+
+
+def estimate(shape: ModelShape, k: Knobs) -> Estimate:
+    """Predict every component and each phase's peak of one steady-state GRPO step (step ≥ 2: the
+    optimizer state exists; step 1 peaks no higher)."""
+    r, n = resident(shape, k), k.fsdp
+    B, C = k.per_device_train_batch_size, k.max_completion_length
+    rows = UpdateLayout.of(B, k.max_prompt_length, C, shared_group(k))
+    flipped = replace(k, gradient_checkpointing=not k.gradient_checkpointing)
     components = {
-        "weights": math.ceil(weights / n),
-        "trainable params": math.ceil(adapters / n),
-        "gradients": step_grads if micro == 1 else grads,
-        "optimizer state": math.ceil(optim / n),
-        "reference model": math.ceil(ref / n),
-        "activations": acts,
-        "log-prob workspace": max(lp_fwd, lp_bwd),
-        "KV cache": kv,
-        "generation workspace": gen_ws,
+        "weights": math.ceil(r.weights / n),
+        "trainable params": math.ceil(r.adapters / n),
+        "gradients": r.step_grads if k.gradient_accumulation_steps == 1 else r.grads,
+        "optimizer state": math.ceil(r.optim / n),
+        "reference model": math.ceil(r.ref / n),
+        "activations": decoder_activation_bytes(shape, k, rows, B * C),
+        "log-prob workspace": max(logprob_workspace(shape, k, B * C, backward=False, entropy=True),
+                                  logprob_workspace(shape, k, B * C, backward=True)),
+        "KV cache": kv_cache_bytes(shape, k.generation_batch, kv_capacity(k), k.e),
+        "generation workspace": generation_workspace(shape, k),
         "packed weights": packed_copy_bytes(shape, k),
-    }
+    }  # fmt: skip
     if n > 1:  # generation gathers the whole model on every process, next to the shards
-        components["FSDP gathered"] = weights + adapters
-    phases = {"update": update}
+        components["FSDP gathered"] = r.weights + r.adapters
+    phases = {"update": update_peak(shape, k, r, rows)}
     if k.rollout == "hf":
-        gathered_all = components.get("FSDP gathered", 0)
-        phases["generation"] = persistent + gathered_all + kv + gen_ws + components["packed weights"]
+        generating = ("FSDP gathered", "KV cache", "generation workspace", "packed weights")
+        phases["generation"] = r.persistent + sum(components.get(c, 0) for c in generating)
     else:  # colocated vLLM reserves a fixed share of the card for its own weights and KV cache
         components["KV cache"] = components["generation workspace"] = 0
         components["vllm reservation"] = 0  # filled in by plan_for (needs the card size)
-    if k.beta > 0 or k.num_iterations > 1:  # reference / old log-probs: no-grad forward per micro-batch
-        ref_pass = (
-            persistent
-            + (ref - resident_ref)
-            + gathered
-            + max(
-                forward_transient(shape, k, rows.tokens),
-                logprob_workspace(shape, k, B * C, backward=False) + B * C * shape.hidden_size * e,
-            )
-        )
-        phases["reference"] = ref_pass
+    if k.beta > 0 or k.num_iterations > 1:  # reference / old log-probs
+        phases["reference"] = reference_peak(shape, k, r, rows)
+    acts_other = decoder_activation_bytes(shape, flipped, rows, B * C)
+    n_train = sum(c for _, c in trainable_tensors(shape, k))
     return Estimate(shape, k, shape.num_params(), n_train, components, phases, acts_other)
 
 
@@ -689,32 +769,17 @@ def _divisors_desc(n: int, upper: int) -> list[int]:
 # ---------------------------------------------------------------- config integration
 
 
-def knobs_from_config(cfg: Any, **overrides: Any) -> Knobs:
-    """Knobs of a validated leangrpo Config. `optim.optimizer` is read when the config has it."""
-    m, g, o = cfg.model, cfg.grpo, cfg.optim
-    values = dict(
-        method="qlora-4bit" if getattr(m, "load_in_4bit", False) else "lora" if m.lora.enabled else "full",
-        lora_r=m.lora.r,
+def knobs_from_config(cfg: Config, **overrides: Any) -> Knobs:
+    """Knobs of a validated leangrpo Config: every field with a config key, and the method, LoRA targets
+    and rollout engine the config implies. `overrides` that are not None win."""
+    m = cfg.model
+    values: dict[str, Any] = {
+        f.name: reduce(getattr, f.metadata["config"].split("."), cfg) for f in fields(Knobs) if f.metadata
+    }
+    values.update(
+        method="qlora-4bit" if m.load_in_4bit else "lora" if m.lora.enabled else "full",
         lora_targets=parse_targets(m.lora.target_modules),
-        lora_dropout=m.lora.dropout,
-        dtype=m.dtype,
-        num_generations=g.num_generations,
-        per_device_train_batch_size=o.per_device_train_batch_size,
-        gradient_accumulation_steps=o.gradient_accumulation_steps,
-        max_prompt_length=g.max_prompt_length,
-        max_completion_length=g.max_completion_length,
-        gradient_checkpointing=m.gradient_checkpointing,
-        optimizer=getattr(o, "optimizer", "adamw"),
-        optimizer_in_backward=getattr(o, "optimizer_in_backward", False),
-        activation_offload=getattr(m, "activation_offload", False),
-        beta=g.beta,
-        reference_dtype=g.reference_dtype,
-        reference_on_disk=cfg.cpu.reference_on_disk,
-        num_iterations=g.num_iterations,
-        logprob_chunk_size=g.logprob_chunk_size,
-        share_prompt=g.share_prompt,
-        packed_generation=cfg.cpu.packed_generation,
-        packed_lm_head=cfg.cpu.packed_lm_head,
+        rollout="vllm" if cfg.grpo.use_vllm else "hf",
     )
     values.update({key: v for key, v in overrides.items() if v is not None})
     return Knobs(**values)
@@ -810,7 +875,7 @@ _NOTES = {
     "reference model": "frozen copy of the weights (full fine-tuning with beta > 0), in grpo.reference_dtype",
     "activations": "saved for backward, one micro-batch",
     "log-prob workspace": "chunked logits (+ fp32 lm_head grad when it trains)",
-    "KV cache": "DynamicCache, whole generation batch",
+    "KV cache": "preallocated prompt + completion positions, whole generation batch",
     "generation workspace": "prefill / sampling temporaries",
     "packed weights": "generation's oneDNN copy of the Linears (CPU, float32; cpu.packed_generation)",
     "vllm reservation": "gpu_memory_utilization share of the card",

@@ -20,6 +20,7 @@ from leangrpo.run.rundir import (
     atomic_path,
     is_run_dir,
     read_jsonl,
+    with_trl_names,
     write_text_atomic,
 )
 from leangrpo.tools.compare import fmt_value
@@ -79,7 +80,7 @@ def load_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     if not (run_dir / "metrics.jsonl").is_file():
         raise RunDirError(f"run directory {run_dir} has no metrics.jsonl yet")
     loaded = read_jsonl(run_dir / "metrics.jsonl")
-    return loaded.rows, loaded.notes
+    return [with_trl_names(row) for row in loaded.rows], loaded.notes
 
 
 def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Path | None:

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import PreTrainedModel
 
-    from leangrpo.config.schema import Config
     from leangrpo.train.logprobs import Policy
 
 
@@ -179,22 +178,6 @@ class Sharded(Replicated):
 
         options = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(policy, optimizer, optim_state_dict=state, options=options)
-
-
-def check_options(strategy: Replicated, cfg: Config) -> None:
-    """Options that sharded training cannot honour, refused in one line before the model loads."""
-    if not isinstance(strategy, Sharded):
-        return
-    if cfg.model.load_in_4bit:
-        raise UserError(
-            "model.load_in_4bit cannot run under FSDP (bitsandbytes' 4-bit weights do not shard here); "
-            "launch without the FSDP config, or train the bf16 model with LoRA"
-        )
-    if cfg.optim.optimizer == "adamw_8bit":
-        raise UserError(
-            "optim.optimizer=adamw_8bit cannot run under FSDP (bitsandbytes' state does not shard); "
-            "use optim.optimizer=adamw, or launch without the FSDP config"
-        )
 
 
 def setup(acc: Accelerator) -> Replicated:

@@ -1,12 +1,14 @@
-"""Building what generates: the device's speed levers (leangrpo.cpu's, for a model on CPU only) and the
-rollout engine the config picks (HF generate, or a colocated vLLM)."""
+"""Building what generates: the device's speed levers (leangrpo.cpu's, for a model on CPU only), the
+rollout engine the config picks (HF generate, or a colocated vLLM) and the tools its rollouts call."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from leangrpo.config.schema import Config, CPUConfig
+from leangrpo.config.schema import Config, CPUConfig, ToolsConfig
+from leangrpo.data.rewards.registry import import_object
 from leangrpo.engines.rollout import HFEngine, RolloutEngine, eos_token_ids
+from leangrpo.engines.tools import AgentSpec, ToolError
 
 if TYPE_CHECKING:
     import torch
@@ -34,3 +36,22 @@ def rollout_engine(
     from leangrpo.engines.vllm import VLLMEngine
 
     return VLLMEngine.from_config(cfg, tokenizer, eos_token_ids(tokenizer, model))
+
+
+def agent_from_config(cfg: ToolsConfig) -> AgentSpec | None:
+    """The `tools:` section's tools and environment, imported like rewards; None when it names none."""
+    if not cfg.enabled:
+        return None
+    tools = [import_object(path, "tool") for path in cfg.functions]
+    for path, tool in zip(cfg.functions, tools, strict=True):
+        if not callable(tool):
+            raise ToolError(f"tool {path!r} is not callable (it is a {type(tool).__name__})")
+    env = cfg.environment
+    factories = (
+        None
+        if env is None
+        else import_object(env, "environment")
+        if isinstance(env, str)
+        else {name: import_object(path, "environment") for name, path in env.items()}
+    )
+    return AgentSpec(tools, factories, timeout_s=cfg.timeout_s)

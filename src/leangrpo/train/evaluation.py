@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from leangrpo.config.schema import step_interval
 from leangrpo.core.errors import UserError
 from leangrpo.data.rewards import soft_format_reward, strict_format_reward
 from leangrpo.run.rundir import atomic_path, write_text_atomic
+
+# (text, token length, truncated, token ids) of each completion of each prompt
+Completions = list[list[tuple[str, int, bool, list[int]]]]
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -99,26 +104,45 @@ def evaluate(
         do_sample=False, assistant_prefix=assistant_prefix,
     )  # fmt: skip
     bar = tqdm(total=len(rows) * (1 + num_samples), desc="eval", unit="completion", disable=not progress)
+    with bar, _left_padded(tokenizer), torch.inference_mode():
+        greedy = gen(greedy_sampling, batch_size, bar)
+        sampled = None
+        if num_samples:
+            with torch.random.fork_rng(devices=[] if model.device.type == "cpu" else [model.device]):
+                torch.manual_seed(seed)
+                sampling = replace(
+                    greedy_sampling, num_generations=num_samples, do_sample=True, temperature=temperature,
+                    top_p=top_p,
+                )  # fmt: skip
+                sampled = gen(sampling, max(1, batch_size // num_samples), bar)
+    records = _records(rows, greedy, sampled, reward_funcs, task, has_chat_template(tokenizer), on_error)
+    return EvalResult(summarize(records, reward_funcs, num_samples), records)
+
+
+@contextmanager
+def _left_padded(tokenizer: PreTrainedTokenizerBase) -> Iterator[None]:
+    """The tokenizer padding and truncating on the left (a prompt ends where its completion starts), its
+    own sides restored after."""
     sides = (tokenizer.padding_side, tokenizer.truncation_side)
     tokenizer.padding_side = tokenizer.truncation_side = "left"
     try:
-        with torch.inference_mode():
-            greedy = gen(greedy_sampling, batch_size, bar)
-            sampled = None
-            if num_samples:
-                with torch.random.fork_rng(devices=[] if model.device.type == "cpu" else [model.device]):
-                    torch.manual_seed(seed)
-                    sampling = replace(
-                        greedy_sampling, num_generations=num_samples, do_sample=True, temperature=temperature,
-                        top_p=top_p,
-                    )  # fmt: skip
-                    sampled = gen(sampling, max(1, batch_size // num_samples), bar)
+        yield
     finally:
         tokenizer.padding_side, tokenizer.truncation_side = sides
-        bar.close()
 
+
+def _records(
+    rows: list[dict[str, Any]],
+    greedy: Completions,
+    sampled: Completions | None,
+    reward_funcs: RewardFuncs,
+    task: Task,
+    conversational: bool,
+    on_error: Literal["raise", "missing"],
+) -> list[dict[str, Any]]:
+    """One scored record per row: the greedy completion's rewards, length and truncation, and how many
+    of its samples are correct."""
     completions = [g[0][0] for g in greedy]
-    conversational = has_chat_template(tokenizer)
     records = score(
         rows, completions, reward_funcs, task, conversational, on_error, [g[0][3] for g in greedy]
     )
@@ -127,7 +151,7 @@ def evaluate(
     if sampled is not None:
         for record, row, samples in zip(records, rows, sampled, strict=True):
             record["samples_correct"] = sum(task.is_correct(text, row) for text, _, _, _ in samples)
-    return EvalResult(summarize(records, reward_funcs, num_samples), records)
+    return records
 
 
 def _generate_all(
@@ -137,11 +161,11 @@ def _generate_all(
     sampling: Sampling,
     prompts_per_call: int,
     bar: Any,
-) -> list[list[tuple[str, int, bool, list[int]]]]:
+) -> Completions:
     """(text, token length, truncated, token ids) of `sampling.num_generations` completions for each
     prompt, in `texts` order; prompts go `prompts_per_call` at a time, in `order`."""
     per_prompt = sampling.num_generations
-    out: list[list[tuple[str, int, bool, list[int]]]] = [[] for _ in texts]
+    out: Completions = [[] for _ in texts]
     for start in range(0, len(order), prompts_per_call):
         idx = order[start : start + prompts_per_call]
         batch = engine.generate([texts[i] for i in idx], sampling)
@@ -210,8 +234,8 @@ def summarize(records: list[dict[str, Any]], reward_funcs: RewardFuncs, num_samp
         "n": len(records),
         "accuracy": _mean([r["correct"] for r in records]),
         "accuracy/lenient": _mean([r["correct_lenient"] for r in records]),
-        "completion_length/mean": _mean([r.get("length") for r in records]),
-        "truncated_frac": _mean([r.get("truncated") for r in records]),
+        "completions/mean_length": _mean([r.get("length") for r in records]),
+        "completions/clipped_ratio": _mean([r.get("truncated") for r in records]),
         "reward": _mean([r["reward"] for r in records]),
     }
     for name, func, _ in reward_funcs:
@@ -266,7 +290,7 @@ class TrainingEvaluator:
 
     def due(self, step: int) -> bool:
         """Before training (step 0), every eval_steps, and at the last step."""
-        every = self.cfg.eval.eval_steps
+        every = step_interval(self.cfg.eval.eval_steps, self.cfg.optim.max_steps)
         return step in (0, self.cfg.optim.max_steps) or bool(every and step % every == 0)
 
     def __call__(

@@ -10,27 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from leangrpo.core.errors import DeviceOptionError
-
 if TYPE_CHECKING:
-    from leangrpo.config.schema import Config, OptimConfig
-
-
-def check_device_options(cfg: Config) -> None:
-    """Refuse, before any model loads, options this machine cannot provide: bitsandbytes' (8-bit AdamW,
-    a 4-bit base: CPU or CUDA) without bitsandbytes, activation offload without CUDA."""
-    from leangrpo.models.load import require_bitsandbytes
-
-    cuda = torch.cuda.is_available()
-    if cfg.optim.optimizer == "adamw_8bit":
-        require_bitsandbytes("optim.optimizer=adamw_8bit")
-    if cfg.model.load_in_4bit:
-        require_bitsandbytes("model.load_in_4bit")
-    if cfg.model.activation_offload and not cuda:
-        raise DeviceOptionError(
-            "model.activation_offload needs a CUDA GPU (on CPU the activations already live in CPU memory); "
-            "set model.activation_offload=false"
-        )
+    from leangrpo.config.schema import OptimConfig
 
 
 def build_optimizer(
@@ -45,6 +26,7 @@ def build_optimizer(
         "lr": cfg.learning_rate if learning_rate is None else learning_rate,
         "betas": (cfg.adam_beta1, cfg.adam_beta2),
         "weight_decay": cfg.weight_decay,
+        "eps": cfg.adam_epsilon,
     }
     if cfg.optimizer == "adamw_8bit":
         import bitsandbytes as bnb
@@ -63,8 +45,8 @@ class StepInBackward:
     `max_grad_norm: null` and one micro-batch per optimizer step. The norm is still summed for the
     metrics. A non-finite gradient stops the stepping for the rest of that backward; parameters stepped
     before it keep their step (a non-finite loss makes the first gradient non-finite, so nothing steps).
-    That check reads each gradient's norm on the host: on CUDA one synchronisation per parameter (a few
-    hundred a step), whose cost no GPU has measured yet."""
+    That check reads each gradient's norm on the host: on CUDA one synchronisation per parameter, a few
+    hundred a step."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]):
         self.optimizer, self.active = optimizer, False
@@ -99,13 +81,18 @@ class StepInBackward:
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, kind: str, num_warmup_steps: int, num_training_steps: int
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, num_training_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """transformers' `get_scheduler` for the config's schedule types, with the same formulas (checked
-    against it in tests/test_memory.py): linear or cosine decay after a linear warm-up, or constant
-    (which ignores warm-up, as transformers' does). transformers' own import pulls in `trainer_utils`,
-    which imports peft and bitsandbytes: 69 MiB of RSS and 1.5 s of start-up in a full fine-tuning run
-    that uses neither."""
+    against it in tests/test_memory.py): linear, cosine (`num_cycles`) or
+    cosine_with_min_lr (down to `min_lr` or `min_lr_rate` × the peak) decay after a linear warm-up, or
+    constant (which ignores warm-up, as transformers' does). transformers' own import pulls in
+    `trainer_utils`, which imports peft and bitsandbytes, memory and start-up time that a full
+    fine-tuning run using neither would pay for nothing (docs/memory.md)."""
+
+    kind, kwargs = cfg.lr_scheduler_type, cfg.lr_scheduler_kwargs or {}
+    num_warmup_steps = cfg.num_warmup_steps(num_training_steps)
+    floor = kwargs.get("min_lr_rate", kwargs.get("min_lr", 0.0) / cfg.learning_rate)
 
     def factor(step: int) -> float:
         if kind == "constant":
@@ -115,7 +102,10 @@ def build_scheduler(
         progress = (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps)
         if kind == "linear":
             return max(0.0, 1.0 - progress)
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))  # cosine, half a cycle
+        cosine = 0.5 * (1.0 + math.cos(math.pi * 2.0 * kwargs.get("num_cycles", 0.5) * progress))
+        if kind == "cosine_with_min_lr":
+            return floor + (1 - floor) * cosine
+        return max(0.0, cosine)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

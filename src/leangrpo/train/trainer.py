@@ -14,12 +14,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from leangrpo.config.schema import Config
+from leangrpo.config.schema import Config, step_interval
 from leangrpo.core import grpo
 from leangrpo.core.errors import UserError, error_reason
 from leangrpo.data.rewards import RewardContext, RewardScores, TrainerState, load_rewards, score_completions
@@ -32,11 +32,13 @@ from leangrpo.engines.rollout import (
     RolloutEngine,
     Sampling,
     as_reward_inputs,
+    eos_token_ids,
+    rollout_func_batch,
 )
-from leangrpo.engines.vllm import VLLMError, check_vllm
+from leangrpo.engines.tools import AgentSpec, prepare_tokenizer
+from leangrpo.engines.vllm import VLLMError
 from leangrpo.models.load import TensorStore, frozen_copy, is_peft, load_model_and_tokenizer
 from leangrpo.run.checkpoint import (
-    check_resumable,
     load_rank_state,
     load_trainable,
     read_state,
@@ -48,22 +50,22 @@ from leangrpo.run.checkpoint import (
     truncate_log,
     what_holds,
 )
-from leangrpo.run.resolve import save_config
-from leangrpo.run.rundir import RunDirError, RunLock, check_output_dir, drop_replaced, start_run
+from leangrpo.run.resolve import resolve_steps, save_config, with_model_path
+from leangrpo.run.rundir import RunDirError, RunLock, drop_replaced, start_run
 from leangrpo.run.signals import StopSignals
-from leangrpo.run.tracking import MetricsLogger, check_trackers, eval_line, open_trackers, peak_memory_mb
+from leangrpo.run.tracking import MetricsLogger, eval_line, open_trackers, peak_memory_mb
 from leangrpo.train import distributed, sft
-from leangrpo.train.engine import cpu_levers, rollout_engine
+from leangrpo.train.engine import agent_from_config, cpu_levers, rollout_engine
 from leangrpo.train.evaluation import TrainingEvaluator
+from leangrpo.train.extras import RuntimeExtras
 from leangrpo.train.logprobs import Policy, batch_logprobs, micro_batch_logprobs, shared_prompt_group
 from leangrpo.train.loss import loss_spec
-from leangrpo.train.optim import (
-    StepInBackward,
-    activation_offload,
-    build_optimizer,
-    build_scheduler,
-    check_device_options,
-)
+from leangrpo.train.optim import StepInBackward, activation_offload, build_optimizer, build_scheduler
+from leangrpo.train.preflight import World, preflight
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LambdaLR
+    from transformers import PreTrainedModel
 
 __all__ = ["RunDirError", "Trainer", "TrainingError", "train"]
 
@@ -101,14 +103,28 @@ class Update:
 class Trainer:
     """Holds what the loop needs across steps; `train()` runs it."""
 
-    def __init__(self, cfg: Config, overwrite: bool = False, resume: bool = False):
-        """`resume`: continue the run in `cfg.output_dir` from its last complete checkpoint."""
+    def __init__(
+        self,
+        cfg: Config,
+        overwrite: bool = False,
+        resume: bool = False,
+        agent: AgentSpec | None = None,
+        extras: RuntimeExtras | None = None,
+    ):
+        """`resume`: continue the run in `cfg.output_dir` from its last complete checkpoint. `agent`: the
+        tools, environments or rollout_func of TRL's GRPOTrainer (default: the config's `tools:`).
+        `extras`: the in-memory objects of a Python caller (rewards, rows, model, step hooks). Everything
+        that can fail on user input is checked before the model loads (`preflight`, then the data), and
+        the run directory is written only once the model has loaded (`_take_run_dir`)."""
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
-        self.cfg = cfg
+        self.extras = extras or RuntimeExtras()
         # Without CUDA, cpu=True is what makes accelerate/torchrun processes form a gloo group.
-        self.acc = Accelerator(cpu=not torch.cuda.is_available())
+        # mixed_precision "no" whatever `accelerate launch` was configured with: the weights' dtype is
+        # model.dtype, and accelerate's autocast or fp16 loss scaling would act on an optimizer it does
+        # not own (never unscaled).
+        self.acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
         self.dist = distributed.setup(self.acc)
         self.levers = cpu_levers(self.acc.device, cfg.cpu)
         if self.levers is not None:
@@ -116,41 +132,63 @@ class Trainer:
         self.is_main = self.acc.is_main_process
         self.run_dir = Path(cfg.output_dir)
         self.resume_from = resume_checkpoint(self.run_dir) if resume else None
-        if self.resume_from:
-            check_resumable(self.resume_from, cfg, self.acc.num_processes)
-        else:
-            check_output_dir(self.run_dir, overwrite)
+        sharded = isinstance(self.dist, distributed.Sharded)
+        world = World(self.acc.num_processes, self.acc.device.type, sharded)
+        preflight(cfg, world, overwrite=overwrite, resume_from=self.resume_from)
         set_seed(cfg.seed)  # identical initial weights (and LoRA init) on every rank
+        self.agent = agent if agent is not None else agent_from_config(cfg.tools)
+        self.cfg = self._load_data(cfg)
+        self.evaluator = (
+            TrainingEvaluator(self.cfg, self.run_dir, self.reward_funcs, self.task)
+            if cfg.eval.enabled
+            else None
+        )
+        model = self._load_model()
+        self.ref_policy, self.ref_pages = self._build_reference(model)
+        if self.resume_from:  # into the whole model, before sharding (the reference keeps the start)
+            self._check_steps_left(self.resume_from)
+            load_trainable(model, self.resume_from)
+        g = cfg.grpo
+        self.policy = self.dist.wrap(Policy(model, g.temperature, g.logprob_chunk_size, self.group > 1))
+        self.optimizer, self.in_backward, self.scheduler = self._build_optimizer()
+        set_seed(cfg.seed, device_specific=True)  # different samples on each rank
+        self.sampler, self.resampler = self._prompt_samplers()
+        self.sampling = Sampling.from_config(g, cfg.data.assistant_prefix)
+        self.start_step, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0
+        self._engine: RolloutEngine | None = None  # built at the first rollout, after any resume or SFT
+        self.last_save = time.monotonic()
+        self._open_run_dir(overwrite)
 
-        # Everything that can fail on user input is checked before the model loads, and the run
-        # directory is written only once the model has loaded (see `_take_run_dir`).
-        check_device_options(cfg)
-        distributed.check_options(self.dist, cfg)
-        check_vllm(cfg, self.acc.num_processes)
+    def _load_data(self, cfg: Config) -> Config:
+        """The task, its reward functions and the training rows (and the cold start's); returns `cfg`
+        with the step count an epoch-based run takes over these rows."""
         self.task = load_task(cfg.task)
         self.shuffle_generator = torch.Generator().manual_seed(cfg.seed)  # grpo.shuffle_rewards only
-        self.reward_funcs = load_rewards(cfg.rewards.functions, self.task)
-        loaded = load_rows(cfg.data, self.task)
+        self.reward_funcs = load_rewards(cfg.rewards.functions, self.task, self.extras.reward_funcs)
+        if self.agent is not None:  # an environment's get_reward, as TRL adds it
+            self.reward_funcs += self.agent.environment_rewards()
+        loaded = load_rows(cfg.data, self.task, self.extras.train_rows)
         self.rows, self.skipped = loaded.rows, loaded.skipped
         self.sft_task, self.sft_rows = self.task, self.rows  # the cold start's problems
         if cfg.sft.steps and cfg.sft.task is not None and not self.resume_from:
             self.sft_task = load_task(cfg.sft_task)
             self.sft_rows = load_rows(cfg.data, self.sft_task).rows
-        if cfg.optim.num_train_epochs and "max_steps" not in cfg.optim.model_fields_set:
-            per_step = cfg.prompts_per_step * self.acc.num_processes
-            cfg.optim.max_steps = math.ceil(cfg.optim.num_train_epochs * len(self.rows) / per_step)
-        check_trackers(cfg.logging.report_to)
-        self.evaluator = None
-        if cfg.eval.enabled:
-            self.evaluator = TrainingEvaluator(cfg, self.run_dir, self.reward_funcs, self.task)
+        return resolve_steps(cfg, len(self.rows), self.acc.num_processes)
 
-        model, self.tokenizer = load_model_and_tokenizer(cfg.model)
+    def _load_model(self) -> PreTrainedModel:
+        """The policy model and tokenizer (prepared by the device's levers), and how many completions
+        read each prompt once (`grpo.share_prompt`)."""
+        g, micro = self.cfg.grpo, self.cfg.optim.per_device_train_batch_size
+        model, self.tokenizer = load_model_and_tokenizer(
+            self.cfg.model, self.extras.model, self.extras.tokenizer
+        )
         if self.levers is not None:
             self.levers.prepare(model)
         self.conversational = has_chat_template(self.tokenizer)
+        if self.agent is not None and self.agent.uses_tools:
+            prepare_tokenizer(self.tokenizer)
         if self.is_main:
             self._warn_long_prompts()
-        g, micro = cfg.grpo, cfg.optim.per_device_train_batch_size
         self.group, why_not = (
             shared_prompt_group(model, micro, g.num_generations) if g.share_prompt else (1, None)
         )
@@ -158,49 +196,52 @@ class Trainer:
             self._write(
                 f"grpo.share_prompt: off, {why_not}; each completion reads its own copy of the prompt"
             )
-        shared = self.group > 1
-        self.ref_policy, self.ref_pages = None, None
-        if g.beta > 0 and not is_peft(model):
-            dtype = None if g.reference_dtype == "auto" else getattr(torch, g.reference_dtype)
-            self.ref_pages = self._reference_file() if cfg.cpu.reference_on_disk else None
-            ref = Policy(
-                frozen_copy(model, dtype, self.ref_pages), g.temperature, g.logprob_chunk_size, shared
-            )
-            self.ref_policy = self.dist.place_frozen(ref)
-            if self.ref_pages is not None:
-                self.ref_pages.drop_pages()  # written: out of memory until the first reference pass
-        elif cfg.cpu.reference_on_disk:
-            self._write("cpu.reference_on_disk: no effect, there is no reference copy (beta = 0, or LoRA)")
-        if self.resume_from:  # into the whole model, before sharding (the reference keeps the start)
-            self._check_steps_left(self.resume_from)
-            load_trainable(model, self.resume_from)
-        self.policy = self.dist.wrap(Policy(model, g.temperature, g.logprob_chunk_size, shared))
+        return model
+
+    def _build_reference(self, model: PreTrainedModel) -> tuple[torch.nn.Module | None, TensorStore | None]:
+        """The frozen reference copy of full fine-tuning with beta > 0 (LoRA's reference is the model
+        with its adapter off), and the file holding its weights with `cpu.reference_on_disk`."""
+        g, cpu = self.cfg.grpo, self.cfg.cpu
+        if g.beta == 0 or is_peft(model):
+            if cpu.reference_on_disk:
+                self._write(
+                    "cpu.reference_on_disk: no effect, there is no reference copy (beta = 0, or LoRA)"
+                )
+            return None, None
+        dtype = None if g.reference_dtype == "auto" else getattr(torch, g.reference_dtype)
+        pages = self._reference_file() if cpu.reference_on_disk else None
+        ref = Policy(frozen_copy(model, dtype, pages), g.temperature, g.logprob_chunk_size, self.group > 1)
+        ref_policy = self.dist.place_frozen(ref)
+        if pages is not None:
+            pages.drop_pages()  # written: out of memory until the first reference pass
+        return ref_policy, pages
+
+    def _build_optimizer(self) -> tuple[torch.optim.Optimizer, StepInBackward | None, LambdaLR]:
+        """The optimizer of the trainable parameters, its in-backward stepping
+        (`optim.optimizer_in_backward`) and its learning-rate schedule over every update of the run."""
+        optim = self.cfg.optim
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(params, cfg.optim)
-        self.in_backward = StepInBackward(self.optimizer, params) if cfg.optim.optimizer_in_backward else None
-        if self.in_backward is not None and self.acc.num_processes > 1:
-            raise TrainingError(
-                "optim.optimizer_in_backward runs on one process only: the gradients of several are "
-                "reduced after the backward, and it steps during it"
-            )
-        total = cfg.optim.max_steps * g.num_iterations
-        self.scheduler = build_scheduler(
-            self.optimizer, cfg.optim.lr_scheduler_type, cfg.optim.num_warmup_steps(total), total
+        optimizer = build_optimizer(params, optim)
+        in_backward = StepInBackward(optimizer, params) if optim.optimizer_in_backward else None
+        scheduler = build_scheduler(optimizer, optim, optim.max_steps * self.cfg.grpo.num_iterations)
+        return optimizer, in_backward, scheduler
+
+    def _prompt_samplers(self) -> tuple[PromptSampler, PromptSampler]:
+        """The order of each step's prompts, and of dynamic sampling's extra prompts: their own seeded
+        order, so that a step's prompts stay a pure function of seed, step and round (an exact resume)."""
+        cfg, acc = self.cfg, self.acc
+        return (
+            PromptSampler(
+                len(self.rows), cfg.prompts_per_step, cfg.seed, acc.process_index, acc.num_processes
+            ),
+            PromptSampler(
+                len(self.rows), cfg.prompts_per_step, cfg.seed + 2, acc.process_index, acc.num_processes
+            ),
         )
-        set_seed(cfg.seed, device_specific=True)  # different samples on each rank
-        self.sampler = PromptSampler(
-            len(self.rows), cfg.prompts_per_step, cfg.seed, self.acc.process_index,
-            self.acc.num_processes,
-        )  # fmt: skip
-        # Dynamic sampling's extra prompts: their own seeded order, so a step's prompts stay a pure
-        # function of seed, step and round (an exact resume).
-        self.resampler = PromptSampler(
-            len(self.rows), cfg.prompts_per_step, cfg.seed + 2, self.acc.process_index,
-            self.acc.num_processes,
-        )  # fmt: skip
-        self.start_step, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0
-        self._engine: RolloutEngine | None = None  # built at the first rollout, after any resume or SFT
-        self.last_save = time.monotonic()
+
+    def _open_run_dir(self, overwrite: bool) -> None:
+        """Take the run directory's lock (main process) and the directory (`_take_run_dir`); on any
+        failure, let go of the lock."""
         self.lock = RunLock(self.run_dir) if self.is_main else None
         try:
             self._take_run_dir(overwrite)
@@ -233,11 +274,13 @@ class Trainer:
     def _take_run_dir(self, overwrite: bool) -> None:
         """Under the lock: replace an earlier run (fresh start) or restore the checkpoint (resume), write
         the config, open the logs and trackers."""
-        cfg = self.cfg
         if self.is_main and not self.resume_from:
-            cfg.model.name_or_path = start_run(self.run_dir, overwrite, cfg.model.name_or_path)
-            save_config(cfg, self.run_dir / "config.yaml")  # first: it marks the directory as a run
+            self.cfg = with_model_path(
+                self.cfg, start_run(self.run_dir, overwrite, self.cfg.model.name_or_path)
+            )
+            save_config(self.cfg, self.run_dir / "config.yaml")  # first: it marks the directory as a run
         self.acc.wait_for_everyone()
+        cfg = self.cfg
         trackers = []
         if self.is_main:
             name = cfg.logging.run_name or self.run_dir.name
@@ -300,14 +343,31 @@ class Trainer:
         else:
             indices = self.sampler.indices(step - 1)
         rows = [self.rows[i] for i in indices]
+        G, agent = cfg.grpo.num_generations, self.agent
+        if agent is not None and agent.rollout_func is not None:
+            with self.dist.full_weights(self.policy):
+                output = agent.rollout_func([r["prompt"] for r in rows for _ in range(G)], self)
+            eos = eos_token_ids(self.tokenizer, self.unwrapped.lm)
+            batch = rollout_func_batch(output, self.tokenizer, eos, self.acc.device, cfg.grpo.use_vllm)
+            self.release_memory()
+            return rows, batch
+        episodes = agent.start(rows, G) if agent is not None and agent.uses_tools else None
+        if episodes is not None:  # the prompts after the environments' reset, each with its tools
+            rows = [{**r, "prompt": p} for r, p in zip(rows, episodes.prompts, strict=True)]
         texts = [
             render_prompt(
-                self.tokenizer, r["prompt"], cfg.data.assistant_prefix, cfg.data.chat_template_kwargs
+                self.tokenizer, r["prompt"], cfg.data.assistant_prefix,
+                cfg.data.chat_template_kwargs if episodes is None
+                else {**(cfg.data.chat_template_kwargs or {}), "tools": episodes.toolboxes[i * G].schemas},
             )
-            for r in rows
-        ]
+            for i, r in enumerate(rows)
+        ]  # fmt: skip
         with self.dist.full_weights(self.policy):
-            batch = self.engine.generate(texts, Sampling.from_config(cfg)).to(self.acc.device)
+            batch = self.engine.generate(
+                texts, self.sampling, None if episodes is None else episodes.toolboxes
+            ).to(self.acc.device)
+        if episodes is not None and episodes.environments is not None and batch.tool_use is not None:
+            batch.tool_use.columns["environments"] = episodes.environments  # TRL gives them to rewards
         self.release_memory()
         return rows, batch
 
@@ -319,6 +379,9 @@ class Trainer:
             [r["prompt"] for r in rows], rollout.completion_texts, self.conversational
         )
         columns = {k: [r[k] for r in rows for _ in range(G)] for k in rows[0] if k != "prompt"}
+        if rollout.tool_use is not None:  # TRL's: the assistant's turns, tool calls and results as messages
+            completions = rollout.tool_use.messages if self.conversational else completions
+            columns.update(rollout.tool_use.columns)
         ids = rollout.completion_ids.cpu()
         mask = rollout.completion_mask.bool().cpu()
         context = RewardContext(
@@ -438,7 +501,7 @@ class Trainer:
             return None, None
         g = self.cfg.grpo
         return grpo.sampler_importance_weights(
-            old_logp, rollout.sampling_logprobs, rollout.completion_mask, g.vllm_importance_sampling_mode,
+            old_logp, rollout.sampling_logprobs, rollout.loss_mask, g.vllm_importance_sampling_mode,
             g.vllm_importance_sampling_clip_min, g.vllm_importance_sampling_clip_max,
         )  # fmt: skip
 
@@ -452,58 +515,22 @@ class Trainer:
     ) -> Update:
         """`num_iterations` optimizer steps on the rollout, each accumulated over micro-batches. A NaN/inf
         loss or gradient on any process skips that optimizer step on every process."""
-        cfg, g = self.cfg, self.cfg.grpo
-        micro = cfg.optim.per_device_train_batch_size
-        mask = rollout.completion_mask.float()
+        g = self.cfg.grpo
+        mask = rollout.loss_mask.float()  # the model's tokens: a tool's are no action of the policy
         if g.mask_truncated_completions:
             mask = grpo.mask_truncated(mask, rollout.truncated)
         # dapo normalises by every process's tokens (DDP then averages the gradients)
         num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
-        spec = loss_spec(g)
-        batch = grpo.BatchTotals(len(rollout), num_tokens, math.ceil(len(rollout) / micro))
         self.policy.train()
         loss_total, stats, skipped = 0.0, [], False
         grad_norm, lr = math.nan, float(self.scheduler.get_last_lr()[0])
         for _ in range(g.num_iterations):
-            iteration_loss = 0.0
-            for start in range(0, len(rollout), micro):
-                rows = slice(start, start + micro)
-                last = start + micro >= len(rollout)
-                with (
-                    self.dist.sync_gradients(self.policy, sync=last),
-                    activation_offload(cfg.model.activation_offload),
-                    nullcontext() if self.in_backward is None else self.in_backward.stepping(),
-                ):
-                    logp, _, entropy = micro_batch_logprobs(
-                        self.policy, rollout, rows, group=self.group, with_entropy=True
-                    )
-                    width = logp.shape[1]
-                    loss, mb_stats = grpo.grpo_loss(
-                        logp,
-                        logp.detach() if old_logp is None else old_logp[rows, :width],
-                        None if ref_logp is None else ref_logp[rows, :width],
-                        advantages[rows],
-                        mask[rows, :width],
-                        spec=spec,
-                        batch=batch,
-                        entropy=entropy,
-                        sampler_weights=None if sampler_weights is None else sampler_weights[rows, :width],
-                    )
-                    self.acc.backward(loss)
-                iteration_loss += loss.item()
-                stats.append(mb_stats)
+            iteration_loss, iteration_stats = self._backward(
+                rollout, advantages, ref_logp, old_logp, sampler_weights, mask, num_tokens
+            )
+            stats += iteration_stats
             loss_total += iteration_loss / g.num_iterations
-            if self.in_backward is None:
-                grad_norm = self.dist.clip_grad_norm(self.policy, cfg.optim.max_grad_norm or math.inf)
-            else:  # each parameter took its step in the backward
-                grad_norm = self.in_backward.grad_norm
-            lr = float(self.scheduler.get_last_lr()[0])
-            skipped = self._any_process(not (math.isfinite(iteration_loss) and math.isfinite(grad_norm)))
-            if not skipped:
-                if self.in_backward is None:
-                    self.optimizer.step()
-                self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            grad_norm, lr, skipped = self._optimizer_step(iteration_loss)
             if skipped:  # the step's later iterations would build on the same bad batch
                 break
         self.release_memory()
@@ -512,6 +539,69 @@ class Trainer:
         if skipped:
             self._write("non-finite loss or gradient; update skipped")
         return Update(loss_total, grad_norm, lr, stats)
+
+    def _backward(
+        self,
+        rollout: RolloutBatch,
+        advantages: Tensor,
+        ref_logp: Tensor | None,
+        old_logp: Tensor | None,
+        sampler_weights: Tensor | None,
+        mask: Tensor,
+        num_tokens: float,
+    ) -> tuple[float, list[grpo.LossStats]]:
+        """One iteration's loss and gradients, micro-batch by micro-batch (`mask`: the completion tokens
+        that count, `num_tokens` of them on an average process); returns the summed loss and each
+        micro-batch's token counts."""
+        cfg = self.cfg
+        micro = cfg.optim.per_device_train_batch_size
+        spec = loss_spec(cfg.grpo)
+        batch = grpo.BatchTotals(len(rollout), num_tokens, math.ceil(len(rollout) / micro))
+        iteration_loss, stats = 0.0, []
+        for start in range(0, len(rollout), micro):
+            rows = slice(start, start + micro)
+            last = start + micro >= len(rollout)
+            with (
+                self.dist.sync_gradients(self.policy, sync=last),
+                activation_offload(cfg.model.activation_offload),
+                nullcontext() if self.in_backward is None else self.in_backward.stepping(),
+            ):
+                logp, _, entropy = micro_batch_logprobs(
+                    self.policy, rollout, rows, group=self.group, with_entropy=True
+                )
+                width = logp.shape[1]
+                loss, mb_stats = grpo.grpo_loss(
+                    logp,
+                    logp.detach() if old_logp is None else old_logp[rows, :width],
+                    None if ref_logp is None else ref_logp[rows, :width],
+                    advantages[rows],
+                    mask[rows, :width],
+                    spec=spec,
+                    batch=batch,
+                    entropy=entropy,
+                    sampler_weights=None if sampler_weights is None else sampler_weights[rows, :width],
+                )
+                self.acc.backward(loss)
+            iteration_loss += loss.item()
+            stats.append(mb_stats)
+        return iteration_loss, stats
+
+    def _optimizer_step(self, iteration_loss: float) -> tuple[float, float, bool]:
+        """Clip (or read the in-backward steps' norm), then step the optimizer and schedule unless the
+        loss or gradient is non-finite on any process; returns the gradient norm, the learning rate
+        the step used and whether it was skipped."""
+        if self.in_backward is None:
+            grad_norm = self.dist.clip_grad_norm(self.policy, self.cfg.optim.max_grad_norm or math.inf)
+        else:  # each parameter took its step in the backward
+            grad_norm = self.in_backward.grad_norm
+        lr = float(self.scheduler.get_last_lr()[0])
+        skipped = self._any_process(not (math.isfinite(iteration_loss) and math.isfinite(grad_norm)))
+        if not skipped:
+            if self.in_backward is None:
+                self.optimizer.step()
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, lr, skipped
 
     def record(
         self,
@@ -530,30 +620,23 @@ class Trainer:
         sampler's gap to the trainer (vllm/*); `sampling`: dynamic sampling's dynamic_sampling/*."""
         cfg, gather, device = self.cfg, self.acc.gather, self.acc.device
         total, per_func = gather(scores.total.to(device)), gather(scores.per_func.to(device))
-        lengths = gather(rollout.lengths().float())
-        kl, clip_ratio, entropy = grpo.micro_batch_means(
-            update.stats, lambda t: self.acc.reduce(t.to(device), "sum")
-        )
+        lengths, truncated = gather(rollout.lengths().float()), gather(rollout.truncated)
+        means = grpo.micro_batch_means(update.stats, lambda t: self.acc.reduce(t.to(device), "sum"))
         step_seconds = sum(seconds.values())
         metrics: dict[str, Any] = {
             "step": step,
             "reward": float(total.nanmean()),
             "reward_std": float(total[~total.isnan()].std()),  # TRL's: all rewards, not within groups
-            "kl": kl if cfg.grpo.beta > 0 else None,
-            "clip_ratio": clip_ratio,
-            "entropy": entropy,
-            "completion_length/mean": float(lengths.mean()),
-            "completion_length/max": float(lengths.max()),
-            "truncated_frac": float(gather(rollout.truncated.float()).mean()),
-            "zero_std_frac": float(group_std.isclose(torch.zeros_like(group_std)).float().mean()),
-            "reward_failures": int(gather(scores.failed.float()).sum()),
+            **means,
+            "kl": means["kl"] if cfg.grpo.beta > 0 else None,
+            **_length_metrics(lengths, truncated),
+            "frac_reward_zero_std": float(group_std.isclose(torch.zeros_like(group_std)).float().mean()),
+            "reward_failures": int(gather(scores.failed.float().to(device)).sum()),
             "skipped_steps": self.skipped_steps,
             "tokens_per_s": float(lengths.sum()) / step_seconds,
             "step_seconds": step_seconds,
             "peak_memory_mb": peak_memory_mb(),
-            **{
-                f"rewards/{name}/mean": float(per_func[:, i].nanmean()) for i, name in enumerate(scores.names)
-            },
+            **_reward_metrics(scores.names, per_func),
             "loss": update.loss,
             "grad_norm": update.grad_norm,
             "learning_rate": update.learning_rate,
@@ -561,15 +644,24 @@ class Trainer:
             **scores.metrics,  # the rewards' log_metric values (this process's)
             **{f"vllm/{k}": v for k, v in (vars(mismatch) if mismatch else {}).items()},
             **(sampling or {}),
+            **self._tool_metrics(rollout),
         }
         if self.is_main and _due(step, cfg.logging.log_completions_steps):
             sample = self.task.sample_view(rows[0], rollout.completion_texts[0])
             rewards = {n: float(scores.per_func[0, i]) for i, n in enumerate(scores.names)}
             extra = {column: values[0] for column, values in scores.extra.items() if values}
             self.logger.log_sample({"step": step, **sample, "rewards": rewards, **extra})
-        if self.is_main and _due(step, cfg.logging.logging_steps):
+        if self.is_main and _due(step, step_interval(cfg.logging.logging_steps, cfg.optim.max_steps)):
             self.logger.log(metrics)
+        if self.is_main:
+            for hook in self.extras.step_hooks:
+                hook(step, metrics)
         return metrics
+
+    def _tool_metrics(self, rollout: RolloutBatch) -> dict[str, float]:
+        """tools/*, this process's (the rollouts it generated), when rollouts call tools."""
+        uses_tools = self.agent is not None and self.agent.uses_tools
+        return rollout.tool_use.metrics() if uses_tools and rollout.tool_use is not None else {}
 
     # ----------------------------------------------------------------------------------- the run
 
@@ -592,16 +684,7 @@ class Trainer:
         from tqdm import tqdm
 
         cfg = self.cfg
-        self._write(f"training on {self.dist.describe()}, device {self.acc.device}")
-        asked = distributed.launcher_processes()
-        if asked and asked > self.acc.num_processes:
-            self._write(
-                f"warning: accelerate launch asked for {asked} processes but {self.acc.num_processes} formed "
-                f"(--cpu starts one); on CPU use torchrun --nproc_per_node {asked} or accelerate launch "
-                f"--multi_gpu --num_processes {asked} (docs/distributed.md)"
-            )
-        if self.is_main and self.skipped:
-            self._write(f"data: skipped {len(self.skipped)} bad rows (first: {self.skipped[0]})")
+        self._announce()
         if cfg.grpo.use_vllm:  # before any work, so that a model vLLM cannot load stops the run at once
             self._engine = rollout_engine(cfg, self.unwrapped.lm, self.tokenizer, self.levers)
         if not self.resume_from:  # a resumed run went through these already
@@ -652,6 +735,20 @@ class Trainer:
             save_final_model(lm, self.tokenizer, final)
         return final
 
+    def _announce(self) -> None:
+        """Say where the run trains, warn of a launch that formed fewer processes than it asked for, and
+        count the data's bad rows."""
+        self._write(f"training on {self.dist.describe()}, device {self.acc.device}")
+        asked = distributed.launcher_processes()
+        if asked and asked > self.acc.num_processes:
+            self._write(
+                f"warning: accelerate launch asked for {asked} processes but {self.acc.num_processes} formed "
+                f"(--cpu starts one); on CPU use torchrun --nproc_per_node {asked} or accelerate launch "
+                f"--multi_gpu --num_processes {asked} (docs/distributed.md)"
+            )
+        if self.is_main and self.skipped:
+            self._write(f"data: skipped {len(self.skipped)} bad rows (first: {self.skipped[0]})")
+
     def _engine_failed(self, step: int, error: VLLMError) -> TrainingError:
         """After vLLM failed during `step`: checkpoint the weights of the step before (unless one holds
         them already) and say, in one line, what failed and how to resume."""
@@ -689,7 +786,7 @@ class Trainer:
             self.dist.clip_grad_norm(self.policy, cfg.optim.max_grad_norm or math.inf)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if (step + 1) % cfg.logging.logging_steps == 0 or step + 1 == s.steps:
+            if (step + 1) % step_interval(cfg.logging.logging_steps, s.steps) == 0 or step + 1 == s.steps:
                 self._write(f"sft step {step + 1:>4} | loss={loss.item():.4g}")
 
     def maybe_evaluate(self, step: int, name: str | None = None) -> None:
@@ -714,10 +811,11 @@ class Trainer:
     def _checkpoint_due(self, step: int) -> bool:
         """Every `save_steps` steps, once `save_minutes` have passed since the last save (decided by any
         process, so all save together), and at the last step; never when both are 0."""
-        log = self.cfg.logging
+        log, max_steps = self.cfg.logging, self.cfg.optim.max_steps
         if not (log.save_steps or log.save_minutes):
             return False
-        if step == self.cfg.optim.max_steps or (log.save_steps and step % log.save_steps == 0):
+        every = step_interval(log.save_steps, max_steps)
+        if step == max_steps or (every and step % every == 0):
             return True
         late = bool(log.save_minutes) and time.monotonic() - self.last_save >= 60 * log.save_minutes
         return self._any_process(late)
@@ -810,12 +908,47 @@ class Trainer:
         return bool(self.acc.reduce(torch.tensor(float(flag), device=self.acc.device), "sum") > 0)
 
 
+def _nanstd(values: Tensor) -> float:
+    """The std of the scored values (TRL's per-reward `std`, which leaves unscored ones out)."""
+    return float(values[~values.isnan()].std())
+
+
+def _reward_metrics(names: list[str], per_func: Tensor) -> dict[str, float]:
+    """Each reward function's `rewards/<name>/mean` and `/std` over the scored completions."""
+    return {
+        f"rewards/{name}/{stat}": value
+        for i, name in enumerate(names)
+        for stat, value in (("mean", float(per_func[:, i].nanmean())), ("std", _nanstd(per_func[:, i])))
+    }
+
+
+def _length_metrics(lengths: Tensor, truncated: Tensor) -> dict[str, float]:
+    """TRL's `completions/*` metrics: lengths of all completions, and of those that ended (EOS) before
+    max_completion_length (0 when none did, as TRL)."""
+    ended = lengths[~truncated]
+    out = {
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(truncated.float().mean()),
+    }
+    for stat in ("mean", "min", "max"):
+        out[f"completions/{stat}_terminated_length"] = float(getattr(ended, stat)()) if len(ended) else 0.0
+    return out
+
+
 def _due(step: int, every: int) -> bool:
     """A schedule of `every` steps (0: never) that also fires at step 1."""
     return bool(every) and (step % every == 0 or step == 1)
 
 
-def train(cfg: Config, overwrite: bool = False, resume: bool = False) -> Path | None:
+def train(
+    cfg: Config,
+    overwrite: bool = False,
+    resume: bool = False,
+    agent: AgentSpec | None = None,
+    extras: RuntimeExtras | None = None,
+) -> Path | None:
     """Train as configured (or resume the run in `cfg.output_dir`); returns the final model's directory,
     or None when a signal stopped the run after saving a checkpoint.
 
@@ -823,7 +956,7 @@ def train(cfg: Config, overwrite: bool = False, resume: bool = False) -> Path | 
     interpreter exit can abort the process after the work is done; the CLI then also skips the
     interpreter's own teardown: `cli._leave_if_one_of_many`). Only the group accelerate formed: a
     colocated vLLM's own single-process group stays for the next engine in this process."""
-    trainer = Trainer(cfg, overwrite, resume)
+    trainer = Trainer(cfg, overwrite, resume, agent, extras)
     try:
         return trainer.train()
     finally:

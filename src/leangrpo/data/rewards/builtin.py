@@ -131,7 +131,7 @@ def answers_match(predicted: str, gold: str) -> bool:
     signal.alarm, which only works in the main thread; elsewhere they are disabled and only the
     length cap bounds the work.
     """
-    from math_verify import parse, verify  # lazy: pulls in sympy (~0.6 s)
+    from math_verify import parse, verify  # lazy: pulls in sympy, slow to import
 
     timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else 0
     gold_parsed = parse(gold, parsing_timeout=timeout)

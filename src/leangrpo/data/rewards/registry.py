@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -96,25 +96,50 @@ def _from_factory(name: str, factory: Callable[..., Any], kwargs: dict[str, Any]
     return func
 
 
-def load_rewards(specs: list[RewardSpec], task: RewardSource) -> list[tuple[str, RewardFunc, float]]:
-    """The configured rewards as (name, function, weight)."""
-    return [(s.name, load_reward(s.name, task.rewards(), s.kwargs), s.weight) for s in specs]
+def load_rewards(
+    specs: list[RewardSpec], task: RewardSource, given: Mapping[str, RewardFunc] | None = None
+) -> list[tuple[str, RewardFunc, float]]:
+    """The configured rewards as (metric name, function, weight). ``given``: functions handed over in
+    memory (the Python API's callables), by the name their spec carries. The metric name is TRL's: the
+    function's ``__name__``, or a reward model's basename."""
+    given = given or {}
+    loaded = [
+        (s, given[s.name] if s.name in given else load_reward(s.name, task.rewards(), s.kwargs))
+        for s in specs
+    ]
+    return [(reward_name(s.name, func), func, s.weight) for s, func in loaded]
+
+
+def reward_name(spec_name: str, func: RewardFunc) -> str:
+    """What TRL logs a reward as (`rewards/<name>/mean`): a function's ``__name__``, a reward model's last
+    path part; the spec's own name for an object without either (a ``functools.partial``)."""
+    from leangrpo.data.rewards.model import RewardModel
+
+    if isinstance(func, RewardModel):
+        return func.__name__.rstrip("/").split("/")[-1]
+    return str(getattr(func, "__name__", spec_name))
 
 
 def _import_reward(path: str) -> RewardFunc:
-    module_name, _, attr = path.partition(":")
+    func = import_object(path, "reward")
+    if not callable(func):
+        raise RewardError(f"reward {path!r} is not callable (it is a {type(func).__name__})")
+    return func
+
+
+def import_object(path: str, what: str) -> Any:
+    """The object user code names as ``package.module:object`` (a reward, a tool, an environment); every
+    import of user code by name goes through here. A bad path is a one-line RewardError naming `what`."""
+    module_name, _, attr = path.strip().partition(":")
     if not module_name or not attr or ":" in attr:
-        raise RewardError(f"invalid reward import path {path!r}; expected 'package.module:function'")
+        raise RewardError(f"invalid {what} import path {path!r}; expected 'package.module:object'")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
         raise RewardError(
-            f"cannot import module {module_name!r} for reward {path!r}: {type(exc).__name__}: {exc}"
+            f"cannot import module {module_name!r} for {what} {path!r}: {type(exc).__name__}: {exc}"
         ) from exc
     try:
-        func = getattr(module, attr)
+        return getattr(module, attr)
     except AttributeError as exc:
-        raise RewardError(f"module {module_name!r} has no attribute {attr!r} (reward {path!r})") from exc
-    if not callable(func):
-        raise RewardError(f"reward {path!r} is not callable (it is a {type(func).__name__})")
-    return func
+        raise RewardError(f"module {module_name!r} has no attribute {attr!r} ({what} {path!r})") from exc

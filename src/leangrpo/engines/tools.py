@@ -1,0 +1,532 @@
+"""Tool calls inside a rollout, TRL 1.16's contract: the model's turns and the tools' results in one token
+sequence, with a mask of the tokens the model wrote.
+
+A `Toolbox` holds one rollout's tools (plain functions, or an environment's public methods); `tool_loop`
+parses each turn's tool calls (transformers' `parse_response`), runs them, appends their results as tool
+messages and resumes generation, as TRL's `_tool_call_loop` does. Nothing here runs code from the model's
+output: a tool call only names one of the user's own functions and its arguments."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from leangrpo.core.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+Message = dict[str, Any]
+
+
+class ToolError(UserError, ValueError):
+    """Tools that cannot be used as given (no schema, a chat template that cannot show them...)."""
+
+
+# The ChatML tool format TRL gives ChatML models (its qwen2_5 template and qwen3 response template).
+CHATML_TOOL_TEMPLATE = Path(__file__).with_name("chatml_tools.jinja").read_text(encoding="utf-8")
+CHATML_RESPONSE_TEMPLATE: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+TOOL_CALL_OPENER = "<tool_call>"
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Make `tokenizer` render tools and tool messages and parse tool calls: its own template and response
+    template where it has them; a ChatML model without them (SmolLM2) gets TRL's ChatML tool format."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    chatml = "<|im_start|>" in template
+    if not renders_tool_calls(tokenizer):
+        if not chatml:
+            raise ToolError(
+                "tools need a chat template that renders tool calls and tool results; this tokenizer's does "
+                "not, and it is not ChatML (set one with tokenizer.chat_template)"
+            )
+        tokenizer.chat_template = CHATML_TOOL_TEMPLATE
+    if getattr(tokenizer, "response_template", None) is None:
+        if not chatml:
+            raise ToolError(
+                "tools need the tokenizer's response_template to parse tool calls (transformers' "
+                "parse_response); this tokenizer has none and is not ChatML"
+            )
+        tokenizer.response_template = CHATML_RESPONSE_TEMPLATE
+
+
+def renders_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template shows an assistant's tool call and the tool's result (TRL's check)."""
+    call = {"type": "function", "function": {"name": "tool_name_a8f3", "arguments": {"arg_b9d4": "val_d6e7"}}}
+    messages: list[Any] = [
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "tool_name_a8f3", "content": "result_c4f9"},
+    ]
+    try:
+        text = str(tokenizer.apply_chat_template(messages, tokenize=False))
+    except Exception:  # a template that rejects these roles
+        return False
+    return all(s in text for s in ("tool_name_a8f3", "arg_b9d4", "val_d6e7", "result_c4f9"))
+
+
+class Toolbox:
+    """One rollout's tools by name: functions with type hints and Google-style docstrings (sync or async),
+    each call bounded by `timeout_s`."""
+
+    def __init__(self, tools: Sequence[Callable[..., Any]], timeout_s: float | None = None):
+        self.functions = {tool.__name__: tool for tool in tools}
+        self.timeout_s = timeout_s
+
+    @cached_property
+    def schemas(self) -> list[dict[str, Any]]:
+        """The tools' JSON schemas (transformers' get_json_schema), as chat templates take them."""
+        from transformers.utils import get_json_schema
+
+        schemas = []
+        for name, tool in self.functions.items():
+            try:
+                schemas.append(get_json_schema(tool))
+            except Exception as e:  # transformers' DocstringParsingException, TypeHintParsingException
+                raise ToolError(f"tool {name!r}: {str(e).splitlines()[0]}") from None
+        return schemas
+
+    async def call(self, tool_call: Any) -> tuple[str, str, bool]:
+        """Run one parsed tool call: (tool name, the tool message's text, whether it failed). A tool that
+        raises, runs past `timeout_s` or returns what is not text (a number or JSON-able value is written
+        as text, as TRL does) fails, and its result is the error, as TRL writes one."""
+        name = "unknown"
+        try:
+            if not isinstance(tool_call, dict) or tool_call.get("type") != "function":
+                raise ValueError(f"Unsupported tool call: {tool_call!r:.100}")
+            name, arguments = tool_call["function"]["name"], tool_call["function"].get("arguments", {})
+            if name not in self.functions:
+                raise ValueError(f"Tool {name} not found.")
+            if not isinstance(arguments, dict):
+                raise ValueError(f"arguments must be a JSON object, not {arguments!r:.100}")
+            tool = self.functions[name]
+            run = tool(**arguments) if inspect.iscoroutinefunction(tool) else _in_thread(tool, arguments)
+            result = await asyncio.wait_for(run, self.timeout_s)
+            return name, as_text(result), False
+        except asyncio.TimeoutError:
+            return name, str({"error": f"did not return within tools.timeout_s={self.timeout_s:g}s"}), True
+        except Exception as e:
+            return name, str({"error": str(e)}), True
+
+
+def as_text(result: Any) -> str:
+    """A tool's result as the tool message's text: text as is, numbers and JSON-able values written out."""
+    if isinstance(result, str):
+        return result
+    if isinstance(result, (bool, int, float)):
+        return str(result)
+    if isinstance(result, (dict, list)):
+        return json.dumps(result)  # raises TypeError for what JSON cannot hold
+    raise TypeError(f"returned a {type(result).__name__}, not text")
+
+
+async def _in_thread(tool: Callable[..., Any], arguments: dict[str, Any]) -> Any:
+    """A sync tool's result, computed in a daemon thread so that a timeout can leave a stuck tool behind
+    (asyncio's own executor would be joined when the loop closes)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = tool(**arguments)
+        except BaseException as e:  # handed to the awaiting coroutine
+            error = e
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the call timed out long ago
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, daemon=True, name="leangrpo-tool").start()
+    return await future
+
+
+def run_tool_calls(calls: list[tuple[Toolbox, Any]]) -> list[tuple[str, str, bool]]:
+    """Every (toolbox, tool call) of a tool-calling turn: sync tools one after another in order (an
+    environment's methods may depend on the order), async tools concurrently beside them."""
+
+    async def run_all() -> list[tuple[str, str, bool]]:
+        results: list[tuple[str, str, bool] | None] = [None] * len(calls)
+
+        async def one(i: int) -> None:
+            box, tool_call = calls[i]
+            results[i] = await box.call(tool_call)
+
+        def is_async(box: Toolbox, tool_call: Any) -> bool:
+            name = tool_call.get("function", {}).get("name") if isinstance(tool_call, dict) else None
+            return inspect.iscoroutinefunction(box.functions.get(str(name)))
+
+        async def sync_in_order() -> None:
+            for i, (box, tool_call) in enumerate(calls):
+                if not is_async(box, tool_call):
+                    await one(i)
+
+        asynchronous = [one(i) for i, (box, call) in enumerate(calls) if is_async(box, call)]
+        await asyncio.gather(sync_in_order(), *asynchronous)
+        return [r for r in results if r is not None]
+
+    with ThreadPoolExecutor(1) as pool:  # its own loop, also under a caller's running one
+        return pool.submit(asyncio.run, run_all()).result()
+
+
+@dataclass
+class ToolUse:
+    """What each rollout did with its tools: its messages (the assistant's turns, tool calls included,
+    and the tool results, as TRL gives rewards `completions`), model turns, and calls and failures by
+    tool name."""
+
+    messages: list[list[Message]]
+    turns: list[int]
+    calls: list[Counter[str]]
+    failures: list[Counter[str]]
+    columns: dict[str, list[Any]] = field(default_factory=dict)  # more reward inputs, one value each
+
+    def select(self, rows: list[int]) -> ToolUse:
+        def pick(column: list[Any]) -> list[Any]:
+            return [column[i] for i in rows]
+
+        columns = {key: pick(values) for key, values in self.columns.items()}
+        return ToolUse(pick(self.messages), pick(self.turns), pick(self.calls), pick(self.failures), columns)
+
+    @staticmethod
+    def cat(uses: list[ToolUse]) -> ToolUse:
+        def joined(column: Callable[[ToolUse], list[Any]]) -> list[Any]:
+            return [x for use in uses for x in column(use)]
+
+        keys = dict.fromkeys(key for use in uses for key in use.columns)
+        return ToolUse(
+            joined(lambda u: u.messages), joined(lambda u: u.turns), joined(lambda u: u.calls),
+            joined(lambda u: u.failures),
+            {key: [x for u in uses for x in u.columns.get(key, [None] * len(u.turns))] for key in keys},
+        )  # fmt: skip
+
+    def metrics(self) -> dict[str, float]:
+        """TRL's tools/call_frequency (calls per rollout) and tools/failure_frequency (failures per call),
+        tools/turns (model turns per rollout), and each tool's calls and failures."""
+        calls, failures = sum(self.calls, Counter()), sum(self.failures, Counter())
+        total = sum(calls.values())
+        return {
+            "tools/call_frequency": total / len(self.turns),
+            "tools/failure_frequency": sum(failures.values()) / total if total else 0.0,
+            "tools/turns": sum(self.turns) / len(self.turns),
+            **{f"tools/{name}/calls": float(n) for name, n in sorted(calls.items())},
+            **{f"tools/{name}/failures": float(failures[name]) for name in sorted(calls)},
+        }
+
+
+TurnGenerator = Callable[[list[list[int]], int], tuple[list[list[int]], list[list[float]] | None]]
+"""Continues each token sequence by at most the given number of tokens: the new tokens (up to and
+including the first EOS) and the sampler's log-probs of them (None where the engine has none)."""
+
+
+@dataclass
+class Trajectories:
+    """The tool loop's output, one list per rollout: the completion (model and tool tokens), which of its
+    tokens the model wrote (1) or a tool (0), the sampler's log-probs (0 on tool tokens) and what the
+    rollout did with its tools."""
+
+    completion_ids: list[list[int]]
+    model_mask: list[list[int]]
+    logprobs: list[list[float]] | None
+    use: ToolUse = field(repr=False)
+
+
+def tool_loop(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    logprobs: list[list[float]] | None,
+    toolboxes: list[Toolbox],
+    generate_turns: TurnGenerator,
+    max_completion_length: int,
+    max_iterations: int | None,
+    max_model_len: int | None = None,
+) -> Trajectories:
+    """TRL 1.16's `_tool_call_loop` on first turns already sampled: while some rollouts called tools (at
+    most `max_iterations` rounds), run the calls, append the tool messages' tokens and generate the next
+    turn. The tool results count toward `max_completion_length`, as in TRL: a result that would pass it
+    (or `max_model_len` in all) is dropped and its rollout ends there; a later turn is cut at the budget."""
+    completion_ids, logprobs = [list(c) for c in completion_ids], logprobs and [list(lp) for lp in logprobs]
+    model_mask = [[1] * len(ids) for ids in completion_ids]
+    n = len(completion_ids)
+    use = ToolUse(
+        [[] for _ in range(n)], [1] * n, [Counter() for _ in range(n)], [Counter() for _ in range(n)]
+    )
+    pending: dict[int, list[Any]] = {}
+    for i, ids in enumerate(completion_ids):
+        message, calls = parse_turn(tokenizer, ids, prompt_ids[i], toolboxes[i], use, i)
+        use.messages[i].append(message)
+        if calls:
+            pending[i] = calls
+    iteration = 0
+    while pending and (max_iterations is None or iteration < max_iterations):
+        results = run_tool_calls([(toolboxes[i], call) for i in pending for call in pending[i]])
+        sequences, budgets = {}, {}
+        for i, calls in pending.items():
+            mine, results = results[: len(calls)], results[len(calls) :]
+            tool_messages = [_tool_message(use, i, *result) for result in mine]
+            sequence = prompt_ids[i] + completion_ids[i] + tool_suffix_ids(tokenizer, tool_messages)
+            used = len(sequence) - len(prompt_ids[i])
+            if used > max_completion_length or (max_model_len is not None and len(sequence) >= max_model_len):
+                continue  # TRL drops the results and ends the rollout with its completion as it is
+            use.messages[i] += tool_messages
+            sequences[i], budgets[i] = sequence, max_completion_length - used
+        pending = {}
+        if not sequences:
+            break
+        rows = list(sequences)
+        new_ids, new_logprobs = generate_turns([sequences[i] for i in rows], max(budgets.values()))
+        for k, i in enumerate(rows):
+            turn = new_ids[k][: budgets[i]]
+            tool_length = len(sequences[i]) - len(prompt_ids[i]) - len(completion_ids[i])
+            model_mask[i] += [0] * tool_length + [1] * len(turn)
+            if logprobs is not None and new_logprobs is not None:
+                logprobs[i] += [0.0] * tool_length + new_logprobs[k][: len(turn)]
+            completion_ids[i] = sequences[i][len(prompt_ids[i]) :] + turn
+            if turn:
+                message, calls = parse_turn(tokenizer, turn, sequences[i], toolboxes[i], use, i)
+                use.messages[i].append(message)
+                use.turns[i] += 1
+                if calls:
+                    pending[i] = calls
+        iteration += 1
+    return Trajectories(completion_ids, model_mask, logprobs, use)
+
+
+def _tool_message(use: ToolUse, row: int, name: str, content: str, failed: bool) -> Message:
+    """A tool's result as the message the model reads next, counted in `use` for rollout `row`."""
+    use.calls[row][name] += 1
+    use.failures[row][name] += failed
+    return {"role": "tool", "name": name, "content": content}
+
+
+def turn_message(tokenizer: PreTrainedTokenizerBase, ids: list[int], prefix: list[int]) -> Message:
+    """One assistant turn as a message, tool calls parsed where the tokenizer can (TRL's completions)."""
+    if getattr(tokenizer, "response_template", None) is None:
+        return {"role": "assistant", "content": str(tokenizer.decode(ids, skip_special_tokens=True))}
+    use = ToolUse([[]], [1], [Counter()], [Counter()])
+    return parse_turn(tokenizer, ids, prefix, Toolbox([]), use, 0)[0]
+
+
+def parse_turn(
+    tokenizer: PreTrainedTokenizerBase,
+    ids: list[int],
+    prefix: list[int],
+    toolbox: Toolbox,
+    use: ToolUse,
+    row: int,
+) -> tuple[Message, list[Any]]:
+    """One assistant turn as a message (transformers' parse_response, TRL's fallback to the decoded text)
+    and its tool calls. A call that does not parse in a finished turn counts as a call and a failure of
+    tool "malformed" (TRL counts neither)."""
+    try:
+        tools: list[Any] = list(toolbox.schemas)
+        message = tokenizer.parse_response(ids, prefix=prefix, tools=tools)
+        if message is None:
+            raise ValueError("nothing parsed")
+    except (ValueError, TypeError):
+        text = str(tokenizer.decode(ids, skip_special_tokens=True))
+        if TOOL_CALL_OPENER in text and ids and ids[-1] == tokenizer.eos_token_id:  # not cut at the budget
+            use.calls[row]["malformed"] += 1
+            use.failures[row]["malformed"] += 1
+        return {"role": "assistant", "content": text}, []
+    message = dict(message)
+    content = message.get("content") or ""
+    message["content"] = (
+        content.removesuffix(tokenizer.eos_token or "") if isinstance(content, str) else content
+    )
+    calls = message.get("tool_calls") or []
+    return message, list(calls)
+
+
+def tool_suffix_ids(tokenizer: PreTrainedTokenizerBase, tool_messages: list[Message]) -> list[int]:
+    """The tokens that follow an assistant's tool-calling turn (ended at its EOS): the tool messages and the
+    next assistant header, from the chat template (TRL's `_get_tool_suffix_ids`)."""
+    call = {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}
+    dummy: list[Any] = [
+        {"role": "user", "content": "dummy"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
+    prefix = list(tokenizer.apply_chat_template(dummy, tokenize=True, return_dict=False))
+    full = list(
+        tokenizer.apply_chat_template(
+            dummy + tool_messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+    ends = [k for k, token in enumerate(prefix) if token == tokenizer.eos_token_id]
+    if ends:
+        prefix = prefix[: ends[-1] + 1]
+    if full[: len(prefix)] != prefix:
+        raise ToolError(
+            "the chat template does not render a conversation's start the same way when it goes on"
+        )
+    return full[len(prefix) :]
+
+
+EnvironmentFactory = Callable[[], Any]
+RolloutFunc = Callable[[list[Any], Any], dict[str, Any]]
+
+
+class AgentSpec:
+    """What makes rollouts multi-turn, as TRL's GRPOTrainer takes it: `tools` for every rollout, an
+    `environment_factory` (a callable, or a dict of them picked by each row's `environment` column; one
+    instance per rollout, whose public methods are its tools), or a `rollout_func(prompts, trainer)` that
+    generates by itself. Instances are pooled across steps and reset for each rollout, as TRL does."""
+
+    def __init__(
+        self,
+        tools: Sequence[Callable[..., Any]] = (),
+        environment_factory: EnvironmentFactory | dict[str, EnvironmentFactory] | None = None,
+        rollout_func: RolloutFunc | None = None,
+        timeout_s: float | None = 30.0,
+    ):
+        self.tools, self.rollout_func, self.timeout_s = list(tools), rollout_func, timeout_s
+        for tool in self.tools:
+            if not callable(tool):
+                raise ToolError(f"tool {tool!r:.60} is not callable")
+        self.multi_environment = isinstance(environment_factory, dict)
+        self.factories: dict[str | None, EnvironmentFactory] | None = (
+            None
+            if environment_factory is None
+            else dict(environment_factory.items())
+            if isinstance(environment_factory, dict)
+            else {None: environment_factory}
+        )
+        self.pool: dict[str | None, list[Any]] = {}
+        for name, factory in (self.factories or {}).items():
+            instance = _instance(name, factory)
+            if not callable(getattr(instance, "reset", None)):
+                raise ToolError(f"environment {type(instance).__name__}: defines no reset method")
+            self.pool[name] = [instance]
+        # a tool without a JSON schema stops the run here, before the model loads
+        for tools in [self.tools, *(environment_tools(pool[0]) for pool in self.pool.values())]:
+            _ = Toolbox(tools).schemas
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools or self.factories)
+
+    def environment_rewards(self) -> list[tuple[str, Callable[..., Any], float]]:
+        """Each environment class's `get_reward` as a reward named after the class, weight 1, as TRL adds
+        it: a rollout is scored by its own environment when that is of exactly this class, else None."""
+        classes = dict.fromkeys(type(pool[0]) for pool in self.pool.values())
+        return [
+            (cls.__name__, _environment_reward(cls), 1.0)
+            for cls in classes
+            if callable(getattr(cls, "get_reward", None))
+        ]
+
+    def start(self, rows: list[dict[str, Any]], group: int) -> Episodes:
+        """One environment instance (if any) and toolbox per rollout, `group` rollouts per row, each reset
+        with its row's columns; the prompts with what reset returned appended to the last user message."""
+        prompts = [row.get("prompt", [{"role": "user", "content": ""}]) for row in rows]
+        if self.factories is None:
+            box = Toolbox(self.tools, self.timeout_s)
+            return Episodes(prompts, [box] * (len(rows) * group), None)
+        names = [row.get("environment") if self.multi_environment else None for row in rows]
+        unknown = sorted({str(n) for n in names if n not in self.factories})
+        if unknown:
+            raise ToolError(f"rows name environments {unknown}; known: {sorted(map(str, self.factories))}")
+        handed: Counter[str | None] = Counter()
+        environments, toolboxes = [], []
+        for index, (row, name) in enumerate(zip(rows, names, strict=True)):
+            columns = {k: v for k, v in row.items() if k != "environment"} if self.multi_environment else row
+            observations = []
+            for _ in range(group):
+                pool = self.pool[name]
+                if handed[name] == len(pool):
+                    pool.append(_instance(name, self.factories[name]))
+                environment = pool[handed[name]]
+                handed[name] += 1
+                try:
+                    observations.append(environment.reset(**columns))
+                except Exception as e:
+                    raise ToolError(
+                        f"environment {type(environment).__name__}.reset failed on row {index} "
+                        f"({str(prompts[index])[:80]!r}): {type(e).__name__}: {e}"
+                    ) from None
+                environments.append(environment)
+                toolboxes.append(Toolbox(self.tools + environment_tools(environment), self.timeout_s))
+            if any(o != observations[0] for o in observations):
+                raise ToolError(
+                    f"environment {type(environments[-1]).__name__}.reset returned different text for the "
+                    f"rollouts of row {index}; GRPO compares the rollouts of one prompt, so it may depend "
+                    "on the row only"
+                )
+            if observations[0] is not None:
+                prompts[index] = with_observation(prompts[index], observations[0])
+        return Episodes(prompts, toolboxes, environments)
+
+
+@dataclass
+class Episodes:
+    """A step's rollouts with tools: each row's prompt (after its environment's reset), each rollout's
+    toolbox and environment instance (None without environments)."""
+
+    prompts: list[Any]
+    toolboxes: list[Toolbox]
+    environments: list[Any] | None
+
+
+def environment_tools(environment: Any) -> list[Callable[..., Any]]:
+    """An environment's public methods other than reset and get_reward: its tools (TRL's rule)."""
+    return [
+        getattr(environment, name)
+        for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
+        if name not in ("reset", "get_reward") and not name.startswith("_")
+    ]
+
+
+def with_observation(prompt: Any, observation: str) -> Any:
+    """`prompt` with the environment's reset text appended to its last message (or to a text prompt)."""
+    if isinstance(prompt, str):
+        return prompt + observation
+    return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
+
+
+def _environment_reward(cls: type[Any]) -> Callable[..., Any]:
+    """A reward function calling `get_reward` (sync or async) on the environments of class `cls`."""
+    if inspect.iscoroutinefunction(getattr(cls, "get_reward", None)):
+
+        async def reward_async(environments: list[Any], **_: Any) -> list[float | None]:
+            return [await e.get_reward() if type(e) is cls else None for e in environments]
+
+        return reward_async
+
+    def reward(environments: list[Any], **_: Any) -> list[float | None]:
+        return [e.get_reward() if type(e) is cls else None for e in environments]
+
+    return reward
+
+
+def _instance(name: str | None, factory: EnvironmentFactory) -> Any:
+    try:
+        return factory()
+    except Exception as e:
+        label = "environment_factory" if name is None else f"environment {name!r}"
+        raise ToolError(f"{label} failed to make an instance: {type(e).__name__}: {e}") from None

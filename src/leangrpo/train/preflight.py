@@ -1,0 +1,120 @@
+"""Every check of a run's config against the machine and the launch it runs on, in one place, before any
+model loads: the run directory (fresh or resumed), device-only and package-only options, what FSDP cannot
+honour, vLLM's limits, the trackers' packages. Each refusal is one line naming the option and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from leangrpo.config.schema import Config
+from leangrpo.core.errors import DeviceOptionError, UserError
+from leangrpo.engines.vllm import VLLMError, import_vllm
+from leangrpo.run.checkpoint import RESUMABLE_KEYS, CheckpointError, flatten, read_state
+from leangrpo.run.rundir import check_output_dir
+from leangrpo.run.tracking import TrackerError
+
+
+@dataclass(frozen=True)
+class World:
+    """Where a run trains: its number of processes, their device type (cuda, cpu...), and whether FSDP
+    shards the model over them."""
+
+    num_processes: int = 1
+    device: str = "cpu"
+    sharded: bool = False
+
+
+def preflight(cfg: Config, world: World, *, overwrite: bool = False, resume_from: Path | None = None) -> None:
+    """Refuse, in one line, a config this run cannot honour. A fresh run needs an output_dir it may use
+    (`overwrite`: replace an earlier run); a resume from checkpoint `resume_from`, the config it saved."""
+    if resume_from is None:
+        check_output_dir(Path(cfg.output_dir), overwrite)
+    else:
+        check_resumable(resume_from, cfg, world.num_processes)
+    _device_options(cfg, world)
+    _sharding(cfg, world)
+    _vllm(cfg, world)
+    _trackers(cfg)
+
+
+def check_resumable(ckpt: Path, cfg: Config, world_size: int) -> None:
+    """Refuse to resume when the new config (or process count) would change the trajectory."""
+    old = flatten(yaml.safe_load((ckpt / "config.yaml").read_text()))
+    new = flatten(cfg.model_dump(mode="json"))
+    differ = [
+        f"{key} ({old.get(key)!r} → {new.get(key)!r})"
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key) and not key.startswith(RESUMABLE_KEYS)
+    ]
+    saved_world = read_state(ckpt).get("world_size", 1)
+    if saved_world != world_size:
+        differ.append(f"number of processes ({saved_world} → {world_size})")
+    if differ:
+        raise CheckpointError(f"cannot resume from {ckpt}: the config differs in {'; '.join(differ)}")
+
+
+def _device_options(cfg: Config, world: World) -> None:
+    """Options this machine cannot provide: bitsandbytes' (8-bit AdamW, a 4-bit base: CPU or CUDA)
+    without bitsandbytes, activation offload without CUDA, steps inside the backward on several
+    processes."""
+    from leangrpo.models.load import require_bitsandbytes
+
+    if cfg.optim.optimizer == "adamw_8bit":
+        require_bitsandbytes("optim.optimizer=adamw_8bit")
+    if cfg.model.load_in_4bit:
+        require_bitsandbytes("model.load_in_4bit")
+    if cfg.model.activation_offload and world.device != "cuda":
+        raise DeviceOptionError(
+            "model.activation_offload needs a CUDA GPU (on CPU the activations already live in CPU memory); "
+            "set model.activation_offload=false"
+        )
+    if cfg.optim.optimizer_in_backward and world.num_processes > 1:
+        raise UserError(
+            "optim.optimizer_in_backward runs on one process only: the gradients of several are "
+            "reduced after the backward, and it steps during it"
+        )
+
+
+def _sharding(cfg: Config, world: World) -> None:
+    """Options that sharded training cannot honour."""
+    if not world.sharded:
+        return
+    if cfg.model.load_in_4bit:
+        raise UserError(
+            "model.load_in_4bit cannot run under FSDP (bitsandbytes' 4-bit weights do not shard here); "
+            "launch without the FSDP config, or train the bf16 model with LoRA"
+        )
+    if cfg.optim.optimizer == "adamw_8bit":
+        raise UserError(
+            "optim.optimizer=adamw_8bit cannot run under FSDP (bitsandbytes' state does not shard); "
+            "use optim.optimizer=adamw, or launch without the FSDP config"
+        )
+
+
+def _vllm(cfg: Config, world: World) -> None:
+    """Everything about `grpo.use_vllm` that can fail before the engine loads: vLLM missing, several
+    processes, sleep mode off a GPU."""
+    if not cfg.grpo.use_vllm:
+        return
+    import_vllm()
+    if world.num_processes > 1:
+        raise VLLMError(
+            f"grpo.use_vllm: one training process only for now (this run has {world.num_processes})"
+        )
+    if cfg.grpo.vllm_enable_sleep_mode and world.device != "cuda":
+        raise VLLMError("grpo.vllm_enable_sleep_mode needs CUDA (vLLM sleeps only on GPUs); set it to false")
+
+
+def _trackers(cfg: Config) -> None:
+    """A tracker whose package (named like the tracker) is missing; found without importing it."""
+    for name in cfg.logging.report_to:
+        if importlib.util.find_spec(name) is None:
+            raise TrackerError(
+                f"logging.report_to includes {name}, but the {name} package is not installed: "
+                f"pip install {name}"
+            )

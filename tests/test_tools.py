@@ -1,0 +1,392 @@
+"""Multi-turn rollouts with tools: the tool loop against TRL 1.16's own `_tool_call_loop`, tool faults,
+concurrency of async tools, environments, and the loss seeing only the model's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from leangrpo.engines.rollout import RolloutBatch
+from leangrpo.engines.tools import (
+    AgentSpec,
+    Toolbox,
+    ToolError,
+    prepare_tokenizer,
+    run_tool_calls,
+    tool_loop,
+)
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def broken(x: int) -> str:
+    """Always fails.
+
+    Args:
+        x: ignored
+    """
+    raise RuntimeError("out of order")
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer(real_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(real_tokenizer_dir)
+    prepare_tokenizer(tok)
+    return tok
+
+
+def call(name: str, **arguments) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def test_smollm2_gets_the_chatml_tool_format(tool_tokenizer):
+    """SmolLM2's template cannot show tools; it gets TRL's ChatML tool format, which parse_response reads."""
+    text = tool_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2+3?"}], tools=[add], tokenize=False, add_generation_prompt=True
+    )
+    assert '"name": "add"' in text and "<tool_call>" in text and text.endswith("<|im_start|>assistant\n")
+    turn = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+    ids = tool_tokenizer(turn, add_special_tokens=False).input_ids
+    assert tool_tokenizer.parse_response(ids, prefix=text)["tool_calls"] == [call("add", a=2, b=3)]
+
+
+def test_async_tools_run_concurrently():
+    """Four async calls sleeping 0.4 s each take about 0.4 s in all; sync ones run one after another."""
+
+    async def slow(x: int) -> str:
+        """Sleeps.
+
+        Args:
+            x: echoed
+        """
+        await asyncio.sleep(0.4)
+        return str(x)
+
+    box = Toolbox([slow])
+    start = time.perf_counter()
+    results = run_tool_calls([(box, call("slow", x=i)) for i in range(4)])
+    assert time.perf_counter() - start < 1.0
+    assert results == [("slow", str(i), False) for i in range(4)]
+
+    def slow_sync(x: int) -> str:
+        """Sleeps.
+
+        Args:
+            x: echoed
+        """
+        time.sleep(0.2)
+        return str(x)
+
+    start = time.perf_counter()
+    run_tool_calls([(Toolbox([slow_sync]), call("slow_sync", x=i)) for i in range(3)])
+    assert time.perf_counter() - start >= 0.6
+
+
+def test_tool_faults_become_error_messages():
+    """A tool that raises, runs too long or returns what is not text, an unknown tool, bad arguments: the
+    model gets the error as the result, and each is a failure; nothing raises."""
+
+    def hang(x: int) -> str:
+        """Hangs.
+
+        Args:
+            x: ignored
+        """
+        time.sleep(5)
+        return "late"
+
+    def opaque(x: int) -> object:
+        """Returns an object.
+
+        Args:
+            x: ignored
+        """
+        return object()
+
+    box = Toolbox([add, broken, hang, opaque], timeout_s=0.3)
+    start = time.perf_counter()
+    results = run_tool_calls(
+        [(box, c) for c in (
+            call("add", a=1, b=2), call("broken", x=1), call("hang", x=1), call("opaque", x=1),
+            call("missing"), call("add", a=1), {"type": "code", "code": "rm -rf /"},
+        )]
+    )  # fmt: skip
+    assert time.perf_counter() - start < 2
+    assert results[0] == ("add", "3", False)
+    assert [failed for _, _, failed in results[1:]] == [True] * 6
+    assert "out of order" in results[1][1] and "timeout_s=0.3" in results[2][1]
+    assert "not text" in results[3][1] and "not found" in results[4][1]
+
+
+def test_a_malformed_call_is_a_failure_and_ends_the_rollout(tool_tokenizer):
+    tok = tool_tokenizer
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "q"}],
+        tools=[add],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    turn = tok('<tool_call>\n{"name": "add", "argu</tool_call><|im_end|>', add_special_tokens=False).input_ids
+    out = tool_loop(
+        tok, [prompt], [turn], None, [Toolbox([add])], lambda s, n: pytest.fail("resumed"), 64, None
+    )
+    assert out.completion_ids == [turn] and out.model_mask == [[1] * len(turn)]
+    assert out.use.metrics()["tools/failure_frequency"] == 1.0 and out.use.calls[0]["malformed"] == 1
+
+
+def test_a_tool_without_a_schema_is_one_line():
+    def undocumented(x):
+        return x
+
+    with pytest.raises(ToolError, match="undocumented"):
+        AgentSpec([undocumented])
+
+
+# ------------------------------------------------------------------- the loop against TRL's own
+
+TURNS = {  # each row's model turns, in order: what the stub "samples"
+    "a": [
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>',
+        "It is 5<|im_end|>",
+    ],
+    "b": ["No tools needed<|im_end|>"],
+    "c": [
+        '<tool_call>\n{"name": "broken", "arguments": {"x": 1}}\n</tool_call><|im_end|>',
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call><|im_end|>',
+        "never reached<|im_end|>",  # the second result would pass the budget: dropped, the rollout ends
+    ],
+    "d": [
+        '<tool_call>\n{"name": "add", "arguments": {"a": 7, "b": 8}}\n</tool_call><|im_end|>',
+        "15" + " two" * 60 + "<|im_end|>",  # cut at the budget
+    ],
+}
+
+
+def _stub(tok, prompts: dict[str, list[int]]):
+    """A generator that answers each sequence with its row's next scripted turn (found by the prompt it
+    starts with and the assistant turns after it)."""
+    header = tok("<|im_start|>assistant", add_special_tokens=False).input_ids
+
+    def turns(sequences: list[list[int]], max_new: int) -> list[list[int]]:
+        out = []
+        for seq in sequences:
+            row = next(k for k, p in prompts.items() if seq[: len(p)] == p)
+            tail = seq[len(prompts[row]) :]
+            done = sum(tail[i : i + len(header)] == header for i in range(len(tail)))
+            out.append(tok(TURNS[row][done], add_special_tokens=False).input_ids)
+        return out
+
+    return turns
+
+
+@pytest.mark.parametrize("max_iterations", [None, 1])
+def test_the_tool_loop_matches_trls(tool_tokenizer, max_iterations):
+    """Same scripted turns on both sides: TRL 1.16's `_tool_call_loop` and leangrpo's `tool_loop` give the
+    same completion ids, tool_mask and messages, calls and failures (a failing tool, a result that would
+    pass max_completion_length, a turn cut at it)."""
+    trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+    from trl.chat_template_utils import parse_response
+
+    tok, max_len = tool_tokenizer, 110
+    chats = {k: [{"role": "user", "content": f"question {k}"}] for k in TURNS}
+    prompts = {
+        k: tok.apply_chat_template(
+            m, tools=[add, broken], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for k, m in chats.items()
+    }
+    stub = _stub(tok, prompts)
+    first = stub(list(prompts.values()), max_len)
+
+    box = Toolbox([add, broken])
+    ours = tool_loop(
+        tok,
+        list(prompts.values()),
+        first,
+        None,
+        [box] * 4,
+        lambda s, n: (stub(s, n), None),
+        max_len,
+        max_iterations,
+    )
+
+    fake = SimpleNamespace(
+        max_tool_calling_iterations=max_iterations or 10**9,
+        _sync_tool_dicts=[{"add": add, "broken": broken}] * 4,
+        _async_tool_dicts=[{}] * 4,
+        processing_class=tok,
+        _tokenizer=tok,
+        _is_vlm=False,
+        chat_template=None,
+        chat_template_kwargs={},
+        use_vllm=False,
+        model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1024)),
+        max_completion_length=max_len,
+        environment_factories=None,
+        tools=[add, broken],
+        _generate_single_turn=lambda ids, *a, **k: (stub(ids, max_len), None),
+    )
+    fake._get_tool_suffix_ids = lambda m: trl_grpo.GRPOTrainer._get_tool_suffix_ids(fake, m)
+    completions = [
+        [parse_response(tok, ids, prefix=p, tools=[add, broken])]
+        for ids, p in zip(first, prompts.values(), strict=True)
+    ]
+    mask, messages, ids, _, calls, failures, _ = trl_grpo.GRPOTrainer._tool_call_loop(
+        fake, copy.deepcopy(list(chats.values())), list(prompts.values()), copy.deepcopy(first), completions,
+        None, None, {},
+    )  # fmt: skip
+
+    assert ours.completion_ids == ids
+    assert ours.model_mask == mask
+    assert ours.use.messages == messages
+    assert sum(sum(c.values()) for c in ours.use.calls) == calls
+    assert sum(sum(f.values()) for f in ours.use.failures) == failures
+    assert 0 in mask[0] and mask[1] == [1] * len(ids[1])  # the test covers tool tokens and a plain turn
+    if max_iterations is None:
+        assert len(ids[3]) == max_len  # d's second turn was cut at the budget
+        assert messages[2][-1]["tool_calls"] and len(ids[2]) < max_len  # c's second result was dropped
+
+
+# --------------------------------------------------------------------------------------- the loss
+
+
+def test_environment_tokens_get_no_gradient(tiny_model_dir):
+    """A trajectory ending in tool tokens: changing those tokens leaves the update's gradient unchanged
+    when they are masked as the environment's, and changes it when they are counted as the model's."""
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.core.grpo import BatchTotals, LossSpec, grpo_loss
+    from leangrpo.train.logprobs import Policy, micro_batch_logprobs
+
+    torch.manual_seed(0)
+    policy = Policy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 1.0, 256, 1)
+    n, p, c, tool = 2, 4, 8, 3
+    prompt = torch.randint(100, 1000, (n, p))
+    completion = torch.randint(100, 1000, (n, c))
+    model_mask = torch.ones(n, c, dtype=torch.long)
+    model_mask[:, -tool:] = 0
+
+    def grad(completion_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        batch = RolloutBatch(
+            prompt, torch.ones(n, p, dtype=torch.long), completion_ids, torch.ones(n, c, dtype=torch.long),
+            torch.zeros(n, dtype=torch.bool), ["", ""], None, mask,
+        )  # fmt: skip
+        policy.zero_grad()
+        logp, _, entropy = micro_batch_logprobs(policy, batch, slice(None), with_entropy=True)
+        loss, _ = grpo_loss(
+            logp, logp.detach(), None, torch.tensor([1.0, -0.5]), batch.loss_mask.float(),
+            LossSpec("dapo", 0.2, 0.2, c), BatchTotals(n, float(batch.loss_mask.sum())), entropy=entropy,
+        )  # fmt: skip
+        loss.backward()
+        return torch.cat([q.grad.flatten() for q in policy.parameters() if q.grad is not None])
+
+    perturbed = completion.clone()
+    perturbed[:, -tool:] = torch.randint(1000, 2000, (n, tool))
+    torch.testing.assert_close(grad(completion, model_mask), grad(perturbed, model_mask), rtol=0, atol=0)
+    assert not torch.equal(grad(completion, None), grad(perturbed, None))
+
+
+def test_lengths_and_the_loss_mask_count_the_models_tokens_only():
+    batch = RolloutBatch(
+        torch.ones(1, 2, dtype=torch.long),
+        torch.ones(1, 2, dtype=torch.long),
+        torch.ones(1, 5, dtype=torch.long),
+        torch.tensor([[1, 1, 1, 1, 0]]),
+        torch.zeros(1, dtype=torch.bool),
+        [""],
+        None,
+        torch.tensor([[1, 0, 0, 1, 1]]),
+    )
+    assert batch.lengths().tolist() == [2]
+    assert batch.loss_mask.tolist() == [[1, 0, 0, 1, 0]]
+    cat = RolloutBatch.cat([batch, batch.select(torch.tensor([0]))])
+    assert cat.loss_mask.tolist() == [[1, 0, 0, 1, 0]] * 2
+
+
+# ------------------------------------------------------------------------------ through the Trainer
+
+SEEN: dict = {}
+
+
+def record_reward(prompts, completions, **kwargs):
+    """Scores 1 and keeps what it was given."""
+    SEEN.update(kwargs, completions=completions)
+    return [1.0] * len(completions)
+
+
+def _config(tmp_path, tiny_model_dir, gsm8k_dir, **extra):
+    from leangrpo.run.resolve import validate_config
+
+    return validate_config({
+        "model": {"name_or_path": str(tiny_model_dir), "gradient_checkpointing": False},
+        "data": {"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
+        "rewards": {"functions": [{"name": "test_tools:record_reward"}]},
+        "grpo": {"num_generations": 2, "max_completion_length": 8, "loss_type": "dapo"},
+        "optim": {"per_device_train_batch_size": 4, "max_steps": 1},
+        "logging": {"progress_bar": False, "log_completions_steps": 0},
+        "output_dir": str(tmp_path / "run"), **extra,
+    })  # fmt: skip
+
+
+def test_a_rollout_funcs_env_mask_reaches_the_loss_and_its_keys_the_rewards(
+    tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch
+):
+    import leangrpo.core.grpo as grpo_mod
+    from leangrpo.train.trainer import Trainer
+
+    masks = []
+    real_loss = grpo_mod.grpo_loss
+
+    def spy(logp, old, ref, adv, mask, **kwargs):
+        masks.append(mask.clone())
+        return real_loss(logp, old, ref, adv, mask, **kwargs)
+
+    monkeypatch.setattr(grpo_mod, "grpo_loss", spy)
+
+    def rollout_func(prompts, trainer):
+        n = len(prompts)
+        return {
+            "prompt_ids": [[10, 11, 12]] * n,
+            "completion_ids": [[20, 21, 22, 23, 2]] * n,
+            "logprobs": [[-1.0] * 5] * n,
+            "env_mask": [[1, 0, 0, 1, 1]] * n,
+            "turn_count": [2] * n,
+        }
+
+    metrics = Trainer(
+        _config(tmp_path, tiny_model_dir, gsm8k_dir), agent=AgentSpec(rollout_func=rollout_func)
+    ).step(1)
+    (mask,) = masks
+    assert mask.tolist() == [[1, 0, 0, 1, 1]] * 4
+    assert SEEN["turn_count"] == [2] * 4 and SEEN["completions"][0][0]["role"] == "assistant"
+    assert metrics["completions/mean_length"] == 3  # the model's tokens only, as TRL counts them
+
+
+def test_yaml_tools_run_a_step(tmp_path, tiny_model_dir, gsm8k_dir):
+    """`tools: {functions: [...]}` from the config: prompts carry the tool schema, the step runs and logs
+    TRL's tools/* metrics (the random tiny model calls no tool)."""
+    from leangrpo.train.trainer import Trainer
+
+    trainer = Trainer(_config(tmp_path, tiny_model_dir, gsm8k_dir, tools={"functions": ["test_tools:add"]}))
+    metrics = trainer.step(1)
+    assert metrics["tools/call_frequency"] == 0 and metrics["tools/turns"] == 1
+    assert isinstance(SEEN["completions"][0], list)  # messages, as TRL gives them with tools
+    assert '"name": "add"' in trainer.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "q"}], tools=[add], tokenize=False
+    )

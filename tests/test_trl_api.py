@@ -1,0 +1,143 @@
+"""`from leangrpo import GRPOTrainer, GRPOConfig`: TRL 1.16's quickstart trains with only its import line
+changed, and the constructor maps TRL's arguments or refuses them, all at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+# TRL's GRPO quickstart (docs/source/quickstart.md, grpo_trainer.md), adapted to a local tiny model, a
+# local in-memory dataset and two short steps; only the import line is leangrpo's.
+QUICKSTART = """
+from datasets import Dataset
+from leangrpo import GRPOConfig, GRPOTrainer
+
+dataset = Dataset.from_list([{{"prompt": f"The sky is {{i}}"}} for i in range(8)])
+
+# Define the reward function, which rewards completions that are close to 20 characters
+def reward_len(completions, **kwargs):
+    return [-abs(20 - len(completion)) for completion in completions]
+
+training_args = GRPOConfig(
+    output_dir={out!r}, max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=8
+)
+trainer = GRPOTrainer(
+    model={model!r},
+    reward_funcs=reward_len,
+    args=training_args,
+    train_dataset=dataset,
+)
+trainer.train()
+print("LOG", __import__("json").dumps(trainer.state.log_history))
+"""
+
+
+def test_trl_quickstart_trains_with_only_the_import_changed(tmp_path, tiny_model_dir):
+    out = tmp_path / "Qwen2-0.5B-GRPO"
+    script = tmp_path / "quickstart.py"
+    script.write_text(QUICKSTART.format(out=str(out), model=str(tiny_model_dir)))
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent / "src")}
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = json.loads(done.stdout.split("LOG ", 1)[1])
+    assert [row["step"] for row in log] == [1, 2]
+    assert {"rewards/reward_len/mean", "rewards/reward_len/std", "completions/mean_length"} <= log[0].keys()
+    assert (out / "model" / "config.json").is_file()
+
+
+class Recorder:
+    """A TRL callback: records the events it sees."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.events.append(("log", state.global_step))
+        assert "reward" in logs
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.events.append(("step_end", state.global_step))
+
+
+def test_callbacks_state_and_save_model(tmp_path, tiny_model_dir):
+    from leangrpo import GRPOConfig, GRPOTrainer
+
+    def short(completions, **kwargs):
+        return [-float(len(c)) for c in completions]
+
+    recorder = Recorder()
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"), max_steps=2, num_iterations=2, per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=4, report_to="none",
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        str(tiny_model_dir), [short, "strict_format"], args, [{"prompt": "Hi"}, {"prompt": "Yo"}],
+        callbacks=[recorder],
+    )  # fmt: skip
+    output = trainer.train()
+    assert recorder.events == [("log", 2), ("step_end", 2)]  # one generation, two optimizer steps
+    assert output.global_step == trainer.state.global_step == 2
+    assert trainer.state.log_history[0]["rewards/short/mean"] <= 0
+    assert "rewards/strict_format_reward/mean" in trainer.state.log_history[0]
+    trainer.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "config.json").is_file()
+
+
+def test_constructor_maps_peft_and_refuses_everything_at_once(tmp_path):
+    from peft import LoraConfig
+
+    from leangrpo import GRPOConfig, GRPOTrainer
+    from leangrpo.core.errors import UserError
+
+    args = GRPOConfig(output_dir=str(tmp_path), sync_ref_model=True, entropy_coef=0.1)
+    with pytest.raises(UserError) as e:
+        GRPOTrainer(
+            "some/model", lambda completions, **_: [0.0] * len(completions), args, [{"prompt": "x"}],
+            peft_config=LoraConfig(use_dora=True), tools=["not callable"],
+        )  # fmt: skip
+    lines = str(e.value).splitlines()
+    assert "is not callable" in lines[0]  # the agentic arguments reach AgentSpec
+    assert any("peft_config.use_dora" in line for line in lines)
+    assert any("sync_ref_model=True" in line for line in lines)
+    assert any("entropy_coef=0.1" in line for line in lines)
+    with pytest.raises(TypeError, match="not_a_field"):
+        GRPOConfig(not_a_field=1)
+    assert GRPOConfig().learning_rate == 1e-6 and GRPOConfig(beta=0.1).beta == 0.1  # TRL's defaults
+
+
+def test_peft_config_becomes_the_lora_section(tmp_path, tiny_model_dir):
+    from peft import LoraConfig
+
+    from leangrpo import GRPOConfig, GRPOTrainer
+
+    trainer = GRPOTrainer(
+        str(tiny_model_dir), "strict_format", GRPOConfig(output_dir=str(tmp_path)), [{"prompt": "x"}],
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]),
+    )  # fmt: skip
+    lora = trainer.cfg.model.lora
+    assert (lora.enabled, lora.r, lora.alpha, lora.target_modules) == (True, 4, 8, ["q_proj"])
+
+
+def test_leangrpo_help_imports_no_torch():
+    code = "import sys, leangrpo.cli; assert 'torch' not in sys.modules; import leangrpo; leangrpo.GRPOConfig"
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent / "src")}
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+
+
+def test_image_prompts_are_refused_in_one_line(tmp_path, tiny_model_dir):
+    from leangrpo import GRPOConfig, GRPOTrainer
+    from leangrpo.core.errors import UserError
+
+    row = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}]}
+    trainer = GRPOTrainer(str(tiny_model_dir), "strict_format", GRPOConfig(output_dir=str(tmp_path)), [row])
+    with pytest.raises(UserError, match="^image prompts .* not supported yet$"):
+        trainer.train()

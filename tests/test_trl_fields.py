@@ -1,0 +1,162 @@
+"""Every field of TRL 1.16's GRPOConfig is honoured, ignored with a notice, or refused with its reason;
+the lists are checked against the installed TRL, and docs/trl.md shows them."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from leangrpo.config.schema import ConfigError
+from leangrpo.config.trl import asks_nothing, field_table, from_trl, handling
+from leangrpo.config.trl_fields import TRL_DEFAULTS
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "trl.md"
+
+
+def trl_fields() -> dict[str, object]:
+    trl = pytest.importorskip("trl")
+    return {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        for f in dataclasses.fields(trl.GRPOConfig)
+    }
+
+
+def test_the_field_list_is_trl_1_16s():
+    assert trl_fields() == TRL_DEFAULTS
+
+
+@pytest.mark.parametrize("name", list(trl_fields()))
+def test_every_field_is_honoured_noted_or_refused(name, caplog):
+    how, why = handling(name)
+    assert why, name
+    if how != "noted" and how != "refused":
+        return
+    default = TRL_DEFAULTS[name]
+    other = (
+        {None: "x", True: False, False: True}.get(default, "other")
+        if default in (None, True, False)
+        else "other"
+    )
+    if isinstance(default, int | float) and not isinstance(default, bool):
+        other = default + 1
+    if asks_nothing(name, other):  # a value that asks for what leangrpo does: silent too
+        other = "other"
+    with caplog.at_level(logging.WARNING, logger="leangrpo.config.trl"):
+        if how == "refused":
+            with pytest.raises(ConfigError, match=f"{name}=.*: {why[:20]}"):
+                from_trl({name: other}, "t.yaml")
+        else:
+            from_trl({name: other}, "t.yaml")
+            assert f"{name}={other!r} ignored: {why}" in caplog.text
+    caplog.clear()
+    from_trl({name: TRL_DEFAULTS[name]}, "t.yaml")  # TRL's default passes silently
+    assert caplog.text == ""
+
+
+def test_refusals_come_all_at_once_one_line_each():
+    with pytest.raises(ConfigError) as e:
+        from_trl({"sync_ref_model": True, "entropy_coef": 0.1, "optim": "sgd", "no_such": 1}, "t.yaml")
+    lines = str(e.value).splitlines()
+    assert len(lines) == 4 and all(line.startswith("t.yaml: ") for line in lines)
+
+
+def test_docs_table_is_current():
+    from leangrpo.tools.configdoc import trl_table
+
+    assert trl_table() in DOCS.read_text(), "docs/trl.md: python -m leangrpo.tools.configdoc --trl-table"
+    assert len(field_table()) == len(TRL_DEFAULTS)
+
+
+LLAMA_RECIPE = """
+learning_rate: 5e-6
+adam_beta1: 0.9
+adam_beta2: 0.99
+weight_decay: 0.1
+warmup_ratio: 0.1
+lr_scheduler_type: cosine
+logging_steps: 1
+bf16: true
+per_device_train_batch_size: 1
+gradient_accumulation_steps: 4
+num_generations: 4
+max_prompt_length: 256
+max_completion_length: 786
+num_train_epochs: 1
+save_steps: 100
+save_total_limit: 1
+max_grad_norm: 0.1
+log_on_each_node: false
+"""
+
+OPEN_R1_RECIPE = """
+model_revision: main
+torch_dtype: bfloat16
+attn_implementation: sdpa
+dataset_prompt_column: question
+system_prompt: "You are a helpful AI Assistant."
+bf16: true
+use_vllm: false
+do_eval: false
+gradient_accumulation_steps: 4
+gradient_checkpointing: true
+gradient_checkpointing_kwargs:
+  use_reentrant: false
+hub_model_id: Qwen2.5-1.5B-Open-R1-GRPO
+hub_strategy: every_save
+learning_rate: 2.0e-05
+log_completions: true
+log_level: info
+logging_first_step: true
+logging_steps: 1
+logging_strategy: steps
+lr_scheduler_type: cosine_with_min_lr
+lr_scheduler_kwargs:
+  min_lr_rate: 0.1
+max_prompt_length: 512
+max_completion_length: 1024
+max_steps: -1
+num_generations: 16
+num_train_epochs: 1
+output_dir: data/Qwen2.5-1.5B-Open-R1-GRPO
+overwrite_output_dir: true
+per_device_eval_batch_size: 16
+per_device_train_batch_size: 16
+push_to_hub: true
+report_to:
+- none
+reward_funcs:
+- accuracy_reward
+- think_format_reward
+reward_weights:
+- 1.0
+- 1.0
+save_strategy: "epoch"
+save_steps: 0.1
+save_total_limit: 1
+seed: 42
+temperature: 0.7
+warmup_ratio: 0.1
+"""
+
+
+@pytest.mark.parametrize("recipe", [LLAMA_RECIPE, OPEN_R1_RECIPE], ids=["llama-1b", "open-r1"])
+def test_widely_read_recipes_load_with_zero_edits(recipe, tmp_path, gsm8k_dir):
+    from leangrpo.run.resolve import load_config
+
+    path = tmp_path / "recipe.yaml"
+    data = yaml.safe_load(recipe)
+    script = {  # what the script itself names: the model, the data, the rewards
+        "model_name_or_path": "some/model",
+        "dataset_name": str(gsm8k_dir / "train.jsonl"),
+        "reward_funcs": ["think_format_reward"],
+    }
+    path.write_text(yaml.safe_dump({**script, **data}))
+    cfg = load_config(path)
+    assert cfg.model.dtype == "bfloat16"
+    if recipe is OPEN_R1_RECIPE:
+        assert cfg.optim.lr_scheduler_kwargs == {"min_lr_rate": 0.1} and cfg.logging.save_steps == 0.1
+        assert cfg.model.attn_implementation == "sdpa" and cfg.logging.report_to == []
