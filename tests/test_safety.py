@@ -282,7 +282,7 @@ def test_disk_full_in_safetensors_is_one_line_and_leaves_no_partial_model(tmp_pa
     save_small_checkpoint(tmp_path, 2)
     with file_size_limit(64 * 1024), pytest.raises(CheckpointError) as caught:
         save_final_model(
-            _Writes("model.safetensors", 100_000), _Writes("tok.safetensors", 4), tmp_path / "model"
+            _Writes("model.safetensors", 100_000), _Writes("tok.safetensors", 4), tmp_path / "model", "base"
         )
     assert "File too large" in str(caught.value) and "checkpoint-2, is intact" in str(caught.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]

@@ -390,3 +390,83 @@ def test_yaml_tools_run_a_step(tmp_path, tiny_model_dir, gsm8k_dir):
     assert '"name": "add"' in trainer.tokenizer.apply_chat_template(
         [{"role": "user", "content": "q"}], tools=[add], tokenize=False
     )
+
+
+# ------------------------------------------------------------------------------------- evaluation
+
+EVAL_TURNS = {  # each held-out question's scripted turns
+    "question a": [
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>',
+        "<answer>5</answer><|im_end|>",
+    ],
+    "question b": ["<answer>4</answer><|im_end|>"],
+    "question c": [
+        '<tool_call>\n{"name": "broken", "arguments": {"x": 1}}\n</tool_call><|im_end|>',
+        "<answer>1</answer><|im_end|>",
+    ],
+}
+
+
+class ScriptedEngine:
+    """A RolloutEngine whose model answers each question with its scripted turns, through the real tool
+    loop; it keeps the prompt texts it was given."""
+
+    def __init__(self, tok):
+        self.tok, self.texts = tok, []
+
+    def turns(self, sequences: list[list[int]], max_new: int = 0) -> list[list[int]]:
+        out = []
+        for seq in sequences:
+            text = self.tok.decode(seq)
+            question = next(q for q in EVAL_TURNS if q in text)
+            done = text.count("<|im_start|>assistant") - 1
+            out.append(self.tok(EVAL_TURNS[question][done], add_special_tokens=False).input_ids)
+        return out
+
+    def generate(self, texts, sampling, toolboxes=None):
+        from torch.nn.utils.rnn import pad_sequence
+
+        from leangrpo.engines.rollout import encode_prompts, finish_batch, with_tools
+
+        self.texts += texts
+        tok, eos = self.tok, [self.tok.eos_token_id]
+        prompt_ids, prompt_mask = encode_prompts(tok, texts, sampling.max_prompt_length, 1)
+        prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask, strict=True)]
+        turns = [torch.tensor(ids) for ids in self.turns(prompts)]
+        completions = pad_sequence(turns, batch_first=True, padding_value=tok.pad_token_id)
+        first = finish_batch(tok, prompt_ids, prompt_mask, completions, eos, sampling)
+        if toolboxes is None:
+            return first
+        return with_tools(first, tok, toolboxes, sampling, lambda s, n: (self.turns(s), None), eos, None)
+
+
+def test_evaluation_rolls_out_with_the_tools(tool_tokenizer):
+    """With the run's tools, held-out questions go through the tool loop: prompts show the tools, rewards
+    get the turns as messages, correctness reads the final answer, and each record and the metrics count
+    tool calls and failures."""
+    from leangrpo.config.schema import TaskConfig
+    from leangrpo.data.tasks import load_task
+    from leangrpo.train.evaluation import evaluate
+
+    rows = [
+        {"prompt": [{"role": "user", "content": q}], "answer": a}
+        for q, a in zip(EVAL_TURNS, "571", strict=True)
+    ]
+    engine = ScriptedEngine(tool_tokenizer)
+    result = evaluate(
+        SimpleNamespace(device=torch.device("cpu")), tool_tokenizer, rows,
+        [("record", record_reward, 1.0)], load_task(TaskConfig()), max_new_tokens=128, progress=False,
+        engine=engine, agent=AgentSpec([add, broken]),
+    )  # fmt: skip
+    assert all('"name": "add"' in text and '"name": "broken"' in text for text in engine.texts)
+    records = result.records
+    assert [(r["tool_calls"], r["tool_failures"], r["turns"]) for r in records] == [
+        (1, 0, 2),
+        (0, 0, 1),
+        (1, 1, 2),
+    ]
+    assert [r["correct"] for r in records] == [True, False, True]
+    assert SEEN["completions"][0][1] == {"role": "tool", "name": "add", "content": "5"}
+    assert result.metrics["tools/call_frequency"] == pytest.approx(2 / 3)
+    assert result.metrics["tools/failure_frequency"] == pytest.approx(1 / 2)
+    assert result.metrics["accuracy"] == pytest.approx(2 / 3)

@@ -484,6 +484,29 @@ def test_launcher_process_count_is_read_from_accelerate_launch():
     assert launcher_processes(["bash", "-c", "leangrpo train --num_processes 2"]) is None
 
 
+def test_one_process_warning_says_why_and_the_command_that_forms_the_processes():
+    from leangrpo.train.distributed import launch_warning
+
+    launch = ["/venv/bin/python", "/venv/bin/accelerate", "launch"]
+    script = ["-m", "leangrpo", "train", "-c", "my run.yaml"]
+    plain = launch_warning(1, [*launch, "--num_processes", "2", *script])
+    assert plain is not None and "--cpu" not in plain  # --cpu was not given: not blamed
+    assert "without --multi_gpu it starts one process" in plain
+    assert plain.endswith(
+        "for 2 processes: accelerate launch --multi_gpu --num_processes 2 -m leangrpo train -c 'my run.yaml' "
+        "(docs/distributed.md)"
+    )
+    cpu = launch_warning(1, [*launch, "--cpu", "--num_processes=2", *script])
+    assert cpu is not None and "--cpu always starts one process" in cpu
+    assert "accelerate launch --multi_gpu --num_processes=2 -m leangrpo" in cpu
+    fsdp = launch_warning(
+        1, [*launch, "--config_file", "fsdp2.yaml", "--cpu", "--num_processes", "2", *script]
+    )
+    assert fsdp is not None and "accelerate launch --config_file fsdp2.yaml --num_processes 2 -m" in fsdp
+    assert launch_warning(2, [*launch, "--multi_gpu", "--num_processes", "2", *script]) is None
+    assert launch_warning(1, ["bash", "-c", "leangrpo train"]) is None
+
+
 @pytest.mark.slow
 def test_accelerate_launch_cpu_that_forms_one_process_says_so(tmp_path, tiny_model_dir):
     import os
@@ -509,7 +532,7 @@ def test_accelerate_launch_cpu_that_forms_one_process_says_so(tmp_path, tiny_mod
     proc = subprocess.run([*command, str(tmp_path / "run.yaml")], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "training on 1 process" in proc.stdout
-    assert "accelerate launch asked for 2 processes but 1 formed" in proc.stdout
+    assert "accelerate launch asked for 2 processes but 1 formed: --cpu always starts one" in proc.stdout
 
 
 def test_evaluation_passes_completion_ids_to_trl_rewards(tiny_model_dir):

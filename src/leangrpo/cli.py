@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib.resources
 import logging
 import os
 import sys
@@ -168,7 +169,8 @@ def chat(
     type=click.Choice(DEMO_TASKS),
     default=DEMO_TASKS[0],
     show_default=True,
-    help="chain_sum: generated two-digit sums (reasoning-gym); gsm8k: GSM8K with a cold start.",
+    help="chain_sum: generated two-digit sums (reasoning-gym); gsm8k: GSM8K with a cold start; tools: "
+    "3-4 digit sums with a calculator tool.",
 )
 @click.option("--max-steps", default=20, show_default=True, help="GRPO steps.")
 @click.option("--sft-steps", default=8, show_default=True, help="Supervised cold-start steps.")
@@ -176,7 +178,9 @@ def chat(
 @click.option("--data", "data_path", default=DEMO_DATA, show_default=True, help="gsm8k: training file.")
 @click.option("--eval-data", default=DEMO_EVAL_DATA, show_default=True, help="gsm8k: held-out file.")
 @click.option(
-    "--eval-limit", type=click.IntRange(min=3), help="Held-out questions (default: chain_sum 300, gsm8k 100)."
+    "--eval-limit",
+    type=click.IntRange(min=3),
+    help="Held-out questions (default: chain_sum 300, gsm8k 100, tools 200).",
 )
 @click.option(
     "--control",
@@ -344,6 +348,20 @@ def compare_cmd(a: str, b: str, max_flips: int) -> None:
     from leangrpo.tools.compare import compare
 
     click.echo(compare(a, b, max_flips))
+
+
+_ACCELERATE_CONFIGS = importlib.resources.files("leangrpo.train") / "accelerate"  # shipped in the wheel
+
+
+@main.command(name="accelerate-config")
+@click.argument(
+    "kind", type=click.Choice(sorted(p.name.removesuffix(".yaml") for p in _ACCELERATE_CONFIGS.iterdir()))
+)
+def accelerate_config(kind: str) -> None:
+    """Print the accelerate config for KIND (ddp: data parallel; fsdp2: sharded), e.g.
+    `leangrpo accelerate-config fsdp2 > fsdp2.yaml`, then
+    `accelerate launch --config_file fsdp2.yaml -m leangrpo train -c run.yaml`."""
+    click.echo((_ACCELERATE_CONFIGS / f"{kind}.yaml").read_text(), nl=False)
 
 
 @main.command(name="report")

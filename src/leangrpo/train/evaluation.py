@@ -5,6 +5,10 @@ Correctness is the task's (`Task.is_correct`; for GSM8K, math-verify on the `<an
 the `math_verify` reward decides, so `1,000` = `1000` and `$18` = `18`), and so is what a record shows.
 Lenient correctness (`accuracy/lenient`) ignores the format: without closed answer tags the last number in
 the completion is the answer, so a format gain cannot pass for a correctness gain.
+
+A run with tools or environments (`agent`) is evaluated with the training rollout's tool loop: the rewards
+get the same messages and columns, and `tools/*` say how often the model called a tool and how often a
+call failed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
     from leangrpo.config.schema import Config, DataConfig
     from leangrpo.data.tasks import Task
     from leangrpo.engines.rollout import RolloutEngine, Sampling
+    from leangrpo.engines.tools import AgentSpec, Toolbox, ToolUse
 
 RewardFuncs = list[tuple[str, Callable[..., list[Any]], float]]
 FORMAT_REWARDS = (strict_format_reward, soft_format_reward)
@@ -81,42 +86,67 @@ def evaluate(
     on_error: Literal["raise", "missing"] = "missing",
     progress: bool = True,
     engine: RolloutEngine | None = None,
+    agent: AgentSpec | None = None,
+    max_tool_calling_iterations: int | None = None,
 ) -> EvalResult:
     """Greedy-decode one completion per row (rows as `data.load_rows` makes them), score it with
     `reward_funcs` and the task's correctness, and with `num_samples = k > 0` also sample k completions
-    per row for pass@k. Batched (`batch_size` prompts per call, left-padded, shortest padding first) under
-    `inference_mode`; sampling uses its own seeded RNG stream, so a training run's randomness is
-    untouched. `engine` generates (default: HF generate on `model`; a VLLMEngine holding its weights)."""
+    per row for pass@k, on a seeded RNG stream of its own (a training run's randomness stays untouched).
+    `engine` generates (default: HF generate on `model`; a VLLMEngine holding its weights).
+    `agent` (tools or environments, its tokenizer prepared): rollouts go through the tool loop, at most
+    `max_tool_calling_iterations` rounds of calls."""
     import torch
     from tqdm import tqdm
 
-    from leangrpo.data.rows import has_chat_template, render_prompt
+    from leangrpo.data.rows import has_chat_template
     from leangrpo.engines.rollout import HFEngine, Sampling
 
     if not rows:
         raise EvalError("no rows to evaluate")
-    texts = [render_prompt(tokenizer, r["prompt"], assistant_prefix) for r in rows]
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
-    order = sorted(range(len(rows)), key=lambda i: lengths[i])  # similar lengths share a batch
-    gen = partial(_generate_all, engine or HFEngine(model, tokenizer), texts, order)
+    agent = agent if agent is not None and agent.uses_tools else None
+    gen = partial(_generate_all, engine or HFEngine(model, tokenizer), tokenizer, rows, agent)
     greedy_sampling = Sampling(
         num_generations=1, max_prompt_length=max_prompt_length, max_completion_length=max_new_tokens,
         do_sample=False, assistant_prefix=assistant_prefix,
+        max_tool_calling_iterations=max_tool_calling_iterations,
     )  # fmt: skip
-    bar = tqdm(total=len(rows) * (1 + num_samples), desc="eval", unit="completion", disable=not progress)
+    # leave=False: in training, the bar goes once done and the console table goes on under the GRPO bar
+    bar = tqdm(
+        total=len(rows) * (1 + num_samples), desc="eval", unit="completion", disable=not progress,
+        leave=False, dynamic_ncols=True,
+    )  # fmt: skip
     with bar, _left_padded(tokenizer), torch.inference_mode():
-        greedy = gen(greedy_sampling, batch_size, bar)
-        sampled = None
+        greedy, use = gen(greedy_sampling, batch_size, bar)
+        # scored before sampling, which resets the environments the rewards read
+        records = _records(rows, greedy, use, reward_funcs, task, has_chat_template(tokenizer), on_error)
         if num_samples:
-            with torch.random.fork_rng(devices=[] if model.device.type == "cpu" else [model.device]):
-                torch.manual_seed(seed)
-                sampling = replace(
-                    greedy_sampling, num_generations=num_samples, do_sample=True, temperature=temperature,
-                    top_p=top_p,
-                )  # fmt: skip
-                sampled = gen(sampling, max(1, batch_size // num_samples), bar)
-    records = _records(rows, greedy, sampled, reward_funcs, task, has_chat_template(tokenizer), on_error)
-    return EvalResult(summarize(records, reward_funcs, num_samples), records)
+            k = replace(
+                greedy_sampling, num_generations=num_samples, do_sample=True, temperature=temperature,
+                top_p=top_p,
+            )  # fmt: skip
+            sample = partial(gen, k, max(1, batch_size // num_samples), bar)
+            _count_sampled_correct(records, rows, task, sample, seed, model.device)
+    metrics = summarize(records, reward_funcs, num_samples)
+    return EvalResult(metrics | (use.metrics() if use is not None else {}), records)
+
+
+def _count_sampled_correct(
+    records: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    task: Task,
+    sample: Callable[[], tuple[Completions, Any]],
+    seed: int,
+    device: Any,
+) -> None:
+    """pass@k: each record's count of correct completions among those `sample()` draws for its row, on a
+    seeded RNG stream of their own (a training run's randomness stays untouched)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+        torch.manual_seed(seed)
+        sampled, _ = sample()
+    for record, row, samples in zip(records, rows, sampled, strict=True):
+        record["samples_correct"] = sum(task.is_correct(text, row) for text, _, _, _ in samples)
 
 
 @contextmanager
@@ -134,42 +164,60 @@ def _left_padded(tokenizer: PreTrainedTokenizerBase) -> Iterator[None]:
 def _records(
     rows: list[dict[str, Any]],
     greedy: Completions,
-    sampled: Completions | None,
+    use: ToolUse | None,
     reward_funcs: RewardFuncs,
     task: Task,
     conversational: bool,
     on_error: Literal["raise", "missing"],
 ) -> list[dict[str, Any]]:
-    """One scored record per row: the greedy completion's rewards, length and truncation, and how many
-    of its samples are correct."""
+    """One scored record per row: the greedy completion's rewards, length and truncation."""
     completions = [g[0][0] for g in greedy]
     records = score(
-        rows, completions, reward_funcs, task, conversational, on_error, [g[0][3] for g in greedy]
+        rows, completions, reward_funcs, task, conversational, on_error, [g[0][3] for g in greedy], use
     )
     for record, [(_, length, truncated, _)] in zip(records, greedy, strict=True):
         record.update(length=length, truncated=truncated)
-    if sampled is not None:
-        for record, row, samples in zip(records, rows, sampled, strict=True):
-            record["samples_correct"] = sum(task.is_correct(text, row) for text, _, _, _ in samples)
     return records
 
 
 def _generate_all(
     engine: RolloutEngine,
-    texts: list[str],
-    order: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
+    agent: AgentSpec | None,
     sampling: Sampling,
     prompts_per_call: int,
     bar: Any,
-) -> Completions:
-    """(text, token length, truncated, token ids) of `sampling.num_generations` completions for each
-    prompt, in `texts` order; prompts go `prompts_per_call` at a time, in `order`."""
+) -> tuple[Completions, ToolUse | None]:
+    """(text, model tokens, truncated, token ids) of `sampling.num_generations` completions for each row,
+    in `rows` order, and with `agent` what they did with its tools. Prompts go `prompts_per_call` at a
+    time, similar lengths together."""
+    from leangrpo.data.rows import render_prompt
+    from leangrpo.engines.tools import ToolUse
+
     per_prompt = sampling.num_generations
+    # one environment per rollout, all reset now: a later batch's reset must not touch an earlier one's
+    episodes = agent.start(rows, per_prompt) if agent is not None else None
+    prompts = [r["prompt"] for r in rows] if episodes is None else episodes.prompts
+    texts = [
+        render_prompt(
+            tokenizer, prompt, sampling.assistant_prefix,
+            None if episodes is None else {"tools": episodes.toolboxes[i * per_prompt].schemas},
+        )
+        for i, prompt in enumerate(prompts)
+    ]  # fmt: skip
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+    order = sorted(range(len(rows)), key=lambda i: lengths[i])
     out: Completions = [[] for _ in texts]
+    uses: list[ToolUse | None] = [None] * len(texts)
     for start in range(0, len(order), prompts_per_call):
         idx = order[start : start + prompts_per_call]
-        batch = engine.generate([texts[i] for i in idx], sampling)
-        lengths, truncated = batch.lengths().tolist(), batch.truncated.tolist()
+        boxes: list[Toolbox] | None = None
+        if episodes is not None:
+            boxes = [episodes.toolboxes[i * per_prompt + k] for i in idx for k in range(per_prompt)]
+        batch = engine.generate([texts[i] for i in idx], sampling, boxes)
+        lengths, ends = batch.lengths().tolist(), batch.completion_mask.sum(dim=1).tolist()
+        truncated = batch.truncated.tolist()
         for j, i in enumerate(idx):
             group = range(j * per_prompt, (j + 1) * per_prompt)
             out[i] = [
@@ -177,12 +225,19 @@ def _generate_all(
                     batch.completion_texts[c],
                     int(lengths[c]),
                     bool(truncated[c]),
-                    batch.completion_ids[c, : lengths[c]].tolist(),
+                    batch.completion_ids[c, : ends[c]].tolist(),
                 )
                 for c in group
             ]
+            if batch.tool_use is not None:
+                uses[i] = batch.tool_use.select(list(group))
         bar.update(len(idx) * per_prompt)
-    return out
+    if episodes is None:
+        return out, None
+    use = ToolUse.cat([u for u in uses if u is not None])
+    if episodes.environments is not None:  # TRL gives them to rewards
+        use.columns["environments"] = episodes.environments
+    return out, use
 
 
 def score(
@@ -193,15 +248,21 @@ def score(
     conversational: bool,
     on_error: Literal["raise", "missing"] = "missing",
     completion_ids: list[list[int]] | None = None,
+    use: ToolUse | None = None,
 ) -> list[dict[str, Any]]:
     """One record per (row, completion): the task's view of it (question, completion, extracted answer,
     gold), whether it is correct, each reward (None where not applicable or failed) and their total.
-    Rewards get `completion_ids` when given (no `trainer_state` outside training)."""
+    Rewards get `completion_ids` when given (no `trainer_state` outside training). With tools (`use`),
+    rewards get what they get in training (the turns as messages, the environments) and each record
+    counts the completion's tool calls, failed calls and model turns."""
     from leangrpo.data.rewards import RewardContext, score_completions
     from leangrpo.engines.rollout import as_reward_inputs
 
     prompts, comps = as_reward_inputs([r["prompt"] for r in rows], completions, conversational)
     columns = {k: [r.get(k) for r in rows] for k in rows[0] if k != "prompt"}
+    if use is not None:
+        comps = use.messages if conversational else comps
+        columns.update(use.columns)
     scores = score_completions(reward_funcs, prompts, comps, columns, on_error, RewardContext(completion_ids))
     records = []
     for i, (row, text) in enumerate(zip(rows, completions, strict=True)):
@@ -215,6 +276,9 @@ def score(
                 "rewards": rewards,
             }
         )
+        if use is not None:
+            calls, failures = sum(use.calls[i].values()), sum(use.failures[i].values())
+            records[-1].update(tool_calls=calls, tool_failures=failures, turns=use.turns[i])
     return records
 
 
@@ -280,11 +344,19 @@ def load_eval_rows(
 class TrainingEvaluator:
     """Evaluates the policy on a fixed held-out subset before step 1 (and after the SFT cold start, if
     any), every `eval.eval_steps`, and at the end; writes `RUN/eval/step-N.json(l)` and returns the
-    `eval/...` metrics for metrics.jsonl."""
+    `eval/...` metrics for metrics.jsonl. With the run's `agent`, rollouts use its tools as in training."""
 
-    def __init__(self, cfg: Config, run_dir: Path, reward_funcs: RewardFuncs, task: Task):
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        reward_funcs: RewardFuncs,
+        task: Task,
+        agent: AgentSpec | None = None,
+    ):
         ev = cfg.eval
         self.cfg, self.run_dir, self.reward_funcs, self.task = cfg, run_dir, reward_funcs, task
+        self.agent = agent
         self.source = resolve_data_path(ev.path or cfg.data.path, ev.split)
         self.rows = load_eval_rows(cfg.data, task, self.source, ev.split, ev.limit)
 
@@ -318,8 +390,10 @@ class TrainingEvaluator:
             temperature=cfg.grpo.temperature,
             top_p=cfg.grpo.top_p,
             seed=cfg.seed,
-            progress=False,
+            progress=cfg.logging.progress_bar,  # called on the main process only
             engine=engine,
+            agent=self.agent,
+            max_tool_calling_iterations=cfg.grpo.max_tool_calling_iterations,
         )
         stem = name or f"step-{step}"
         result.save(self.run_dir / "eval" / f"{stem}.json", step=step, data=self.source, split=ev.split)

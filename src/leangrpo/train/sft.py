@@ -8,7 +8,7 @@ differ, and RL takes it from there.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -27,13 +27,16 @@ def sft_batch(
     assistant_prefix: str,
     max_prompt_length: int,
     max_completion_length: int,
+    chat_template_kwargs: list[dict[str, Any]] | None = None,
 ) -> RolloutBatch:
     """Prompts (left-padded) and their solutions (right-padded, ending in EOS) as a RolloutBatch, so the
-    cold start scores targets through the same log-prob path as GRPO.
+    cold start scores targets through the same log-prob path as GRPO. `chat_template_kwargs`: one per
+    prompt (a run with tools shows each prompt with its rollout's tools, as GRPO will).
 
     The part of the target that the assistant prefix already prefills is not trained on.
     """
-    texts = [render_prompt(tokenizer, p, assistant_prefix) for p in prompts]
+    kwargs = chat_template_kwargs or [{} for _ in prompts]
+    texts = [render_prompt(tokenizer, p, assistant_prefix, k) for p, k in zip(prompts, kwargs, strict=True)]
     targets = [s.removeprefix(assistant_prefix) + tokenizer.eos_token for s in solutions]
     prompt = tokenizer(
         texts, return_tensors="pt", padding=True, truncation=True, max_length=max_prompt_length,

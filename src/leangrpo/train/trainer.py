@@ -139,7 +139,7 @@ class Trainer:
         self.agent = agent if agent is not None else agent_from_config(cfg.tools)
         self.cfg = self._load_data(cfg)
         self.evaluator = (
-            TrainingEvaluator(self.cfg, self.run_dir, self.reward_funcs, self.task)
+            TrainingEvaluator(self.cfg, self.run_dir, self.reward_funcs, self.task, self.agent)
             if cfg.eval.enabled
             else None
         )
@@ -732,20 +732,15 @@ class Trainer:
         self._check_finite_weights("the final model")
         lm = self.dist.saveable(self.policy)
         if lm is not None:
-            save_final_model(lm, self.tokenizer, final)
+            save_final_model(lm, self.tokenizer, final, self.cfg.model.name_or_path)
         return final
 
     def _announce(self) -> None:
         """Say where the run trains, warn of a launch that formed fewer processes than it asked for, and
         count the data's bad rows."""
         self._write(f"training on {self.dist.describe()}, device {self.acc.device}")
-        asked = distributed.launcher_processes()
-        if asked and asked > self.acc.num_processes:
-            self._write(
-                f"warning: accelerate launch asked for {asked} processes but {self.acc.num_processes} formed "
-                f"(--cpu starts one); on CPU use torchrun --nproc_per_node {asked} or accelerate launch "
-                f"--multi_gpu --num_processes {asked} (docs/distributed.md)"
-            )
+        if warning := distributed.launch_warning(self.acc.num_processes):
+            self._write(warning)
         if self.is_main and self.skipped:
             self._write(f"data: skipped {len(self.skipped)} bad rows (first: {self.skipped[0]})")
 
@@ -772,13 +767,18 @@ class Trainer:
         show = self.is_main and cfg.logging.progress_bar
         for step in trange(s.steps, desc="SFT cold start", disable=not show, dynamic_ncols=True):
             rows = [self.sft_rows[i] for i in order.indices(step)]
+            prompts, kwargs = [r["prompt"] for r in rows], None
+            if self.agent is not None and self.agent.uses_tools:  # the prompts as rollouts show them
+                episodes = self.agent.start(rows, 1)
+                prompts, kwargs = episodes.prompts, [{"tools": box.schemas} for box in episodes.toolboxes]
             batch = sft.sft_batch(
                 self.tokenizer,
-                [r["prompt"] for r in rows],
+                prompts,
                 [self.sft_task.solution(r) for r in rows],
                 assistant_prefix=cfg.data.assistant_prefix,
                 max_prompt_length=cfg.grpo.max_prompt_length,
                 max_completion_length=cfg.grpo.max_completion_length,
+                chat_template_kwargs=kwargs,
             ).to(self.acc.device)
             logp, mask = micro_batch_logprobs(self.policy, batch, slice(None), temperature=1.0)
             loss = sft.nll_loss(logp, mask)
