@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from leangrpo.train.logprobs import token_logprobs
+from leangrpo.core.logprobs import token_logprobs
 
 
 def timed(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool) -> float:

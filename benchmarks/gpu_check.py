@@ -56,9 +56,10 @@ import vs_trl  # noqa: E402
 from plan_accuracy import MODELS, PROMPT_LEN, TINY, build_model, measure, predict, tokenizer_dir  # noqa: E402
 
 from leangrpo.config.schema import CPUConfig  # noqa: E402
+from leangrpo.core.logprobs import token_logprobs  # noqa: E402
 from leangrpo.engines.rollout import Sampling, encode_prompts, generate  # noqa: E402
 from leangrpo.train.engine import cpu_levers  # noqa: E402
-from leangrpo.train.logprobs import Policy, token_logprobs  # noqa: E402
+from leangrpo.train.logprobs import Policy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO / "tests" / "data" / "gsm8k" / "train.jsonl"

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import build_model, default_data  # noqa: E402
 
 from leangrpo.config.schema import CPUConfig, LoraConfig
+from leangrpo.core.logprobs import LOGPROB_CHUNK_SIZE
 from leangrpo.cpu import levers as levers_mod
 from leangrpo.cpu.levers import CPULevers
 from leangrpo.data.rows import render_prompt
@@ -35,7 +36,7 @@ from leangrpo.engines import rollout
 from leangrpo.engines.rollout import Sampling, generate
 from leangrpo.models.load import apply_lora, cache_root, load_tokenizer
 from leangrpo.run.resolve import validate_config
-from leangrpo.train.logprobs import LOGPROB_CHUNK_SIZE, Policy, micro_batch_logprobs
+from leangrpo.train.logprobs import Policy, micro_batch_logprobs
 
 G = 8
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from leangrpo.core.grpo import (
+    BatchTotals,
+    LossSpec,
     fill_groups,
     group_advantages,
     grpo_loss,
@@ -20,7 +22,7 @@ from leangrpo.core.grpo import (
     sampler_importance_weights,
     sequence_log_ratio,
 )
-from leangrpo.train.logprobs import token_logprobs
+from leangrpo.core.logprobs import token_logprobs
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 
@@ -280,22 +282,11 @@ def _tiny(ref_offsets=None):
     return logp, old, ref, adv, mask
 
 
-def _loss(logp, old, ref, adv, mask, loss_type, beta=0.0, num_sequences=2, num_tokens=5.0, **variants):
-    return grpo_loss(
-        logp,
-        old,
-        ref,
-        adv,
-        mask,
-        loss_type=loss_type,
-        epsilon=EPS,
-        epsilon_high=EPS_HIGH,
-        beta=beta,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-        max_completion_length=MAX_LEN,
-        **variants,
-    )
+def _loss(
+    logp, old, ref, adv, mask, loss_type, beta=0.0, num_sequences=2, num_tokens=5.0, entropy=None, **variants
+):
+    spec = LossSpec(loss_type, EPS, EPS_HIGH, MAX_LEN, beta=beta, **variants)
+    return grpo_loss(logp, old, ref, adv, mask, spec, BatchTotals(num_sequences, num_tokens), entropy)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -397,9 +388,14 @@ def test_sequence_log_ratio_is_the_masked_mean():
 def test_gspo_sequence_level_hand_computed(loss_type):
     logp, old, ref, adv, mask = _tiny()
     loss, stats = grpo_loss(
-        logp, old, ref, adv, mask, loss_type=loss_type, epsilon=EPS, epsilon_high=EPS_HIGH, beta=0.0,
-        num_sequences=2, num_tokens=5.0, max_completion_length=MAX_LEN, importance_sampling_level="sequence",
-    )  # fmt: skip
+        logp,
+        old,
+        ref,
+        adv,
+        mask,
+        LossSpec(loss_type, EPS, EPS_HIGH, MAX_LEN, importance_sampling_level="sequence"),
+        BatchTotals(num_sequences=2, num_tokens=5.0),
+    )
     close(loss, GSPO_LOSS[loss_type], atol=1e-9)
     assert (stats.kl_sum, stats.clipped_tokens, stats.tokens) == (0.0, 2.0, 5.0)  # both tokens of seq 1
     loss.backward()
@@ -416,9 +412,14 @@ def test_gspo_on_policy_grpo_gradient_equals_token_level():
     for level in ("token", "sequence"):
         logp = base.clone().requires_grad_()
         loss, _ = grpo_loss(
-            logp, logp.detach(), None, adv, mask, loss_type="grpo", epsilon=0.2, epsilon_high=0.2, beta=0.0,
-            num_sequences=4, num_tokens=12.0, max_completion_length=5, importance_sampling_level=level,
-        )  # fmt: skip
+            logp,
+            logp.detach(),
+            None,
+            adv,
+            mask,
+            LossSpec("grpo", 0.2, 0.2, 5, importance_sampling_level=level),
+            BatchTotals(num_sequences=4, num_tokens=12.0),
+        )
         loss.backward()
         grads.append(logp.grad)
     close(grads[0], grads[1], atol=1e-12)
@@ -435,8 +436,7 @@ def test_delta_caps_the_ratio_for_negative_advantages():
         adv = torch.tensor([-1.0, -1.0, 1.0], dtype=torch.float64)
         loss, stats = grpo_loss(
             logp, torch.zeros(3, 1, dtype=torch.float64), None, adv,
-            torch.ones(3, 1), loss_type="dapo", epsilon=EPS, epsilon_high=EPS_HIGH, beta=0.0, num_sequences=3,
-            num_tokens=3.0, max_completion_length=1, delta=delta,
+            torch.ones(3, 1), LossSpec("dapo", EPS, EPS_HIGH, 1, delta=delta), BatchTotals(3, 3.0),
         )  # fmt: skip
         loss.backward()
         return loss, stats, logp.grad
@@ -489,9 +489,8 @@ def test_cispo_hand_computed():
     # d/dlogp = -w · A / 5.
     logp, old, ref, adv, mask = _tiny()
     loss, stats = grpo_loss(
-        logp, old, ref, adv, mask, loss_type="cispo", epsilon=EPS, epsilon_high=1.28, beta=0.0,
-        num_sequences=2, num_tokens=5.0, max_completion_length=MAX_LEN,
-    )  # fmt: skip
+        logp, old, ref, adv, mask, LossSpec("cispo", EPS, 1.28, MAX_LEN), BatchTotals(2, 5.0)
+    )
     w = [[1.1, 1.28, 0.5], [0.5, 1.1, 0.0]]
     lr = [[math.log(r) for r in row] for row in RATIOS]
     expected = -sum(w[0][t] * lr[0][t] for t in range(3)) + sum(w[1][t] * lr[1][t] for t in range(2))
@@ -532,6 +531,25 @@ def test_grpo_loss_unknown_type_raises():
         _loss(logp, old, ref, adv, mask, "ppo")
 
 
+def test_every_loss_type_is_a_registered_objective_and_aggregation():
+    from typing import get_args
+
+    from leangrpo.config.schema import GRPOSection
+    from leangrpo.core import grpo
+
+    config_names = get_args(GRPOSection.model_fields["loss_type"].annotation)
+    assert set(grpo.LOSS_TYPES) == set(get_args(grpo.LossType)) == set(config_names)
+    objectives, aggregations = zip(*grpo.LOSS_TYPES.values(), strict=True)
+    assert set(objectives) == set(grpo.OBJECTIVES) == {"clip", "cispo", "sapo"}
+    assert set(aggregations) == set(grpo.AGGREGATIONS) == {"grpo", "bnpo", "dapo", "dr_grpo"}
+    with pytest.raises(ValueError, match=r"^unknown objective 'ppo' \(known: clip, cispo, sapo\)$"):
+        grpo.OBJECTIVES["ppo"]
+    with pytest.raises(
+        ValueError, match=r"^unknown aggregation 'mean' \(known: grpo, bnpo, dapo, dr_grpo\)$"
+    ):
+        grpo.AGGREGATIONS["mean"]
+
+
 # --------------------------------------------------------------------------- micro-batch equivalence
 
 
@@ -546,18 +564,10 @@ def test_micro_batches_sum_to_full_batch_gradient(loss_type):
     lengths = torch.tensor([6, 1, 3, 6, 2, 5, 4, 6])
     mask = (torch.arange(C)[None, :] < lengths[:, None]).long()
     num_tokens = float(mask.sum())
-    kwargs = dict(
-        loss_type=loss_type,
-        epsilon=0.2,
-        epsilon_high=0.28,
-        beta=0.04,
-        num_sequences=N,
-        num_tokens=num_tokens,
-        max_completion_length=C,
-    )
+    spec, batch = LossSpec(loss_type, 0.2, 0.28, C, beta=0.04), BatchTotals(N, num_tokens)
 
     full = base.clone().requires_grad_()
-    full_loss, full_stats = grpo_loss(full, old, ref, adv, mask, **kwargs)
+    full_loss, full_stats = grpo_loss(full, old, ref, adv, mask, spec, batch)
     full_loss.backward()
     assert full_stats.clipped_tokens > 0  # the example exercises clipping
 
@@ -565,7 +575,7 @@ def test_micro_batches_sum_to_full_batch_gradient(loss_type):
     total_loss = 0.0
     micro_stats = []
     for rows in (slice(0, 3), slice(3, 5), slice(5, 8)):
-        loss, stats = grpo_loss(micro[rows], old[rows], ref[rows], adv[rows], mask[rows], **kwargs)
+        loss, stats = grpo_loss(micro[rows], old[rows], ref[rows], adv[rows], mask[rows], spec, batch)
         loss.backward()
         total_loss += float(loss.detach())
         micro_stats.append(stats)
@@ -603,13 +613,8 @@ def test_tokens_after_eos_get_exactly_zero_gradient(loss_type):
         ref,
         adv,
         mask,
-        loss_type=loss_type,
-        epsilon=0.2,
-        epsilon_high=0.28,
-        beta=0.04,
-        num_sequences=N,
-        num_tokens=float(mask.sum()),
-        max_completion_length=C,
+        LossSpec(loss_type, 0.2, 0.28, C, beta=0.04),
+        BatchTotals(N, float(mask.sum())),
     )
     loss.backward()
     after_eos = mask == 0
@@ -629,13 +634,12 @@ def test_masked_positions_with_extreme_logprobs_do_not_make_nan(loss_type):
     ref = torch.tensor([[-1.1, -0.4, -5.0]])
     old = torch.tensor([[-1.0, -0.5, 10.0]])  # logp - old is also extreme at the masked position
     mask = torch.tensor([[1, 1, 0]])
-    kwargs = dict(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=0.04, num_sequences=1)
-    kwargs |= dict(num_tokens=2.0, max_completion_length=3)
-    loss, stats = grpo_loss(logp, old, ref, torch.tensor([1.0]), mask, **kwargs)
+    spec, batch = LossSpec(loss_type, 0.2, 0.28, 3, beta=0.04), BatchTotals(1, 2.0)
+    loss, stats = grpo_loss(logp, old, ref, torch.tensor([1.0]), mask, spec, batch)
     loss.backward()
     # Same batch with an ordinary value at the masked position: the masked value must not matter.
     tame = torch.tensor([[-1.0, -0.5, -1.0]], requires_grad=True)
-    tame_loss, tame_stats = grpo_loss(tame, old.clamp(max=0), ref, torch.tensor([1.0]), mask, **kwargs)
+    tame_loss, tame_stats = grpo_loss(tame, old.clamp(max=0), ref, torch.tensor([1.0]), mask, spec, batch)
     tame_loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     close(loss.item(), tame_loss.item())
@@ -678,12 +682,13 @@ def test_sampler_importance_weights_hand_computed(mode, clip_min, weights, ratio
 def test_sampler_weights_scale_the_surrogate_not_the_kl():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]])
-    kw = dict(loss_type="bnpo", epsilon=0.2, epsilon_high=0.2, num_sequences=1, num_tokens=2.0)
     args = (logp, logp.detach(), ref, torch.tensor([1.5]), torch.ones(1, 2))
     surrogate = -1.5  # ratio 1 everywhere: per token -A
     kl = float(kl_k3(logp.detach(), ref).mean())
     weights = torch.tensor([[2.0, 0.0]])
-    loss, _ = grpo_loss(*args, beta=0.1, max_completion_length=2, sampler_weights=weights, **kw)
+    loss, _ = grpo_loss(
+        *args, LossSpec("bnpo", 0.2, 0.2, 2, beta=0.1), BatchTotals(1, 2.0), sampler_weights=weights
+    )
     close(loss.item(), (2 * surrogate + 0 * surrogate) / 2 + 0.1 * kl)
 
 

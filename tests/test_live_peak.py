@@ -59,8 +59,8 @@ def test_live_tensors_sees_what_autograd_saves_until_the_backward():
 
 def test_logprob_workspace_of_the_update_forward_matches_the_plan():
     """The update's forward (log-probs + entropy) holds two fp32 chunks of logits at most, as planned."""
+    from leangrpo.core.logprobs import token_logprobs
     from leangrpo.tools import plan
-    from leangrpo.train.logprobs import token_logprobs
 
     live_peak = load_script()
     shape = plan.ModelShape.from_config(plan._llama(32, 64, 1, 4, 4, 40_000, True), "toy")
@@ -85,8 +85,8 @@ def test_logprob_workspace_of_the_update_forward_matches_the_plan():
 
 def test_logprob_backward_workspace_with_a_trained_head_matches_the_plan():
     """Full fine-tuning: the fp32 lm_head gradient lives through every chunk, then through its bf16 cast."""
+    from leangrpo.core.logprobs import token_logprobs
     from leangrpo.tools import plan
-    from leangrpo.train.logprobs import token_logprobs
 
     live_peak = load_script()
     shape = plan.ModelShape.from_config(plan._llama(64, 64, 1, 4, 4, 40_000, True), "toy")

@@ -1,4 +1,4 @@
-"""The chunked log-prob function of leangrpo.train.logprobs against the naive log_softmax, by value, gradient
+"""The chunked log-prob function of leangrpo.core.logprobs against the naive log_softmax, by value, gradient
 and the memory it holds."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from memtrack import PeakLargeTensors
 
-from leangrpo.train.logprobs import LogitTransform, token_logprobs
+from leangrpo.core.logprobs import LogitTransform, token_logprobs
 
 # --------------------------------------------------------------------------- token_logprobs
 

@@ -11,10 +11,11 @@ import torch
 from test_models import LORA, assert_grads_close, load_tiny, randomize_lora_b
 
 from leangrpo.config.schema import CPUConfig, ModelConfig
+from leangrpo.core.logprobs import head_product
 from leangrpo.cpu import onednn
 from leangrpo.cpu.levers import CPULevers
 from leangrpo.models.load import ModelError, apply_lora, enable_checkpointing, load_model_and_tokenizer
-from leangrpo.train.logprobs import Policy, head_product
+from leangrpo.train.logprobs import Policy
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
 

@@ -133,8 +133,8 @@ def test_kv_cache_is_the_cache_generation_preallocates():
 def test_plan_defaults_are_the_configs_and_the_steps():
     """Knobs default to the config's defaults (dtype aside), the config's chunk size is the log-prob
     code's, and a dtype's bytes are torch's."""
+    from leangrpo.core.logprobs import LOGPROB_CHUNK_SIZE
     from leangrpo.models.load import DTYPES as TORCH_DTYPES
-    from leangrpo.train.logprobs import LOGPROB_CHUNK_SIZE
 
     knobs = plan.Knobs()
     assert knobs.logprob_chunk_size == LOGPROB_CHUNK_SIZE

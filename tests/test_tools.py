@@ -271,7 +271,7 @@ def test_environment_tokens_get_no_gradient(tiny_model_dir):
     when they are masked as the environment's, and changes it when they are counted as the model's."""
     from transformers import AutoModelForCausalLM
 
-    from leangrpo.core.grpo import grpo_loss
+    from leangrpo.core.grpo import BatchTotals, LossSpec, grpo_loss
     from leangrpo.train.logprobs import Policy, micro_batch_logprobs
 
     torch.manual_seed(0)
@@ -290,9 +290,8 @@ def test_environment_tokens_get_no_gradient(tiny_model_dir):
         policy.zero_grad()
         logp, _, entropy = micro_batch_logprobs(policy, batch, slice(None), with_entropy=True)
         loss, _ = grpo_loss(
-            logp, logp.detach(), None, torch.tensor([1.0, -0.5]), batch.loss_mask.float(), loss_type="dapo",
-            epsilon=0.2, epsilon_high=0.2, beta=0.0, num_sequences=n, num_tokens=float(batch.loss_mask.sum()),
-            max_completion_length=c, accumulation_steps=1, entropy=entropy,
+            logp, logp.detach(), None, torch.tensor([1.0, -0.5]), batch.loss_mask.float(),
+            LossSpec("dapo", 0.2, 0.2, c), BatchTotals(n, float(batch.loss_mask.sum())), entropy=entropy,
         )  # fmt: skip
         loss.backward()
         return torch.cat([q.grad.flatten() for q in policy.parameters() if q.grad is not None])

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from leangrpo.core.grpo import grpo_loss, micro_batch_means
+from leangrpo.core.grpo import BatchTotals, LossSpec, grpo_loss, micro_batch_means
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
@@ -101,9 +101,8 @@ def test_loss_and_gradient_under_accumulation_match_trl(loss_type, bias_correcti
     for rows in (slice(0, 3), slice(3, 6)):
         loss, _ = grpo_loss(
             ours[rows], old[rows], ref[rows], adv[rows], mask[rows],
-            loss_type=loss_type, epsilon=EPS, epsilon_high=EPS_HIGH, beta=BETA, num_sequences=n,
-            num_tokens=float(mask.sum()), max_completion_length=c, accumulation_steps=2,
-            bias_correction_kl=bias_correction_kl,
+            LossSpec(loss_type, EPS, EPS_HIGH, c, beta=BETA, bias_correction_kl=bias_correction_kl),
+            BatchTotals(n, float(mask.sum()), accumulation_steps=2),
         )  # fmt: skip
         loss.backward()
         ours_total += loss.item()
@@ -140,9 +139,8 @@ def test_variants_match_trl(loss_type, variant):
         for logp, opts in ((plain, {}), (ours, options)):  # ours last: `loss` is compared below
             loss, _ = grpo_loss(
                 logp[rows], old[rows], ref[rows], adv[rows], mask[rows],
-                loss_type=loss_type, epsilon=EPS, epsilon_high=EPS_HIGH, beta=BETA, num_sequences=n,
-                num_tokens=float(mask.sum()), max_completion_length=c, accumulation_steps=2,
-                bias_correction_kl=True, entropy=entropy[rows], **opts,
+                LossSpec(loss_type, EPS, EPS_HIGH, c, beta=BETA, bias_correction_kl=True, **opts),
+                BatchTotals(n, float(mask.sum()), accumulation_steps=2), entropy=entropy[rows],
             )  # fmt: skip
             loss.backward()
         ref_loss, _ = trl_loss(
@@ -170,9 +168,9 @@ def test_cispo_and_sapo_match_trl(loss_type, level):
     for rows in (slice(0, 3), slice(3, 6)):
         loss, _ = grpo_loss(
             ours[rows], old[rows], ref[rows], adv[rows], mask[rows],
-            loss_type=loss_type, epsilon=EPS, epsilon_high=1.5, beta=BETA, num_sequences=n,
-            num_tokens=float(mask.sum()), max_completion_length=c, accumulation_steps=2,
-            bias_correction_kl=True, entropy=entropy[rows], sapo_temperatures=(0.9, 1.2), **options,
+            LossSpec(loss_type, EPS, 1.5, c, beta=BETA, bias_correction_kl=True, sapo_temperatures=(0.9, 1.2),
+                     **options),
+            BatchTotals(n, float(mask.sum()), accumulation_steps=2), entropy=entropy[rows],
         )  # fmt: skip
         loss.backward()
         ref_loss, _ = trl_loss(
@@ -193,9 +191,9 @@ def test_bias_correction_changes_the_kl_gradient_even_on_policy():
     for flag in (False, True):
         logp = base.clone().requires_grad_()
         loss, _ = grpo_loss(
-            logp, logp.detach(), ref, adv, mask, loss_type="dapo", epsilon=EPS, epsilon_high=EPS_HIGH,
-            beta=BETA, num_sequences=6, num_tokens=float(mask.sum()), max_completion_length=7,
-            bias_correction_kl=flag,
+            logp, logp.detach(), ref, adv, mask,
+            LossSpec("dapo", EPS, EPS_HIGH, 7, beta=BETA, bias_correction_kl=flag),
+            BatchTotals(6, float(mask.sum())),
         )  # fmt: skip
         loss.backward()
         grads.append(logp.grad)
@@ -212,9 +210,9 @@ def test_kl_clip_ratio_and_entropy_are_means_of_micro_batch_means_as_in_trl():
     ours, theirs = [], defaultdict(list)
     for rows in (slice(0, 3), slice(3, 6)):
         _, stats = grpo_loss(
-            base[rows], old[rows], ref[rows], adv[rows], mask[rows], loss_type="dapo", epsilon=EPS,
-            epsilon_high=EPS_HIGH, beta=BETA, num_sequences=6, num_tokens=float(mask.sum()),
-            max_completion_length=7, bias_correction_kl=True, entropy=entropy[rows],
+            base[rows], old[rows], ref[rows], adv[rows], mask[rows],
+            LossSpec("dapo", EPS, EPS_HIGH, 7, beta=BETA, bias_correction_kl=True),
+            BatchTotals(6, float(mask.sum())), entropy=entropy[rows],
         )  # fmt: skip
         ours.append(stats)
         _, metrics = trl_loss(
@@ -257,9 +255,9 @@ def test_multi_turn_loss_and_gradient_match_trl(loss_type):
     ours, theirs = base.clone().requires_grad_(), base.clone().requires_grad_()
     for rows in (slice(0, 3), slice(3, 6)):
         loss, _ = grpo_loss(
-            ours[rows], old[rows], ref[rows], adv[rows], loss_mask[rows], loss_type=loss_type, epsilon=EPS,
-            epsilon_high=EPS_HIGH, beta=BETA, num_sequences=n, num_tokens=float(loss_mask.sum()),
-            max_completion_length=c, accumulation_steps=2, bias_correction_kl=False,
+            ours[rows], old[rows], ref[rows], adv[rows], loss_mask[rows],
+            LossSpec(loss_type, EPS, EPS_HIGH, c, beta=BETA, bias_correction_kl=False),
+            BatchTotals(n, float(loss_mask.sum()), accumulation_steps=2),
         )  # fmt: skip
         ref_loss, _ = trl_loss(
             theirs[rows],

@@ -83,7 +83,8 @@ def test_gspo_delta_and_entropy_reach_the_loss(tmp_path, tiny_model_dir, gsm8k_d
     metrics = trainer.step(1)
     assert len(seen) == 2  # one micro-batch, two iterations
     options = {
-        (k["importance_sampling_level"], k["delta"], k["loss_type"], k["top_entropy_quantile"]) for k in seen
+        (s.importance_sampling_level, s.delta, s.loss_type, s.top_entropy_quantile)
+        for s in (k["spec"] for k in seen)
     }
     assert options == {("sequence", 4.0, "grpo", 0.2)}
     assert metrics["loss"] == metrics["loss"] and metrics["grad_norm"] > 0  # finite, and it trained
@@ -100,7 +101,7 @@ def test_sapo_temperatures_reach_the_loss(tmp_path, tiny_model_dir, gsm8k_dir, m
     monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: seen.append(k) or real_loss(*a, **k))
     grpo_section = {"loss_type": "sapo", "sapo_temperature_pos": 0.9, "sapo_temperature_neg": 1.2}
     metrics = make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, grpo=grpo_section).step(1)
-    assert [(k["loss_type"], k["sapo_temperatures"]) for k in seen] == [("sapo", (0.9, 1.2))]
+    assert [(k["spec"].loss_type, k["spec"].sapo_temperatures) for k in seen] == [("sapo", (0.9, 1.2))]
     assert metrics["grad_norm"] > 0
 
 

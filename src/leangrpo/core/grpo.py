@@ -1,5 +1,8 @@
 """The GRPO math as pure functions on tensors: masks, advantages, KL and the loss.
 
+The loss is a per-token objective (OBJECTIVES: the clipped surrogate, cispo, sapo) on the importance
+ratio, per token or (GSPO) per completion, plus the KL term, then an aggregation (AGGREGATIONS) into the
+micro-batch's share of the batch loss; a `LossSpec` names both through TRL's loss_type (LOSS_TYPES).
 Nothing here touches a model object, so every quantity can be checked against numbers computed by hand.
 """
 
@@ -8,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -199,105 +202,221 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float) -> Ten
     return keep & (entropy >= torch.quantile(values.float(), 1 - top_quantile))
 
 
+# TRL's loss_type names an objective (the per-token term) and an aggregation (how a micro-batch's
+# per-token terms become its share of the batch loss) at once.
+LOSS_TYPES: dict[str, tuple[str, str]] = {
+    "grpo": ("clip", "grpo"),
+    "bnpo": ("clip", "bnpo"),
+    "dr_grpo": ("clip", "dr_grpo"),
+    "dapo": ("clip", "dapo"),
+    "cispo": ("cispo", "dapo"),
+    "sapo": ("sapo", "grpo"),
+}
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The loss of a run, fixed by its config: TRL's loss_type (`LOSS_TYPES`) and the constants it uses.
+
+    `importance_sampling_level="sequence"` is GSPO (one ratio per completion, `sequence_log_ratio`);
+    `delta` caps the clip objective's ratio for negative advantages too (two-sided clipping, INTELLECT-2);
+    `bias_correction_kl` multiplies the per-token KL by the ratio (TRL's `use_bias_correction_kl`: the
+    unbiased KL gradient); with `top_entropy_quantile` < 1 only the micro-batch's highest-entropy tokens
+    keep their policy term (`high_entropy_mask`; the KL term stays on every token, and the normalisation
+    is unchanged, as in TRL). `sapo_temperatures`: sapo's (positive, non-positive advantage) temperatures.
+    """
+
+    loss_type: LossType
+    epsilon: float
+    epsilon_high: float
+    max_completion_length: int
+    beta: float = 0.0
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    delta: float | None = None
+    bias_correction_kl: bool = False
+    top_entropy_quantile: float = 1.0
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05)
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"unknown loss_type {self.loss_type!r} (known: {', '.join(LOSS_TYPES)})")
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """The accumulated batch a micro-batch belongs to, which its loss is normalised by."""
+
+    num_sequences: int  # completions in it, on this process
+    num_tokens: float  # its loss tokens over every process, divided by the number of processes (dapo)
+    accumulation_steps: int = 1  # its micro-batches (bnpo)
+
+
+Fn = TypeVar("Fn", bound=Callable[..., Any])
+
+
+class Registry(dict[str, Fn]):
+    """Functions by name, added with the `register` decorator; an unknown name is a one-line ValueError."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def register(self, name: str) -> Callable[[Fn], Fn]:
+        """Decorator: add the function under `name`."""
+
+        def add(fn: Fn) -> Fn:
+            self[name] = fn
+            return fn
+
+        return add
+
+    def __missing__(self, name: str) -> Fn:
+        raise ValueError(f"unknown {self.kind} {name!r} (known: {', '.join(self)})")
+
+
+class Clipped(NamedTuple):
+    """Where a clip zeroes the gradient (with GSPO's sequence-level ratio, every token of a clipped
+    completion): `low` below 1 - epsilon with a negative advantage, `high` above the upper bound with a
+    positive one (TRL's split), `region` every clipped token (delta's cap included)."""
+
+    low: Tensor
+    high: Tensor
+    region: Tensor
+
+
+# (ratio, advantages [N, 1], logp, keep, spec) -> the per-token loss, and where a clip acted.
+Objective = Callable[[Tensor, Tensor, Tensor, Tensor, LossSpec], tuple[Tensor, Clipped]]
+OBJECTIVES: Registry[Objective] = Registry("objective")
+
+# (per-token loss with masked positions 0, keep, spec, batch) -> the micro-batch's share of the loss.
+Aggregation = Callable[[Tensor, Tensor, LossSpec, BatchTotals], Tensor]
+AGGREGATIONS: Registry[Aggregation] = Registry("aggregation")
+
+
+@OBJECTIVES.register("clip")
+def clipped_surrogate(
+    ratio: Tensor, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec
+) -> tuple[Tensor, Clipped]:
+    """PPO's clipped surrogate -min(r·A, clip(r, 1 - epsilon, 1 + epsilon_high)·A), with r also capped
+    at `delta` when set, so that a negative advantage's ratio is bounded too."""
+    lower, upper = 1 - spec.epsilon, 1 + spec.epsilon_high
+    clipped_ratio = torch.clamp(ratio, lower, upper)
+    capped_ratio = ratio if spec.delta is None else torch.clamp(ratio, max=spec.delta)
+    per_token = -torch.min(capped_ratio * adv, clipped_ratio * adv)
+    low, high = (ratio < lower) & (adv < 0), (ratio > upper) & (adv > 0)
+    region = low | high
+    if spec.delta is not None:
+        region |= (ratio > spec.delta) & (adv < 0)
+    return per_token, Clipped(low, high, region)
+
+
+@OBJECTIVES.register("cispo")
+def cispo(ratio: Tensor, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec) -> tuple[Tensor, Clipped]:
+    """CISPO (MiniMax-M1): each token's log-prob weighted by its ratio capped at `epsilon_high`, a
+    constant (no gradient through the weight), so a capped token still has a gradient."""
+    weight = torch.clamp(ratio, max=spec.epsilon_high).detach()
+    per_token = -weight * adv * torch.where(keep, logp, 0.0)
+    high = (ratio > spec.epsilon_high) & (adv > 0)
+    return per_token, Clipped(torch.zeros_like(high), high, high)
+
+
+@OBJECTIVES.register("sapo")
+def sapo(ratio: Tensor, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec) -> tuple[Tensor, Clipped]:
+    """SAPO (Qwen): a sigmoid gate on the ratio in place of the clip, with `sapo_temperatures`; no token
+    counts as clipped."""
+    tau = torch.where(adv > 0, *spec.sapo_temperatures)
+    per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    none = torch.zeros_like(adv, dtype=torch.bool)
+    return per_token, Clipped(none, none, none)
+
+
+@AGGREGATIONS.register("grpo")
+def sequence_mean(per_token: Tensor, keep: Tensor, spec: LossSpec, batch: BatchTotals) -> Tensor:
+    """Each completion's token mean, averaged over the batch's completions."""
+    return (per_token.sum(1) / keep.sum(1).clamp(min=1)).sum() / batch.num_sequences
+
+
+@AGGREGATIONS.register("bnpo")
+def micro_batch_token_mean(per_token: Tensor, keep: Tensor, spec: LossSpec, batch: BatchTotals) -> Tensor:
+    """The micro-batch's own token mean, divided by the batch's micro-batches (TRL's bnpo): unlike the
+    others, the gradient then depends on how the batch is split."""
+    return per_token.sum() / keep.sum().clamp(min=1) / batch.accumulation_steps
+
+
+@AGGREGATIONS.register("dapo")
+def token_mean(per_token: Tensor, keep: Tensor, spec: LossSpec, batch: BatchTotals) -> Tensor:
+    """The token sum over the batch's tokens (every process's: DDP then averages the gradients)."""
+    return per_token.sum() / max(batch.num_tokens, 1.0)
+
+
+@AGGREGATIONS.register("dr_grpo")
+def constant_length_mean(per_token: Tensor, keep: Tensor, spec: LossSpec, batch: BatchTotals) -> Tensor:
+    """The token sum over completions × max_completion_length: no length bias (Dr. GRPO)."""
+    return per_token.sum() / (batch.num_sequences * spec.max_completion_length)
+
+
+def importance_ratio(logp: Tensor, old_logp: Tensor, keep: Tensor, level: ImportanceSamplingLevel) -> Tensor:
+    """exp(logp - old_logp) per token [N, C], or per completion [N, 1] at GSPO's `sequence` level.
+
+    Masked positions (after EOS) hold arbitrary log-probs: they are selected out before the exp, since
+    multiplying by the mask afterwards turns an overflow there into 0 · inf = NaN (loss and gradient)."""
+    log_ratio = torch.where(keep, logp - old_logp, 0.0)
+    if level == "sequence":
+        log_ratio = sequence_log_ratio(log_ratio, keep)
+    return torch.exp(log_ratio)
+
+
+def masked_kl(logp: Tensor, ref_logp: Tensor, keep: Tensor, ratio: Tensor, bias_correction: bool) -> Tensor:
+    """k3 KL to the reference per token, 0 (and no gradient) at masked positions; with `bias_correction`,
+    times the importance ratio."""
+    kl = kl_k3(logp, torch.where(keep, ref_logp, logp.detach()))
+    return kl * ratio if bias_correction else kl
+
+
+def loss_stats(keep: Tensor, kl: Tensor | None, clipped: Clipped, entropy: Tensor | None) -> LossStats:
+    """The micro-batch's token sums for the metrics."""
+    with torch.no_grad():
+        return LossStats(
+            kl_sum=float(kl[keep].sum()) if kl is not None else 0.0,
+            clipped_tokens=float((clipped.region & keep).sum()),
+            tokens=float(keep.sum()),
+            entropy_sum=float(entropy[keep].sum()) if entropy is not None else 0.0,
+            low_clipped=float((clipped.low & keep).sum()),
+            high_clipped=float((clipped.high & keep).sum()),
+        )
+
+
 def grpo_loss(
     logp: Tensor,
     old_logp: Tensor,
     ref_logp: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
-    *,
-    loss_type: LossType,
-    epsilon: float,
-    epsilon_high: float,
-    beta: float,
-    num_sequences: int,
-    num_tokens: float,
-    max_completion_length: int,
-    importance_sampling_level: ImportanceSamplingLevel = "token",
-    delta: float | None = None,
-    accumulation_steps: int = 1,
-    bias_correction_kl: bool = False,
+    spec: LossSpec,
+    batch: BatchTotals,
     entropy: Tensor | None = None,
-    top_entropy_quantile: float = 1.0,
     sampler_weights: Tensor | None = None,
-    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
 ) -> tuple[Tensor, LossStats]:
-    """The clipped GRPO surrogate (+ beta × k3 KL) of one micro-batch, scaled so that summing it over
-    the micro-batches of an accumulated batch gives that batch's loss, as TRL 1.16 computes it.
+    """One micro-batch's loss: `spec`'s objective per token (+ beta × k3 KL), aggregated so that summing
+    it over the micro-batches of `batch` gives that batch's loss, as TRL 1.16 computes it.
 
-    `num_sequences` counts the whole accumulated batch, `num_tokens` its tokens over every process
-    (dapo). grpo, dr_grpo and dapo give the same gradient whether the batch is processed at once or in
-    micro-batches; bnpo, as in TRL, normalises each micro-batch by its own token count and divides by
-    the `accumulation_steps` micro-batches of an optimizer step. `bias_correction_kl` multiplies the
-    per-token KL by the importance ratio (TRL's `use_bias_correction_kl`): the unbiased KL gradient.
-    `importance_sampling_level="sequence"` is GSPO (one ratio per completion, `sequence_log_ratio`);
-    `delta` caps the ratio from above for negative advantages too (two-sided clipping, INTELLECT-2).
-    `entropy` [N, C] (per token, no gradient) is summed into the stats; with `top_entropy_quantile` < 1
-    only the micro-batch's highest-entropy tokens keep their policy term (`high_entropy_mask`; the KL
-    term stays on every token, and the normalisation is unchanged, as in TRL).
-    `sampler_weights` ([N, C] or [N, 1], from `sampler_importance_weights`) scale the surrogate, not
+    `entropy` [N, C] (per token, no gradient) is summed into the stats and picks the entropy mask's tokens;
+    `sampler_weights` ([N, C] or [N, 1], from `sampler_importance_weights`) scale the policy term, not
     the KL term (TRL's vLLM importance-sampling correction).
-    cispo (MiniMax-M1) weights each token's log-prob by its ratio capped at `epsilon_high`, a constant
-    (no gradient through the weight), normalised as dapo; sapo (Qwen) replaces the clip by a sigmoid gate
-    with `sapo_temperatures` (positive, non-positive advantages), normalised as grpo. As in TRL.
     """
-    # Masked positions (after EOS) hold arbitrary log-probs: they are selected out before any exp, since
-    # multiplying by the mask afterwards turns an overflow there into 0 · inf = NaN (loss and gradient).
     keep = mask.bool()
-    log_ratio = torch.where(keep, logp - old_logp, 0.0)
-    if importance_sampling_level == "sequence":
-        log_ratio = sequence_log_ratio(log_ratio, keep)
-    ratio = torch.exp(log_ratio)
-    adv = advantages[:, None]
-    # is_clipped: where a clip zeroes the gradient (with GSPO, every token of a clipped completion).
-    if loss_type == "cispo":
-        weight = torch.clamp(ratio, max=epsilon_high).detach()
-        per_token = -weight * adv * torch.where(keep, logp, 0.0)
-        is_clipped = is_high = (ratio > epsilon_high) & (adv > 0)
-        is_low = torch.zeros_like(is_clipped)
-    elif loss_type == "sapo":
-        tau = torch.where(adv > 0, *sapo_temperatures)
-        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
-        is_clipped = is_low = is_high = torch.zeros_like(adv, dtype=torch.bool)  # a gate, no clip
-    else:
-        clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-        capped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)
-        per_token = -torch.min(capped_ratio * adv, clipped_ratio * adv)
-        is_low, is_high = (ratio < 1 - epsilon) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)
-        is_clipped = is_low | is_high
-        if delta is not None:
-            is_clipped |= (ratio > delta) & (adv < 0)
-    if top_entropy_quantile < 1.0:
+    objective, aggregation = LOSS_TYPES[spec.loss_type]
+    ratio = importance_ratio(logp, old_logp, keep, spec.importance_sampling_level)
+    per_token, clipped = OBJECTIVES[objective](ratio, advantages[:, None], logp, keep, spec)
+    if spec.top_entropy_quantile < 1.0:
         if entropy is None:
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropy")
-        per_token = per_token * high_entropy_mask(entropy, keep, top_entropy_quantile)
+        per_token = per_token * high_entropy_mask(entropy, keep, spec.top_entropy_quantile)
     if sampler_weights is not None:
         per_token = per_token * sampler_weights
-    kl = kl_k3(logp, torch.where(keep, ref_logp, logp.detach())) if ref_logp is not None else None
-    if kl is not None and bias_correction_kl:
-        kl = kl * ratio
-    if kl is not None and beta:
-        per_token = per_token + beta * kl
+    kl = None if ref_logp is None else masked_kl(logp, ref_logp, keep, ratio, spec.bias_correction_kl)
+    if kl is not None and spec.beta:
+        per_token = per_token + spec.beta * kl
     per_token = torch.where(keep, per_token, 0.0)
-
-    if loss_type in ("grpo", "sapo"):
-        loss = (per_token.sum(1) / keep.sum(1).clamp(min=1)).sum() / num_sequences
-    elif loss_type == "bnpo":
-        loss = per_token.sum() / keep.sum().clamp(min=1) / accumulation_steps
-    elif loss_type in ("dapo", "cispo"):
-        loss = per_token.sum() / max(num_tokens, 1.0)
-    elif loss_type == "dr_grpo":
-        loss = per_token.sum() / (num_sequences * max_completion_length)
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
-
-    with torch.no_grad():
-        stats = LossStats(
-            kl_sum=float(kl[keep].sum()) if kl is not None else 0.0,
-            clipped_tokens=float((is_clipped & keep).sum()),
-            tokens=float(keep.sum()),
-            entropy_sum=float(entropy[keep].sum()) if entropy is not None else 0.0,
-            low_clipped=float((is_low & keep).sum()),
-            high_clipped=float((is_high & keep).sum()),
-        )
-    return loss, stats
+    loss = AGGREGATIONS[aggregation](per_token, keep, spec, batch)
+    return loss, loss_stats(keep, kl, clipped, entropy)

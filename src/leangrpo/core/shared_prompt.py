@@ -81,54 +81,71 @@ def positions(prompt_mask: Tensor, num_completion: int, group: int) -> tuple[Ten
 
 
 def _attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
+    """transformers' sdpa attention; with the layout keyword, the shared-prompt layout's (the mask is
+    then the [R, 1, 1, P] bool of the prompt's real, not left-pad, tokens)."""
     layout: Layout | None = kwargs.pop(KWARG, None)
     if layout is None:
         return _sdpa(module, query, key, value, attention_mask, **kwargs)
     layout.used = True
-    group = layout.group
-    prompt_ok = attention_mask  # [R, 1, 1, P] bool: the prompt's real (not left-pad) tokens
+    out_prompt = _prompt_attention(module, query, key, value, attention_mask, **kwargs)
+    out_completion = _completion_attention(module, query, key, value, attention_mask, layout.group, **kwargs)
+    return torch.cat([out_prompt, out_completion], dim=1), None
+
+
+def _prompt_attention(
+    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, prompt_ok: Tensor, **kwargs
+) -> Tensor:
+    """The prompt's part: causal over its own real tokens (a pad query sees itself, so that no row is
+    empty)."""
+    width, device = prompt_ok.shape[-1], query.device
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    mask = (causal & prompt_ok) | torch.eye(width, dtype=torch.bool, device=device)
+    prompt = slice(None, width)
+    out, _ = _sdpa(
+        module, query[:, :, prompt], key[:, :, prompt], value[:, :, prompt], mask, is_causal=False, **kwargs
+    )
+    return out
+
+
+def _completion_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    prompt_ok: Tensor,
+    group: int,
+    **kwargs,
+) -> Tensor:
+    """The completions' part, one batch row each: keys and values are the prompt's followed by its own."""
     rows, _, length, _ = query.shape
     width = prompt_ok.shape[-1]
     size = (length - width) // group
-    device = query.device
-
-    # The prompt: causal over its own real tokens (a pad query sees itself, so that no row is empty).
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    prompt_mask = (causal & prompt_ok) | torch.eye(width, dtype=torch.bool, device=device)
-    out_prompt, _ = _sdpa(
+    own = torch.ones(size, size, dtype=torch.bool, device=query.device).tril()
+    sees_prompt = prompt_ok.repeat_interleave(group, dim=0).expand(-1, -1, size, -1)
+    mask = torch.cat([sees_prompt, own.expand(rows * group, 1, size, size)], dim=-1)
+    out, _ = _sdpa(
         module,
-        query[:, :, :width],
-        key[:, :, :width],
-        value[:, :, :width],
-        prompt_mask,
+        _per_completion(query, width, group),
+        _with_prompt(key, width, group),
+        _with_prompt(value, width, group),
+        mask,
         is_causal=False,
         **kwargs,
-    )
-
-    # The completions, one batch row each: keys and values are the prompt's followed by its own.
-    def split(t: Tensor) -> Tensor:  # [R, h, g·C, d] → [R·g, h, C, d]
-        h, d = t.shape[1], t.shape[3]
-        return (
-            t[:, :, width:].reshape(rows, h, group, size, d).transpose(1, 2).reshape(rows * group, h, size, d)
-        )
-
-    def with_prompt(t: Tensor) -> Tensor:
-        prompt = t[:, None, :, :width].expand(-1, group, -1, -1, -1).flatten(0, 1)
-        return torch.cat([prompt, split(t)], dim=2)
-
-    own = torch.ones(size, size, dtype=torch.bool, device=device).tril()
-    completion_mask = torch.cat(
-        [
-            prompt_ok.repeat_interleave(group, dim=0).expand(-1, -1, size, -1),
-            own.expand(rows * group, 1, size, size),
-        ],
-        dim=-1,
-    )
-    out_completion, _ = _sdpa(
-        module, split(query), with_prompt(key), with_prompt(value), completion_mask, is_causal=False, **kwargs
     )  # [R·g, C, heads, d]
-    out_completion = out_completion.reshape(rows, group * size, *out_completion.shape[2:])
-    return torch.cat([out_prompt, out_completion], dim=1), None
+    return out.reshape(rows, group * size, *out.shape[2:])
+
+
+def _per_completion(t: Tensor, width: int, group: int) -> Tensor:
+    """The completions of packed rows, one per row: [R, h, P + g·C, d] → [R·g, h, C, d]."""
+    rows, h, length, d = t.shape
+    size = (length - width) // group
+    return t[:, :, width:].reshape(rows, h, group, size, d).transpose(1, 2).reshape(rows * group, h, size, d)
+
+
+def _with_prompt(t: Tensor, width: int, group: int) -> Tensor:
+    """Each completion's keys or values after its prompt's: [R, h, P + g·C, d] → [R·g, h, P + C, d]."""
+    prompt = t[:, None, :, :width].expand(-1, group, -1, -1, -1).flatten(0, 1)
+    return torch.cat([prompt, _per_completion(t, width, group)], dim=2)
 
 
 def _sdpa(*args, **kwargs):

@@ -80,7 +80,7 @@ class Linear(nn.Linear):
 
     def product(self) -> Callable[..., Tensor]:
         """The product (x, weight, bias) this layer computes with: `linear` over a float32 CPU weight,
-        else F.linear. The chunked log-prob head (train/logprobs.py) uses the same, to round alike."""
+        else F.linear. The chunked log-prob head (core/logprobs.py) uses the same, to round alike."""
         return linear if _plain_fp32_cpu(self.weight) else F.linear
 
 

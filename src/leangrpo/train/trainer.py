@@ -75,6 +75,7 @@ from leangrpo.train.engine import agent_from_config, cpu_levers, rollout_engine
 from leangrpo.train.evaluation import TrainingEvaluator
 from leangrpo.train.extras import RuntimeExtras
 from leangrpo.train.logprobs import Policy, batch_logprobs, micro_batch_logprobs, shared_prompt_group
+from leangrpo.train.loss import loss_spec
 from leangrpo.train.optim import StepInBackward, activation_offload, build_optimizer, build_scheduler
 from leangrpo.train.preflight import World, preflight
 
@@ -586,8 +587,10 @@ class Trainer:
         """One iteration's loss and gradients, micro-batch by micro-batch (`mask`: the completion tokens
         that count, `num_tokens` of them on an average process); returns the summed loss and each
         micro-batch's token counts."""
-        cfg, g = self.cfg, self.cfg.grpo
+        cfg = self.cfg
         micro = cfg.optim.per_device_train_batch_size
+        spec = loss_spec(cfg.grpo)
+        batch = grpo.BatchTotals(len(rollout), num_tokens, math.ceil(len(rollout) / micro))
         iteration_loss, stats = 0.0, []
         for start in range(0, len(rollout), micro):
             rows = slice(start, start + micro)
@@ -607,20 +610,9 @@ class Trainer:
                     None if ref_logp is None else ref_logp[rows, :width],
                     advantages[rows],
                     mask[rows, :width],
-                    loss_type=g.loss_type,
-                    sapo_temperatures=(g.sapo_temperature_pos, g.sapo_temperature_neg),
-                    epsilon=g.epsilon,
-                    epsilon_high=g.epsilon_high or g.epsilon,
-                    beta=g.beta,
-                    num_sequences=len(rollout),
-                    num_tokens=num_tokens,
-                    max_completion_length=g.max_completion_length,
-                    importance_sampling_level=g.importance_sampling_level,
-                    delta=g.delta,
-                    accumulation_steps=math.ceil(len(rollout) / micro),
-                    bias_correction_kl=g.use_bias_correction_kl,
+                    spec=spec,
+                    batch=batch,
                     entropy=entropy,
-                    top_entropy_quantile=g.top_entropy_quantile,
                     sampler_weights=None if sampler_weights is None else sampler_weights[rows, :width],
                 )
                 self.acc.backward(loss)
