@@ -8,12 +8,6 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "leangrpo"
 LIMIT, CORE_LIMIT = 60, 40
 
-# owned by the parallel issue-36 work; remove when split
-ALLOWED = {
-    "core/grpo.py:grpo_loss",
-    "core/shared_prompt.py:_attention",
-}
-
 
 def long_functions(root: Path) -> dict[str, int]:
     """'path:function' -> its lines (end_lineno - lineno + 1; nested functions count on their own) of
@@ -31,14 +25,8 @@ def long_functions(root: Path) -> dict[str, int]:
 
 
 def test_no_function_is_over_its_limit():
-    over = {name: lines for name, lines in long_functions(SRC).items() if name not in ALLOWED}
+    over = long_functions(SRC)
     assert not over, f"split these (lines): {over}"
-
-
-def test_the_allow_list_names_only_long_functions():
-    """An entry split since goes from the list, so that the list only shrinks."""
-    split = ALLOWED - set(long_functions(SRC))
-    assert not split, f"remove from ALLOWED, now split: {split}"
 
 
 def test_long_functions_finds_one(tmp_path):

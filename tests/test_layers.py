@@ -121,14 +121,3 @@ def test_each_layer_says_what_lives_there(package):
     """Every subpackage's __init__ docstring says what lives there and what it may import."""
     doc = ast.get_docstring(ast.parse((SRC / package / "__init__.py").read_text()))
     assert doc and "import" in doc.lower(), f"leangrpo/{package}/__init__.py: a docstring naming its imports"
-
-
-def test_core_functions_are_short():
-    """core/ is the math a reader checks by hand: no function in it over 40 lines, docstring included."""
-    long = [
-        f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
-        for path in sorted((SRC / "core").rglob("*.py"))
-        for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 40
-    ]
-    assert not long, "functions over 40 lines in core/:\n" + "\n".join(long)
