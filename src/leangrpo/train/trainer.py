@@ -170,6 +170,7 @@ class Trainer:
         set_seed(cfg.seed, device_specific=True)  # different samples on each rank
         self.sampler, self.resampler = self._prompt_samplers()
         self.sampling = Sampling.from_config(g, cfg.data.assistant_prefix)
+        self.loss_spec = loss_spec(g)  # the objective, its aggregation and constants, once
         self.start_step, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0
         self._engine: RolloutEngine | None = None  # built at the first rollout, after any resume or SFT
         self.last_save = time.monotonic()
@@ -589,7 +590,6 @@ class Trainer:
         micro-batch's token counts."""
         cfg = self.cfg
         micro = cfg.optim.per_device_train_batch_size
-        spec = loss_spec(cfg.grpo)
         batch = grpo.BatchTotals(len(rollout), num_tokens, math.ceil(len(rollout) / micro))
         iteration_loss, stats = 0.0, []
         for start in range(0, len(rollout), micro):
@@ -610,7 +610,7 @@ class Trainer:
                     None if ref_logp is None else ref_logp[rows, :width],
                     advantages[rows],
                     mask[rows, :width],
-                    spec=spec,
+                    spec=self.loss_spec,
                     batch=batch,
                     entropy=entropy,
                     sampler_weights=None if sampler_weights is None else sampler_weights[rows, :width],
