@@ -4,6 +4,8 @@ import counts (inside functions and under TYPE_CHECKING too), and the import gra
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,31 @@ def test_each_layer_says_what_lives_there(package):
     """Every subpackage's __init__ docstring says what lives there and what it may import."""
     doc = ast.get_docstring(ast.parse((SRC / package / "__init__.py").read_text()))
     assert doc and "import" in doc.lower(), f"leangrpo/{package}/__init__.py: a docstring naming its imports"
+
+
+def test_only_the_cpu_hook_imports_the_cpu_layer():
+    """leangrpo.cpu is reached through one hook, train/engine.cpu_levers, which imports it for a model on
+    CPU only; no other module outside cpu/ names it in an import."""
+    importers = {
+        source
+        for source, target, _ in leangrpo_imports()
+        if target.startswith("leangrpo.cpu") and not source.startswith("leangrpo.cpu")
+    }
+    assert importers == {"leangrpo.train.engine"}, importers
+
+
+def test_on_cuda_nothing_from_the_cpu_layer_is_imported():
+    """What a CUDA run imports (the CLI, the trainer, eval, chat, the Python API) pulls in no module of
+    leangrpo.cpu, and the hook gives a CUDA device no levers (checked by module name, in a fresh process)."""
+    code = (
+        "import sys, torch\n"
+        "import leangrpo.cli, leangrpo.train.trainer, leangrpo.tools.evaluate, leangrpo.tools.chat\n"
+        "import leangrpo.tools.trl_api, leangrpo.tools.demo, leangrpo.tools.export\n"
+        "from leangrpo.config.schema import CPUConfig\n"
+        "from leangrpo.train.engine import cpu_levers\n"
+        "assert cpu_levers(torch.device('cuda'), CPUConfig()) is None\n"
+        "print(sorted(m for m in sys.modules if m.startswith('leangrpo.cpu')))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"

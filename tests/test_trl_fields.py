@@ -4,6 +4,7 @@ the lists are checked against the installed TRL, and docs/trl.md shows them."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -160,3 +161,30 @@ def test_widely_read_recipes_load_with_zero_edits(recipe, tmp_path, gsm8k_dir):
     if recipe is OPEN_R1_RECIPE:
         assert cfg.optim.lr_scheduler_kwargs == {"min_lr_rate": 0.1} and cfg.logging.save_steps == 0.1
         assert cfg.model.attn_implementation == "sdpa" and cfg.logging.report_to == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", [LLAMA_RECIPE, OPEN_R1_RECIPE], ids=["llama-1b", "open-r1"])
+def test_widely_read_recipes_train_with_zero_edits(recipe, tmp_path, tiny_model_dir):
+    """The recipe as it is, beside what a script names (a model, a dataset with open-r1's `question` and
+    `solution` columns, TRL's rewards), trains from the CLI: one step (max_steps and the run directory
+    set on the command line, the recipe untouched)."""
+    from test_e2e import run_cli
+
+    rows = [{"question": f"What is {a} + {a}?", "solution": f"${2 * a}$"} for a in range(1, 9)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    script = {
+        "model_name_or_path": str(tiny_model_dir),
+        "dataset_name": str(data),
+        "reward_funcs": ["accuracy_reward", "think_format_reward"],
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**script, **yaml.safe_load(recipe)}))
+    out = tmp_path / "run"
+    proc = run_cli("train", "-c", str(path), "optim.max_steps=1", f"output_dir={out}", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == 1
+    assert {"rewards/accuracy_reward/mean", "rewards/think_format_reward/mean"} <= set(row)
+    assert (out / "model" / "config.json").is_file()
