@@ -227,4 +227,5 @@ def test_in_training_evaluation_shows_a_progress_bar_when_logging_asks(
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     evaluator(model, AutoTokenizer.from_pretrained(tiny_model_dir), step=0)
     err = capsys.readouterr().err
-    assert ("eval: 100%" in err and "3/3" in err) == progress_bar, err
+    # the bar clears itself once done (leave=False), so what shows depends on the refresh timing: its label
+    assert ("eval:" in err and "/3" in err) == progress_bar, err

@@ -13,7 +13,7 @@ import torch
 from memtrack import PeakLargeTensors
 
 from leangrpo.core.errors import DeviceOptionError, UserError
-from leangrpo.cpu.allocator import MMAP_THRESHOLD, release_freed_memory
+from leangrpo.cpu.allocator import MMAP_THRESHOLD
 from leangrpo.run.resolve import validate_config
 from leangrpo.train.optim import activation_offload, build_optimizer
 from leangrpo.train.preflight import World, preflight
@@ -113,12 +113,19 @@ def test_activation_offload_disabled_is_a_no_op():
     assert torch.equal(x.grad, 2 * torch.ones(3))
 
 
-def test_release_freed_memory_empties_the_cuda_cache(monkeypatch):
+def test_release_memory_empties_the_cuda_cache_or_asks_the_cpu_levers(monkeypatch):
+    """After a phase: on CUDA the allocator's cached blocks go back; on CPU the levers trim glibc's heap."""
+    from types import SimpleNamespace
+
+    from leangrpo.train.trainer import Trainer
+
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
-    release_freed_memory()
+    Trainer.release_memory(SimpleNamespace(levers=None))
     assert calls == ["empty"]
+    Trainer.release_memory(SimpleNamespace(levers=SimpleNamespace(release=lambda: calls.append("trim"))))
+    assert calls == ["empty", "trim"]
 
 
 def test_generation_leaves_no_garbage_cycles(tiny_model_dir, levers):

@@ -112,7 +112,10 @@ def test_train_with_eval_trackers_and_report(tmp_path, tiny_model_dir, gsm8k_dir
 
     result, path = run_eval(str(out), data=str(gsm8k_dir), limit=2, max_new_tokens=4)
     assert path == out / "eval" / "eval-test.json"
-    assert set(result.records[0]["rewards"]) == {"toy_rewards:vowel_share", "strict_format"}
+    # the run's own import-path reward is code named by a run directory: skipped unless trusted
+    assert set(result.records[0]["rewards"]) == {"strict_format_reward"}
+    trusted, _ = run_eval(str(out), data=str(gsm8k_dir), limit=2, max_new_tokens=4, trust_run_code=True)
+    assert set(trusted.records[0]["rewards"]) == {"vowel_share", "strict_format_reward"}
     text = compare(str(out / "eval" / "step-0.json"), str(out))
     assert f"B: {out} (eval-test.json)" in text and "train/reward (last step)" in text
 
