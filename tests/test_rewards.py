@@ -434,3 +434,22 @@ def test_builtin_soft_overlong_punishment_equals_trls():
     ]:
         with pytest.raises(RewardError, match=problem):
             load_reward("soft_overlong_punishment", kwargs=kwargs)
+
+
+def test_math_verify_keeps_its_timeouts_when_scored():
+    """Rewards run in abandonable worker threads, where math-verify's signal-alarm timeouts cannot act; a
+    power tower would then keep a worker (and the step) busy until rewards.timeout_s. math_verify_reward
+    runs on the main thread instead, so its own timeouts bound it."""
+    from leangrpo.data.rewards import math_verify_reward, score_completions
+
+    start = time.monotonic()
+    scores = score_completions(
+        [("math_verify", math_verify_reward, 1.0)],
+        ["q"],
+        ["<answer>\n9^9^9^9\n</answer>"],
+        {"answer": ["5"]},
+        "missing",
+        timeout_s=20,
+    )
+    assert scores.per_func.tolist() == [[0.0]] and not scores.failed.any()
+    assert time.monotonic() - start < 15

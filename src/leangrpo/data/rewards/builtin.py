@@ -185,6 +185,11 @@ def math_verify_reward(prompts: list, completions: list, answer: list[str], **kw
     ]
 
 
+MAIN_THREAD_REWARDS: frozenset[RewardFunc] = frozenset({math_verify_reward})
+"""Built-ins bounded by math-verify's own timeouts, which use signal alarms and so act on the main thread
+only: scoring calls these there, not in an abandonable worker (where nothing would bound them)."""
+
+
 def soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> Callable[..., list[float]]:
     """DAPO's overlong shaping, a reward factory configured by ``kwargs`` (TRL's
     ``get_soft_overlong_punishment``, the same values): 0 up to ``max_completion_len - soft_punish_cache``

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from leangrpo.data.rewards.builtin import RewardError, RewardFunc, completion_text
+from leangrpo.data.rewards.builtin import MAIN_THREAD_REWARDS, RewardError, RewardFunc, completion_text
 
 if TYPE_CHECKING:
     import torch
@@ -178,17 +178,22 @@ class _Batch:
 
     def run(self, calls: list[Callable[[], Any]]) -> list[Any]:
         """Each call in a daemon worker thread of its own, all at once (an awaitable it returns awaited
-        there): what each returned or raised, or a _Timeout for one still running after ``timeout_s``.
-        While waiting, ``stop()`` is asked five times a second; when it says so the calls are abandoned
-        (left running: Python cannot stop a thread) and RewardsAbandoned is raised, so that a hung
-        reward never keeps a run from stopping."""
+        there; MAIN_THREAD_REWARDS run on this thread meanwhile): what each returned or raised, or a
+        _Timeout for one still running after ``timeout_s``. While waiting, ``stop()`` is asked five times a
+        second; when it says so the calls are abandoned (left running: Python cannot stop a thread) and
+        RewardsAbandoned is raised, so that a hung reward never keeps a run from stopping."""
         boxes: list[list[Any]] = [[] for _ in calls]
+        own = [getattr(call, "func", None) in MAIN_THREAD_REWARDS for call in calls]
         workers = [
             threading.Thread(target=_fill, args=(call, box), daemon=True, name="leangrpo-reward")
-            for call, box in zip(calls, boxes, strict=True)
+            for call, box, here in zip(calls, boxes, own, strict=True)
+            if not here
         ]
         for worker in workers:
             worker.start()
+        for call, box, here in zip(calls, boxes, own, strict=True):
+            if here:  # bounded by its own timeouts, which need the main thread
+                _fill(call, box)
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         for worker in workers:
             while worker.is_alive():
