@@ -200,7 +200,8 @@ def test_train_fail_and_resume_with_vllm_from_the_cli(tmp_path, model_dir, gsm8k
     line = failed.output.strip().splitlines()[-1]
     assert line.startswith("error: stopped at step 3: vLLM failed while generating: RuntimeError: injected")
     assert f"{run / 'checkpoint-2'}, is intact" in line
-    resumed = CliRunner().invoke(main, ["train", "--resume", str(run)])
+    # the run's config names an import-path reward: resuming it runs that code, which needs the grant
+    resumed = CliRunner().invoke(main, ["train", "--resume", str(run), "--trust-run-code"])
     assert resumed.exit_code == 0, resumed.output
     rows = [r for r in read_metrics(run) if "loss" in r]  # the steps' rows, not the evaluations'
     assert [r["step"] for r in rows] == [1, 2, 3]
