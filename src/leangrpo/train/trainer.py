@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -341,7 +341,7 @@ class Trainer:
         g, timer = self.cfg.grpo, PhaseTimer()
         if g.use_vllm:
             with timer("sync"):
-                self.engine.sync_weights(self.unwrapped.lm)
+                self.sync_engine()
         with timer("rollout"):
             rows, rollout = self.rollout(step)
         with timer("score"):
@@ -360,6 +360,18 @@ class Trainer:
         with timer("update"):
             update = self.update(rollout, advantages.to(self.acc.device), ref_logp, old_logp, sampler_weights)
         return self.record(step, rows, rollout, scores, group_std, update, timer.seconds, mismatch, sampling)
+
+    def sync_engine(self) -> None:
+        """Load the policy's current weights into the vLLM engine (HF generate reads the policy itself).
+        Every process syncs its own engine; under FSDP2 they gather the weights together, a shard group at
+        a time (`Sharded.engine_weights`)."""
+        if self.cfg.grpo.use_vllm:
+            self.engine.sync_weights(self.unwrapped.lm, self.dist.engine_weights(self.policy))
+
+    def generating(self) -> AbstractContextManager[None]:
+        """Around generation: under FSDP2 HF generate needs the whole weights gathered; a vLLM engine
+        holds its own copy, so the shards stay as they are."""
+        return nullcontext() if self.cfg.grpo.use_vllm else self.dist.full_weights(self.policy)
 
     @property
     def engine(self) -> RolloutEngine:
@@ -396,7 +408,7 @@ class Trainer:
             )
             for i, r in enumerate(rows)
         ]  # fmt: skip
-        with self.dist.full_weights(self.policy):
+        with self.generating():
             batch = self.engine.generate(
                 texts, self.sampling, None if episodes is None else episodes.toolboxes
             ).to(self.acc.device)
@@ -848,11 +860,10 @@ class Trainer:
         out of metrics.jsonl, whose evaluations are one per step."""
         if self.evaluator is None or not self.evaluator.due(step):
             return
-        engine = self.engine  # the run's, given the weights of the step just trained (vLLM)
-        engine.sync_weights(self.unwrapped.lm)
-        with self.dist.full_weights(self.policy):
+        self.sync_engine()  # the run's engine, given the weights of the step just trained (vLLM)
+        with self.generating():
             if self.is_main:
-                metrics = self.evaluator(self.unwrapped.lm, self.tokenizer, step, engine, name=name)
+                metrics = self.evaluator(self.unwrapped.lm, self.tokenizer, step, self.engine, name=name)
                 if name is None:
                     self.logger.log(metrics)
                 else:
