@@ -688,7 +688,7 @@ class Trainer:
             "learning_rate": update.learning_rate,
             **{f"time/{phase}": s for phase, s in seconds.items()},
             **scores.metrics,  # the rewards' log_metric values (this process's)
-            **{f"vllm/{k}": v for k, v in (vars(mismatch) if mismatch else {}).items()},
+            **self._mismatch_metrics(mismatch),
             **(sampling or {}),
             **self._tool_metrics(rollout),
         }
@@ -703,6 +703,18 @@ class Trainer:
             for hook in self.extras.step_hooks:
                 hook(step, metrics)
         return metrics
+
+    def _mismatch_metrics(self, mismatch: grpo.SamplerMismatch | None) -> dict[str, float]:
+        """vllm/*, over every process's engine (the largest gap, the mean of the rest): a process whose
+        engine missed a sync shows in the logged maximum."""
+        if mismatch is None:
+            return {}
+        names = list(vars(mismatch))
+        rows = self.acc.gather(torch.tensor([list(vars(mismatch).values())], device=self.acc.device))
+        return {
+            f"vllm/{name}": float(rows[:, i].max() if name.endswith("_max") else rows[:, i].mean())
+            for i, name in enumerate(names)
+        }
 
     def _tool_metrics(self, rollout: RolloutBatch) -> dict[str, float]:
         """tools/*, this process's (the rollouts it generated), when rollouts call tools."""
