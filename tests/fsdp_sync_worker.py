@@ -33,11 +33,13 @@ def compare(lm: torch.nn.Module, acc: Accelerator) -> dict:
     """Sync `lm` sharded vs the same model whole: names, largest difference, gathered groups per tensor."""
     whole = {n: t.clone() for n, t in applied_weights(copy.deepcopy(lm))}
     policy = Sharded(acc).wrap(Policy(lm))
-    sent, seen_groups, error = [], [], 0.0
+    sent, seen_groups, error, gathered_bytes = [], [], 0.0, 0
     for name, tensor in Sharded(acc).engine_weights(policy):
         sent.append(name)
         seen_groups.append(gathered_groups(policy))
         error = max(error, float((tensor - whole[name]).abs().max()))
+        whole_now = sum(p.nbytes for p in policy.parameters() if not isinstance(p, DTensor))
+        gathered_bytes = max(gathered_bytes, whole_now)
     return {
         "names_equal": sorted(sent) == sorted(whole),  # each once; in shard-group order
         "extra": sorted(set(sent) - set(whole)),
@@ -47,6 +49,7 @@ def compare(lm: torch.nn.Module, acc: Accelerator) -> dict:
         "groups_visited": len({g[0] for g in seen_groups if g}),
         "groups": sum(isinstance(m, FSDPModule) for m in policy.modules()),
         "gathered_after": gathered_groups(policy),
+        "max_gathered_bytes": gathered_bytes,
     }
 
 

@@ -143,3 +143,9 @@ def test_engine_sync_gathers_one_shard_group_at_a_time(tmp_path, tiny_model_dir)
         assert r["groups_per_tensor"] == [1], (kind, r)  # one gathered group per tensor sent
         assert r["groups"] == 3 and r["groups_visited"] == 3, (kind, r)  # root + 2 layers, each in turn
         assert r["gathered_after"] == [], (kind, r)  # all resharded after the sync
+    # `leangrpo plan --fsdp 2 --rollout vllm` counts that gather: the largest group's weights
+    from leangrpo.tools import plan
+
+    knobs = plan.make_knobs(fsdp=2, dtype="float32", rollout="vllm")
+    planned = plan.sync_gather_bytes(plan.resolve_shape(str(tiny_model_dir)), knobs)
+    assert planned == pytest.approx(report["full"]["max_gathered_bytes"], rel=0.02)
