@@ -1,6 +1,7 @@
 """Rollouts through vLLM, colocated in the training process (TRL's `vllm_mode="colocate"`).
 
-One `vllm.LLM` is created once per run. It samples with the same settings, prompt tokens and EOS rule
+One `vllm.LLM` is created once per run in each training process (several processes: one engine each,
+tensor-parallel 1, `_executor`). It samples with the same settings, prompt tokens and EOS rule
 as the HF path, returns its own sampling log-probs (for the importance-sampling correction in
 grpo.py), and receives the policy's weights after every update: full fine-tuning streams each
 parameter into vLLM's copy, LoRA streams each adapted Linear with its adapter merged in.
