@@ -51,6 +51,7 @@ def test_each_process_samples_from_the_weights_it_trains(
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]  # vLLM's groups left before the job's
     assert f"2 processes, {described}" in proc.stdout + proc.stderr
     rows = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]

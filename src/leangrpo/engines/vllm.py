@@ -213,6 +213,16 @@ def _executor() -> str | None:
     return "external_launcher"
 
 
+def leave_vllm_groups() -> None:
+    """Destroy the groups the engines of a multi-process job formed over its processes (then the job's
+    own, which vLLM destroys with them). Done before the job tears its group down: left to the engine's
+    exit handler, that comes after the groups are gone and fails with a traceback."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
 @contextmanager
 def _failure(doing: str) -> Iterator[None]:
     """Any error inside vLLM becomes one VLLMError line (the trainer then checkpoints and stops)."""

@@ -43,7 +43,7 @@ from leangrpo.engines.rollout import (
     rollout_func_batch,
 )
 from leangrpo.engines.tools import AgentSpec, prepare_tokenizer
-from leangrpo.engines.vllm import VLLMError
+from leangrpo.engines.vllm import VLLMError, leave_vllm_groups
 from leangrpo.models.load import TensorStore, frozen_copy, is_peft, load_model_and_tokenizer
 from leangrpo.run.checkpoint import (
     load_rank_state,
@@ -1033,11 +1033,15 @@ def train(
 
     Ends by tearing down the process group of a multi-process run (gloo's threads left running at
     interpreter exit can abort the process after the work is done; the CLI then also skips the
-    interpreter's own teardown: `cli._leave_if_one_of_many`). Only the group accelerate formed: a
-    colocated vLLM's own single-process group stays for the next engine in this process."""
+    interpreter's own teardown: `cli._leave_if_one_of_many`), the engines' groups over it first. Only a
+    multi-process run's: a colocated vLLM's own single-process group stays for the next engine in this
+    process."""
     trainer = Trainer(cfg, overwrite, resume, agent, extras)
     try:
         return trainer.train()
     finally:
         if trainer.acc.num_processes > 1:
-            torch.distributed.destroy_process_group()
+            if cfg.grpo.use_vllm:  # the engines' groups first, while the job's group still exists
+                leave_vllm_groups()
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
