@@ -32,6 +32,8 @@ ARCHS = {  # LlamaConfig / Qwen2Config keyword arguments
     # vLLM's CPU attention needs a head dimension >= 32
     "tiny": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                            num_key_value_heads=2, tie_word_embeddings=True)),
+    "small": ("llama", dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                            num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)),
     "smollm2-135m": ("llama", SMOLLM2_135M),
     "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                    num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)),

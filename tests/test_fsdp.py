@@ -127,3 +127,25 @@ def test_fsdp1_and_conflicting_options_are_one_line(monkeypatch, tmp_path, tiny_
         with pytest.raises(UserError, match=f"{problem} cannot run under FSDP"):
             bad = load_config(str(cfg), [override, "model.lora.enabled=true"])
             preflight(bad, World(num_processes=2, device="cuda", sharded=True))
+
+
+def test_engine_sync_gathers_one_shard_group_at_a_time(tmp_path, tiny_model_dir):
+    """What a colocated vLLM engine is sent under FSDP2 equals the whole model's weights (LoRA merged),
+    and while each tensor is sent exactly one shard group is gathered: never the whole model."""
+    proc = torchrun(
+        TESTS / "fsdp_sync_worker.py", str(tiny_model_dir), str(tmp_path), port=29545,
+        env_extra={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "fsdp_sync.json").read_text())
+    for kind, r in report.items():
+        assert r["names_equal"] and r["error"] == 0.0, (kind, r)
+        assert r["groups_per_tensor"] == [1], (kind, r)  # one gathered group per tensor sent
+        assert r["groups"] == 3 and r["groups_visited"] == 3, (kind, r)  # root + 2 layers, each in turn
+        assert r["gathered_after"] == [], (kind, r)  # all resharded after the sync
+    # `leangrpo plan --fsdp 2 --rollout vllm` counts that gather: the largest group's weights
+    from leangrpo.tools import plan
+
+    knobs = plan.make_knobs(fsdp=2, dtype="float32", rollout="vllm")
+    planned = plan.sync_gather_bytes(plan.resolve_shape(str(tiny_model_dir)), knobs)
+    assert planned == pytest.approx(report["full"]["max_gathered_bytes"], rel=0.02)

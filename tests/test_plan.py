@@ -567,3 +567,24 @@ def test_train_on_cpu_prints_the_ram_warning_before_loading(tmp_path, gsm8k_dir)
     assert proc.returncode == 2 and len(lines) == 2, proc.stderr
     assert lines[0].startswith("warning: plan: this run is predicted to need") and "available" in lines[0]
     assert lines[1].startswith("error: cannot load tokenizer")
+
+
+def test_fsdp_with_vllm_plans_one_engine_per_process_and_a_layer_wise_sync():
+    """--fsdp N --rollout vllm: no whole model gathered to generate (each process's engine holds its own
+    copy, inside its reservation); the sync gathers the largest shard group, next to the shards."""
+    shape, memory = plan.resolve_shape("Qwen/Qwen2.5-7B"), 80 * 2**30
+    hf = plan.plan_for(shape, plan.make_knobs(beta=0.04, fsdp=8), memory)
+    vllm = plan.plan_for(shape, plan.make_knobs(beta=0.04, fsdp=8, rollout="vllm"), memory)
+    assert "FSDP gathered" not in vllm.components and "generation" not in vllm.phases
+    assert vllm.components["vllm reservation"] == int(0.3 * memory)  # per process: the plan is per process
+    gather = vllm.components["FSDP sync gather"]
+    # the root group (embeddings and untied head: 2 of 15 GiB here) is the largest, not the whole model
+    assert gather == plan.sync_gather_bytes(shape, vllm.knobs) < hf.components["FSDP gathered"] / 5
+    shards = sum(vllm.components[c] for c in ("weights", "optimizer state", "reference model"))
+    assert vllm.phases["sync"] == pytest.approx(shards + gather, abs=4)  # the shards and one group
+    assert vllm.peak < hf.peak  # without the gathered model, the update bounds the run again
+    lora = plan.sync_gather_bytes(shape, plan.make_knobs(method="lora", fsdp=8, rollout="vllm"))
+    assert lora > gather  # one merged Linear weight on top
+    res = CliRunner().invoke(main, ["plan", "--model", "Qwen/Qwen2.5-7B", "--fsdp", "8", "--rollout", "vllm",
+                                    "--gpu-memory", "80G"])  # fmt: skip
+    assert res.exit_code == 0 and "FSDP sync gather" in res.output and "phase sync" in res.output, res.output

@@ -328,7 +328,7 @@ class GRPOSection(Section):
         False, description="generate rollouts with vLLM instead of HF generate (docs/vllm.md)"
     )
     vllm_mode: Literal["colocate", "server"] = Field(
-        "colocate", description="colocate: one vLLM engine inside the training process (server: not yet)"
+        "colocate", description="colocate: one vLLM engine inside each training process (server: not yet)"
     )
     vllm_gpu_memory_utilization: float = Field(
         0.3, description="share of the GPU's memory vLLM may take (weights + KV cache), in (0, 1]"

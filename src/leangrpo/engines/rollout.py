@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -156,7 +156,8 @@ class Sampling:
 
 class RolloutEngine(Protocol):
     """What the trainer generates with; `sync_weights` makes the next rollout use the model's current
-    weights."""
+    weights (`weights`: those weights as the caller streams them, when they are not whole in `model`,
+    as under FSDP2)."""
 
     def generate(
         self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
@@ -165,7 +166,9 @@ class RolloutEngine(Protocol):
         call those tools."""
         ...
 
-    def sync_weights(self, model: PreTrainedModel) -> None: ...
+    def sync_weights(
+        self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
+    ) -> None: ...
 
 
 class GenerateLevers(Protocol):
@@ -204,7 +207,9 @@ class HFEngine:
             self.model, self.tokenizer, prompt_texts, sampling, levers=self.levers, toolboxes=toolboxes
         )
 
-    def sync_weights(self, model: PreTrainedModel) -> None:
+    def sync_weights(
+        self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
+    ) -> None:
         pass
 
 

@@ -1,6 +1,7 @@
 """Rollouts through vLLM, colocated in the training process (TRL's `vllm_mode="colocate"`).
 
-One `vllm.LLM` is created once per run. It samples with the same settings, prompt tokens and EOS rule
+One `vllm.LLM` is created once per run in each training process (several processes: one engine each,
+tensor-parallel 1, `_executor`). It samples with the same settings, prompt tokens and EOS rule
 as the HF path, returns its own sampling log-probs (for the importance-sampling correction in
 grpo.py), and receives the policy's weights after every update: full fine-tuning streams each
 parameter into vLLM's copy, LoRA streams each adapted Linear with its adapter merged in.
@@ -10,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -81,6 +82,7 @@ class VLLMEngine:
                 logprobs_mode="processed_logprobs",
                 generation_config="vllm",  # our sampling settings only, not the model's defaults
                 enforce_eager=not torch.cuda.is_available(),  # CUDA graphs pay off on GPUs only
+                distributed_executor_backend=_executor(),
             )
         except Exception as e:  # vLLM raises many types for a model it cannot run
             raise VLLMError(f"vLLM could not load {path}: {_last_line(e)}") from e
@@ -175,9 +177,12 @@ class VLLMEngine:
             for c in completions
         ]
 
-    def sync_weights(self, model: PreTrainedModel) -> None:
+    def sync_weights(
+        self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
+    ) -> None:
         """Load `model`'s current weights into vLLM's copy, one tensor at a time, and drop its prefix cache
-        (cached prompt states were computed with the old weights).
+        (cached prompt states were computed with the old weights). `weights`: those weights as the caller
+        streams them (FSDP2 gathers them one shard group at a time); default `applied_weights(model)`.
 
         vLLM's in-place reload takes checkpoint-format tensors and redoes its own per-layer processing
         (the CPU backend, for one, repacks each Linear for oneDNN), so every weight is sent, LoRA ones
@@ -186,12 +191,36 @@ class VLLMEngine:
             self.llm.wake_up(tags=["weights"])
             self.weights_asleep = False
         with torch.no_grad(), _failure("loading the updated weights"):
-            weights = applied_weights(model)
+            weights = applied_weights(model) if weights is None else weights
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
             )
             self.llm.apply_model(_repack_tied_head)
         self.llm.reset_prefix_cache()
+
+
+def _executor() -> str | None:
+    """vLLM's executor for this process. In a job of several processes (DDP or FSDP2, a torch.distributed
+    group already formed) each holds its own tensor-parallel-1 engine, as TRL's colocate mode does:
+    vLLM's `external_launcher` joins the job's group (vLLM's default executor would form a group of its
+    own, and put every process's engine on device 0) and reads the process's rank and device from the
+    launcher's variables, set here from the group where the launcher did not. Alone: vLLM's default."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(dist.get_world_size())
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    return "external_launcher"
+
+
+def leave_vllm_groups() -> None:
+    """Destroy the groups the engines of a multi-process job formed over its processes (then the job's
+    own, which vLLM destroys with them). Done before the job tears its group down: left to the engine's
+    exit handler, that comes after the groups are gone and fails with a traceback."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 @contextmanager
@@ -219,26 +248,37 @@ def _repack_tied_head(vllm_model: torch.nn.Module) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-def applied_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+def applied_weights(
+    model: torch.nn.Module, owns: Callable[[torch.nn.Module], bool] | None = None
+) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) of every weight the model applies, under the base checkpoint's names; a peft
-    model's LoRA Linears with their adapter merged in. A merged weight exists only while vLLM copies it,
-    so the extra memory is one layer's weight, never a second model."""
-    if not is_peft(model):
-        for name, param in model.named_parameters():
-            yield name, param.detach()
-        return
-    merged: set[str] = set()  # LoRA layers, whose own parameters (base_layer, lora_A/B) are not sent
-    for name, module in model.get_base_model().named_modules():
+    model's LoRA Linears with their adapter merged in; a tied weight once. `owns`: only the weights of
+    the modules it accepts (FSDP2's sync sends one gathered shard group at a time). A merged weight
+    exists only while vLLM copies it, so the extra memory is one layer's weight, never a second model."""
+    base = model.get_base_model() if is_peft(model) else model
+    merged: list[str] = []  # LoRA layers, whose own parameters (base_layer, lora_A/B) are not sent
+    seen: set[int] = set()
+    for name, module in base.named_modules():
         if any(name.startswith(m + ".") for m in merged):
             continue
+        mine = owns is None or owns(module)
         if hasattr(module, "lora_A"):
-            weight = linear_weight(module)
-            if weight is None:
-                raise VLLMError(f"grpo.use_vllm: cannot merge the adapter of {name} (DoRA or not a Linear)")
-            merged.add(name)
-            yield f"{name}.weight", weight.detach()
-            if module.base_layer.bias is not None:
-                yield f"{name}.bias", module.base_layer.bias.detach()
+            merged.append(name)
+            if mine:
+                yield from _merged_linear(name, module)
             continue
         for pname, param in module.named_parameters(recurse=False):
-            yield f"{name}.{pname}" if name else pname, param.detach()
+            if mine and id(param) not in seen:
+                seen.add(id(param))
+                yield f"{name}.{pname}" if name else pname, param.detach()
+
+
+def _merged_linear(name: str, module: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """A LoRA Linear's weight with its adapter merged in, and its base layer's bias."""
+    weight = linear_weight(module)
+    if weight is None:
+        raise VLLMError(f"grpo.use_vllm: cannot merge the adapter of {name} (DoRA or not a Linear)")
+    yield f"{name}.weight", weight.detach()
+    bias = cast("torch.nn.Linear", module.base_layer).bias
+    if bias is not None:
+        yield f"{name}.bias", bias.detach()

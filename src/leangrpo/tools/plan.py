@@ -532,6 +532,7 @@ PHASE_PARTS = {
                    "packed weights", "trainable params", "FSDP gathered"),
     "update": ("weights", "reference model", "optimizer state", "gradients", "activations",
                "log-prob workspace", "trainable params"),
+    "sync": ("weights", "reference model", "optimizer state", "trainable params", "FSDP sync gather"),
 }  # fmt: skip
 
 
@@ -652,6 +653,16 @@ def reference_peak(shape: ModelShape, k: Knobs, r: Resident, rows: UpdateLayout)
     return r.persistent + (r.ref - r.resident_ref) + r.gathered + forward
 
 
+def sync_gather_bytes(shape: ModelShape, k: Knobs) -> int:
+    """FSDP2's sync of a colocated vLLM (train/distributed.Sharded.engine_weights): the largest shard
+    group gathered whole (the root's embeddings and untied head, or one decoder layer), and under LoRA
+    one merged Linear weight on top."""
+    layer = sum(c for _, c in shape.layer_tensors())
+    root = shape.num_params() - shape.num_hidden_layers * layer
+    merged = max(a * b for a, b in shape.linear_shapes().values()) if k.method != "full" else 0
+    return (max(root, layer) + merged) * k.e
+
+
 def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     """Predict every component and each phase's peak of one steady-state GRPO step (step ≥ 2: the
     optimizer state exists; step 1 peaks no higher)."""
@@ -672,15 +683,18 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
         "generation workspace": generation_workspace(shape, k),
         "packed weights": packed_copy_bytes(shape, k),
     }  # fmt: skip
-    if n > 1:  # generation gathers the whole model on every process, next to the shards
-        components["FSDP gathered"] = r.weights + r.adapters
     phases = {"update": update_peak(shape, k, r, rows)}
     if k.rollout == "hf":
+        if n > 1:  # generation gathers the whole model on every process, next to the shards
+            components["FSDP gathered"] = r.weights + r.adapters
         generating = ("FSDP gathered", "KV cache", "generation workspace", "packed weights")
         phases["generation"] = r.persistent + sum(components.get(c, 0) for c in generating)
-    else:  # colocated vLLM reserves a fixed share of the card for its own weights and KV cache
+    else:  # each process's colocated vLLM reserves a fixed share of its card for weights and KV cache
         components["KV cache"] = components["generation workspace"] = 0
         components["vllm reservation"] = 0  # filled in by plan_for (needs the card size)
+        if n > 1:  # the engine's sync gathers one shard group at a time
+            components["FSDP sync gather"] = sync_gather_bytes(shape, k)
+            phases["sync"] = r.persistent + components["FSDP sync gather"]
     if k.beta > 0 or k.num_iterations > 1:  # reference / old log-probs
         phases["reference"] = reference_peak(shape, k, r, rows)
     acts_other = decoder_activation_bytes(shape, flipped, rows, B * C)
@@ -880,8 +894,9 @@ _NOTES = {
     "KV cache": "preallocated prompt + completion positions, whole generation batch",
     "generation workspace": "prefill / sampling temporaries",
     "packed weights": "generation's oneDNN copy of the Linears (CPU, float32; cpu.packed_generation)",
-    "vllm reservation": "gpu_memory_utilization share of the card",
+    "vllm reservation": "gpu_memory_utilization share of the card (each process's own engine)",
     "FSDP gathered": "the whole model, gathered on each process to generate",
+    "FSDP sync gather": "the largest shard group, gathered to sync vLLM (one at a time)",
 }
 _OPTIMIZER_NOTES = {"adamw": "AdamW exp_avg + exp_avg_sq", "adamw_8bit": "8-bit AdamW: uint8 states + absmax"}
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from leangrpo.core.errors import UserError
+from leangrpo.engines.vllm import applied_weights
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -115,6 +116,10 @@ class Replicated:
         """Whole weights on every process for generation and evaluation: they always are."""
         yield
 
+    def engine_weights(self, policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights a colocated vLLM engine loads (`applied_weights`): whole on every process."""
+        return applied_weights(self.acc.unwrap_model(policy).lm)
+
     def clip_grad_norm(self, policy: nn.Module, max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
 
@@ -168,6 +173,29 @@ class Sharded(Replicated):
             for m in modules:
                 m.set_reshard_after_forward(True)
                 m.reshard()
+
+    def engine_weights(self, policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights a colocated vLLM engine loads, gathered one shard group (a decoder layer, or the
+        root's embeddings, final norm and head) at a time and freed before the next: the engine's sync
+        never holds the whole model. Each gather is a collective, so every process must consume this in
+        full, as each process's sync does; the groups come in module order, the same on all."""
+        from torch.distributed.fsdp import FSDPModule
+
+        owner: dict[nn.Module, nn.Module] = {}  # each module's shard group: its nearest FSDP ancestor
+        for module in policy.modules():  # pre-order: a parent is seen before its children
+            for child in module.children():
+                owner[child] = child if isinstance(child, FSDPModule) else owner.get(module, module)
+        lm = _as_policy(policy).lm
+        for group in [m for m in policy.modules() if isinstance(m, FSDPModule)]:
+
+            def in_group(module: nn.Module, group: nn.Module = group) -> bool:
+                return owner[module] is group
+
+            group.unshard()
+            try:
+                yield from applied_weights(lm, in_group)
+            finally:
+                group.reshard()
 
     def clip_grad_norm(self, policy: nn.Module, max_norm: float) -> float:
         """The global norm over every shard (a DTensor reduced across processes), then clipping with it."""

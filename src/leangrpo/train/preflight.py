@@ -97,15 +97,11 @@ def _sharding(cfg: Config, world: World) -> None:
 
 
 def _vllm(cfg: Config, world: World) -> None:
-    """Everything about `grpo.use_vllm` that can fail before the engine loads: vLLM missing, several
-    processes, sleep mode off a GPU."""
+    """Everything about `grpo.use_vllm` that can fail before the engine loads: vLLM missing, sleep mode
+    off a GPU. Several processes each hold an engine of their own (DDP and FSDP2 alike)."""
     if not cfg.grpo.use_vllm:
         return
     import_vllm()
-    if world.num_processes > 1:
-        raise VLLMError(
-            f"grpo.use_vllm: one training process only for now (this run has {world.num_processes})"
-        )
     if cfg.grpo.vllm_enable_sleep_mode and world.device != "cuda":
         raise VLLMError("grpo.vllm_enable_sleep_mode needs CUDA (vLLM sleeps only on GPUs); set it to false")
 

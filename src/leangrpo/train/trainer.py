@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,7 +43,7 @@ from leangrpo.engines.rollout import (
     rollout_func_batch,
 )
 from leangrpo.engines.tools import AgentSpec, prepare_tokenizer
-from leangrpo.engines.vllm import VLLMError
+from leangrpo.engines.vllm import VLLMError, leave_vllm_groups
 from leangrpo.models.load import TensorStore, frozen_copy, is_peft, load_model_and_tokenizer
 from leangrpo.run.checkpoint import (
     load_rank_state,
@@ -341,7 +341,7 @@ class Trainer:
         g, timer = self.cfg.grpo, PhaseTimer()
         if g.use_vllm:
             with timer("sync"):
-                self.engine.sync_weights(self.unwrapped.lm)
+                self.sync_engine()
         with timer("rollout"):
             rows, rollout = self.rollout(step)
         with timer("score"):
@@ -360,6 +360,18 @@ class Trainer:
         with timer("update"):
             update = self.update(rollout, advantages.to(self.acc.device), ref_logp, old_logp, sampler_weights)
         return self.record(step, rows, rollout, scores, group_std, update, timer.seconds, mismatch, sampling)
+
+    def sync_engine(self) -> None:
+        """Load the policy's current weights into the vLLM engine (HF generate reads the policy itself).
+        Every process syncs its own engine; under FSDP2 they gather the weights together, a shard group at
+        a time (`Sharded.engine_weights`)."""
+        if self.cfg.grpo.use_vllm:
+            self.engine.sync_weights(self.unwrapped.lm, self.dist.engine_weights(self.policy))
+
+    def generating(self) -> AbstractContextManager[None]:
+        """Around generation: under FSDP2 HF generate needs the whole weights gathered; a vLLM engine
+        holds its own copy, so the shards stay as they are."""
+        return nullcontext() if self.cfg.grpo.use_vllm else self.dist.full_weights(self.policy)
 
     @property
     def engine(self) -> RolloutEngine:
@@ -396,7 +408,7 @@ class Trainer:
             )
             for i, r in enumerate(rows)
         ]  # fmt: skip
-        with self.dist.full_weights(self.policy):
+        with self.generating():
             batch = self.engine.generate(
                 texts, self.sampling, None if episodes is None else episodes.toolboxes
             ).to(self.acc.device)
@@ -676,7 +688,7 @@ class Trainer:
             "learning_rate": update.learning_rate,
             **{f"time/{phase}": s for phase, s in seconds.items()},
             **scores.metrics,  # the rewards' log_metric values (this process's)
-            **{f"vllm/{k}": v for k, v in (vars(mismatch) if mismatch else {}).items()},
+            **self._mismatch_metrics(mismatch),
             **(sampling or {}),
             **self._tool_metrics(rollout),
         }
@@ -691,6 +703,18 @@ class Trainer:
             for hook in self.extras.step_hooks:
                 hook(step, metrics)
         return metrics
+
+    def _mismatch_metrics(self, mismatch: grpo.SamplerMismatch | None) -> dict[str, float]:
+        """vllm/*, over every process's engine (the largest gap, the mean of the rest): a process whose
+        engine missed a sync shows in the logged maximum."""
+        if mismatch is None:
+            return {}
+        names = list(vars(mismatch))
+        rows = self.acc.gather(torch.tensor([list(vars(mismatch).values())], device=self.acc.device))
+        return {
+            f"vllm/{name}": float(rows[:, i].max() if name.endswith("_max") else rows[:, i].mean())
+            for i, name in enumerate(names)
+        }
 
     def _tool_metrics(self, rollout: RolloutBatch) -> dict[str, float]:
         """tools/*, this process's (the rollouts it generated), when rollouts call tools."""
@@ -848,11 +872,10 @@ class Trainer:
         out of metrics.jsonl, whose evaluations are one per step."""
         if self.evaluator is None or not self.evaluator.due(step):
             return
-        engine = self.engine  # the run's, given the weights of the step just trained (vLLM)
-        engine.sync_weights(self.unwrapped.lm)
-        with self.dist.full_weights(self.policy):
+        self.sync_engine()  # the run's engine, given the weights of the step just trained (vLLM)
+        with self.generating():
             if self.is_main:
-                metrics = self.evaluator(self.unwrapped.lm, self.tokenizer, step, engine, name=name)
+                metrics = self.evaluator(self.unwrapped.lm, self.tokenizer, step, self.engine, name=name)
                 if name is None:
                     self.logger.log(metrics)
                 else:
@@ -1010,11 +1033,15 @@ def train(
 
     Ends by tearing down the process group of a multi-process run (gloo's threads left running at
     interpreter exit can abort the process after the work is done; the CLI then also skips the
-    interpreter's own teardown: `cli._leave_if_one_of_many`). Only the group accelerate formed: a
-    colocated vLLM's own single-process group stays for the next engine in this process."""
+    interpreter's own teardown: `cli._leave_if_one_of_many`), the engines' groups over it first. Only a
+    multi-process run's: a colocated vLLM's own single-process group stays for the next engine in this
+    process."""
     trainer = Trainer(cfg, overwrite, resume, agent, extras)
     try:
         return trainer.train()
     finally:
         if trainer.acc.num_processes > 1:
-            torch.distributed.destroy_process_group()
+            if cfg.grpo.use_vllm:  # the engines' groups first, while the job's group still exists
+                leave_vllm_groups()
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
