@@ -155,3 +155,89 @@ def test_a_row_that_ends_is_padded_and_decoding_stops_when_all_have():
     out = lean.decode(cache, ids, mask, 10, scripted, eos=[7, 8], pad=0)
     assert steps == [0, 1, 2, 3]
     assert out.tolist() == [[4, 7, 0, 0], [5, 5, 5, 7]]
+
+
+def released_names(model) -> set[str]:
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if p.numel() == 0}
+
+
+def bits(model) -> dict[str, tuple[torch.nn.Parameter, torch.Tensor]]:
+    return {name: (p, p.detach().view(torch.int32).clone()) for name, p in model.named_parameters()}
+
+
+def assert_same_bits(model, before) -> None:
+    for name, p in model.named_parameters():
+        same, want = before[name]
+        assert p is same and p.is_contiguous() and torch.equal(p.detach().view(torch.int32), want), name
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("pack_head", [True, False])
+def test_released_weights_stand_in_for_the_linears_exactly(tied, pack_head):
+    """`release`: while the loop runs, each Linear weight that only its Linear uses is held as its packed
+    copy alone (the parameter empty; a tied LM head stays: the embedding uses it); the loop's logits are
+    exactly those without release, and `restore` puts the same bits back in the same Parameters."""
+    model = tiny("llama", tie_word_embeddings=tied)
+    ids, mask = prompts(group=2)
+    want_ids, want = lean_logits(model, ids, mask, group=2, steps=5, pack_head=pack_head)
+    before = bits(model)
+    cache = kv_cache(model, ids.shape[1] + 5)
+    prefill_once_per_group(model, ids, mask, 2, cache)
+    lean = lean_decoder(model, len(ids), pack_head, release=True)
+    assert lean is not None
+    linears = {name for name in before if name.endswith("proj.weight")}
+    assert released_names(model) == linears | ({"lm_head.weight"} if pack_head and not tied else set())
+    seen = []
+
+    def greedy(_ids, logits):
+        seen.append(logits.clone())
+        return logits.argmax(dim=-1)
+
+    got_ids = lean.decode(cache, ids, mask, 5, greedy, eos=[], pad=0)
+    lean.restore()
+    assert torch.equal(got_ids, want_ids) and torch.equal(torch.stack(seen, dim=1), want)
+    assert released_names(model) == set()
+    assert_same_bits(model, before)
+
+
+def test_restore_gives_back_negative_zero_and_nan():
+    model = tiny("llama")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight[0, :3] = torch.tensor([-0.0, torch.nan, -torch.inf])
+        model.model.layers[1].mlp.down_proj.weight[1, 0] = -0.0
+    before = bits(model)
+    lean = lean_decoder(model, 4, release=True)
+    assert lean is not None and released_names(model)
+    lean.restore()
+    assert_same_bits(model, before)
+
+
+def test_generation_holds_the_packed_copies_alone_and_restores_the_weights_on_error(monkeypatch):
+    """The CPU levers' decode releases the weights while the loop runs, and puts them back even when the
+    loop fails (here: interrupted)."""
+    import leangrpo.cpu.levers as levers_mod
+    from leangrpo.config.schema import CPUConfig
+    from leangrpo.engines.rollout import Sampling
+
+    model = tiny("llama", tie_word_embeddings=False)
+    before, ids, mask, seen = bits(model), *prompts(group=2), []
+
+    def interrupted(*args):
+        seen.append(released_names(model))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(levers_mod, "decode_lean", interrupted)
+    sampling = Sampling(num_generations=2, max_prompt_length=16, max_completion_length=3)
+    with pytest.raises(KeyboardInterrupt):
+        levers_mod.CPULevers(CPUConfig()).decode(
+            model,
+            kv_cache(model, ids.shape[1] + 3),
+            ids,
+            mask,
+            sampling,
+            [],
+            [],
+            transformers.GenerationConfig(),
+        )
+    assert seen == [{name for name in before if name.endswith("proj.weight")} | {"lm_head.weight"}]
+    assert_same_bits(model, before)
