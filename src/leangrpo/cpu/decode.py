@@ -119,7 +119,7 @@ def lean_decoder(
     base = peft_base(model) if is_peft(model) else model
     inner, cfg = cast(Any, base).model, base.config
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    released = Released(uses) if release else None
+    released = Released(uses) if release and not _sharded(model) else None
     head_module = cast(nn.Linear, base.get_output_embeddings())
     try:
         with torch.no_grad():
@@ -133,6 +133,16 @@ def lean_decoder(
             released.restore()  # those packed so far
         raise
     return LeanDecoder(inner, layers, head, cfg, released)
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 shards `model`: its gathered weights live in FSDP's own buffers, which the next gather
+    writes into, so they are never released."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _groups(block: Any) -> tuple[tuple[nn.Module, ...], ...]:
