@@ -898,9 +898,9 @@ def test_generate_packs_the_linears_only_when_asked(
             calls.append(("packed_linears", batch_hint, pack_head))
         yield
 
-    def lean(model, rows, pack_head, release):
+    def lean(model, rows, pack_head):
         calls.append(("lean", rows, pack_head))
-        return real_lean(model, rows, pack_head, release)
+        return real_lean(model, rows, pack_head)
 
     real_lean = levers_mod.lean_decoder
     monkeypatch.setattr(levers_mod, "packed_linears", recording)

@@ -572,32 +572,3 @@ def test_train_on_cpu_prints_the_ram_warning_before_loading(tmp_path, gsm8k_dir)
     assert proc.returncode == 2 and len(lines) == 2, proc.stderr
     assert lines[0].startswith("warning: plan: this run is predicted to need") and "available" in lines[0]
     assert lines[1].startswith("error: cannot load tokenizer")
-
-
-@pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("pack_head", [True, False])
-def test_generation_counts_only_the_packed_copies_that_do_not_stand_in_for_weights(tied, pack_head):
-    """Full fine-tuning through the lean loop releases each Linear weight its packed copy stands in for
-    (cpu/decode.py): the plan lets go of the bytes the loop lets go of, and counts the rest of the copy
-    (a tied LM head's) as extra; LoRA folds its adapters into new copies (all extra), and generate()'s
-    architectures (Mistral) release nothing."""
-    from leangrpo.cpu.decode import lean_decoder
-
-    model, shape = tiny("llama", tied)
-    before = {name: p.numel() * 4 for name, p in model.named_parameters()}
-    lean = lean_decoder(model, 2, pack_head, release=True)
-    assert lean is not None
-    released = sum(n for name, n in before.items() if model.get_parameter(name).numel() == 0)
-    lean.restore()
-    knobs = plan.Knobs(method="full", dtype="float32", device="cpu", packed_lm_head=pack_head)
-    assert plan.released_bytes(shape, knobs) == released > 0
-
-    def extra(**changes):
-        k = plan.replace(knobs, **changes)
-        unpacked = plan.estimate(shape, plan.replace(k, packed_generation=False)).phases["generation"]
-        return plan.estimate(shape, k).phases["generation"] - unpacked
-
-    assert extra() == plan.packed_copy_bytes(shape, knobs) - released
-    assert extra() == (shape.embedding_numel() * 4 if tied and pack_head else 0)
-    assert extra(method="lora") == plan.packed_copy_bytes(shape, plan.replace(knobs, method="lora")) > 0
-    assert plan.released_bytes(plan.replace(shape, model_type="mistral"), knobs) == 0

@@ -13,7 +13,6 @@ the model's own forward (`engines.rollout.prefill_once_per_group`); every other 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from transformers.generation.logits_process import MinNewTokensLengthLogitsProce
 
 from leangrpo.cpu import onednn
 from leangrpo.engines.rollout import Sampling
-from leangrpo.models.load import foldable, is_peft, linear_weight, peft_base
+from leangrpo.models.load import is_peft, linear_weight, peft_base
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
@@ -82,10 +81,10 @@ class Layer:
     scaling: float
 
 
-def lean_supported(model: PreTrainedModel) -> bool:
-    """Whether `lean_decoder` takes `model`: not where the loop would compute something other than the
-    model's forward (another architecture, sliding-window or DoRA layers, other dtypes or devices, forward
-    hooks), where generate() must run."""
+def lean_decoder(model: PreTrainedModel, rows: int, pack_head: bool = True) -> LeanDecoder | None:
+    """A LeanDecoder for `model` with its weights packed for `rows` rows, or None where the loop would not
+    compute what the model's forward does (another architecture, sliding-window or DoRA layers, other
+    dtypes or devices, forward hooks), and generate() must run."""
     base = peft_base(model) if is_peft(model) else model
     cfg = base.config
     if (
@@ -96,155 +95,79 @@ def lean_supported(model: PreTrainedModel) -> bool:
         or not torch.backends.mkldnn.is_available()
         or not all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
     ):
-        return False
+        return None
     inner = cast(Any, base).model
     # The loop calls the embedding and the rotary embedding as modules (their hooks run: peft and gradient
     # checkpointing hook the embedding to make its output require grad); a hook anywhere else would not.
     called = {id(m) for part in (inner.embed_tokens, inner.rotary_emb) for m in part.modules()}
     if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules() if id(m) not in called):
-        return False
-    groups = [group for block in inner.layers for group in _groups(block)]
-    return all(_packable(*group) for group in groups) and _packable(base.get_output_embeddings())
-
-
-def lean_decoder(
-    model: PreTrainedModel, rows: int, pack_head: bool = True, release: bool = False
-) -> LeanDecoder | None:
-    """A LeanDecoder for `model` with its weights packed for `rows` rows, or None where `lean_supported`
-    says no. With `release`, each plain Linear weight that only its Linear uses gives its memory up once
-    packed (the packed copy stands in for it) until `LeanDecoder.restore`, so that generation holds one
-    set of those weights, not two; nothing may run the model's own forward in between."""
-    if not lean_supported(model):
         return None
-    base = peft_base(model) if is_peft(model) else model
-    inner, cfg = cast(Any, base).model, base.config
-    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    released = Released(uses) if release and not _sharded(model) else None
-    head_module = cast(nn.Linear, base.get_output_embeddings())
-    try:
-        with torch.no_grad():
-            layers = [_layer(block, cfg, rows, released) for block in inner.layers]
-            if pack_head:
-                head: Callable[[Tensor], Tensor] = _product(rows, released, head_module)
-            else:
-                head = partial(wide_forward, cast(Tensor, linear_weight(head_module)), head_module.bias)
-    except BaseException:
-        if released is not None:
-            released.restore()  # those packed so far
-        raise
-    return LeanDecoder(inner, layers, head, cfg, released)
+    pack = torch.ops.mkldnn._reorder_linear_weight
+    with torch.no_grad():
+        layers = []
+        for block in inner.layers:
+            layer = _layer(block, cfg, rows)
+            if layer is None:
+                return None
+            layers.append(layer)
+        head_module = cast(nn.Linear, base.get_output_embeddings())
+        head_weight = linear_weight(head_module)
+        if head_weight is None:
+            return None
+        if pack_head:
+            head: Callable[[Tensor], Tensor] = Product(pack(head_weight, rows), head_module.bias)
+        else:
+            head = partial(wide_forward, head_weight, head_module.bias)
+    return LeanDecoder(inner, layers, head, cfg)
 
 
-def _sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 shards `model`: its gathered weights live in FSDP's own buffers, which the next gather
-    writes into, so they are never released."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def _groups(block: Any) -> tuple[tuple[nn.Module, ...], ...]:
-    """A decoder layer's Linears as the loop multiplies them: q/k/v side by side, o, gate/up, down."""
-    attn, mlp = block.self_attn, block.mlp
-    return (
-        (attn.q_proj, attn.k_proj, attn.v_proj),
-        (attn.o_proj,),
-        (mlp.gate_proj, mlp.up_proj),
-        (mlp.down_proj,),
+def _product(rows: int, *linears: nn.Module) -> Product | None:
+    """The Linears' weights (LoRA folded in) stacked and packed for `rows` rows; None for DoRA, or for
+    biases on some but not all (transformers' Llama, Qwen2 and Qwen3 give q/k/v, and gate/up, one bias
+    setting)."""
+    weights = [linear_weight(m) for m in linears]
+    biases = [cast(nn.Linear, getattr(m, "base_layer", m)).bias for m in linears]
+    missing = sum(b is None for b in biases)
+    if any(w is None for w in weights) or 0 < missing < len(biases):
+        return None
+    bias = None if biases[0] is None else torch.cat(cast(list[Tensor], biases))
+    return Product(
+        torch.ops.mkldnn._reorder_linear_weight(torch.cat(cast(list[Tensor], weights)), rows), bias
     )
 
 
-def _packable(*linears: nn.Module) -> bool:
-    """Whether the Linears' weights (LoRA folded in) can be stacked into one product: not DoRA, and not
-    biases on some but not all (transformers' Llama, Qwen2 and Qwen3 give q/k/v, and gate/up, one bias
-    setting)."""
-    if not all(foldable(m) for m in linears):
-        return False
-    missing = sum(cast(nn.Linear, getattr(m, "base_layer", m)).bias is None for m in linears)
-    return not 0 < missing < len(linears)
-
-
-def _product(rows: int, released: Released | None, *linears: nn.Module) -> Product:
-    """The Linears' weights (LoRA folded in; `_packable`) stacked and packed for `rows` rows; their own
-    memory handed to `released`, if given."""
-    weights = cast(list[Tensor], [linear_weight(m) for m in linears])
-    biases = [cast(nn.Linear, getattr(m, "base_layer", m)).bias for m in linears]
-    bias = None if biases[0] is None else torch.cat(cast(list[Tensor], biases))
-    stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
-    product = Product(torch.ops.mkldnn._reorder_linear_weight(stacked, rows), bias)
-    del stacked, weights
-    if released is not None:
-        released.take(linears, product)
-    return product
-
-
-def _layer(block: Any, cfg: Any, rows: int, released: Released | None) -> Layer:
-    """One decoder layer's (a Llama, Qwen2 or Qwen3 block's) packed products and norm weights."""
-    attn = block.self_attn
-    qkv, o, gate_up, down = (_product(rows, released, *group) for group in _groups(block))
+def _layer(block: Any, cfg: Any, rows: int) -> Layer | None:
+    """One decoder layer's (a Llama, Qwen2 or Qwen3 block's) packed products and norm weights; None where a
+    product cannot be packed."""
+    attn, mlp = block.self_attn, block.mlp
+    products = (
+        _product(rows, attn.q_proj, attn.k_proj, attn.v_proj),
+        _product(rows, attn.o_proj),
+        _product(rows, mlp.gate_proj, mlp.up_proj),
+        _product(rows, mlp.down_proj),
+    )
+    if any(p is None for p in products):
+        return None
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     qk_norm = None
     if q_norm is not None and k_norm is not None:
         heads = [q_norm.weight] * cfg.num_attention_heads + [k_norm.weight] * cfg.num_key_value_heads
         qk_norm = torch.stack(heads)
     return Layer(
-        qkv, o, gate_up, down,
+        *cast(tuple[Product, Product, Product, Product], products),
         input_norm=block.input_layernorm.weight,
         post_norm=block.post_attention_layernorm.weight,
         eps=block.input_layernorm.variance_epsilon,
         qk_norm=qk_norm,
         scaling=attn.scaling,
-    )  # fmt: skip
-
-
-class Released:
-    """The Linear weights a lean decode holds only as their packed copies (`lean_decoder`'s `release`):
-    each product's parameters, their rows, and the packed weight that stands in for them."""
-
-    def __init__(self, uses: Counter[int]):
-        self.uses = uses  # how many modules hold each parameter (a tied one is used elsewhere too)
-        self.taken: list[tuple[list[nn.Parameter], list[int], Product]] = []
-
-    def take(self, linears: tuple[nn.Module, ...], product: Product) -> None:
-        """The Linears' weights out of memory, if each is a plain Linear's own plain parameter."""
-        params = [getattr(m, "weight", None) for m in linears]
-        if all(
-            isinstance(m, nn.Linear) and type(w) is nn.Parameter and type(w.data) is Tensor
-            and self.uses[id(w)] == 1
-            for m, w in zip(linears, params, strict=True)
-        ):  # fmt: skip
-            taken = cast(list[nn.Parameter], params)
-            rows = [len(w) for w in taken]
-            for w in taken:
-                w.data = w.data.new_empty(0)
-            self.taken.append((taken, rows, product))
-
-    def restore(self) -> None:
-        """Every released weight back, unpacked by oneDNN's reorder to the plain layout (the same bits),
-        one product at a time; the products are unusable after."""
-        for params, rows, product in self.taken:
-            dense = product.weight.to_dense()
-            product.weight = dense.new_empty(0)  # the packed copy freed before the next is unpacked
-            for w, part in zip(params, dense.split(rows), strict=True):
-                w.data = part if len(params) == 1 else part.clone()
-        self.taken = []
+    )
 
 
 class LeanDecoder:
     """Decodes from a prefilled in-place KV cache (`rollout.PreallocatedLayer`), one token per row a step."""
 
-    def __init__(
-        self,
-        inner: Any,
-        layers: list[Layer],
-        head: Callable[[Tensor], Tensor],
-        cfg: Any,
-        released: Released | None = None,
-    ):
+    def __init__(self, inner: Any, layers: list[Layer], head: Callable[[Tensor], Tensor], cfg: Any):
         self.inner, self.layers, self.head = inner, layers, head  # inner: the decoder under the LM head
-        self.released = released
         self.final_norm, self.final_eps = inner.norm.weight, inner.norm.variance_epsilon
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
@@ -279,11 +202,6 @@ class LeanDecoder:
             x = x + layer.down(F.silu(gate).mul_(up))
         x = F.rms_norm(x, (x.shape[-1],), self.final_norm, self.final_eps)
         return self.head(x)
-
-    def restore(self) -> None:
-        """The weights `lean_decoder(release=True)` released, back in the model; the loop is spent."""
-        if self.released is not None:
-            self.released.restore()
 
     @torch.no_grad()
     def decode(

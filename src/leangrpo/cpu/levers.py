@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from leangrpo.config.schema import CPUConfig
 from leangrpo.cpu import allocator, onednn
-from leangrpo.cpu.decode import LeanDecoder, decode_lean, lean_decoder, lean_supported, packed_linears
+from leangrpo.cpu.decode import decode_lean, lean_decoder, packed_linears
 from leangrpo.cpu.disk import DiskTensors
 from leangrpo.engines.rollout import Sampling, prefill_once_per_group
 from leangrpo.models.load import ModelError
@@ -58,15 +58,13 @@ class CPULevers:
         gen_cfg: GenerationConfig,
     ) -> Tensor | None:
         """The lean decode loop's completion ids (Llama, Qwen2, Qwen3 in float32); None elsewhere."""
-        if not (self.cfg.packed_generation and lean_supported(model)):
+        if not self.cfg.packed_generation:
+            return None
+        lean = lean_decoder(model, len(prompt_ids), self.cfg.packed_lm_head)
+        if lean is None:
             return None
         prefill_once_per_group(model, prompt_ids, prompt_mask, sampling.num_generations, cache)
-        # the packed copies stand in for the Linears' weights while the loop runs (one set, not two)
-        lean = cast(LeanDecoder, lean_decoder(model, len(prompt_ids), self.cfg.packed_lm_head, release=True))
-        try:
-            return decode_lean(lean, cache, prompt_ids, prompt_mask, sampling, processors, eos, gen_cfg)
-        finally:
-            lean.restore()
+        return decode_lean(lean, cache, prompt_ids, prompt_mask, sampling, processors, eos, gen_cfg)
 
     def around_generate(self, model: PreTrainedModel, rows: int) -> AbstractContextManager[None]:
         """generate()'s Linears through packed oneDNN weights (float32)."""

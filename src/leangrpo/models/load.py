@@ -274,32 +274,21 @@ def peft_base(model: PeftModel) -> PreTrainedModel:
     return cast("PreTrainedModel", model.get_base_model())
 
 
-def foldable(module: nn.Module) -> bool:
-    """Whether `linear_weight` has a weight for `module`: a Linear, or a peft LoRA Linear whose active
-    adapters are weight deltas (not DoRA)."""
-    if isinstance(module, nn.Linear):
-        return True
-    base = getattr(module, "base_layer", None)
-    if not (isinstance(base, nn.Linear) and hasattr(module, "get_delta_weight")):
-        return False
-    lora = cast("LoraLinear", module)  # a peft LoRA layer over a Linear
-    active = [a for a in lora.active_adapters if a in lora.lora_A]
-    dora = any(lora.use_dora.get(a, False) for a in active)
-    return lora.disable_adapters or lora.merged or not dora
-
-
 def linear_weight(module: nn.Module) -> Tensor | None:
     """The weight a Linear, or a peft LoRA Linear with its adapters folded in, applies; None for
     other modules (and for LoRA variants that are more than a weight delta, such as DoRA)."""
     if isinstance(module, nn.Linear):
         return module.weight
-    if not foldable(module):
+    base = getattr(module, "base_layer", None)
+    if not (isinstance(base, nn.Linear) and hasattr(module, "get_delta_weight")):
         return None
-    lora = cast("LoraLinear", module)
-    base = cast(nn.Linear, lora.base_layer)
+    lora = cast("LoraLinear", module)  # a peft LoRA layer over a Linear
     if lora.disable_adapters or lora.merged:
         return base.weight
-    return base.weight + sum(lora.get_delta_weight(a) for a in lora.active_adapters if a in lora.lora_A)
+    active = [a for a in lora.active_adapters if a in lora.lora_A]
+    if any(lora.use_dora.get(a, False) for a in active):
+        return None
+    return base.weight + sum(lora.get_delta_weight(a) for a in active)
 
 
 def merge_lora(model: PeftModel, dtype: torch.dtype | None = None) -> PreTrainedModel:

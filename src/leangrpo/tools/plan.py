@@ -490,17 +490,6 @@ def packed_copy_bytes(shape: ModelShape, k: Knobs) -> int:
     return (shape.num_hidden_layers * layer + head) * 4
 
 
-def released_bytes(shape: ModelShape, k: Knobs) -> int:
-    """The Linear weights the lean decode loop (Llama, Qwen2, Qwen3) lets go of while their packed copies
-    stand in for them: full fine-tuning's (a LoRA layer's weight is folded, not its own), all but a tied
-    LM head's, which the embedding uses."""
-    if not packed_copy_bytes(shape, k) or k.method != "full" or shape.model_type == "mistral" or k.fsdp > 1:
-        return 0
-    layer = sum(a * b for a, b in shape.linear_shapes().values())
-    head = shape.embedding_numel() if k.packed_lm_head and not shape.tie_word_embeddings else 0
-    return (shape.num_hidden_layers * layer + head) * 4
-
-
 def forward_transient(shape: ModelShape, k: Knobs, tokens: int) -> int:
     """Largest no-grad temporaries of one decoder layer (the MLP: gate, up, their product) + residuals."""
     return tokens * (3 * shape.intermediate_size * k.e + shape.hidden_size * (2 * k.e + 4))
@@ -693,9 +682,7 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     phases = {"update": update_peak(shape, k, r, rows)}
     if k.rollout == "hf":
         generating = ("FSDP gathered", "KV cache", "generation workspace", "packed weights")
-        phases["generation"] = (
-            r.persistent + sum(components.get(c, 0) for c in generating) - released_bytes(shape, k)
-        )
+        phases["generation"] = r.persistent + sum(components.get(c, 0) for c in generating)
     else:  # colocated vLLM reserves a fixed share of the card for its own weights and KV cache
         components["KV cache"] = components["generation workspace"] = 0
         components["vllm reservation"] = 0  # filled in by plan_for (needs the card size)
