@@ -468,6 +468,44 @@ def test_reference_on_disk_gives_the_same_logprobs(tmp_path, tiny_model_dir, gsm
     )
 
 
+def test_reference_on_disk_is_the_default_on_cpu_and_falls_back_to_memory(
+    tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch
+):
+    """cpu.reference_on_disk unset: on disk on CPU; where the disk has no room, in memory with a note
+    (asked for, the same is an error)."""
+    import leangrpo.train.trainer as trainer_mod
+    from leangrpo.core.errors import DeviceOptionError
+    from leangrpo.cpu.disk import DiskTensors
+
+    def trainer(name, on_disk=None):
+        return trainer_mod.Trainer(make_cfg(
+            model={"name_or_path": str(tiny_model_dir)},
+            data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
+            grpo={"num_generations": 4, "beta": 0.04},
+            cpu={} if on_disk is None else {"reference_on_disk": on_disk},
+            optim={"per_device_train_batch_size": 4, "max_steps": 1},
+            logging={"progress_bar": False, "log_completions_steps": 0},
+            output_dir=str(tmp_path / name),
+        ))  # fmt: skip
+
+    assert isinstance(trainer("default").ref_pages, DiskTensors)
+    assert trainer("off", False).ref_pages is None
+
+    def full(self, t, dtype):
+        raise DeviceOptionError("grpo.reference_on_disk: no room for the reference copy")
+
+    monkeypatch.setattr(DiskTensors, "copy", full)
+    notes = []
+    monkeypatch.setattr(trainer_mod.Trainer, "_write", lambda self, line: notes.append(line))
+    fallback = trainer("full")
+    assert fallback.ref_pages is None and fallback.ref_policy is not None
+    assert notes == [
+        "grpo.reference_on_disk: no room for the reference copy; the reference copy stays in memory"
+    ]
+    with pytest.raises(DeviceOptionError, match="no room"):
+        trainer("asked", True)
+
+
 def test_reference_on_disk_is_refused_under_fsdp(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
     """Sharding the reference would copy it out of the file: one line, before any step."""
     import leangrpo.train.trainer as trainer_mod

@@ -522,11 +522,16 @@ def test_reference_on_disk_is_planned_in_its_own_pass_only(gsm8k_dir):
     """grpo.reference_on_disk: the copy leaves the generation and update phases, not the reference
     pass; the config key, the CLI flag and the pasted snippet agree; a CUDA plan is refused in one line."""
     shape = plan.resolve_shape("HuggingFaceTB/SmolLM2-135M")
-    base = plan.Knobs(method="full", dtype="float32", device="cpu", beta=0.04)
+    base = plan.Knobs(method="full", dtype="float32", device="cpu", beta=0.04, reference_on_disk=False)
     memory, disk = (
         plan.estimate(shape, base),
         plan.estimate(shape, plan.replace(base, reference_on_disk=True)),
     )
+    by_default = plan.replace(base, reference_on_disk=None)  # the default: on disk on CPU without FSDP
+    assert plan.estimate(shape, by_default).phases == disk.phases
+    for elsewhere in (dict(device="cuda"), dict(fsdp=2)):  # there in memory, as the trainer keeps it
+        in_memory = plan.estimate(shape, plan.replace(base, **elsewhere)).phases
+        assert plan.estimate(shape, plan.replace(by_default, **elsewhere)).phases == in_memory
     ref = memory.components["reference model"]
     assert ref == disk.components["reference model"] == shape.num_params() * 4
     assert disk.phases["generation"] == memory.phases["generation"] - ref

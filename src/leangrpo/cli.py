@@ -284,8 +284,8 @@ def demo(
 @click.option("--logprob-chunk-size", type=_POSITIVE)
 @click.option("--share-prompt/--no-share-prompt", default=None, help="grpo.share_prompt (default on).")
 @click.option(
-    "--reference-on-disk", is_flag=True, default=None,
-    help="cpu.reference_on_disk: the reference copy resident in its own pass only.",
+    "--reference-on-disk/--no-reference-on-disk", default=None,
+    help="cpu.reference_on_disk (default: on for CPU without FSDP): the reference resident in its pass only.",
 )  # fmt: skip
 @click.option(
     "--packed-generation/--no-packed-generation", default=None,

@@ -555,12 +555,13 @@ class CPUConfig(Section):
         "saves its copy (vocabulary x hidden size floats) while generating, for slower generation "
         "(docs/memory.md)",
     )
-    reference_on_disk: bool = Field(
-        False,
+    reference_on_disk: bool | None = Field(
+        None,
         description="full fine-tuning with beta > 0, one CPU process (or DDP): keep the frozen reference "
         "copy in an unnamed file on the run directory's disk, memory-mapped; its pages are read in for "
         "each reference pass and dropped from the process's memory after it (docs/memory.md). The same "
-        "log-probs; the copy's memory leaves the step's peak",
+        "log-probs; the copy's memory leaves the step's peak. null (default): on for CPU runs without "
+        "FSDP, in memory (with a note) where the disk has no room; true: required; false: in memory",
     )
 
 

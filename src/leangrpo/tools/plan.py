@@ -254,7 +254,7 @@ class Knobs:
     optimizer_in_backward: bool = _knob("optim.optimizer_in_backward")
     beta: float = _knob("grpo.beta")
     reference_dtype: Literal["auto", "bfloat16"] = _knob("grpo.reference_dtype")
-    reference_on_disk: bool = _knob("cpu.reference_on_disk")  # CPU: the reference copy resident in its pass
+    reference_on_disk: bool | None = _knob("cpu.reference_on_disk")  # None: on for CPU without FSDP
     num_iterations: int = _knob("grpo.num_iterations")
     logprob_chunk_size: int = _knob("grpo.logprob_chunk_size")
     share_prompt: bool = _knob("grpo.share_prompt")
@@ -474,6 +474,11 @@ def logprob_workspace(shape: ModelShape, k: Knobs, rows: int, backward: bool, en
     return rows * h * e + ws
 
 
+def reference_on_disk(k: Knobs) -> bool:
+    """Whether the trainer keeps the full-fine-tuning reference on disk: as asked, else on CPU, no FSDP."""
+    return k.reference_on_disk if k.reference_on_disk is not None else k.device == "cpu" and k.fsdp == 1
+
+
 def packed_copy_bytes(shape: ModelShape, k: Knobs) -> int:
     """rollout.packed_linears: generating on CPU in float32, a packed copy of every Linear's weight (LoRA
     adapters folded into their base's), the LM head's only with packed_lm_head."""
@@ -577,7 +582,7 @@ def resident(shape: ModelShape, k: Knobs) -> Resident:
         step_grads=max(t for _, t in tensors) * tb if k.optimizer_in_backward else math.ceil(grads / n),
         optim=optimizer_bytes(tensors, tb, k.optimizer),
         ref=ref,
-        resident_ref=0 if k.reference_on_disk else ref,  # on disk: read in by its own pass only
+        resident_ref=0 if reference_on_disk(k) else ref,  # on disk: read in by its own pass only
         # the root group (embeddings, final norm, LM head) stays gathered through forward and backward,
         # plus two layers (the one computing, the next prefetched)
         gathered=(shape.num_params() - (shape.num_hidden_layers - 2) * layer_numel) * k.e if n > 1 else 0,
@@ -823,7 +828,7 @@ def yaml_snippet(k: Knobs, model: str) -> str:
     if not k.share_prompt:
         doc["grpo"]["share_prompt"] = False
     cpu = {
-        "reference_on_disk": True if k.reference_on_disk else None,
+        "reference_on_disk": k.reference_on_disk,
         "packed_generation": False if not k.packed_generation else None,
         "packed_lm_head": False if k.packed_generation and not k.packed_lm_head else None,
     }
@@ -909,7 +914,7 @@ def render(est: Estimate, memory: int | None, margin: float) -> str:
     notes["activations"] += f" (checkpointing {'on' if k.gradient_checkpointing else 'off'})"
     if k.optimizer_in_backward:
         notes["gradients"] = "the largest tensor's: each freed once stepped (optimizer_in_backward)"
-    if k.reference_on_disk:
+    if reference_on_disk(k):
         notes["reference model"] += "; on disk, resident in the reference phase only"
     if not k.packed_lm_head:
         notes["packed weights"] += ", all but the LM head"

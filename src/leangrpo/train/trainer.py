@@ -21,7 +21,7 @@ from torch import Tensor
 
 from leangrpo.config.schema import Config, step_interval
 from leangrpo.core import grpo
-from leangrpo.core.errors import Stopped, UserError, error_reason
+from leangrpo.core.errors import DeviceOptionError, Stopped, UserError, error_reason
 from leangrpo.data.rewards import (
     RewardContext,
     RewardsAbandoned,
@@ -218,18 +218,27 @@ class Trainer:
 
     def _build_reference(self, model: PreTrainedModel) -> tuple[torch.nn.Module | None, TensorStore | None]:
         """The frozen reference copy of full fine-tuning with beta > 0 (LoRA's reference is the model
-        with its adapter off), and the file holding its weights with `cpu.reference_on_disk`."""
-        g, cpu = self.cfg.grpo, self.cfg.cpu
+        with its adapter off), and the file holding its weights with `cpu.reference_on_disk` (by default
+        on CPU without FSDP, in memory where the disk has no room for it)."""
+        g, asked = self.cfg.grpo, self.cfg.cpu.reference_on_disk
         if g.beta == 0 or is_peft(model):
-            if cpu.reference_on_disk:
+            if asked:
                 self._write(
                     "cpu.reference_on_disk: no effect, there is no reference copy (beta = 0, or LoRA)"
                 )
             return None, None
         dtype = None if g.reference_dtype == "auto" else getattr(torch, g.reference_dtype)
-        pages = self._reference_file() if cpu.reference_on_disk else None
-        ref = Policy(frozen_copy(model, dtype, pages), g.temperature, g.logprob_chunk_size, self.group > 1)
-        ref_policy = self.dist.place_frozen(ref)
+        sharded = isinstance(self.dist, distributed.Sharded)
+        on_disk = asked if asked is not None else self.levers is not None and not sharded
+        try:
+            pages = self._reference_file() if on_disk else None
+            copy = frozen_copy(model, dtype, pages)
+        except DeviceOptionError as e:
+            if asked:
+                raise
+            self._write(f"{e}; the reference copy stays in memory")
+            pages, copy = None, frozen_copy(model, dtype)
+        ref_policy = self.dist.place_frozen(Policy(copy, g.temperature, g.logprob_chunk_size, self.group > 1))
         if pages is not None:
             pages.drop_pages()  # written: out of memory until the first reference pass
         return ref_policy, pages
