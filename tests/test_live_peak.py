@@ -118,3 +118,20 @@ def test_live_peak_script_measures_a_tiny_point(tmp_path, point):
     assert point["completion_length_mean"] == 128
     measured = max(point["phases"].values())
     assert abs(max(point["plan"].values()) / measured - 1) < 0.10, point
+
+
+def test_long_sequence_path_measures_each_phase_of_a_tiny_model(tmp_path):
+    """--long on a tiny model: the rollout on a filled full-size KV cache with real decode steps at its end,
+    one micro-batch of the reference and of the update; each phase's live peak within 10% of the plan."""
+    import json
+    import subprocess
+
+    out = tmp_path / "points.jsonl"
+    args = ["--long", "--only", "tiny/8/1024/lora/long", "--work", str(tmp_path), "--json", str(out)]
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    point = json.loads(out.read_text())
+    assert set(point["phases"]) == {"rollout", "reference", "update"}, point
+    plan_of = {"rollout": "generation", "reference": "reference", "update": "update"}
+    for name, measured in point["phases"].items():
+        assert abs(point["plan"][plan_of[name]] / measured - 1) < 0.10, (name, point)

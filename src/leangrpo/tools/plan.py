@@ -258,6 +258,7 @@ class Knobs:
     num_iterations: int = _knob("grpo.num_iterations")
     logprob_chunk_size: int = _knob("grpo.logprob_chunk_size")
     share_prompt: bool = _knob("grpo.share_prompt")
+    ignore_eos: bool = _knob("grpo.ignore_eos")  # every completion max_completion_length tokens long
     packed_generation: bool = _knob("cpu.packed_generation")  # CPU, float32: a packed copy of the Linears
     packed_lm_head: bool = _knob("cpu.packed_lm_head")
     rollout: Literal["hf", "vllm"] = "hf"
@@ -638,6 +639,9 @@ def generation_workspace(shape: ModelShape, k: Knobs) -> int:
         + prompts * prompt_tokens * shape.vocab_size * e
     )
     logits = n * shape.vocab_size * (e + 12)  # last-position logits, fp32 copy, scaled scores, softmax
+    if k.ignore_eos:  # min_new_tokens: generate()'s min-length processors each write a torch.where copy of
+        # the fp32 scores (two live at the sampler's), against an int64 arange of the vocabulary
+        logits += n * shape.vocab_size * 8 + shape.vocab_size * 8
     decode = kv_cache_bytes(shape, n, capacity, e) + logits + forward_transient(shape, k, n)
     return max(prefill, decode) - kv_cache_bytes(shape, n, capacity, e)
 
