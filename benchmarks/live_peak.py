@@ -310,14 +310,18 @@ def run_config(point: dict, model_dir: Path, out: Path) -> dict:
     }  # fmt: skip
 
 
-def predict(config_path: Path) -> dict[str, int]:
-    """The plan's tensor peak of each phase for the config (`--device cpu`)."""
+def predict(config_path: Path, layers: int | None = None) -> dict[str, int]:
+    """The plan's tensor peak of each phase for the config (`--device cpu`), at `layers` decoder layers
+    if given (the plan's per-layer terms scaled: the model is otherwise the same)."""
+    from dataclasses import replace
+
     from leangrpo.run.resolve import load_config
     from leangrpo.tools import plan
 
     cfg = load_config(config_path)
-    est = plan.estimate(plan.resolve_shape(cfg.model.name_or_path), plan.knobs_from_config(cfg, device="cpu"))
-    return {"generation" if name == "generation" else name: b for name, b in est.phases.items()}
+    shape = plan.resolve_shape(cfg.model.name_or_path)
+    shape = replace(shape, num_hidden_layers=layers or shape.num_hidden_layers)
+    return plan.estimate(shape, plan.knobs_from_config(cfg, device="cpu")).phases
 
 
 def measure(point: dict, work: Path, tok: Path, timeout: int, long: dict | None = None) -> dict:
@@ -345,7 +349,8 @@ def measure(point: dict, work: Path, tok: Path, timeout: int, long: dict | None 
         print(f"{point['key']} stopped after {json.loads(result_path.read_text())['phases']}:\n"
               f"{proc.stderr[-2000:]}", file=sys.stderr)  # fmt: skip
     result = json.loads(result_path.read_text())
-    return {**point, **result, "plan": predict(config_path), "load": load, "layers": layers}
+    return {**point, **result, "plan": predict(config_path), "load": load, "layers": layers,
+            "config": str(config_path)}  # fmt: skip
 
 
 PHASE_OF = {"rollout": "generation", "reference": "reference", "update": "update"}
@@ -395,6 +400,36 @@ def long_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def scaled_table(rows: list[dict], layers: int) -> str:
+    """Each long row's phases at `layers` decoder layers: the plan's figure, and the measured peak plus
+    the plan's per-layer terms for the layers not run (plan at `layers` less plan at the layers run)."""
+    gib, ran = 2**30, rows[0]["layers"] if rows else 0
+    lines = [
+        f"| method | completion | phase | measured GiB ({ran} layers) | plan GiB ({ran} layers) "
+        f"| plan GiB ({layers} layers) | measured + plan's other {layers - ran} layers |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        plan_n, plan_run = predict(Path(r["config"]), layers), predict(Path(r["config"]))
+        for name, measured in r["phases"].items():
+            p = PHASE_OF[name]
+            figures = (measured, plan_run[p], plan_n[p], measured + plan_n[p] - plan_run[p])
+            cells = " | ".join(f"{b / gib:.2f}" for b in figures)
+            lines.append(f"| {r['method']} | {r['C']} | {name} | {cells} |")
+    return "\n".join(lines)
+
+
+def replan(path: str, layers: int | None) -> None:
+    """The rows of a --json file against the current plan (their configs are in the work directory), and
+    with `layers`, scaled to that many decoder layers."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    for r in rows:
+        r["plan"] = predict(Path(r["config"]))
+    print(long_table(rows))
+    if layers:
+        print("\n" + scaled_table(rows, layers))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
@@ -407,7 +442,11 @@ def main() -> None:
     ap.add_argument("--work", help="directory for the models and results (default: a temporary one)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per point")
     ap.add_argument("--json", help="append each point's result to this JSON-lines file")
+    ap.add_argument("--replan", help="--long: print the rows of this --json file against the current plan")
+    ap.add_argument("--scale-to", type=int, help="--replan: also scale each row to this many layers")
     args = ap.parse_args()
+    if args.replan:
+        return replan(args.replan, args.scale_to)
     if args.worker:
         return worker(*args.worker)
     if args.long_worker:
