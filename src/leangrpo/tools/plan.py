@@ -383,7 +383,10 @@ class UpdateLayout:
         """`group` completions per row share one prompt copy (shared_prompt.py); 1 = a prompt per row."""
         if group == 1:
             n = batch * (prompt + completion - 1)  # Policy feeds input_ids[:, :-1]
-            return cls(n, n, n, n * (prompt + completion - 1), shared=False)
+            # One row is cropped to its own extent (micro_batch_logprobs): no padding, so transformers'
+            # sdpa runs causal with no mask; rows of unequal lengths are padded and get the 4-D mask.
+            mask = n * (prompt + completion - 1) if batch > 1 else 0
+            return cls(n, n, n, mask, shared=False)
         n = batch // group * prompt + batch * completion
         # The completion part copies its queries, and its keys/values with the prompt's in front.
         return cls(
