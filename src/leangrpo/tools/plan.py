@@ -632,8 +632,8 @@ def kv_capacity(k: Knobs) -> int:
 def generation_workspace(shape: ModelShape, k: Knobs) -> int:
     """Generation's temporaries beside the full KV cache, at the larger of its two peaks. The prefill runs
     once per group (rollout.prefill_once_per_group: a prompt's rows, all but its last token, with the
-    logits of every position) into a cache of those rows; decoding holds the whole batch's cache, one
-    position's logits and their sampling copies, and one token's forward."""
+    logits of every position) into a cache of those rows, then repeats it for the group; decoding holds
+    the whole batch's cache, one position's logits and their sampling copies, and one token's forward."""
     e, n, capacity = k.e, k.generation_batch, kv_capacity(k)
     prompts, prompt_tokens = n // k.num_generations, k.max_prompt_length - 1
     prefill = (
@@ -645,8 +645,12 @@ def generation_workspace(shape: ModelShape, k: Knobs) -> int:
     if k.ignore_eos:  # min_new_tokens: generate()'s min-length processors each write a torch.where copy of
         # the fp32 scores (two live at the sampler's), against an int64 arange of the vocabulary
         logits += n * shape.vocab_size * 8 + shape.vocab_size * 8
-    decode = kv_cache_bytes(shape, n, capacity, e) + logits + forward_transient(shape, k, n)
-    return max(prefill, decode) - kv_cache_bytes(shape, n, capacity, e)
+    full = kv_cache_bytes(shape, n, capacity, e)
+    decode = full + logits + forward_transient(shape, k, n)
+    # The prefill's cache repeated for the group (batch_repeat_interleave): a layer's one-prompt key and
+    # value buffers, still held by its views, beside its new group-sized ones; largest at the last layer.
+    repeat = full + kv_cache_bytes(shape, prompts, capacity, e) // shape.num_hidden_layers
+    return max(prefill, decode, repeat if k.num_generations > 1 else 0) - full
 
 
 def reference_peak(shape: ModelShape, k: Knobs, r: Resident, rows: UpdateLayout) -> int:
