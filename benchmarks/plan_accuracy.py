@@ -120,11 +120,17 @@ def build_model(out: Path, arch: str, dims: dict, tokenizer_dir: Path, dtype: st
     vocab = dims.pop("vocab_size", len(tok))
     if vocab > len(tok):  # a random Qwen-sized vocab samples any id: give every id a token to decode to
         tok.add_tokens([f"<extra_{i}>" for i in range(len(tok), vocab)])
-    cfg = cls[0](vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=4096,
-                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                 **dims)  # fmt: skip
+    # dims may override the defaults (an untied head, a longer context, the rope of the real config)
+    cfg = cls[0](**{"vocab_size": vocab, "tie_word_embeddings": True, "max_position_embeddings": 4096,
+                    "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                    "pad_token_id": tok.pad_token_id, **dims})  # fmt: skip
     torch.manual_seed(0)
-    cls[1](cfg).to(getattr(torch, dtype)).save_pretrained(out)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # built in its dtype: no transient fp32 copy
+    try:
+        cls[1](cfg).save_pretrained(out)
+    finally:
+        torch.set_default_dtype(default)
     tok.save_pretrained(out)
     return out
 

@@ -118,3 +118,46 @@ def test_live_peak_script_measures_a_tiny_point(tmp_path, point):
     assert point["completion_length_mean"] == 128
     measured = max(point["phases"].values())
     assert abs(max(point["plan"].values()) / measured - 1) < 0.10, point
+
+
+def test_long_sequence_path_measures_each_phase_of_a_tiny_model(tmp_path):
+    """--long on a tiny model: the rollout on a filled full-size KV cache with real decode steps at its end,
+    one micro-batch of the reference and of the update; each phase's live peak within 10% of the plan."""
+    import json
+    import subprocess
+
+    out = tmp_path / "points.jsonl"
+    args = ["--long", "--only", "tiny/8/1024/lora/long", "--work", str(tmp_path), "--json", str(out)]
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    point = json.loads(out.read_text())
+    assert set(point["phases"]) == {"rollout", "reference", "update"}, point
+    plan_of = {"rollout": "generation", "reference": "reference", "update": "update"}
+    for name, measured in point["phases"].items():
+        assert abs(point["plan"][plan_of[name]] / measured - 1) < 0.10, (name, point)
+
+
+def test_the_prefill_repeat_holds_one_layer_of_the_prompt_cache_beside_the_group_cache():
+    """prefill_once_per_group repeats a prompt's cache for its group layer by layer: at the last layer the
+    whole group-sized cache and that layer's one-prompt buffers are alive together, as the plan counts."""
+    import transformers
+
+    from leangrpo.engines.rollout import kv_cache, prefill_once_per_group
+    from leangrpo.tools import plan
+
+    live_peak = load_script()
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=1000, **dims)).eval()
+    shape = plan.ModelShape.from_config(plan._llama(64, 128, 2, 4, 2, 1000, True, 16), "toy")
+    ids, capacity = torch.randint(0, 1000, (1, 8)).repeat(8, 1), 4096
+    cache = kv_cache(model, capacity)
+    tracker = live_peak.LiveTensors()
+    with tracker, torch.no_grad():
+        prefill_once_per_group(model, ids, torch.ones_like(ids), 8, cache)
+    knobs = plan.Knobs(dtype="float32", num_generations=8, per_device_train_batch_size=8,
+                       gradient_accumulation_steps=1, max_prompt_length=8,
+                       max_completion_length=capacity - 8)  # fmt: skip
+    want = plan.kv_cache_bytes(shape, 8, capacity, 4) + plan.generation_workspace(shape, knobs)
+    assert abs((tracker.peak - tracker.start) / want - 1) < 0.02, (tracker.peak - tracker.start, want)

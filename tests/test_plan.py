@@ -166,9 +166,10 @@ def saved_tensor_bytes(model, batch: int, prompt: int, completion: int, group: i
         seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
         return t
 
-    prompts = torch.randint(0, 1000, (batch // 2, prompt)).repeat_interleave(2, 0)
+    prompts = torch.randint(0, 1000, (max(batch // 2, 1), prompt)).repeat_interleave(2, 0)[:batch]
     prompt_mask = torch.ones_like(prompts)
-    prompt_mask[:2, :2] = 0  # left padding, as in a rollout batch
+    if batch > 1:
+        prompt_mask[:2, :2] = 0  # left padding, as in a rollout batch
     completions = torch.randint(0, 1000, (batch, completion))
     ones = torch.ones_like(completions)
     rollout = RolloutBatch(prompts, prompt_mask, completions, ones, ones[:, 0].bool(), [""] * batch)
@@ -190,6 +191,31 @@ def test_activation_formula_matches_tensors_saved_for_backward(dtype, method, dr
     rows = plan.UpdateLayout.of(batch, prompt, completion, group)
     predicted = plan.decoder_activation_bytes(shape, knobs, rows, batch * completion)
     assert predicted == pytest.approx(saved_tensor_bytes(model, batch, prompt, completion, group), rel=0.02)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_only_padded_micro_batches_save_an_attention_mask(batch):
+    """One row is cropped to its own extent: no padding, so sdpa runs causal and no [B, 1, S, S] mask is
+    kept for the backward (at 20K positions it would be 0.8 GB in bf16); rows with padding keep one. The
+    plan counts the mask exactly then."""
+    model, _ = tiny("llama", layers=2)
+    prompt, completion = 40, 60
+    squares = []
+
+    def pack(t):
+        if t.dim() == 4 and t.shape[-1] == t.shape[-2] == prompt + completion - 1:
+            squares.append(t.shape)
+        return t
+
+    prompts = torch.randint(0, 1000, (batch, prompt))
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[1:, :2] = 0  # the second row, if any, left-padded as in a rollout batch
+    completions = torch.randint(0, 1000, (batch, completion))
+    ones = torch.ones_like(completions)
+    rollout = RolloutBatch(prompts, prompt_mask, completions, ones, ones[:, 0].bool(), [""] * batch)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        micro_batch_logprobs(Policy(model.train(), 1.0, 1024, False), rollout, slice(None))
+    assert bool(squares) == (batch > 1) == bool(plan.UpdateLayout.of(batch, prompt, completion).mask)
 
 
 @pytest.mark.parametrize(

@@ -258,6 +258,7 @@ class Knobs:
     num_iterations: int = _knob("grpo.num_iterations")
     logprob_chunk_size: int = _knob("grpo.logprob_chunk_size")
     share_prompt: bool = _knob("grpo.share_prompt")
+    ignore_eos: bool = _knob("grpo.ignore_eos")  # every completion max_completion_length tokens long
     packed_generation: bool = _knob("cpu.packed_generation")  # CPU, float32: a packed copy of the Linears
     packed_lm_head: bool = _knob("cpu.packed_lm_head")
     rollout: Literal["hf", "vllm"] = "hf"
@@ -382,7 +383,10 @@ class UpdateLayout:
         """`group` completions per row share one prompt copy (shared_prompt.py); 1 = a prompt per row."""
         if group == 1:
             n = batch * (prompt + completion - 1)  # Policy feeds input_ids[:, :-1]
-            return cls(n, n, n, n * (prompt + completion - 1), shared=False)
+            # One row is cropped to its own extent (micro_batch_logprobs): no padding, so transformers'
+            # sdpa runs causal with no mask; rows of unequal lengths are padded and get the 4-D mask.
+            mask = n * (prompt + completion - 1) if batch > 1 else 0
+            return cls(n, n, n, mask, shared=False)
         n = batch // group * prompt + batch * completion
         # The completion part copies its queries, and its keys/values with the prompt's in front.
         return cls(
@@ -634,8 +638,8 @@ def kv_capacity(k: Knobs) -> int:
 def generation_workspace(shape: ModelShape, k: Knobs) -> int:
     """Generation's temporaries beside the full KV cache, at the larger of its two peaks. The prefill runs
     once per group (rollout.prefill_once_per_group: a prompt's rows, all but its last token, with the
-    logits of every position) into a cache of those rows; decoding holds the whole batch's cache, one
-    position's logits and their sampling copies, and one token's forward."""
+    logits of every position) into a cache of those rows, then repeats it for the group; decoding holds
+    the whole batch's cache, one position's logits and their sampling copies, and one token's forward."""
     e, n, capacity = k.e, k.generation_batch, kv_capacity(k)
     prompts, prompt_tokens = n // k.num_generations, k.max_prompt_length - 1
     prefill = (
@@ -644,8 +648,15 @@ def generation_workspace(shape: ModelShape, k: Knobs) -> int:
         + prompts * prompt_tokens * shape.vocab_size * e
     )
     logits = n * shape.vocab_size * (e + 12)  # last-position logits, fp32 copy, scaled scores, softmax
-    decode = kv_cache_bytes(shape, n, capacity, e) + logits + forward_transient(shape, k, n)
-    return max(prefill, decode) - kv_cache_bytes(shape, n, capacity, e)
+    if k.ignore_eos:  # min_new_tokens: generate()'s min-length processors each write a torch.where copy of
+        # the fp32 scores (two live at the sampler's), against an int64 arange of the vocabulary
+        logits += n * shape.vocab_size * 8 + shape.vocab_size * 8
+    full = kv_cache_bytes(shape, n, capacity, e)
+    decode = full + logits + forward_transient(shape, k, n)
+    # The prefill's cache repeated for the group (batch_repeat_interleave): a layer's one-prompt key and
+    # value buffers, still held by its views, beside its new group-sized ones; largest at the last layer.
+    repeat = full + kv_cache_bytes(shape, prompts, capacity, e) // shape.num_hidden_layers
+    return max(prefill, decode, repeat if k.num_generations > 1 else 0) - full
 
 
 def reference_peak(shape: ModelShape, k: Knobs, r: Resident, rows: UpdateLayout) -> int:
