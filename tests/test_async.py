@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_e2e import read_metrics
-from test_resume import _timing, interrupt_after, make_config, prompts_seen
+from test_resume import _timing as _phase_timing
+from test_resume import interrupt_after, make_config, prompts_seen
 
 from leangrpo.core.errors import Stopped, UserError
 from leangrpo.engines.rollout import Sampling, SnapshotEngine
@@ -23,6 +24,11 @@ from leangrpo.train.preflight import World, check_async_agent, preflight
 from leangrpo.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
+
+
+def _timing(key: str) -> bool:
+    return _phase_timing(key) or key == "async/generate_seconds"
+
 
 REWARDS = {"functions": [{"name": "toy_rewards:vowel_share"}, {"name": "toy_rewards:record_prompts"}]}
 
