@@ -116,6 +116,21 @@ def test_snapshot_log_probs_are_the_trainers(tiny_model_dir):
     assert all(torch.equal(a, b) for a, b in zip(engine.model.parameters(), model.parameters(), strict=True))
 
 
+def test_a_lora_snapshot_copies_the_adapter_only(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.config.schema import LoraConfig
+    from leangrpo.models.load import apply_lora, load_tokenizer
+
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(enabled=True, r=4))
+    engine = SnapshotEngine(model, load_tokenizer(str(tiny_model_dir)))
+    theirs = dict(model.named_parameters())
+    for name, param in engine.model.named_parameters():
+        shared = param.data_ptr() == theirs[name].data_ptr()
+        assert shared != theirs[name].requires_grad, name  # the frozen base shared, the adapter copied
+        assert not param.requires_grad
+
+
 def test_resumed_run_uses_every_batch_once(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
     straight = train(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch, "straight", async_rollouts=True)
     path = make_config(tmp_path, tiny_model_dir, gsm8k_dir, "resumed", grpo={"async_rollouts": True},

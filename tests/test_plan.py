@@ -567,3 +567,22 @@ def test_train_on_cpu_prints_the_ram_warning_before_loading(tmp_path, gsm8k_dir)
     assert proc.returncode == 2 and len(lines) == 2, proc.stderr
     assert lines[0].startswith("warning: plan: this run is predicted to need") and "available" in lines[0]
     assert lines[1].startswith("error: cannot load tokenizer")
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_async_rollouts_plan_the_snapshot_and_its_generation_during_the_update(method):
+    shape = plan.resolve_shape("Qwen/Qwen2.5-0.5B")
+    sync = plan.estimate(shape, plan.Knobs(method=method))
+    est = plan.estimate(shape, plan.Knobs(method=method, async_rollouts=True))
+    copy = est.components["rollout snapshot"]
+    assert copy == (
+        plan.weight_bytes(shape, plan.Knobs()) if method == "full" else sync.components["trainable params"]
+    )
+    generating = sum(sync.components[c] for c in ("KV cache", "generation workspace", "packed weights"))
+    assert est.phases["generation"] == sync.phases["generation"] + copy
+    assert (
+        est.phases["update"] == sync.phases["update"] + copy + generating
+    )  # the next batch generates meanwhile
+    assert "rollout snapshot" not in sync.components
+    knobs = plan.Knobs(method=method, async_rollouts=True)
+    assert yaml.safe_load(plan.yaml_snippet(knobs, "m"))["grpo"]["async_rollouts"] is True
