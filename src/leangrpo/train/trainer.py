@@ -928,8 +928,8 @@ class Trainer:
         if self.evaluator is None or not self.evaluator.due(step):
             return
         engine = self.engine  # the run's, given the weights of the step just trained (vLLM)
-        if self.cfg.grpo.async_rollouts and self.rollouts.engine is engine:  # after its batch in flight
-            self.rollouts.sync(self.unwrapped.lm, step * self.cfg.grpo.num_iterations)
+        if self._rollouts is not None and self._rollouts.engine is engine:  # after its batch in flight
+            self._rollouts.sync(self.unwrapped.lm, step * self.cfg.grpo.num_iterations)
         else:
             engine.sync_weights(self.unwrapped.lm)
         with self.dist.full_weights(self.policy):
