@@ -47,9 +47,9 @@ def threads(monkeypatch) -> list[str]:
     return names
 
 
-def train(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch, name: str, **grpo) -> list[dict]:
+def train(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch, name: str, evaluation=None, **grpo) -> list[dict]:
     path = make_config(tmp_path, tiny_model_dir, gsm8k_dir, name, grpo=grpo, rewards=REWARDS,
-                       optim={"max_steps": 4}, logging={"save_steps": 2})  # fmt: skip
+                       optim={"max_steps": 4}, logging={"save_steps": 2}, eval=evaluation or {})  # fmt: skip
     (tmp_path / name).mkdir()
     monkeypatch.setenv("LEANGRPO_TEST_OUT", str(tmp_path / name))
     Trainer(load_config(path), overwrite=True).train()
@@ -77,7 +77,11 @@ def test_bound_zero_is_the_synchronous_run(tmp_path, tiny_model_dir, gsm8k_dir, 
 
 
 def test_bound_one_overlaps_and_corrects(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch, threads):
-    rows = train(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch, "async1", async_rollouts=True)
+    evaluation = {"enabled": True, "path": str(gsm8k_dir), "limit": 2, "eval_steps": 2}
+    rows = train(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch, "async1", evaluation, async_rollouts=True)
+    evals = [r for r in rows if "eval/accuracy" in r]
+    rows = [r for r in rows if "eval/accuracy" not in r]
+    assert [r["step"] for r in evals] == [0, 2, 4]  # evaluated beside the batch in flight
     assert len(threads) == 4
     staleness = [(r["async/staleness_mean"], r["async/staleness_max"]) for r in rows]
     assert staleness == [(0.0, 0.0)] + [(1.0, 1.0)] * 3  # step 1 had nothing ahead of it
