@@ -183,3 +183,22 @@ def add(a: int, b: int) -> int:
         b: the second number
     """
     return a + b
+
+
+def test_two_processes_each_generate_ahead_and_stay_in_sync(tmp_path, tiny_model_dir, gsm8k_dir):
+    from test_e2e import TESTS, torchrun, write_config
+
+    cfg = write_config(
+        tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", tmp_path / "run", rewards=REWARDS,
+        optim={"max_steps": 3, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
+        grpo={"async_rollouts": True},
+    )  # fmt: skip
+    proc = torchrun(
+        TESTS / "ddp_worker.py", str(cfg), port=29561, env_extra={"LEANGRPO_TEST_OUT": str(tmp_path)}
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    w0, w1 = ((tmp_path / f"weights-rank{r}.sha256").read_text() for r in (0, 1))
+    assert w0 == w1  # every process's update saw the same gradients
+    p0, p1 = (set((tmp_path / f"prompts-rank{r}.txt").read_text().splitlines()) for r in (0, 1))
+    assert len(p0) == len(p1) == 3 and not p0 & p1  # each rank its own prompt per step
+    assert [r["async/staleness_max"] for r in read_metrics(tmp_path / "run")] == [0.0, 1.0, 1.0]
