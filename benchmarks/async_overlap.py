@@ -4,7 +4,9 @@ GSM8K prompts: each mode trains `--steps` steps, the modes alternating `--pairs`
 mean step seconds and phase seconds over the steps after the first (step 1 has no batch generated ahead),
 the background generation's own seconds, and the load average before and after.
 
-    python benchmarks/async_overlap.py [--steps 5] [--pairs 1] [--completion-length 32] [--lora]
+    python benchmarks/async_overlap.py [--steps 5] [--pairs 1] [--completion-length 32] [--lora] [--model DIR]
+
+`--model DIR`: another local model directory (e.g. the tests' tiny model) instead of vs_trl.py's.
 
 Async shows as rollout time hidden behind the update: `time/rollout` (the wait for the batch) drops
 below the background generation's seconds. On a CPU both threads share the same cores, so the
@@ -62,7 +64,9 @@ def run(args: argparse.Namespace, model: Path, async_rollouts: bool) -> dict[str
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
         load = os.getloadavg()[0]
-        Trainer(validate_config(config(args, model, out, async_rollouts), "benchmark"), overwrite=True).train()
+        Trainer(
+            validate_config(config(args, model, out, async_rollouts), "benchmark"), overwrite=True
+        ).train()
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     keys = ["step_seconds", *(f"time/{p}" for p in PHASES), "async/generate_seconds"]
     means = {k: statistics.mean(r[k] for r in rows) for k in keys if all(k in r for r in rows)}
@@ -70,17 +74,24 @@ def run(args: argparse.Namespace, model: Path, async_rollouts: bool) -> dict[str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--pairs", type=int, default=1)
     parser.add_argument("--completion-length", type=int, default=32)
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--model", type=Path, help="a local model directory (default: vs_trl.py's)")
     args = parser.parse_args()
-    model = build_model(cache_root())
+    model = args.model or build_model(cache_root())
     for pair in range(args.pairs):
         for mode in (False, True) if pair % 2 == 0 else (True, False):
             result = run(args, model, mode)
-            print(json.dumps({"mode": "async" if mode else "sync", **{k: round(v, 3) for k, v in result.items()}}))
+            print(
+                json.dumps(
+                    {"mode": "async" if mode else "sync", **{k: round(v, 3) for k, v in result.items()}}
+                )
+            )
 
 
 if __name__ == "__main__":
