@@ -448,8 +448,8 @@ def test_sampling_is_exactly_the_configured_softmax_whatever_generation_config_s
     drawn: list[tuple[torch.Tensor, torch.Tensor]] = []
     draw = InverseCDFSampler.draw
 
-    def recording(scores):
-        token = draw(scores)
+    def recording(scores, generator=None):
+        token = draw(scores, generator)
         drawn.append((scores.clone(), token))
         return token
 

@@ -619,3 +619,22 @@ def test_fsdp_with_vllm_plans_one_engine_per_process_and_a_layer_wise_sync():
     res = CliRunner().invoke(main, ["plan", "--model", "Qwen/Qwen2.5-7B", "--fsdp", "8", "--rollout", "vllm",
                                     "--gpu-memory", "80G"])  # fmt: skip
     assert res.exit_code == 0 and "FSDP sync gather" in res.output and "phase sync" in res.output, res.output
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_async_rollouts_plan_the_snapshot_and_its_generation_during_the_update(method):
+    shape = plan.resolve_shape("Qwen/Qwen2.5-0.5B")
+    sync = plan.estimate(shape, plan.Knobs(method=method))
+    est = plan.estimate(shape, plan.Knobs(method=method, async_rollouts=True))
+    copy = est.components["rollout snapshot"]
+    assert copy == (
+        plan.weight_bytes(shape, plan.Knobs()) if method == "full" else sync.components["trainable params"]
+    )
+    generating = sum(sync.components[c] for c in ("KV cache", "generation workspace", "packed weights"))
+    assert est.phases["generation"] == sync.phases["generation"] + copy
+    assert (
+        est.phases["update"] == sync.phases["update"] + copy + generating
+    )  # the next batch generates meanwhile
+    assert "rollout snapshot" not in sync.components
+    knobs = plan.Knobs(method=method, async_rollouts=True)
+    assert yaml.safe_load(plan.yaml_snippet(knobs, "m"))["grpo"]["async_rollouts"] is True

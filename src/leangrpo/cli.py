@@ -293,6 +293,10 @@ def demo(
 )  # fmt: skip
 @click.option("--packed-lm-head/--no-packed-lm-head", default=None, help="cpu.packed_lm_head (default on).")
 @click.option("--rollout", type=click.Choice(["hf", "vllm"]), help="Generation engine (default hf).")
+@click.option(
+    "--async-rollouts", is_flag=True, default=None,
+    help="grpo.async_rollouts: HF generates on a snapshot of the trainable weights during the update.",
+)  # fmt: skip
 @click.option("--vllm-gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True))
 @click.option("--activation-offload", is_flag=True, default=None, help="Saved activations in pinned CPU RAM.")
 @click.option(

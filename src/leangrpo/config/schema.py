@@ -427,6 +427,19 @@ class GRPOSection(Section):
         "no completion is credited for its own reward (metrics log the true rewards)",
     )
 
+    async_rollouts: bool = Field(
+        False,
+        description="generate the next step's batch in a background thread while this step trains, with "
+        "the weights of the last sync (docs/async.md); the HF engine then keeps a copy of the trainable "
+        "weights",
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="async_rollouts: optimizer steps a batch's weights may lag the policy's (TRL AsyncGRPO's "
+        "name); below num_iterations the next batch waits for the update (the synchronous schedule)",
+    )
+
     @field_validator("scale_rewards", mode="before")
     @classmethod
     def _scale_bool(cls, v: Any) -> Any:

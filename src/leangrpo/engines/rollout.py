@@ -3,6 +3,7 @@ rollout to update. A RolloutEngine runs it: HF generate here (the default), vLLM
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from collections import Counter
@@ -125,7 +126,9 @@ class Sampling:
     `generation_kwargs` are further `GenerationConfig` fields for HF (their logits processors run first)
     or `SamplingParams` fields for vLLM, as TRL passes them. `ignore_eos` forces every completion to
     max_completion_length tokens (for benchmarks that must compare equal work).
-    `max_tool_calling_iterations`: rounds of tool calls a rollout makes at most (None: no limit)."""
+    `max_tool_calling_iterations`: rounds of tool calls a rollout makes at most (None: no limit).
+    `seed`: the rollout draws from its own generator seeded with it, not torch's global RNG, so that a
+    rollout is the same whichever thread runs it and whatever else draws meanwhile (None: the global RNG)."""
 
     num_generations: int
     max_prompt_length: int
@@ -140,6 +143,11 @@ class Sampling:
     assistant_prefix: str = ""
     ignore_eos: bool = False
     max_tool_calling_iterations: int | None = None
+    seed: int | None = None
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The rollout's own random stream on `device` (None without a seed: torch's global RNG)."""
+        return None if self.seed is None else torch.Generator(device).manual_seed(self.seed)
 
     @classmethod
     def from_config(cls, g: GRPOSection, assistant_prefix: str) -> Sampling:
@@ -193,7 +201,10 @@ class GenerateLevers(Protocol):
 
 
 class HFEngine:
-    """transformers' generate on the policy itself: the weights are shared, so there is nothing to sync."""
+    """transformers' generate on the policy itself: the weights are shared, so there is nothing to sync
+    (and no gap between sampler and trainer to correct: its batches carry no sampler log-probs)."""
+
+    sampler_logprobs = False
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None = None
@@ -204,13 +215,43 @@ class HFEngine:
         self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
     ) -> RolloutBatch:
         return generate(
-            self.model, self.tokenizer, prompt_texts, sampling, levers=self.levers, toolboxes=toolboxes
-        )
+            self.model, self.tokenizer, prompt_texts, sampling, levers=self.levers, toolboxes=toolboxes,
+            sampler_logprobs=self.sampler_logprobs,
+        )  # fmt: skip
 
     def sync_weights(
         self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
     ) -> None:
         pass
+
+
+class SnapshotEngine(HFEngine):
+    """transformers' generate on a copy of the policy that changes only at `sync_weights`, so that it can
+    generate in another thread while the update writes the policy (async rollouts). Only the trainable
+    tensors are copied (full fine-tuning: every weight; LoRA: the adapter); the frozen ones (a LoRA base,
+    buffers) are the policy's own, which nothing writes. Its batches carry the sampler's log-probs: the
+    policy has moved on when it trains on them, and the importance-sampling correction weighs that gap."""
+
+    sampler_logprobs = True
+
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None = None
+    ):
+        frozen = {id(t): t for t in (*model.parameters(), *model.buffers()) if not t.requires_grad}
+        snapshot = copy.deepcopy(model, frozen).eval()
+        super().__init__(snapshot.requires_grad_(False), tokenizer, levers)
+
+    def sync_weights(
+        self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
+    ) -> None:
+        """Copy `model`'s trainable tensors into the snapshot (the caller makes sure neither the update nor
+        a rollout runs meanwhile). `weights` is for engines that load streamed weights; the snapshot reads
+        `model` itself (async rollouts refuse FSDP, so it is never sharded here)."""
+        mine = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.requires_grad:
+                    mine[name].copy_(param)
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
@@ -230,26 +271,38 @@ def generate(
     *,
     levers: GenerateLevers | None = None,
     toolboxes: list[Toolbox] | None = None,
+    sampler_logprobs: bool = False,
 ) -> RolloutBatch:
     """Sample `sampling.num_generations` completions per prompt. Tokens after the first EOS are masked out.
     `levers`: the device's speed levers (leangrpo.cpu's on CPU), which sample the same distribution.
-    `toolboxes` (one per completion): rollouts go on after each turn that calls tools (`with_tools`)."""
+    `toolboxes` (one per completion): rollouts go on after each turn that calls tools (`with_tools`).
+    `sampler_logprobs`: the batch carries each sampled token's log-prob under the distribution it was
+    drawn from (what vLLM returns), for the importance-sampling correction."""
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = encode_prompts(
         tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
     )
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     eos = eos_token_ids(tokenizer, model)
-    completion_ids = sample(model, tokenizer, prompt_ids, prompt_mask, sampling, eos, levers)
-    batch = finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, sampling)
+    rng = sampling.generator(device)  # one stream for every turn of the rollout
+    drawn: list[Tensor] | None = [] if sampler_logprobs and sampling.do_sample else None
+    completion_ids = sample(model, tokenizer, prompt_ids, prompt_mask, sampling, eos, levers, rng, drawn)
+    logprobs = None if drawn is None else torch.cat(drawn, dim=1)
+    batch = finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, sampling, logprobs)
     if toolboxes is None:
         return batch
     one = replace(sampling, num_generations=1)
 
-    def next_turns(sequences: list[list[int]], max_new: int) -> tuple[list[list[int]], None]:
+    def next_turns(
+        sequences: list[list[int]], max_new: int
+    ) -> tuple[list[list[int]], list[list[float]] | None]:
         ids, mask = left_padded(sequences, tokenizer.pad_token_id, device)
-        out = sample(model, tokenizer, ids, mask, replace(one, max_completion_length=max_new), eos, levers)
-        return ended_at_eos(out, eos), None
+        turn = replace(one, max_completion_length=max_new)
+        drawn: list[Tensor] | None = None if logprobs is None else []
+        turns = ended_at_eos(sample(model, tokenizer, ids, mask, turn, eos, levers, rng, drawn), eos)
+        if drawn is None:
+            return turns, None
+        return turns, [lp[: len(t)].tolist() for lp, t in zip(torch.cat(drawn, dim=1), turns, strict=True)]
 
     return with_tools(batch, tokenizer, toolboxes, sampling, next_turns, eos, model_length(model))
 
@@ -263,10 +316,13 @@ def sample(
     sampling: Sampling,
     eos: list[int],
     levers: GenerateLevers | None = None,
+    generator: torch.Generator | None = None,
+    drawn: list[Tensor] | None = None,
 ) -> Tensor:
     """The completion ids generate() samples after left-padded prompts (each group's rows adjacent), padded
-    after their EOS."""
-    processors = logits_processors(sampling)
+    after their EOS; drawn from `generator` (None: torch's global RNG). `drawn`: each position's sampled
+    log-probs ([rows, 1]) are appended to it (sampling only)."""
+    processors = logits_processors(sampling, generator, drawn)
     gen_cfg = GenerationConfig(
         max_new_tokens=sampling.max_completion_length,
         min_new_tokens=sampling.max_completion_length if sampling.ignore_eos else 0,
@@ -433,7 +489,9 @@ def rollout_func_batch(
     return batch_of_lists(tokenizer, prompt_ids, prompt_mask, completions, model_mask, logprobs, eos, "", use)
 
 
-def logits_processors(sampling: Sampling) -> list[LogitsProcessor]:
+def logits_processors(
+    sampling: Sampling, generator: torch.Generator | None = None, drawn: list[Tensor] | None = None
+) -> list[LogitsProcessor]:
     """Sampling as logits processors ending in InverseCDFSampler, whose token greedy decoding then picks:
     generate()'s own sampling draws with torch.multinomial, which costs far more per token on a CPU
     (benchmarks/RESULTS.md)."""
@@ -445,7 +503,7 @@ def logits_processors(sampling: Sampling) -> list[LogitsProcessor]:
         processors += [TopKLogitsWarper(sampling.top_k)] if sampling.top_k > 0 else []
         processors += [TopPLogitsWarper(sampling.top_p)] if sampling.top_p < 1.0 else []
         processors += [MinPLogitsWarper(sampling.min_p)] if sampling.min_p else []
-        processors.append(InverseCDFSampler())
+        processors.append(InverseCDFSampler(generator, drawn))
     return processors
 
 
@@ -517,16 +575,24 @@ def only_generation_config(model: PreTrainedModel, gen_cfg: GenerationConfig) ->
 class InverseCDFSampler(LogitsProcessor):
     """Draws each row's next token from softmax(scores) and leaves only that token finite, so that greedy
     decoding then picks it. One uniform number per row against the cumulative distribution: the same
-    distribution as torch.multinomial, which draws an exponential number for every vocabulary entry."""
+    distribution as torch.multinomial, which draws an exponential number for every vocabulary entry.
+    `generator`: where the uniform numbers come from (None: torch's global RNG); `drawn`: where each
+    draw's log-probs ([rows, 1], under softmax(scores)) are appended, if given."""
+
+    def __init__(self, generator: torch.Generator | None = None, drawn: list[Tensor] | None = None):
+        self.generator, self.drawn = generator, drawn
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        return torch.full_like(scores, -torch.inf).scatter_(1, self.draw(scores), 0.0)
+        token = self.draw(scores, self.generator)
+        if self.drawn is not None:
+            self.drawn.append(scores.float().log_softmax(dim=-1).gather(1, token))
+        return torch.full_like(scores, -torch.inf).scatter_(1, token, 0.0)
 
     @staticmethod
-    def draw(scores: Tensor) -> Tensor:
+    def draw(scores: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """One token id per row, [rows, 1], drawn from softmax(scores)."""
         cdf = torch.softmax(scores, dim=-1).cumsum_(dim=-1)
-        u = torch.rand(len(cdf), 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
+        u = torch.rand(len(cdf), 1, device=cdf.device, dtype=cdf.dtype, generator=generator) * cdf[:, -1:]
         return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
 
 

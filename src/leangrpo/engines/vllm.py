@@ -107,10 +107,10 @@ class VLLMEngine:
         self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
     ) -> RolloutBatch:
         """`sampling.num_generations` completions per prompt, as `rollout.generate` draws them, with vLLM's
-        log-prob of each sampled token. Each completion is its own request seeded from torch's RNG, so
-        that a resumed run (which restores that RNG) draws the same samples. `toolboxes` (one per
-        completion): rollouts go on after each turn that calls tools (`with_tools`), each later turn a
-        request of its own; the log-probs cover the model's tokens, 0 on the tools'."""
+        log-prob of each sampled token. Each completion is its own request seeded from torch's RNG (or
+        from the rollout's own, `sampling.seed`), so that a resumed run draws the same samples. `toolboxes`
+        (one per completion): rollouts go on after each turn that calls tools (`with_tools`), each later
+        turn a request of its own; the log-probs cover the model's tokens, 0 on the tools'."""
         prompt_ids, prompt_mask = encode_prompts(
             self.tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
         )
@@ -126,7 +126,8 @@ class VLLMEngine:
         self, prompt_ids: Tensor, prompt_mask: Tensor, sampling: Sampling, toolboxes: list[Toolbox] | None
     ) -> RolloutBatch:
         rows = zip(prompt_ids, prompt_mask.bool(), strict=True)
-        ids, logprobs = self._sample([ids[mask].tolist() for ids, mask in rows], sampling)
+        rng = sampling.generator(torch.device("cpu"))  # one stream for every turn of the rollouts
+        ids, logprobs = self._sample([ids[mask].tolist() for ids, mask in rows], sampling, rng)
         width = max(map(len, ids))
         completion_ids = torch.full((len(ids), width), self.tokenizer.pad_token_id, dtype=torch.long)
         sampling_logprobs = torch.zeros(len(ids), width)
@@ -140,18 +141,19 @@ class VLLMEngine:
             return batch
 
         def next_turns(sequences: list[list[int]], max_new: int) -> tuple[list[list[int]], list[list[float]]]:
-            return self._sample(sequences, replace(sampling, max_completion_length=max_new))
+            return self._sample(sequences, replace(sampling, max_completion_length=max_new), rng)
 
         max_model_len = self.llm.llm_engine.model_config.max_model_len
         return with_tools(batch, self.tokenizer, toolboxes, sampling, next_turns, self.eos, max_model_len)
 
     def _sample(
-        self, prompts: list[list[int]], sampling: Sampling
+        self, prompts: list[list[int]], sampling: Sampling, rng: torch.Generator | None
     ) -> tuple[list[list[int]], list[list[float]]]:
-        """One completion of each token list (its own request and seed) and vLLM's log-prob of each token."""
+        """One completion of each token list (its own request, seeded from `rng`: None is torch's global
+        RNG) and vLLM's log-prob of each token."""
         from vllm import SamplingParams
 
-        seeds = torch.randint(2**31 - 1, (len(prompts),)).tolist()
+        seeds = torch.randint(2**31 - 1, (len(prompts),), generator=rng).tolist()
         sample, length = sampling.do_sample, sampling.max_completion_length
         common = dict(
             temperature=sampling.temperature if sample else 0.0,

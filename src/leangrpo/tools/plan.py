@@ -262,6 +262,7 @@ class Knobs:
     packed_generation: bool = _knob("cpu.packed_generation")  # CPU, float32: a packed copy of the Linears
     packed_lm_head: bool = _knob("cpu.packed_lm_head")
     rollout: Literal["hf", "vllm"] = "hf"
+    async_rollouts: bool = _knob("grpo.async_rollouts")  # HF: a snapshot generates during the update
     vllm_gpu_memory_utilization: float = _knob("grpo.vllm_gpu_memory_utilization")
     activation_offload: bool = _knob("model.activation_offload")
     device: Literal["cuda", "cpu"] = "cuda"
@@ -538,9 +539,9 @@ class Estimate:
 
 PHASE_PARTS = {
     "generation": ("weights", "reference model", "optimizer state", "KV cache", "generation workspace",
-                   "packed weights", "trainable params", "FSDP gathered"),
+                   "packed weights", "trainable params", "FSDP gathered", "rollout snapshot"),
     "update": ("weights", "reference model", "optimizer state", "gradients", "activations",
-               "log-prob workspace", "trainable params"),
+               "log-prob workspace", "trainable params", "rollout snapshot"),
     "sync": ("weights", "reference model", "optimizer state", "trainable params", "FSDP sync gather"),
 }  # fmt: skip
 
@@ -713,6 +714,12 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
             phases["sync"] = r.persistent + components["FSDP sync gather"]
     if k.beta > 0 or k.num_iterations > 1:  # reference / old log-probs
         phases["reference"] = reference_peak(shape, k, r, rows)
+    if k.async_rollouts and k.rollout == "hf":  # the snapshot's copy, and its generation during the rest
+        snapshot = components["rollout snapshot"] = r.weights if k.method == "full" else r.adapters
+        overlap = snapshot + sum(
+            components[c] for c in ("KV cache", "generation workspace", "packed weights")
+        )
+        phases = {p: b + (snapshot if p == "generation" else overlap) for p, b in phases.items()}
     acts_other = decoder_activation_bytes(shape, flipped, rows, B * C)
     n_train = sum(c for _, c in trainable_tensors(shape, k))
     return Estimate(shape, k, shape.num_params(), n_train, components, phases, acts_other)
@@ -838,6 +845,8 @@ def yaml_snippet(k: Knobs, model: str) -> str:
         doc["model"]["activation_offload"] = True
     if not k.share_prompt:
         doc["grpo"]["share_prompt"] = False
+    if k.async_rollouts:
+        doc["grpo"]["async_rollouts"] = True
     cpu = {
         "reference_on_disk": k.reference_on_disk,
         "packed_generation": False if not k.packed_generation else None,

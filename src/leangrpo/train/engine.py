@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from leangrpo.config.schema import Config, CPUConfig, ToolsConfig
 from leangrpo.data.rewards.registry import import_object
-from leangrpo.engines.rollout import HFEngine, RolloutEngine, eos_token_ids
+from leangrpo.engines.rollout import HFEngine, RolloutEngine, SnapshotEngine, eos_token_ids
 from leangrpo.engines.tools import AgentSpec, ToolError
 
 if TYPE_CHECKING:
@@ -36,6 +36,18 @@ def rollout_engine(
     from leangrpo.engines.vllm import VLLMEngine
 
     return VLLMEngine.from_config(cfg, tokenizer, eos_token_ids(tokenizer, model))
+
+
+def async_engine(
+    engine: RolloutEngine,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    levers: CPULevers | None,
+) -> RolloutEngine:
+    """The engine async rollouts generate with while the update runs: one holding weights of its own (vLLM's
+    copy), or for HF generate, which shares the policy's, a snapshot of them (a copy of the trainable
+    weights)."""
+    return SnapshotEngine(model, tokenizer, levers) if isinstance(engine, HFEngine) else engine
 
 
 def agent_from_config(cfg: ToolsConfig) -> AgentSpec | None:

@@ -13,6 +13,7 @@ import yaml
 
 from leangrpo.config.schema import Config
 from leangrpo.core.errors import DeviceOptionError, UserError
+from leangrpo.engines.tools import AgentSpec
 from leangrpo.engines.vllm import VLLMError, import_vllm
 from leangrpo.run.checkpoint import RESUMABLE_KEYS, CheckpointError, flatten, read_state
 from leangrpo.run.rundir import check_output_dir
@@ -39,6 +40,7 @@ def preflight(cfg: Config, world: World, *, overwrite: bool = False, resume_from
     _device_options(cfg, world)
     _sharding(cfg, world)
     _vllm(cfg, world)
+    _async(cfg, world)
     _trackers(cfg)
 
 
@@ -104,6 +106,43 @@ def _vllm(cfg: Config, world: World) -> None:
     import_vllm()
     if cfg.grpo.vllm_enable_sleep_mode and world.device != "cuda":
         raise VLLMError("grpo.vllm_enable_sleep_mode needs CUDA (vLLM sleeps only on GPUs); set it to false")
+
+
+def _async(cfg: Config, world: World) -> None:
+    """What `grpo.async_rollouts` cannot run with: generating after the step's scoring, vLLM asleep during
+    the update, a whole-model copy on each process of a sharded run (environments: `check_async_agent`)."""
+    g = cfg.grpo
+    if not g.async_rollouts:
+        return
+    why = {
+        "grpo.dynamic_sampling": g.dynamic_sampling
+        and "its extra rounds are drawn after scoring, while the next batch is already generating",
+        "grpo.vllm_enable_sleep_mode": g.vllm_enable_sleep_mode
+        and "vLLM would sleep during the update, when async rollouts generate",
+        "FSDP": world.sharded
+        and not (g.use_vllm and g.vllm_mode == "server")
+        and "the engine would hold a whole unsharded copy of the weights on every process",
+    }
+    for option, reason in why.items():
+        if reason:
+            raise UserError(f"grpo.async_rollouts with {option}: {reason}; turn one of them off")
+
+
+def check_async_agent(cfg: Config, agent: AgentSpec | None) -> None:
+    """Async rollouts refuse a rollout_func (the Python API's), which generates with the trainer itself, not
+    a snapshot of its weights, and environments (`tools.environment`, or the API's), which the next batch
+    would reset while this step's rewards still read them."""
+    if not cfg.grpo.async_rollouts or agent is None:
+        return
+    if agent.rollout_func is not None:
+        raise UserError(
+            "grpo.async_rollouts with a rollout_func: it generates with the trainer being updated"
+        )
+    if agent.factories is not None:
+        raise UserError(
+            "grpo.async_rollouts with environments: the next batch resets the environments this step's "
+            "rewards still read; turn one of them off"
+        )
 
 
 def _trackers(cfg: Config) -> None:

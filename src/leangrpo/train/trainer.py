@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,7 @@ from leangrpo.engines.rollout import (
     RolloutBatch,
     RolloutEngine,
     Sampling,
+    SnapshotEngine,
     as_reward_inputs,
     eos_token_ids,
     rollout_func_batch,
@@ -71,13 +72,14 @@ from leangrpo.run.rundir import (
 from leangrpo.run.signals import StopSignals
 from leangrpo.run.tracking import MetricsLogger, eval_line, open_trackers, peak_memory_mb
 from leangrpo.train import distributed, sft
-from leangrpo.train.engine import agent_from_config, cpu_levers, rollout_engine
+from leangrpo.train.engine import agent_from_config, async_engine, cpu_levers, rollout_engine
 from leangrpo.train.evaluation import TrainingEvaluator
 from leangrpo.train.extras import RuntimeExtras
 from leangrpo.train.logprobs import Policy, batch_logprobs, micro_batch_logprobs, shared_prompt_group
 from leangrpo.train.loss import loss_spec
 from leangrpo.train.optim import StepInBackward, activation_offload, build_optimizer, build_scheduler
-from leangrpo.train.preflight import World, preflight
+from leangrpo.train.preflight import World, check_async_agent, preflight
+from leangrpo.train.rollouts import AsyncRollouts, Job, Rollout, rollout_seed
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LambdaLR
@@ -153,6 +155,7 @@ class Trainer:
         preflight(cfg, world, overwrite=overwrite, resume_from=self.resume_from)
         set_seed(cfg.seed)  # identical initial weights (and LoRA init) on every rank
         self.agent = agent if agent is not None else agent_from_config(cfg.tools)
+        check_async_agent(cfg, self.agent)
         self.cfg = self._load_data(cfg)
         self.evaluator = (
             TrainingEvaluator(self.cfg, self.run_dir, self.reward_funcs, self.task, self.agent)
@@ -173,6 +176,8 @@ class Trainer:
         self.loss_spec = loss_spec(g)  # the objective, its aggregation and constants, once
         self.start_step, self.skipped_steps, self.nonfinite_in_a_row = 0, 0, 0
         self._engine: RolloutEngine | None = None  # built at the first rollout, after any resume or SFT
+        self._rollouts: AsyncRollouts | None = None  # grpo.async_rollouts: built with the engine
+        self.async_metrics: dict[str, float] = {}  # async/*: of the batch the step trains on
         self.last_save = time.monotonic()
         self.signals = StopSignals()  # active while the steps run
         self._open_run_dir(overwrite)
@@ -346,13 +351,17 @@ class Trainer:
     def step(self, step: int) -> dict[str, Any]:
         """One GRPO step, phase by phase; each phase's seconds go into the metrics as time/<phase>.
         With vLLM, a first phase (sync) loads the policy's current weights into its engine (at step one
-        of a run it also builds the engine)."""
+        of a run it also builds the engine); with async rollouts, the sync follows the rollout and starts
+        generating the next step's batch."""
         g, timer = self.cfg.grpo, PhaseTimer()
-        if g.use_vllm:
+        if g.use_vllm and not g.async_rollouts:
             with timer("sync"):
                 self.sync_engine()
-        with timer("rollout"):
+        with timer("rollout"):  # async: waits for the batch generated in the background, if still running
             rows, rollout = self.rollout(step)
+        if g.async_rollouts:
+            with timer("sync"):  # the engine gets these weights, then generates the next batch meanwhile
+                self.prefetch_next(step)
         with timer("score"):
             scores = self.score(step, rows, rollout)
         sampling = None
@@ -389,23 +398,46 @@ class Trainer:
             self._engine = rollout_engine(self.cfg, self.unwrapped.lm, self.tokenizer, self.levers)
         return self._engine
 
-    def rollout(self, step: int, round_: int = 0) -> tuple[list[dict[str, Any]], RolloutBatch]:
+    def rollout(self, step: int, round_: int = 0) -> Rollout:
         """The step's prompts (a pure function of seed, step and rank; `round_` > 0: dynamic sampling's
-        extra draws) and G sampled completions of each."""
-        cfg = self.cfg
+        extra draws) and G sampled completions of each; with async rollouts, the batch generated in the
+        background (started now if it was not)."""
+        if self.cfg.grpo.async_rollouts:
+            return self._take(step)
+        agent = self.agent
+        if agent is not None and agent.rollout_func is not None:
+            return self._rollout_func(self._rows(step, round_))
+        job = self.rollout_job(step, round_)
+        with self.generating():
+            rows, batch = job(self.engine)
+        self.release_memory()
+        return rows, batch
+
+    def _rows(self, step: int, round_: int) -> list[dict[str, Any]]:
+        """The rows of `step`'s prompts (of dynamic sampling's round `round_`)."""
         if round_:
-            indices = self.resampler.indices((step - 1) * cfg.grpo.max_resample_rounds + round_ - 1)
+            indices = self.resampler.indices((step - 1) * self.cfg.grpo.max_resample_rounds + round_ - 1)
         else:
             indices = self.sampler.indices(step - 1)
-        rows = [self.rows[i] for i in indices]
-        G, agent = cfg.grpo.num_generations, self.agent
-        if agent is not None and agent.rollout_func is not None:
-            with self.dist.full_weights(self.policy):
-                output = agent.rollout_func([r["prompt"] for r in rows for _ in range(G)], self)
-            eos = eos_token_ids(self.tokenizer, self.unwrapped.lm)
-            batch = rollout_func_batch(output, self.tokenizer, eos, self.acc.device, cfg.grpo.use_vllm)
-            self.release_memory()
-            return rows, batch
+        return [self.rows[i] for i in indices]
+
+    def _rollout_func(self, rows: list[dict[str, Any]]) -> Rollout:
+        """TRL's rollout_func: the user's function generates, with the trainer in hand."""
+        cfg, G, agent = self.cfg, self.cfg.grpo.num_generations, self.agent
+        assert agent is not None and agent.rollout_func is not None
+        with self.dist.full_weights(self.policy):
+            output = agent.rollout_func([r["prompt"] for r in rows for _ in range(G)], self)
+        eos = eos_token_ids(self.tokenizer, self.unwrapped.lm)
+        batch = rollout_func_batch(output, self.tokenizer, eos, self.acc.device, cfg.grpo.use_vllm)
+        self.release_memory()
+        return rows, batch
+
+    def rollout_job(self, step: int, round_: int = 0) -> Job:
+        """Generating `step`'s batch: here, what must run on this thread (the prompts, the environments'
+        reset); returned, the rest as a function of the engine, which may run in another thread. The
+        samples are drawn from the rollout's own seed (`rollout_seed`)."""
+        cfg, G, agent = self.cfg, self.cfg.grpo.num_generations, self.agent
+        rows = self._rows(step, round_)
         episodes = agent.start(rows, G) if agent is not None and agent.uses_tools else None
         if episodes is not None:  # the prompts after the environments' reset, each with its tools
             rows = [{**r, "prompt": p} for r, p in zip(rows, episodes.prompts, strict=True)]
@@ -417,12 +449,55 @@ class Trainer:
             )
             for i, r in enumerate(rows)
         ]  # fmt: skip
-        with self.generating():
-            batch = self.engine.generate(
-                texts, self.sampling, None if episodes is None else episodes.toolboxes
-            ).to(self.acc.device)
-        if episodes is not None and episodes.environments is not None and batch.tool_use is not None:
-            batch.tool_use.columns["environments"] = episodes.environments  # TRL gives them to rewards
+        sampling = replace(self.sampling, seed=rollout_seed(cfg.seed, step, round_, self.acc.process_index))
+        device = self.acc.device
+
+        def generate(engine: RolloutEngine) -> Rollout:
+            batch = engine.generate(texts, sampling, None if episodes is None else episodes.toolboxes)
+            batch = batch.to(device)
+            if episodes is not None and episodes.environments is not None and batch.tool_use is not None:
+                batch.tool_use.columns["environments"] = episodes.environments  # TRL gives them to rewards
+            return rows, batch
+
+        return generate
+
+    @property
+    def rollouts(self) -> AsyncRollouts:
+        """Async rollouts' background thread and engine (built at the first rollout, like the engine)."""
+        if self._rollouts is None:
+            g, lm = self.cfg.grpo, self.unwrapped.lm
+            engine = async_engine(self.engine, lm, self.tokenizer, self.levers)
+            self._rollouts = AsyncRollouts(engine, g.max_staleness, g.num_iterations)
+        return self._rollouts
+
+    def prefetch(self, step: int, trained: int) -> None:
+        """Async rollouts: give the engine the policy's weights, those after step `trained`, and start
+        generating `step`'s batch in the background."""
+        self.rollouts.sync(self.unwrapped.lm, trained * self.cfg.grpo.num_iterations)
+        self.rollouts.submit(step, self.rollout_job(step))
+
+    def prefetch_next(self, step: int) -> None:
+        """While `step` trains, generate the next step's batch, if the staleness bound allows it."""
+        if self.rollouts.ahead and step < self.cfg.optim.max_steps:
+            self.prefetch(step + 1, trained=step - 1)
+
+    def _take(self, step: int) -> Rollout:
+        """`step`'s batch from the background thread (generated now if none was ahead: the first step, a
+        resumed run's, or a staleness bound below num_iterations), and its async/* metrics."""
+        if self.rollouts.in_flight is None:
+            self.prefetch(step, trained=step - 1)
+        taken = self.rollouts.take(step)
+        staleness = float((step - 1) * self.cfg.grpo.num_iterations - taken.version)
+        assert staleness <= self.cfg.grpo.max_staleness, f"a batch {staleness} optimizer steps stale"
+        rows, batch = taken.rollout
+        if staleness == 0 and isinstance(self.rollouts.engine, SnapshotEngine):
+            batch.sampling_logprobs = None  # the policy's own weights: no gap to correct, as with HFEngine
+        every = self.acc.gather(torch.tensor([staleness], device=self.acc.device))
+        self.async_metrics = {
+            "async/staleness_mean": float(every.mean()),
+            "async/staleness_max": float(every.max()),
+            "async/generate_seconds": taken.seconds,
+        }
         self.release_memory()
         return rows, batch
 
@@ -672,7 +747,8 @@ class Trainer:
     ) -> dict[str, Any]:
         """The step's metrics, reduced over every process (`group_std` holds every process's groups);
         logged (and a sample completion with them) on the main process when due. `mismatch`: the vLLM
-        sampler's gap to the trainer (vllm/*); `sampling`: dynamic sampling's dynamic_sampling/*."""
+        sampler's gap to the trainer (vllm/*); `sampling`: dynamic sampling's dynamic_sampling/*. With
+        async rollouts, the batch's async/* (`_take`)."""
         cfg, gather, device = self.cfg, self.acc.gather, self.acc.device
         total, per_func = gather(scores.total.to(device)), gather(scores.per_func.to(device))
         lengths, truncated = gather(rollout.lengths().float()), gather(rollout.truncated)
@@ -699,6 +775,7 @@ class Trainer:
             **scores.metrics,  # the rewards' log_metric values (this process's)
             **self._mismatch_metrics(mismatch),
             **(sampling or {}),
+            **self.async_metrics,
             **self._tool_metrics(rollout),
         }
         if self.is_main and _due(step, cfg.logging.log_completions_steps):
@@ -743,6 +820,8 @@ class Trainer:
             )
             raise TrainingError(f"{why}; {what_holds(self.run_dir)}") from None
         finally:
+            if self._rollouts is not None:
+                self._rollouts.close()
             if self.is_main:
                 self.logger.close()
             self._restore_replaced()
@@ -881,10 +960,14 @@ class Trainer:
         out of metrics.jsonl, whose evaluations are one per step."""
         if self.evaluator is None or not self.evaluator.due(step):
             return
-        self.sync_engine()  # the run's engine, given the weights of the step just trained (vLLM)
+        engine = self.engine  # the run's, given the weights of the step just trained (vLLM)
+        if self._rollouts is not None and self._rollouts.engine is engine:  # after its batch in flight
+            self._rollouts.sync(self.unwrapped.lm, step * self.cfg.grpo.num_iterations)
+        else:
+            self.sync_engine()
         with self.generating():
             if self.is_main:
-                metrics = self.evaluator(self.unwrapped.lm, self.tokenizer, step, self.engine, name=name)
+                metrics = self.evaluator(self.unwrapped.lm, self.tokenizer, step, engine, name=name)
                 if name is None:
                     self.logger.log(metrics)
                 else:
@@ -923,6 +1006,9 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
         }
+        if self._rollouts is not None and self._rollouts.in_flight is not None:
+            # dropped, never trained on: the resumed run generates it again from its step index
+            state["async_discarded_step"] = self._rollouts.in_flight.step
         ckpt = save_checkpoint(
             self.run_dir, step, model=self.dist.saveable(self.policy), tokenizer=self.tokenizer,
             optimizer_state=self.dist.optimizer_state(self.policy, self.optimizer), scheduler=self.scheduler,

@@ -1,0 +1,101 @@
+"""Async rollouts (`grpo.async_rollouts`, docs/async.md): the next step's batch is generated in a background
+thread while this step trains, by an engine holding the weights of its last sync, and never used more than
+`grpo.max_staleness` optimizer steps after them.
+
+One batch is generated ahead at most. The engine is synced only between two rollouts, from the main
+thread, before the update that follows starts writing the policy: a batch generated during step k's
+update holds the weights after step k - 1, so it is `num_iterations` optimizer steps stale when step k + 1
+trains on it. A bound below that makes the next batch wait for the update (the synchronous schedule,
+staleness 0) instead of being thrown away.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from leangrpo.engines.rollout import RolloutBatch, RolloutEngine
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+Rollout = tuple[list[dict[str, Any]], RolloutBatch]
+"""A step's rows (its prompts) and their sampled completions."""
+
+Job = Callable[[RolloutEngine], Rollout]
+"""Generating one batch with a given engine: what may run in the background thread."""
+
+
+def rollout_seed(seed: int, step: int, round_: int, rank: int) -> int:
+    """The seed of one rollout's samples: a pure function of the run's seed, the step, dynamic sampling's
+    round and the process, like the prompts, so that a batch is the same whichever thread generates it
+    and whenever it does (a resume generates an in-flight batch again)."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{round_}:{rank}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # 63 bits: torch.Generator.manual_seed's range
+
+
+@dataclass
+class Taken:
+    """A batch generated in the background: its rows and completions, the optimizer step of the weights
+    that generated it, and the seconds its generation took."""
+
+    rollout: Rollout
+    version: int
+    seconds: float
+
+
+@dataclass
+class _InFlight:
+    step: int
+    version: int
+    future: Future[tuple[Rollout, float]]
+
+
+def _timed(job: Job, engine: RolloutEngine) -> tuple[Rollout, float]:
+    start = time.perf_counter()
+    out = job(engine)
+    return out, time.perf_counter() - start
+
+
+class AsyncRollouts:
+    """One background thread generating with `engine` (which must hold weights of its own: see
+    `train.engine.async_engine`), the batch in flight, and the weights' version the engine holds."""
+
+    def __init__(self, engine: RolloutEngine, max_staleness: int, updates_per_step: int):
+        self.engine = engine
+        # a batch generated during an update is `updates_per_step` optimizer steps stale when used
+        self.ahead = max_staleness >= updates_per_step
+        self.version: int | None = None  # the optimizer step of the engine's weights; None: never synced
+        self.in_flight: _InFlight | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leangrpo-rollouts")
+
+    def sync(self, model: PreTrainedModel, version: int) -> None:
+        """Give the engine `model`'s weights, those after optimizer step `version`, once the batch in
+        flight is generated (the batch itself stays in flight, to be taken)."""
+        if self.in_flight is not None:
+            wait([self.in_flight.future])
+        if version != self.version:
+            self.engine.sync_weights(model)
+            self.version = version
+
+    def submit(self, step: int, job: Job) -> None:
+        """Start generating `step`'s batch in the background with the engine's current weights."""
+        assert self.in_flight is None and self.version is not None, "one batch in flight, after a sync"
+        self.in_flight = _InFlight(step, self.version, self._thread.submit(_timed, job, self.engine))
+
+    def take(self, step: int) -> Taken:
+        """`step`'s batch, once generated (an error raised while generating it is raised here)."""
+        in_flight, self.in_flight = self.in_flight, None
+        assert in_flight is not None and in_flight.step == step, f"step {step}'s batch is not in flight"
+        rollout, seconds = in_flight.future.result()
+        return Taken(rollout, in_flight.version, seconds)
+
+    def close(self) -> None:
+        """Drop the batch in flight (a resumed run generates it again from its step index) and stop the
+        thread, once its current generation ends."""
+        self.in_flight = None
+        self._thread.shutdown(wait=True, cancel_futures=True)
