@@ -95,3 +95,80 @@ def levers(request):
     from leangrpo.cpu.levers import CPULevers
 
     return CPULevers(CPUConfig())
+
+
+CALC_CALL = (
+    '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call><|im_end|>'
+)
+TOOL_TRACES = {  # question -> the model's turns; each turn but the last calls the calculator
+    "What is 1234 + 5678?": [CALC_CALL.format("1234 + 5678"), "<answer>6912</answer><|im_end|>"],
+    "What is 12 * 34 + 56?": [
+        CALC_CALL.format("12 * 34"), CALC_CALL.format("408 + 56"), "<answer>464</answer><|im_end|>"
+    ],
+    "What is 7 / 0?": [CALC_CALL.format("7 / 0"), "<answer>none</answer><|im_end|>"],  # the tool fails
+    "Say hi.": ["hi<|im_end|>"],
+}  # fmt: skip
+
+
+def tool_trajectory(tok, question: str, tools: list) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, completion ids, model mask) of `question`'s scripted trajectory, laid out as the tool loop
+    lays one out: each turn's tokens, then the calculator's result as the chat template shows it."""
+    from leangrpo.data.rows import render_prompt
+    from leangrpo.data.tasks.calculator import calculator
+    from leangrpo.engines.tools import Toolbox, run_tool_calls, tool_suffix_ids
+
+    text = render_prompt(tok, [{"role": "user", "content": question}], "", {"tools": Toolbox(tools).schemas})
+    prompt = tok(text, add_special_tokens=False).input_ids
+    completion, mask = [], []
+    for turn in TOOL_TRACES[question]:
+        ids = tok(turn, add_special_tokens=False).input_ids
+        completion, mask = completion + ids, mask + [1] * len(ids)
+        if "<tool_call>" in turn:
+            expression = turn.split('"expression": "')[1].split('"')[0]
+            call = {
+                "type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": expression}},
+            }
+            ((name, content, _),) = run_tool_calls([(Toolbox([calculator]), call)])
+            suffix = tool_suffix_ids(tok, [{"role": "tool", "name": name, "content": content}])
+            completion, mask = completion + suffix, mask + [0] * len(suffix)
+    return prompt, completion, mask
+
+
+def make_tool_model(out: Path, tokenizer_dir: Path, max_steps: int = 300, margin: int = 20) -> Path:
+    """The tiny random Llama (head dimension 32, as vLLM's CPU attention needs) trained until it writes the
+    TOOL_TRACES turns of each question: it calls the calculator (twice for one question, on a division by
+    zero for another), reads the result and answers, so real rollouts of it are multi-turn. Training goes
+    `margin` steps past the first at which every scripted token is the most likely one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.data.tasks.calculator import calculator
+    from leangrpo.engines.tools import prepare_tokenizer
+    from leangrpo.models.load import load_tokenizer
+
+    make_tiny_model(out, tokenizer_dir, num_attention_heads=2)
+    tok = load_tokenizer(str(out))
+    prepare_tokenizer(tok)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    rows = [tool_trajectory(tok, q, [calculator]) for q in TOOL_TRACES]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    learnt_at = None
+    for step in range(max_steps):
+        learnt = True
+        for prompt, completion, _ in rows:
+            hidden = model.model(input_ids=torch.tensor([prompt + completion])).last_hidden_state
+            logits = model.lm_head(hidden[0, len(prompt) - 1 : -1])  # the completion's positions only
+            target = torch.tensor(completion)
+            learnt &= bool((logits.argmax(dim=-1) == target).all())
+            torch.nn.functional.cross_entropy(logits, target).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        learnt_at = step if learnt and learnt_at is None else learnt_at
+        if learnt_at is not None and step - learnt_at >= margin:
+            break
+    else:
+        raise AssertionError(f"the tool traces were not learnt in {max_steps} steps")
+    model.save_pretrained(out)
+    return out

@@ -833,8 +833,8 @@ class Trainer:
                 max_completion_length=cfg.grpo.max_completion_length,
                 chat_template_kwargs=kwargs,
             ).to(self.acc.device)
-            logp, mask = micro_batch_logprobs(self.policy, batch, slice(None), temperature=1.0)
-            loss = sft.nll_loss(logp, mask)
+            logp, _ = micro_batch_logprobs(self.policy, batch, slice(None), temperature=1.0)
+            loss = sft.nll_loss(logp, batch.loss_mask[:, : logp.shape[1]])  # a trace's tool results: out
             self.acc.backward(loss)
             self.dist.clip_grad_norm(self.policy, cfg.optim.max_grad_norm or math.inf)
             optimizer.step()
