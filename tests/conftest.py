@@ -135,34 +135,50 @@ def tool_trajectory(tok, question: str, tools: list) -> tuple[list[int], list[in
     return prompt, completion, mask
 
 
-def make_tool_model(out: Path, tokenizer_dir: Path, max_steps: int = 300, margin: int = 20) -> Path:
-    """The tiny random Llama (head dimension 32, as vLLM's CPU attention needs) trained until it writes the
+def make_tool_model(out: Path, tokenizer_dir: Path, max_steps: int = 400, margin: int = 20) -> Path:
+    """A tiny random Llama (head dimension 32, as vLLM's CPU attention needs) trained until it writes the
     TOOL_TRACES turns of each question: it calls the calculator (twice for one question, on a division by
-    zero for another), reads the result and answers, so real rollouts of it are multi-turn. Training goes
-    `margin` steps past the first at which every scripted token is the most likely one."""
+    zero for another), reads the result and answers, so real rollouts of it are multi-turn.
+
+    Cheap by construction: the output head (not tied to the embeddings) is zero but on the traces' tokens,
+    so every other token's logit is exactly 0, and the full softmax is the one over the traces' tokens
+    and a class of logit log(number of other tokens). Training goes `margin` steps past the first at which
+    every scripted token is the most likely one, by a margin of at least 10 in log-probability."""
+    import math
+
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from leangrpo.data.tasks.calculator import calculator
     from leangrpo.engines.tools import prepare_tokenizer
-    from leangrpo.models.load import load_tokenizer
 
-    make_tiny_model(out, tokenizer_dir, num_attention_heads=2)
-    tok = load_tokenizer(str(out))
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     prepare_tokenizer(tok)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    rows = [tool_trajectory(tok, q, [calculator]) for q in TOOL_TRACES]
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    rows = [tool_trajectory(tok, q, [calculator]) for q in TOOL_TRACES]
+    vocab = sorted({t for _, completion, _ in rows for t in completion})
+    index = {t: i for i, t in enumerate(vocab)}
+    head = torch.nn.Parameter(torch.randn(len(vocab), cfg.hidden_size) * 0.02)
+    rest = math.log(cfg.vocab_size - len(vocab))  # the other tokens' logits, each 0, summed
+    model.model.embed_tokens.weight.requires_grad_(False)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad] + [head], lr=3e-3)
     learnt_at = None
     for step in range(max_steps):
         learnt = True
         for prompt, completion, _ in rows:
             hidden = model.model(input_ids=torch.tensor([prompt + completion])).last_hidden_state
-            logits = model.lm_head(hidden[0, len(prompt) - 1 : -1])  # the completion's positions only
-            target = torch.tensor(completion)
-            learnt &= bool((logits.argmax(dim=-1) == target).all())
-            torch.nn.functional.cross_entropy(logits, target).backward()
+            logits = hidden[0, len(prompt) - 1 : -1] @ head.T  # the completion's positions only
+            logits = torch.cat([logits, torch.full((len(logits), 1), rest)], dim=1)
+            target = torch.tensor([index[t] for t in completion])
+            logp = torch.log_softmax(logits, dim=-1)
+            learnt &= bool((logp.gather(1, target[:, None]) > -1e-4).all())  # others below log(1e-4)
+            torch.nn.functional.nll_loss(logp, target).backward()
         optimizer.step()
         optimizer.zero_grad()
         learnt_at = step if learnt and learnt_at is None else learnt_at
@@ -170,5 +186,9 @@ def make_tool_model(out: Path, tokenizer_dir: Path, max_steps: int = 300, margin
             break
     else:
         raise AssertionError(f"the tool traces were not learnt in {max_steps} steps")
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[vocab] = head
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)  # as the model ships, unprepared
     model.save_pretrained(out)
     return out

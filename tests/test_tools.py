@@ -470,3 +470,66 @@ def test_evaluation_rolls_out_with_the_tools(tool_tokenizer):
     assert result.metrics["tools/call_frequency"] == pytest.approx(2 / 3)
     assert result.metrics["tools/failure_frequency"] == pytest.approx(1 / 2)
     assert result.metrics["accuracy"] == pytest.approx(2 / 3)
+
+
+# ------------------------------------------------------------------- the HF engine's turns, resumed
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory, real_tokenizer_dir):
+    from conftest import make_tool_model
+
+    return make_tool_model(tmp_path_factory.mktemp("tool-model"), real_tokenizer_dir)
+
+
+def test_resumed_turns_give_the_tokens_of_re_encoded_ones(tool_model_dir, levers, monkeypatch):
+    """Greedy rollouts of a model trained to call the calculator (up to 3 turns): turns resumed from the KV
+    cache give the tokens of turns that re-encode their whole sequence, with and without the CPU levers
+    (the lean decode loop), and run fewer positions through the model."""
+    from conftest import TOOL_TRACES, tool_trajectory
+    from transformers import AutoModelForCausalLM
+
+    import leangrpo.engines.rollout as rollout
+    from leangrpo.data.rows import render_prompt
+    from leangrpo.data.tasks.calculator import calculator
+    from leangrpo.engines.rollout import Sampling, generate
+    from leangrpo.models.load import load_tokenizer
+
+    tok = load_tokenizer(str(tool_model_dir))
+    prepare_tokenizer(tok)
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir, dtype=torch.float32)
+    turns = []
+
+    class Spy(rollout.ResumedTurns):
+        def __init__(self, *args):
+            super().__init__(*args)
+            turns.append(self)
+
+    monkeypatch.setattr(rollout, "ResumedTurns", Spy)
+    schemas = Toolbox([calculator]).schemas
+    # the questions twice, in another order: rows of one batch differ in length and turn count
+    questions = [*TOOL_TRACES, *reversed(TOOL_TRACES)]
+    texts = [render_prompt(tok, [{"role": "user", "content": q}], "", {"tools": schemas}) for q in questions]
+    sampling = Sampling(num_generations=1, do_sample=False, max_prompt_length=512, max_completion_length=160)
+    out = {
+        reuse: generate(
+            model,
+            tok,
+            texts,
+            sampling,
+            levers=levers,
+            toolboxes=[Toolbox([calculator])] * len(texts),
+            reuse_cache=reuse,
+        )  # fmt: skip
+        for reuse in (True, False)
+    }
+    resumed, encoded = out[True], out[False]
+    for name in ("completion_ids", "completion_mask", "model_mask", "truncated"):
+        torch.testing.assert_close(getattr(resumed, name), getattr(encoded, name), msg=name)
+    for row, question in enumerate(questions):  # and they are the traces the model learnt
+        _, completion, mask = tool_trajectory(tok, question, [calculator])
+        assert resumed.completion_ids[row, : len(completion)].tolist() == completion
+        assert resumed.model_mask[row, : len(mask)].tolist() == mask
+    assert resumed.tool_use.turns == encoded.tool_use.turns == [2, 3, 2, 1, 1, 2, 3, 2]
+    assert turns[0].reuse and not turns[1].reuse
+    assert turns[0].encoded < 0.7 * turns[1].encoded, (turns[0].encoded, turns[1].encoded)

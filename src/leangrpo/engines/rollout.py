@@ -352,14 +352,15 @@ class ResumedTurns:
     def _carry(self, cache: DynamicCache, rows: list[int | None], cached: list[int], width: int) -> None:
         """Fill `cache`'s first `width` positions with each row's cached keys and values, right-aligned
         (positions left of them hold copies that the attention mask hides)."""
-        assert self.cache is not None
+        if self.cache is None:
+            raise ValueError("no turn to resume")
         src_row = torch.zeros(len(rows), width, dtype=torch.long)
         src_slot = torch.zeros(len(rows), width, dtype=torch.long)
         for r, (row, k) in enumerate(zip(rows, cached, strict=True)):
             if row is not None and k:
                 src_row[r], src_slot[r, width - k :] = row, self.slots[row]
-        for old, new in zip(self.cache.layers, cache.layers, strict=True):
-            old = cast(PreallocatedLayer, old)
+        for old, new in zip(self.cache.layers, cache.layers, strict=True):  # PreallocatedLayers (_new_cache)
+            old, new = cast(PreallocatedLayer, old), cast(PreallocatedLayer, new)
             index = src_row.to(old.key_buffer.device), src_slot.to(old.key_buffer.device)
             keys, values = (
                 b.transpose(1, 2)[index].transpose(1, 2) for b in (old.key_buffer, old.value_buffer)

@@ -72,7 +72,7 @@ from leangrpo.run.signals import StopSignals
 from leangrpo.run.tracking import MetricsLogger, eval_line, open_trackers, peak_memory_mb
 from leangrpo.train import distributed, sft
 from leangrpo.train.engine import agent_from_config, cpu_levers, rollout_engine
-from leangrpo.train.evaluation import TrainingEvaluator
+from leangrpo.train.evaluation import RolloutFuncEngine, TrainingEvaluator
 from leangrpo.train.extras import RuntimeExtras
 from leangrpo.train.logprobs import Policy, batch_logprobs, micro_batch_logprobs, shared_prompt_group
 from leangrpo.train.loss import loss_spec
@@ -848,8 +848,16 @@ class Trainer:
         out of metrics.jsonl, whose evaluations are one per step."""
         if self.evaluator is None or not self.evaluator.due(step):
             return
-        engine = self.engine  # the run's, given the weights of the step just trained (vLLM)
+        engine: RolloutEngine = self.engine  # the run's, given the weights of the step just trained (vLLM)
         engine.sync_weights(self.unwrapped.lm)
+        if self.agent is not None and self.agent.rollout_func is not None:  # as TRL: the run's generation
+            eos, prompts = (
+                eos_token_ids(self.tokenizer, self.unwrapped.lm),
+                [r["prompt"] for r in self.evaluator.rows],
+            )
+            engine = RolloutFuncEngine(
+                self.agent.rollout_func, self, self.tokenizer, eos, prompts, self.cfg.data.assistant_prefix
+            )
         with self.dist.full_weights(self.policy):
             if self.is_main:
                 metrics = self.evaluator(self.unwrapped.lm, self.tokenizer, step, engine, name=name)
