@@ -110,15 +110,21 @@ TOOL_TRACES = {  # question -> the model's turns; each turn but the last calls t
 }  # fmt: skip
 
 
-def tool_trajectory(tok, question: str, tools: list) -> tuple[list[int], list[int], list[int]]:
+def tool_prompt(tok, question: str) -> str:
+    """The prompt text of `question`, without the tools' schemas (a short prompt keeps training cheap; the
+    tool loop runs the calculator all the same)."""
+    from leangrpo.data.rows import render_prompt
+
+    return render_prompt(tok, [{"role": "user", "content": question}])
+
+
+def tool_trajectory(tok, question: str) -> tuple[list[int], list[int], list[int]]:
     """(prompt ids, completion ids, model mask) of `question`'s scripted trajectory, laid out as the tool loop
     lays one out: each turn's tokens, then the calculator's result as the chat template shows it."""
-    from leangrpo.data.rows import render_prompt
     from leangrpo.data.tasks.calculator import calculator
     from leangrpo.engines.tools import Toolbox, run_tool_calls, tool_suffix_ids
 
-    text = render_prompt(tok, [{"role": "user", "content": question}], "", {"tools": Toolbox(tools).schemas})
-    prompt = tok(text, add_special_tokens=False).input_ids
+    prompt = tok(tool_prompt(tok, question), add_special_tokens=False).input_ids
     completion, mask = [], []
     for turn in TOOL_TRACES[question]:
         ids = tok(turn, add_special_tokens=False).input_ids
@@ -135,7 +141,7 @@ def tool_trajectory(tok, question: str, tools: list) -> tuple[list[int], list[in
     return prompt, completion, mask
 
 
-def make_tool_model(out: Path, tokenizer_dir: Path, max_steps: int = 400, margin: int = 20) -> Path:
+def make_tool_model(out: Path, tokenizer_dir: Path, max_steps: int = 300, margin: int = 10) -> Path:
     """A tiny random Llama (head dimension 32, as vLLM's CPU attention needs) trained until it writes the
     TOOL_TRACES turns of each question: it calls the calculator (twice for one question, on a division by
     zero for another), reads the result and answers, so real rollouts of it are multi-turn.
@@ -143,13 +149,12 @@ def make_tool_model(out: Path, tokenizer_dir: Path, max_steps: int = 400, margin
     Cheap by construction: the output head (not tied to the embeddings) is zero but on the traces' tokens,
     so every other token's logit is exactly 0, and the full softmax is the one over the traces' tokens
     and a class of logit log(number of other tokens). Training goes `margin` steps past the first at which
-    every scripted token is the most likely one, by a margin of at least 10 in log-probability."""
+    every scripted token has a probability above 0.99."""
     import math
 
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from leangrpo.data.tasks.calculator import calculator
     from leangrpo.engines.tools import prepare_tokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -161,14 +166,15 @@ def make_tool_model(out: Path, tokenizer_dir: Path, max_steps: int = 400, margin
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )  # fmt: skip
     model = LlamaForCausalLM(cfg)
-    rows = [tool_trajectory(tok, q, [calculator]) for q in TOOL_TRACES]
+    rows = [tool_trajectory(tok, q) for q in TOOL_TRACES]
     vocab = sorted({t for _, completion, _ in rows for t in completion})
     index = {t: i for i, t in enumerate(vocab)}
     head = torch.nn.Parameter(torch.randn(len(vocab), cfg.hidden_size) * 0.02)
     rest = math.log(cfg.vocab_size - len(vocab))  # the other tokens' logits, each 0, summed
     model.model.embed_tokens.weight.requires_grad_(False)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad] + [head], lr=3e-3)
-    learnt_at = None
+    learnt_at, threads = None, torch.get_num_threads()
+    torch.set_num_threads(1)  # ops this small run fastest on one thread, above all on a busy machine
     for step in range(max_steps):
         learnt = True
         for prompt, completion, _ in rows:
@@ -177,7 +183,7 @@ def make_tool_model(out: Path, tokenizer_dir: Path, max_steps: int = 400, margin
             logits = torch.cat([logits, torch.full((len(logits), 1), rest)], dim=1)
             target = torch.tensor([index[t] for t in completion])
             logp = torch.log_softmax(logits, dim=-1)
-            learnt &= bool((logp.gather(1, target[:, None]) > -1e-4).all())  # others below log(1e-4)
+            learnt &= bool((logp.gather(1, target[:, None]) > -0.01).all())  # each scripted token: p > 0.99
             torch.nn.functional.nll_loss(logp, target).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -186,6 +192,7 @@ def make_tool_model(out: Path, tokenizer_dir: Path, max_steps: int = 400, margin
             break
     else:
         raise AssertionError(f"the tool traces were not learnt in {max_steps} steps")
+    torch.set_num_threads(threads)
     with torch.no_grad():
         model.lm_head.weight.zero_()
         model.lm_head.weight[vocab] = head

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import time
 from types import SimpleNamespace
 
@@ -486,11 +487,10 @@ def test_resumed_turns_give_the_tokens_of_re_encoded_ones(tool_model_dir, levers
     """Greedy rollouts of a model trained to call the calculator (up to 3 turns): turns resumed from the KV
     cache give the tokens of turns that re-encode their whole sequence, with and without the CPU levers
     (the lean decode loop), and run fewer positions through the model."""
-    from conftest import TOOL_TRACES, tool_trajectory
+    from conftest import TOOL_TRACES, tool_prompt, tool_trajectory
     from transformers import AutoModelForCausalLM
 
     import leangrpo.engines.rollout as rollout
-    from leangrpo.data.rows import render_prompt
     from leangrpo.data.tasks.calculator import calculator
     from leangrpo.engines.rollout import Sampling, generate
     from leangrpo.models.load import load_tokenizer
@@ -506,10 +506,9 @@ def test_resumed_turns_give_the_tokens_of_re_encoded_ones(tool_model_dir, levers
             turns.append(self)
 
     monkeypatch.setattr(rollout, "ResumedTurns", Spy)
-    schemas = Toolbox([calculator]).schemas
     # the questions twice, in another order: rows of one batch differ in length and turn count
     questions = [*TOOL_TRACES, *reversed(TOOL_TRACES)]
-    texts = [render_prompt(tok, [{"role": "user", "content": q}], "", {"tools": schemas}) for q in questions]
+    texts = [tool_prompt(tok, q) for q in questions]
     sampling = Sampling(num_generations=1, do_sample=False, max_prompt_length=512, max_completion_length=160)
     out = {
         reuse: generate(
@@ -527,9 +526,38 @@ def test_resumed_turns_give_the_tokens_of_re_encoded_ones(tool_model_dir, levers
     for name in ("completion_ids", "completion_mask", "model_mask", "truncated"):
         torch.testing.assert_close(getattr(resumed, name), getattr(encoded, name), msg=name)
     for row, question in enumerate(questions):  # and they are the traces the model learnt
-        _, completion, mask = tool_trajectory(tok, question, [calculator])
+        _, completion, mask = tool_trajectory(tok, question)
         assert resumed.completion_ids[row, : len(completion)].tolist() == completion
         assert resumed.model_mask[row, : len(mask)].tolist() == mask
     assert resumed.tool_use.turns == encoded.tool_use.turns == [2, 3, 2, 1, 1, 2, 3, 2]
     assert turns[0].reuse and not turns[1].reuse
     assert turns[0].encoded < 0.7 * turns[1].encoded, (turns[0].encoded, turns[1].encoded)
+
+
+def test_a_rollout_func_run_is_evaluated_through_its_rollout_func(tmp_path, tiny_model_dir, gsm8k_dir):
+    """As in TRL, evaluation generates with the run's rollout_func: it gets the held-out prompts (and the
+    trainer), and each record holds what it returned."""
+    from leangrpo.train.trainer import Trainer
+
+    calls = []
+
+    def rollout_func(prompts, trainer):
+        calls.append((prompts, trainer))
+        tok = trainer.tokenizer
+        ids = tok("<answer>72</answer><|im_end|>", add_special_tokens=False).input_ids
+        return {"prompt_ids": [[10, 11]] * len(prompts), "completion_ids": [ids] * len(prompts),
+                "logprobs": [[-1.0] * len(ids)] * len(prompts)}  # fmt: skip
+
+    cfg = _config(
+        tmp_path, tiny_model_dir, gsm8k_dir, eval={"enabled": True, "path": str(gsm8k_dir), "limit": 2}
+    )
+    trainer = Trainer(cfg, agent=AgentSpec(rollout_func=rollout_func))
+    trainer.maybe_evaluate(0)
+    (prompts, given), *_ = calls
+    assert given is trainer and [p[-1]["content"] for p in prompts] == [
+        r["prompt"][-1]["content"] for r in trainer.evaluator.rows
+    ]
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "eval" / "step-0.jsonl").read_text().splitlines()
+    ]
+    assert len(records) == 2 and all("<answer>72</answer>" in r["completion"] for r in records)

@@ -10,10 +10,9 @@ import os
 
 import pytest
 import torch
-from conftest import TOOL_TRACES, make_tool_model, tool_trajectory
+from conftest import TOOL_TRACES, make_tool_model, tool_prompt, tool_trajectory
 from transformers import AutoModelForCausalLM
 
-from leangrpo.data.rows import render_prompt
 from leangrpo.data.tasks.calculator import calculator
 from leangrpo.engines.rollout import Sampling, eos_token_ids, generate
 from leangrpo.engines.tools import Toolbox, prepare_tokenizer
@@ -57,10 +56,7 @@ def engine(model_dir, tokenizer, model):
 
 
 def prompts(tokenizer):
-    tools = Toolbox([calculator]).schemas
-    return [
-        render_prompt(tokenizer, [{"role": "user", "content": q}], "", {"tools": tools}) for q in QUESTIONS
-    ]
+    return [tool_prompt(tokenizer, q) for q in QUESTIONS]
 
 
 def toolboxes(n):
@@ -75,7 +71,7 @@ def test_greedy_tool_rollouts_follow_the_traces_and_equal_the_hf_engines(engine,
     ours = engine.generate(prompts(tokenizer), sampling, toolboxes(len(QUESTIONS)))
     hf = generate(model, tokenizer, prompts(tokenizer), sampling, toolboxes=toolboxes(len(QUESTIONS)))
     for row, question in enumerate(QUESTIONS):
-        prompt, completion, mask = tool_trajectory(tokenizer, question, [calculator])
+        prompt, completion, mask = tool_trajectory(tokenizer, question)
         n = int(ours.completion_mask[row].sum())
         assert ours.completion_ids[row, :n].tolist() == completion, question
         assert ours.model_mask[row, :n].tolist() == mask, question
