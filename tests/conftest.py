@@ -110,21 +110,24 @@ TOOL_TRACES = {  # question -> the model's turns; each turn but the last calls t
 }  # fmt: skip
 
 
-def tool_prompt(tok, question: str) -> str:
-    """The prompt text of `question`, without the tools' schemas (a short prompt keeps training cheap; the
-    tool loop runs the calculator all the same)."""
+def tool_prompt(tok, question: str, schemas: bool = False) -> str:
+    """The prompt text of `question`, by default without the tools' schemas (the tool loop runs the
+    calculator all the same); with `schemas`, as a training run shows it."""
     from leangrpo.data.rows import render_prompt
+    from leangrpo.data.tasks.calculator import calculator
+    from leangrpo.engines.tools import Toolbox
 
-    return render_prompt(tok, [{"role": "user", "content": question}])
+    tools = {"tools": Toolbox([calculator]).schemas} if schemas else None
+    return render_prompt(tok, [{"role": "user", "content": question}], "", tools)
 
 
-def tool_trajectory(tok, question: str) -> tuple[list[int], list[int], list[int]]:
+def tool_trajectory(tok, question: str, schemas: bool = False) -> tuple[list[int], list[int], list[int]]:
     """(prompt ids, completion ids, model mask) of `question`'s scripted trajectory, laid out as the tool loop
     lays one out: each turn's tokens, then the calculator's result as the chat template shows it."""
     from leangrpo.data.tasks.calculator import calculator
     from leangrpo.engines.tools import Toolbox, run_tool_calls, tool_suffix_ids
 
-    prompt = tok(tool_prompt(tok, question), add_special_tokens=False).input_ids
+    prompt = tok(tool_prompt(tok, question, schemas), add_special_tokens=False).input_ids
     completion, mask = [], []
     for turn in TOOL_TRACES[question]:
         ids = tok(turn, add_special_tokens=False).input_ids
@@ -143,8 +146,9 @@ def tool_trajectory(tok, question: str) -> tuple[list[int], list[int], list[int]
 
 def make_tool_model(out: Path, tokenizer_dir: Path, max_steps: int = 300, margin: int = 10) -> Path:
     """A tiny random Llama (head dimension 32, as vLLM's CPU attention needs) trained until it writes the
-    TOOL_TRACES turns of each question: it calls the calculator (twice for one question, on a division by
-    zero for another), reads the result and answers, so real rollouts of it are multi-turn.
+    TOOL_TRACES turns of each question, whether its prompt shows the tools' schemas or not: it calls the
+    calculator (twice for one question, on a division by zero for another), reads the result and answers,
+    so real rollouts of it are multi-turn.
 
     Cheap by construction: the output head (not tied to the embeddings) is zero but on the traces' tokens,
     so every other token's logit is exactly 0, and the full softmax is the one over the traces' tokens
@@ -166,7 +170,7 @@ def make_tool_model(out: Path, tokenizer_dir: Path, max_steps: int = 300, margin
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )  # fmt: skip
     model = LlamaForCausalLM(cfg)
-    rows = [tool_trajectory(tok, q) for q in TOOL_TRACES]
+    rows = [tool_trajectory(tok, q, schemas) for q in TOOL_TRACES for schemas in (False, True)]
     vocab = sorted({t for _, completion, _ in rows for t in completion})
     index = {t: i for i, t in enumerate(vocab)}
     head = torch.nn.Parameter(torch.randn(len(vocab), cfg.hidden_size) * 0.02)
