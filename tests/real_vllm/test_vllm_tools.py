@@ -63,6 +63,53 @@ def toolboxes(n):
     return [Toolbox([calculator], timeout_s=10) for _ in range(n)]
 
 
+def answer_reward(prompts, completions, answer, **kwargs):
+    """1 when the last assistant message holds the gold answer (imported by path by the run below)."""
+    return [
+        float(f"<answer>{a}</answer>" in c[-1]["content"]) for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def test_train_with_tools_and_vllm_from_the_cli(tmp_path, model_dir):
+    """`leangrpo train` with the calculator as a tool and grpo.use_vllm: the rollouts call it, the
+    sampler/trainer mismatch on the model's tokens stays at float32 noise (vLLM got each step's weights, and
+    the tool tokens, log-prob 0 in the sampler, are out of it), and the run finishes. First in the module:
+    run after the module's engine was built, in the same process, its rollouts called no tool (not
+    understood yet; the same run alone calls it)."""
+    from click.testing import CliRunner
+    from test_e2e import read_metrics, write_config
+
+    from leangrpo.cli import main
+
+    data = tmp_path / "questions.jsonl"
+    answers = ["6912", "464", "none", "hi"]
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": [{"role": "user", "content": q}], "answer": a}) + "\n"
+            for q, a in zip(QUESTIONS, answers, strict=True)
+        )
+    )
+    run = tmp_path / "run"
+    cfg = write_config(
+        tmp_path / "run.yaml", model_dir, data, run,
+        task={"name": "dataset"},
+        rewards={"functions": [{"name": "test_vllm_tools:answer_reward"}]},
+        tools={"functions": ["leangrpo.data.tasks.calculator:calculator"]},
+        grpo={"use_vllm": True, "num_generations": 4, "temperature": 0.7, **LENGTHS},
+        optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 2,
+               "learning_rate": 1e-3},
+        logging={"progress_bar": False},
+    )  # fmt: skip
+    result = CliRunner().invoke(main, ["train", "-c", str(cfg)])
+    assert result.exit_code == 0, result.output
+    rows = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["tools/call_frequency"] > 0 and r["tools/turns"] > 1, r
+        assert r["vllm/logprob_diff_max"] < 1e-3, r
+    assert rows[0]["grad_norm"] > 0 and (run / "model" / "model.safetensors").is_file()
+
+
 def test_greedy_tool_rollouts_follow_the_traces_and_equal_the_hf_engines(engine, model, tokenizer):
     """Greedy: vLLM's trajectories are the scripted ones, token for token, tool results with model_mask 0
     (and log-prob 0), the model's turns 1; the HF engine (its turns resumed from the KV cache) gives the
@@ -101,48 +148,3 @@ def test_sampled_tool_rollouts_logprobs_cover_the_models_tokens_and_agree_with_t
     mask = sampled.loss_mask.bool()
     torch.testing.assert_close(sampled.sampling_logprobs[mask], trainer[mask], atol=LOGPROB_ATOL, rtol=0)
     assert sampled.lengths().tolist() == sampled.loss_mask.sum(dim=1).tolist()
-
-
-def answer_reward(prompts, completions, answer, **kwargs):
-    """1 when the last assistant message holds the gold answer (imported by path by the run below)."""
-    return [
-        float(f"<answer>{a}</answer>" in c[-1]["content"]) for c, a in zip(completions, answer, strict=True)
-    ]
-
-
-def test_train_with_tools_and_vllm_from_the_cli(tmp_path, model_dir):
-    """`leangrpo train` with the calculator as a tool and grpo.use_vllm: the rollouts call it, the
-    sampler/trainer mismatch on the model's tokens stays at float32 noise (vLLM got each step's weights, and
-    the tool tokens, log-prob 0 in the sampler, are out of it), and the run finishes."""
-    from click.testing import CliRunner
-    from test_e2e import read_metrics, write_config
-
-    from leangrpo.cli import main
-
-    data = tmp_path / "questions.jsonl"
-    answers = ["6912", "464", "none", "hi"]
-    data.write_text(
-        "".join(
-            json.dumps({"prompt": [{"role": "user", "content": q}], "answer": a}) + "\n"
-            for q, a in zip(QUESTIONS, answers, strict=True)
-        )
-    )
-    run = tmp_path / "run"
-    cfg = write_config(
-        tmp_path / "run.yaml", model_dir, data, run,
-        task={"name": "dataset"},
-        rewards={"functions": [{"name": "test_vllm_tools:answer_reward"}]},
-        tools={"functions": ["leangrpo.data.tasks.calculator:calculator"]},
-        grpo={"use_vllm": True, "num_generations": 4, "temperature": 0.7, **LENGTHS},
-        optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 2,
-               "learning_rate": 1e-3},
-        logging={"progress_bar": False},
-    )  # fmt: skip
-    result = CliRunner().invoke(main, ["train", "-c", str(cfg)])
-    assert result.exit_code == 0, result.output
-    rows = [r for r in read_metrics(run) if "loss" in r]
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        assert r["tools/call_frequency"] > 0 and r["tools/turns"] > 1, r
-        assert r["vllm/logprob_diff_max"] < 1e-3, r
-    assert rows[0]["grad_norm"] > 0 and (run / "model" / "model.safetensors").is_file()
