@@ -71,10 +71,10 @@ def answer_reward(prompts, completions, answer, **kwargs):
 
 
 def test_train_with_tools_and_vllm_from_the_cli(tmp_path, model_dir):
-    """`leangrpo train` with the calculator as a tool and grpo.use_vllm: the first step's rollouts call it
-    (the update then moves this tiny model off its traces), the sampler/trainer mismatch on the model's
-    tokens stays at float32 noise in both steps (vLLM got each step's weights, and the tool tokens, log-prob
-    0 in the sampler, are out of it), and the run finishes."""
+    """`leangrpo train` with the calculator as a tool and grpo.use_vllm: each step's rollouts call it, the
+    sampler/trainer mismatch on the model's tokens stays at float32 noise (vLLM got each step's weights, and
+    the tool tokens, log-prob 0 in the sampler, are out of it), and the run finishes. (The model follows its
+    traces, so a group's rewards are often all equal and the gradient 0: no learning is checked here.)"""
     from click.testing import CliRunner
     from test_e2e import read_metrics, write_config
 
@@ -103,11 +103,10 @@ def test_train_with_tools_and_vllm_from_the_cli(tmp_path, model_dir):
     assert result.exit_code == 0, result.output
     rows = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
-    assert rows[0]["tools/call_frequency"] > 0 and rows[0]["tools/turns"] > 1, rows[0]
-    assert rows[0]["tools/calculator/calls"] > 0
     for r in rows:
+        assert r["tools/call_frequency"] > 0 and r["tools/turns"] > 1 and r["tools/calculator/calls"] > 0, r
         assert r["vllm/logprob_diff_max"] < 1e-3, r
-    assert rows[0]["grad_norm"] > 0 and (run / "model" / "model.safetensors").is_file()
+    assert (run / "model" / "model.safetensors").is_file()
 
 
 def test_greedy_tool_rollouts_follow_the_traces_and_equal_the_hf_engines(engine, model, tokenizer):
