@@ -95,3 +95,111 @@ def levers(request):
     from leangrpo.cpu.levers import CPULevers
 
     return CPULevers(CPUConfig())
+
+
+CALC_CALL = (
+    '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call><|im_end|>'
+)
+TOOL_TRACES = {  # question -> the model's turns; each turn but the last calls the calculator
+    "What is 1234 + 5678?": [CALC_CALL.format("1234 + 5678"), "<answer>6912</answer><|im_end|>"],
+    "What is 12 * 34 + 56?": [
+        CALC_CALL.format("12 * 34"), CALC_CALL.format("408 + 56"), "<answer>464</answer><|im_end|>"
+    ],
+    "What is 7 / 0?": [CALC_CALL.format("7 / 0"), "<answer>none</answer><|im_end|>"],  # the tool fails
+    "Say hi.": ["hi<|im_end|>"],
+}  # fmt: skip
+
+
+def tool_prompt(tok, question: str, schemas: bool = False) -> str:
+    """The prompt text of `question`, by default without the tools' schemas (the tool loop runs the
+    calculator all the same); with `schemas`, as a training run shows it."""
+    from leangrpo.data.rows import render_prompt
+    from leangrpo.data.tasks.calculator import calculator
+    from leangrpo.engines.tools import Toolbox
+
+    tools = {"tools": Toolbox([calculator]).schemas} if schemas else None
+    return render_prompt(tok, [{"role": "user", "content": question}], "", tools)
+
+
+def tool_trajectory(tok, question: str, schemas: bool = False) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, completion ids, model mask) of `question`'s scripted trajectory, laid out as the tool loop
+    lays one out: each turn's tokens, then the calculator's result as the chat template shows it."""
+    from leangrpo.data.tasks.calculator import calculator
+    from leangrpo.engines.tools import Toolbox, run_tool_calls, tool_suffix_ids
+
+    prompt = tok(tool_prompt(tok, question, schemas), add_special_tokens=False).input_ids
+    completion, mask = [], []
+    for turn in TOOL_TRACES[question]:
+        ids = tok(turn, add_special_tokens=False).input_ids
+        completion, mask = completion + ids, mask + [1] * len(ids)
+        if "<tool_call>" in turn:
+            expression = turn.split('"expression": "')[1].split('"')[0]
+            call = {
+                "type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": expression}},
+            }
+            ((name, content, _),) = run_tool_calls([(Toolbox([calculator]), call)])
+            suffix = tool_suffix_ids(tok, [{"role": "tool", "name": name, "content": content}])
+            completion, mask = completion + suffix, mask + [0] * len(suffix)
+    return prompt, completion, mask
+
+
+def make_tool_model(out: Path, tokenizer_dir: Path, max_steps: int = 300, margin: int = 10) -> Path:
+    """A tiny random Llama (head dimension 32, as vLLM's CPU attention needs) trained until it writes the
+    TOOL_TRACES turns of each question, whether its prompt shows the tools' schemas or not: it calls the
+    calculator (twice for one question, on a division by zero for another), reads the result and answers,
+    so real rollouts of it are multi-turn.
+
+    Cheap by construction: the output head (not tied to the embeddings) is zero but on the traces' tokens,
+    so every other token's logit is exactly 0, and the full softmax is the one over the traces' tokens
+    and a class of logit log(number of other tokens). Training goes `margin` steps past the first at which
+    every scripted token has a probability above 0.99."""
+    import math
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from leangrpo.engines.tools import prepare_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    prepare_tokenizer(tok)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    rows = [tool_trajectory(tok, q, schemas) for q in TOOL_TRACES for schemas in (False, True)]
+    vocab = sorted({t for _, completion, _ in rows for t in completion})
+    index = {t: i for i, t in enumerate(vocab)}
+    head = torch.nn.Parameter(torch.randn(len(vocab), cfg.hidden_size) * 0.02)
+    rest = math.log(cfg.vocab_size - len(vocab))  # the other tokens' logits, each 0, summed
+    model.model.embed_tokens.weight.requires_grad_(False)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad] + [head], lr=3e-3)
+    learnt_at, threads = None, torch.get_num_threads()
+    torch.set_num_threads(1)  # ops this small run fastest on one thread, above all on a busy machine
+    for step in range(max_steps):
+        learnt = True
+        for prompt, completion, _ in rows:
+            hidden = model.model(input_ids=torch.tensor([prompt + completion])).last_hidden_state
+            logits = hidden[0, len(prompt) - 1 : -1] @ head.T  # the completion's positions only
+            logits = torch.cat([logits, torch.full((len(logits), 1), rest)], dim=1)
+            target = torch.tensor([index[t] for t in completion])
+            logp = torch.log_softmax(logits, dim=-1)
+            learnt &= bool((logp.gather(1, target[:, None]) > -0.01).all())  # each scripted token: p > 0.99
+            torch.nn.functional.nll_loss(logp, target).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        learnt_at = step if learnt and learnt_at is None else learnt_at
+        if learnt_at is not None and step - learnt_at >= margin:
+            break
+    else:
+        raise AssertionError(f"the tool traces were not learnt in {max_steps} steps")
+    torch.set_num_threads(threads)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[vocab] = head
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)  # as the model ships, unprepared
+    model.save_pretrained(out)
+    return out

@@ -107,3 +107,66 @@ def test_cold_start_raises_the_likelihood_of_tagged_solutions(tmp_path, tiny_mod
     before = nll()
     trainer.cold_start()
     assert nll() < before - 0.5
+
+
+def test_a_tool_traces_results_are_out_of_the_cold_start_loss(
+    real_tokenizer, monkeypatch, tmp_path, gsm8k_dir
+):
+    """A calculator trace: the model's call and answer are trained on; the tool's result and the next
+    assistant header (what the tool loop appends, TRL's tool_mask 0) are not, in sft_batch and in the
+    Trainer's cold start."""
+    from leangrpo.data.tasks.calculator import tool_trace
+    from leangrpo.engines.tools import prepare_tokenizer
+
+    tok = real_tokenizer
+    prepare_tokenizer(tok)
+    trace = tool_trace("1234 + 5678", "6912")
+    batch = sft_batch(
+        tok, [ROW["prompt"], ROW["prompt"]], [trace, "no tools"], assistant_prefix="", max_prompt_length=64,
+        max_completion_length=200,
+    )  # fmt: skip
+    ids, mask = batch.completion_ids[0], batch.completion_mask[0].bool()
+    model, tool = ids[mask & batch.loss_mask[0].bool()], ids[mask & ~batch.loss_mask[0].bool()]
+    assert (
+        tok.decode(tool)
+        == "\n<|im_start|>user\n<tool_response>\n6912\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert (
+        tok.decode(model).startswith('<tool_call>\n{"name": "calculator"')
+        and "6912" not in tok.decode(model)[:80]
+    )
+    assert tok.decode(model).endswith("<answer>\n6912\n</answer>\n<|im_end|>")
+    assert tok.decode(ids[mask]) == trace + tok.eos_token  # the trace whole, nothing lost
+    assert batch.loss_mask[1].tolist() == batch.completion_mask[1].tolist()  # no tools: every token trained
+
+
+def test_the_trainers_cold_start_trains_on_the_models_turns_only(
+    tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch
+):
+    """The cold start's loss gets the batch's loss_mask: with tools, a trace's tool results are out of it."""
+    import leangrpo.train.sft as sft_mod
+    from leangrpo.data.tasks.calculator import tool_trace
+    from leangrpo.run.resolve import validate_config
+    from leangrpo.train.trainer import Trainer
+
+    cfg = validate_config({
+        "model": {"name_or_path": str(tiny_model_dir), "gradient_checkpointing": False},
+        "data": {"path": str(gsm8k_dir / "train.jsonl"), "limit": 2},
+        "rewards": {"functions": [{"name": "correctness"}]},
+        "tools": {"functions": ["leangrpo.data.tasks.calculator:calculator"]},
+        "grpo": {"num_generations": 2, "max_completion_length": 128, "max_prompt_length": 512},
+        "sft": {"steps": 1, "batch_size": 2},
+        "logging": {"progress_bar": False},
+        "output_dir": str(tmp_path / "run"),
+    })  # fmt: skip
+    trainer = Trainer(cfg)
+    monkeypatch.setattr(trainer.sft_task, "solution", lambda row: tool_trace("1234 + 5678", "6912"))
+    seen, real = [], sft_mod.nll_loss
+    monkeypatch.setattr(sft_mod, "nll_loss", lambda logp, mask: seen.append(mask) or real(logp, mask))
+    trainer.cold_start()
+    tok = trainer.tokenizer
+    _, written = sft_mod.target_ids(
+        tok, tool_trace("1234 + 5678", "6912") + tok.eos_token, "<|im_start|>assistant\n"
+    )
+    (mask,) = seen
+    assert 0 in written and mask.tolist() == [written, written]  # the tool result is out (0), the rest in

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import time
 from types import SimpleNamespace
 
@@ -470,3 +471,93 @@ def test_evaluation_rolls_out_with_the_tools(tool_tokenizer):
     assert result.metrics["tools/call_frequency"] == pytest.approx(2 / 3)
     assert result.metrics["tools/failure_frequency"] == pytest.approx(1 / 2)
     assert result.metrics["accuracy"] == pytest.approx(2 / 3)
+
+
+# ------------------------------------------------------------------- the HF engine's turns, resumed
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory, real_tokenizer_dir):
+    from conftest import make_tool_model
+
+    return make_tool_model(tmp_path_factory.mktemp("tool-model"), real_tokenizer_dir)
+
+
+def test_resumed_turns_give_the_tokens_of_re_encoded_ones(tool_model_dir, levers, monkeypatch):
+    """Greedy rollouts of a model trained to call the calculator (up to 3 turns): turns resumed from the KV
+    cache give the tokens of turns that re-encode their whole sequence, with and without the CPU levers
+    (the lean decode loop), and run fewer positions through the model."""
+    from conftest import TOOL_TRACES, tool_prompt, tool_trajectory
+    from transformers import AutoModelForCausalLM
+
+    import leangrpo.engines.rollout as rollout
+    from leangrpo.data.tasks.calculator import calculator
+    from leangrpo.engines.rollout import Sampling, generate
+    from leangrpo.models.load import load_tokenizer
+
+    tok = load_tokenizer(str(tool_model_dir))
+    prepare_tokenizer(tok)
+    model = AutoModelForCausalLM.from_pretrained(tool_model_dir, dtype=torch.float32)
+    turns = []
+
+    class Spy(rollout.ResumedTurns):
+        def __init__(self, *args):
+            super().__init__(*args)
+            turns.append(self)
+
+    monkeypatch.setattr(rollout, "ResumedTurns", Spy)
+    # the questions twice, in another order: rows of one batch differ in length and turn count
+    questions = [*TOOL_TRACES, *reversed(TOOL_TRACES)]
+    texts = [tool_prompt(tok, q) for q in questions]
+    sampling = Sampling(num_generations=1, do_sample=False, max_prompt_length=512, max_completion_length=160)
+    out = {
+        reuse: generate(
+            model,
+            tok,
+            texts,
+            sampling,
+            levers=levers,
+            toolboxes=[Toolbox([calculator])] * len(texts),
+            reuse_cache=reuse,
+        )  # fmt: skip
+        for reuse in (True, False)
+    }
+    resumed, encoded = out[True], out[False]
+    for name in ("completion_ids", "completion_mask", "model_mask", "truncated"):
+        torch.testing.assert_close(getattr(resumed, name), getattr(encoded, name), msg=name)
+    for row, question in enumerate(questions):  # and they are the traces the model learnt
+        _, completion, mask = tool_trajectory(tok, question)
+        assert resumed.completion_ids[row, : len(completion)].tolist() == completion
+        assert resumed.model_mask[row, : len(mask)].tolist() == mask
+    assert resumed.tool_use.turns == encoded.tool_use.turns == [2, 3, 2, 1, 1, 2, 3, 2]
+    assert turns[0].reuse and not turns[1].reuse
+    assert turns[0].encoded < 0.7 * turns[1].encoded, (turns[0].encoded, turns[1].encoded)
+
+
+def test_a_rollout_func_run_is_evaluated_through_its_rollout_func(tmp_path, tiny_model_dir, gsm8k_dir):
+    """As in TRL, evaluation generates with the run's rollout_func: it gets the held-out prompts (and the
+    trainer), and each record holds what it returned."""
+    from leangrpo.train.trainer import Trainer
+
+    calls = []
+
+    def rollout_func(prompts, trainer):
+        calls.append((prompts, trainer))
+        tok = trainer.tokenizer
+        ids = tok("<answer>72</answer><|im_end|>", add_special_tokens=False).input_ids
+        return {"prompt_ids": [[10, 11]] * len(prompts), "completion_ids": [ids] * len(prompts),
+                "logprobs": [[-1.0] * len(ids)] * len(prompts)}  # fmt: skip
+
+    cfg = _config(
+        tmp_path, tiny_model_dir, gsm8k_dir, eval={"enabled": True, "path": str(gsm8k_dir), "limit": 2}
+    )
+    trainer = Trainer(cfg, agent=AgentSpec(rollout_func=rollout_func))
+    trainer.maybe_evaluate(0)
+    (prompts, given), *_ = calls
+    assert given is trainer and sorted(p[-1]["content"] for p in prompts) == sorted(
+        r["prompt"][-1]["content"] for r in trainer.evaluator.rows
+    )  # shortest prompts first
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "eval" / "step-0.jsonl").read_text().splitlines()
+    ]
+    assert len(records) == 2 and all("<answer>72</answer>" in r["completion"] for r in records)

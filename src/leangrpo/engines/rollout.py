@@ -272,10 +272,12 @@ def generate(
     levers: GenerateLevers | None = None,
     toolboxes: list[Toolbox] | None = None,
     sampler_logprobs: bool = False,
+    reuse_cache: bool = True,
 ) -> RolloutBatch:
     """Sample `sampling.num_generations` completions per prompt. Tokens after the first EOS are masked out.
     `levers`: the device's speed levers (leangrpo.cpu's on CPU), which sample the same distribution.
-    `toolboxes` (one per completion): rollouts go on after each turn that calls tools (`with_tools`).
+    `toolboxes` (one per completion): rollouts go on after each turn that calls tools (`with_tools`), each
+    turn resumed from the KV cache of the turns before (`ResumedTurns`) unless `reuse_cache` is False.
     `sampler_logprobs`: the batch carries each sampled token's log-prob under the distribution it was
     drawn from (what vLLM returns), for the importance-sampling correction."""
     device = next(model.parameters()).device
@@ -285,26 +287,162 @@ def generate(
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     eos = eos_token_ids(tokenizer, model)
     rng = sampling.generator(device)  # one stream for every turn of the rollout
-    drawn: list[Tensor] | None = [] if sampler_logprobs and sampling.do_sample else None
-    completion_ids = sample(model, tokenizer, prompt_ids, prompt_mask, sampling, eos, levers, rng, drawn)
-    logprobs = None if drawn is None else torch.cat(drawn, dim=1)
+    reuse = reuse_cache and toolboxes is not None
+    turns = ResumedTurns(model, tokenizer, sampling, eos, levers, reuse, rng, sampler_logprobs)
+    completion_ids, logprobs = turns.first(prompt_ids, prompt_mask)
     batch = finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, sampling, logprobs)
     if toolboxes is None:
         return batch
-    one = replace(sampling, num_generations=1)
+    return with_tools(batch, tokenizer, toolboxes, sampling, turns, eos, model_length(model))
 
-    def next_turns(
-        sequences: list[list[int]], max_new: int
+
+class ResumedTurns:
+    """The HF engine's turns of tool-calling rollouts. With `reuse`, the KV cache of each turn is kept, and a
+    later turn encodes only what its cache does not hold (the tool results and the next assistant header):
+    each row's cached keys and values are gathered, right-aligned, into a fresh cache, and the new tokens
+    follow with a hole of padding between them, which the attention mask hides and the positions skip, so
+    the model reads the sequence it would read re-encoded. Without `reuse` (or for a model that takes no
+    cache of `PreallocatedLayer`s: sliding windows, recurrent states) every turn re-encodes its whole
+    sequence."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        sampling: Sampling,
+        eos: list[int],
+        levers: GenerateLevers | None,
+        reuse: bool,
+        generator: torch.Generator | None = None,
+        logprobs: bool = False,
+    ):
+        """`generator`: the rollout's one random stream, for every turn; `logprobs`: each turn also gives
+        its sampled tokens' log-probs (when sampling)."""
+        self.model, self.tokenizer, self.sampling, self.eos = model, tokenizer, sampling, eos
+        self.levers, self.reuse, self.generator = levers, reuse, generator
+        self.logprobs = logprobs and sampling.do_sample
+        self.cache: DynamicCache | None = None
+        self.tokens: list[list[int]] = []  # each cache row's real tokens, in order
+        self.slots: list[Tensor] = []  # and the cache positions that hold them
+        self.encoded = 0  # positions run through the model so far (prefill and decode)
+
+    def first(self, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The first turns' completion ids and their log-probs, the rows' cache kept (with `reuse`)."""
+        capacity = prompt_ids.shape[1] + self.sampling.max_completion_length
+        return self._sample(prompt_ids, prompt_mask, self.sampling, self._new_cache(capacity))
+
+    def __call__(
+        self, sequences: list[list[int]], max_new: int
     ) -> tuple[list[list[int]], list[list[float]] | None]:
-        ids, mask = left_padded(sequences, tokenizer.pad_token_id, device)
-        turn = replace(one, max_completion_length=max_new)
-        drawn: list[Tensor] | None = None if logprobs is None else []
-        turns = ended_at_eos(sample(model, tokenizer, ids, mask, turn, eos, levers, rng, drawn), eos)
-        if drawn is None:
-            return turns, None
-        return turns, [lp[: len(t)].tolist() for lp, t in zip(torch.cat(drawn, dim=1), turns, strict=True)]
+        """The next turn of each sequence (a TurnGenerator): at most `max_new` tokens, up to its EOS."""
+        sampling = replace(self.sampling, num_generations=1, max_completion_length=max_new)
+        device = next(self.model.parameters()).device
+        if self.cache is None:
+            ids, mask = left_padded(sequences, self.tokenizer.pad_token_id, device)
+            return self._turns(*self._sample(ids, mask, sampling, None))
+        rows = self._match(sequences)
+        cached = [0 if row is None else len(self.tokens[row]) for row in rows]
+        width, new = max(cached), max(len(s) - k for s, k in zip(sequences, cached, strict=True))
+        ids = torch.full((len(sequences), width + new), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, (seq, k) in enumerate(zip(sequences, cached, strict=True)):
+            ids[r, width - k : width], ids[r, width + new - (len(seq) - k) :] = (
+                torch.tensor(seq[:k], dtype=torch.long), torch.tensor(seq[k:], dtype=torch.long)
+            )  # fmt: skip
+            mask[r, width - k : width] = mask[r, width + new - (len(seq) - k) :] = 1
+        cache = self._new_cache(width + new + max_new)
+        if cache is not None and width > 0:
+            self._carry(cache, rows, cached, width)
+        return self._turns(*self._sample(ids.to(device), mask.to(device), sampling, cache))
 
-    return with_tools(batch, tokenizer, toolboxes, sampling, next_turns, eos, model_length(model))
+    def _turns(
+        self, out: Tensor, logprobs: Tensor | None
+    ) -> tuple[list[list[int]], list[list[float]] | None]:
+        """Each row's turn up to its EOS, and its tokens' log-probs (None without `logprobs`)."""
+        turns = ended_at_eos(out, self.eos)
+        if logprobs is None:
+            return turns, None
+        return turns, [lp[: len(t)].tolist() for lp, t in zip(logprobs, turns, strict=True)]
+
+    def _new_cache(self, capacity: int) -> DynamicCache | None:
+        if not self.reuse:
+            return None
+        cache = kv_cache(self.model, capacity)
+        if cache is None or not all(type(layer) is PreallocatedLayer for layer in cache.layers):
+            self.reuse = False  # a cache that cannot be gathered row by row: re-encode every turn
+            return None
+        return cache
+
+    def _sample(
+        self, ids: Tensor, mask: Tensor, sampling: Sampling, cache: DynamicCache | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Completion ids after `ids` (their first tokens possibly in `cache`) and their log-probs (with
+        `logprobs`); the rows' cache kept."""
+        start = 0 if cache is None else cache.get_seq_length()
+        drawn: list[Tensor] | None = [] if self.logprobs else None
+        out = sample(
+            self.model,
+            self.tokenizer,
+            ids,
+            mask,
+            sampling,
+            self.eos,
+            self.levers,
+            self.generator,
+            drawn,
+            cache,
+        )
+        # each step but the last fed its token: the cache holds that many positions (the lean decode loop
+        # writes them into the buffers without moving the layers' own length)
+        held = ids.shape[1] + max(out.shape[1] - 1, 0)
+        self.encoded += len(ids) * (held - start)
+        if cache is not None:
+            self._keep(cache, held, torch.cat([ids, out], dim=1), torch.cat([mask, self._real(out)], dim=1))
+        if drawn is None:
+            return out, None
+        return out, torch.cat(drawn, dim=1) if drawn else torch.zeros(len(out), 0, device=out.device)
+
+    def _real(self, completion_ids: Tensor) -> Tensor:
+        """1 on each completion's tokens up to its first EOS (those after it are padding)."""
+        return mask_after_eos(completion_ids, self.eos)[0].to(completion_ids.dtype)
+
+    def _keep(self, cache: DynamicCache, held: int, ids: Tensor, mask: Tensor) -> None:
+        """Remember `cache`, whose first `held` positions are filled, and for each of its rows the real
+        tokens it holds and where."""
+        real = mask[:, :held].bool().cpu()
+        self.cache, self.slots = cache, [row.nonzero().squeeze(1) for row in real]
+        self.tokens = [row[keep].tolist() for row, keep in zip(ids[:, :held].cpu(), real, strict=True)]
+
+    def _match(self, sequences: list[list[int]]) -> list[int | None]:
+        """For each sequence, a cache row whose tokens begin it (None: none does). The tool loop asks for
+        rows in order, a subset of the last turn's, so the search only moves forward."""
+        rows: list[int | None] = []
+        at = 0
+        for seq in sequences:
+            found = next(
+                (j for j in range(at, len(self.tokens)) if seq[: len(self.tokens[j])] == self.tokens[j]), None
+            )
+            rows.append(found)
+            at = at if found is None else found + 1
+        return rows
+
+    def _carry(self, cache: DynamicCache, rows: list[int | None], cached: list[int], width: int) -> None:
+        """Fill `cache`'s first `width` positions with each row's cached keys and values, right-aligned
+        (positions left of them hold copies that the attention mask hides)."""
+        if self.cache is None:
+            raise ValueError("no turn to resume")
+        src_row = torch.zeros(len(rows), width, dtype=torch.long)
+        src_slot = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, (row, k) in enumerate(zip(rows, cached, strict=True)):
+            if row is not None and k:
+                src_row[r], src_slot[r, width - k :] = row, self.slots[row]
+        for old, new in zip(self.cache.layers, cache.layers, strict=True):  # PreallocatedLayers (_new_cache)
+            old, new = cast(PreallocatedLayer, old), cast(PreallocatedLayer, new)
+            index = src_row.to(old.key_buffer.device), src_slot.to(old.key_buffer.device)
+            keys, values = (
+                b.transpose(1, 2)[index].transpose(1, 2) for b in (old.key_buffer, old.value_buffer)
+            )
+            new.update(keys, values)  # [rows, heads, width, dim]
 
 
 @torch.no_grad()
@@ -318,10 +456,12 @@ def sample(
     levers: GenerateLevers | None = None,
     generator: torch.Generator | None = None,
     drawn: list[Tensor] | None = None,
+    cache: DynamicCache | None = None,
 ) -> Tensor:
     """The completion ids generate() samples after left-padded prompts (each group's rows adjacent), padded
     after their EOS; drawn from `generator` (None: torch's global RNG). `drawn`: each position's sampled
-    log-probs ([rows, 1]) are appended to it (sampling only)."""
+    log-probs ([rows, 1]) are appended to it (sampling only). `cache`: a KV cache of room enough, possibly
+    holding the prompts' first tokens (a resumed turn); by default a fresh one."""
     processors = logits_processors(sampling, generator, drawn)
     gen_cfg = GenerationConfig(
         max_new_tokens=sampling.max_completion_length,
@@ -333,7 +473,8 @@ def sample(
     )
     was_training = model.training
     model.eval()  # uses the KV cache (disabled under gradient checkpointing in train mode), no dropout
-    cache = kv_cache(model, prompt_ids.shape[1] + sampling.max_completion_length)
+    if cache is None:
+        cache = kv_cache(model, prompt_ids.shape[1] + sampling.max_completion_length)
     own_loop = cache is not None and prompt_ids.shape[1] > 1 and not sampling.generation_kwargs
     with only_generation_config(model, gen_cfg):
         completion_ids = None
@@ -660,12 +801,17 @@ def prefill_once_per_group(
     """Fill `cache` with all but the last prompt token, running each group's prompt once instead of
     `group` times, then repeat its entries for the group's rows; generate() then starts from the last
     prompt token. The rows of a group hold the same prompt (encode_prompts repeats them), so this is the
-    same cache for 1/`group` of the prefill's work (benchmarks/RESULTS.md, "CPU speed-ups, on and off")."""
-    if prompt_ids.shape[1] < 2:
+    same cache for 1/`group` of the prefill's work (benchmarks/RESULTS.md, "CPU speed-ups, on and off").
+    A cache that holds the first tokens already (a resumed turn, `group` 1) gets the rest only."""
+    start = cache.get_seq_length()
+    if prompt_ids.shape[1] - 1 <= start:
         return
     ids, mask = prompt_ids[::group, :-1], prompt_mask[::group, :-1]
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
-    model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{CACHE_KWARG: cache})
+    model(
+        input_ids=ids[:, start:], attention_mask=mask, position_ids=positions[:, start:], use_cache=True,
+        **{CACHE_KWARG: cache},
+    )  # fmt: skip
     if group > 1:
         cache.batch_repeat_interleave(group)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -31,11 +31,12 @@ from leangrpo.run.rundir import atomic_path, claim, write_text_atomic
 Completions = list[list[tuple[str, int, bool, list[int]]]]
 
 if TYPE_CHECKING:
+    from torch import Tensor
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from leangrpo.config.schema import Config, DataConfig
     from leangrpo.data.tasks import Task
-    from leangrpo.engines.rollout import RolloutEngine, Sampling
+    from leangrpo.engines.rollout import RolloutBatch, RolloutEngine, Sampling
     from leangrpo.engines.tools import AgentSpec, Toolbox, ToolUse
 
 RewardFuncs = list[tuple[str, Callable[..., list[Any]], float]]
@@ -341,6 +342,40 @@ def load_eval_rows(
     resolved = resolve_data_path(path, split)
     eval_data = data.model_copy(update={"path": resolved, "split": split, "limit": limit})
     return load_rows(eval_data, task).rows
+
+
+class RolloutFuncEngine:
+    """A RolloutEngine that generates through TRL's `rollout_func(prompts, trainer)`, as TRL evaluates a run
+    that generates with one: each prompt text is mapped back to its row's prompt, and the function samples
+    as it does in training (greedy evaluation and pass@k samples alike). Its extra keys do not reach the
+    evaluation's rewards."""
+
+    def __init__(
+        self, rollout_func: Callable[..., dict[str, Any]], trainer: Any, tokenizer: PreTrainedTokenizerBase,
+        eos: list[int], prompts: list[Any], assistant_prefix: str,
+    ):  # fmt: skip
+        from leangrpo.data.rows import render_prompt
+
+        self.rollout_func, self.trainer, self.tokenizer, self.eos = rollout_func, trainer, tokenizer, eos
+        self.prompts = {render_prompt(tokenizer, p, assistant_prefix): p for p in prompts}
+
+    def generate(
+        self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
+    ) -> RolloutBatch:
+        from leangrpo.engines.rollout import rollout_func_batch
+
+        prompts = [self.prompts[text] for text in prompt_texts for _ in range(sampling.num_generations)]
+        output = self.rollout_func(prompts, self.trainer)
+        batch = rollout_func_batch(
+            output, self.tokenizer, self.eos, self.trainer.acc.device, keep_logprobs=False
+        )
+        batch.tool_use = None  # single rollouts as far as evaluation goes
+        return batch
+
+    def sync_weights(
+        self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
+    ) -> None:
+        pass
 
 
 class TrainingEvaluator:

@@ -73,7 +73,7 @@ from leangrpo.run.signals import StopSignals
 from leangrpo.run.tracking import MetricsLogger, eval_line, open_trackers, peak_memory_mb
 from leangrpo.train import distributed, sft
 from leangrpo.train.engine import agent_from_config, async_engine, cpu_levers, rollout_engine
-from leangrpo.train.evaluation import TrainingEvaluator
+from leangrpo.train.evaluation import RolloutFuncEngine, TrainingEvaluator
 from leangrpo.train.extras import RuntimeExtras
 from leangrpo.train.logprobs import Policy, batch_logprobs, micro_batch_logprobs, shared_prompt_group
 from leangrpo.train.loss import loss_spec
@@ -945,8 +945,8 @@ class Trainer:
                 max_completion_length=cfg.grpo.max_completion_length,
                 chat_template_kwargs=kwargs,
             ).to(self.acc.device)
-            logp, mask = micro_batch_logprobs(self.policy, batch, slice(None), temperature=1.0)
-            loss = sft.nll_loss(logp, mask)
+            logp, _ = micro_batch_logprobs(self.policy, batch, slice(None), temperature=1.0)
+            loss = sft.nll_loss(logp, batch.loss_mask[:, : logp.shape[1]])  # a trace's tool results: out
             self.acc.backward(loss)
             self.dist.clip_grad_norm(self.policy, cfg.optim.max_grad_norm or math.inf)
             optimizer.step()
@@ -960,11 +960,19 @@ class Trainer:
         out of metrics.jsonl, whose evaluations are one per step."""
         if self.evaluator is None or not self.evaluator.due(step):
             return
-        engine = self.engine  # the run's, given the weights of the step just trained (vLLM)
+        engine: RolloutEngine = self.engine  # the run's, given the weights of the step just trained (vLLM)
         if self._rollouts is not None and self._rollouts.engine is engine:  # after its batch in flight
             self._rollouts.sync(self.unwrapped.lm, step * self.cfg.grpo.num_iterations)
         else:
             self.sync_engine()
+        if self.agent is not None and self.agent.rollout_func is not None:  # as TRL: the run's generation
+            eos, prompts = (
+                eos_token_ids(self.tokenizer, self.unwrapped.lm),
+                [r["prompt"] for r in self.evaluator.rows],
+            )
+            engine = RolloutFuncEngine(
+                self.agent.rollout_func, self, self.tokenizer, eos, prompts, self.cfg.data.assistant_prefix
+            )
         with self.generating():
             if self.is_main:
                 metrics = self.evaluator(self.unwrapped.lm, self.tokenizer, step, engine, name=name)
