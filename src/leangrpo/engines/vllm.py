@@ -89,7 +89,7 @@ def sampled_batch(
 def build_llm(
     path: str,
     *,
-    max_model_len: int,
+    max_model_len: int | None,
     dtype: str = "float32",
     seed: int = 0,
     gpu_memory_utilization: float = 0.3,
@@ -158,16 +158,16 @@ def sample_tokens(
     ]
 
 
-def reload_weights(llm: Any, weights: Iterator[tuple[str, Tensor]]) -> None:
-    """Load checkpoint-format (name, tensor) pairs into `llm` in place, and drop its prefix cache (cached
-    prompt states were computed with the old weights).
+def reload_weights(llm: Any, method: str | Callable[..., None] = "reload_weights", **kwargs: Any) -> None:
+    """Reload `llm`'s weights in place, checkpoint-format, through the workers' `method` (vLLM's own, with
+    `weights_iterator=`, or a function of the worker), and drop its prefix cache (cached prompt states were
+    computed with the old weights).
 
     vLLM's in-place reload redoes its own per-layer processing (the CPU backend, for one, repacks each
     Linear for oneDNN), so every weight of a layer must be sent: a layer sent in part would be rebuilt with
     the rest uninitialised."""
     with _failure("loading the updated weights"):
-        kwargs = {"weights_iterator": weights, "is_checkpoint_format": True}
-        llm.collective_rpc("reload_weights", kwargs=kwargs)
+        llm.collective_rpc(method, kwargs={**kwargs, "is_checkpoint_format": True})
         llm.apply_model(_repack_tied_head)
     llm.reset_prefix_cache()
 
@@ -247,7 +247,7 @@ class VLLMEngine:
             self.llm.wake_up(tags=["weights"])
             self.weights_asleep = False
         with torch.no_grad():
-            reload_weights(self.llm, applied_weights(model))
+            reload_weights(self.llm, weights_iterator=applied_weights(model))
 
 
 @contextmanager
@@ -275,10 +275,11 @@ def _repack_tied_head(vllm_model: torch.nn.Module) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-def applied_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+def applied_weights(model: torch.nn.Module, adapted_only: bool = False) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) of every weight the model applies, under the base checkpoint's names; a peft
-    model's LoRA Linears with their adapter merged in. A merged weight exists only while vLLM copies it,
-    so the extra memory is one layer's weight, never a second model."""
+    model's LoRA Linears with their adapter merged in (`adapted_only`: those alone, the weights LoRA
+    changes). A merged weight exists only while vLLM copies it, so the extra memory is one layer's
+    weight, never a second model."""
     if not is_peft(model):
         for name, param in model.named_parameters():
             yield name, param.detach()
@@ -296,5 +297,5 @@ def applied_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
             if module.base_layer.bias is not None:
                 yield f"{name}.bias", module.base_layer.bias.detach()
             continue
-        for pname, param in module.named_parameters(recurse=False):
+        for pname, param in [] if adapted_only else module.named_parameters(recurse=False):
             yield f"{name}.{pname}" if name else pname, param.detach()
