@@ -106,9 +106,10 @@ def test_mismatch_and_no_server_are_refused_in_one_line(server, model_dir, token
 
 
 def test_train_through_the_server_then_it_dies(server, tmp_path, model_dir, gsm8k_dir, monkeypatch):  # noqa: F811
-    """`leangrpo train` with vllm_mode server: every step's sampler/trainer log-prob gap stays at float32
-    noise (the server got each update); the server is then killed during step 3, and the run saves
-    step 2 and stops in one line. Last in this file: it ends the module's server."""
+    """`leangrpo train` with vllm_mode server trains 2 steps, and a resume to 4 trains step 3; every step's
+    sampler/trainer log-prob gap stays at float32 noise (the server got each update, the resumed weights
+    too). The server is then killed during step 4: the run saves step 3 and stops in one line. Last in
+    this file: it ends the module's server."""
     from click.testing import CliRunner
     from test_e2e import read_metrics, write_config
 
@@ -120,27 +121,31 @@ def test_train_through_the_server_then_it_dies(server, tmp_path, model_dir, gsm8
         tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run,
         grpo={"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": url, "num_generations": 4,
               "max_completion_length": 8, "max_prompt_length": 96},
-        optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 3,
+        optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 2,
                "learning_rate": 1e-2},
         logging={"progress_bar": False},
     )  # fmt: skip
+    trained = CliRunner().invoke(main, ["train", "-c", str(cfg)])
+    assert trained.exit_code == 0, trained.output
+    assert (run / "model" / "model.safetensors").is_file()
     real_generate, calls = VLLMServerEngine.generate, []
 
-    def generate(self, *args, **kwargs):
+    def generate(self, *args, **kwargs):  # calls: steps 3, 4
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 2:
             proc.kill()
             proc.wait()
         return real_generate(self, *args, **kwargs)
 
     monkeypatch.setattr(VLLMServerEngine, "generate", generate)
-    failed = CliRunner().invoke(main, ["train", "-c", str(cfg)])
+    args = ["train", "--resume", str(run), "--trust-run-code", "optim.max_steps=4"]
+    failed = CliRunner().invoke(main, args)
     assert failed.exit_code == 2, failed.output
     line = failed.output.strip().splitlines()[-1]
-    assert line.startswith(f"error: stopped at step 3: the vLLM server at {url} stopped answering (")
-    assert f"{run / 'checkpoint-2'}, is intact" in line
+    assert line.startswith(f"error: stopped at step 4: the vLLM server at {url} stopped answering (")
+    assert f"{run / 'checkpoint-3'}, is intact" in line
     rows = [r for r in read_metrics(run) if "loss" in r]
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["time/sync"] > 0 and r["vllm/logprob_diff_max"] < 1e-3, r
     assert rows[0]["grad_norm"] > 0
