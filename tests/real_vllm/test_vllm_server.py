@@ -98,11 +98,15 @@ def test_greedy_output_after_an_update_equals_the_trainers(server, model_dir, to
 def test_mismatch_and_no_server_are_refused_in_one_line(server, model_dir, tokenizer):  # noqa: F811
     model = load(model_dir)
     model.config.num_hidden_layers = 3
-    with pytest.raises(VLLMError, match=r"does not serve this run's model \(model .* ≠ other; .*num_hid") as e:
+    refused = r"does not serve this run's model \(model .* ≠ other; .*num_hidden_layers 2 ≠ 3"
+    with pytest.raises(VLLMError, match=refused) as e:
         client(server[0], model, "org/other", tokenizer)
     assert "\n" not in str(e.value) and "leangrpo vllm-serve --model org/other" in str(e.value)
-    with pytest.raises(VLLMError, match=r"^no vLLM server answered at http://127.0.0.1:\d+/health within 2 s"):
+    with pytest.raises(
+        VLLMError, match=r"^no vLLM server answered at http://127.0.0.1:\d+/health within 2 s"
+    ) as e:
         client(f"http://127.0.0.1:{free_port()}", load(model_dir), str(model_dir), tokenizer, timeout=2)
+    assert "\n" not in str(e.value)
 
 
 def test_train_through_the_server_then_it_dies(server, tmp_path, model_dir, gsm8k_dir, monkeypatch):  # noqa: F811

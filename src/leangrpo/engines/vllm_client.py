@@ -72,7 +72,8 @@ class VLLMServerEngine:
         check_model(info, model.config, name_or_path, max_model_len, url)
         self.sync_dir = Path(tempfile.mkdtemp(prefix="leangrpo-vllm-sync-"))
         weakref.finalize(self, shutil.rmtree, self.sync_dir, True)
-        self.sync_lock, self.group_port, self.communicator = threading.Lock(), group_port, None
+        self.sync_lock, self.group_port = threading.Lock(), group_port
+        self.communicator: Any = None  # the NCCL group (CUDA), opened at the first sync
 
     @classmethod
     def from_config(

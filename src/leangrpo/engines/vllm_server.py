@@ -16,7 +16,7 @@ The routes speak vLLM's own (OpenAI-compatible) names and payloads where vLLM ha
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,18 +179,17 @@ def file_weights(path: str, base: str | None) -> Iterator[tuple[str, Tensor]]:
 def build_app(served: Served) -> FastAPI:
     """The HTTP API on `served`; a VLLMError is answered 500 with its one line as `detail`."""
     app = FastAPI(title="leangrpo vllm-serve")
-    for route, handler in [
-        ("/health", served.health), ("/v1/models", served.models), ("/model_info", served.model_info),
-        ("/get_world_size", served.get_world_size),
-    ]:  # fmt: skip
-        app.get(route)(handler)
-    for route, handler in [
-        ("/v1/completions", served.complete), ("/load_weights", served.load_weights),
-        ("/reset_prefix_cache", served.reset_prefix_cache), ("/init_communicator", served.init_communicator),
-        ("/update_named_params", served.update_named_params),
-        ("/close_communicator", served.close_communicator),
-    ]:  # fmt: skip
-        app.post(route)(handler)
+    routes: list[tuple[str, str, Callable[..., dict[str, Any]]]] = [
+        ("GET", "/health", served.health), ("GET", "/v1/models", served.models),
+        ("GET", "/model_info", served.model_info), ("GET", "/get_world_size", served.get_world_size),
+        ("POST", "/v1/completions", served.complete), ("POST", "/load_weights", served.load_weights),
+        ("POST", "/reset_prefix_cache", served.reset_prefix_cache),
+        ("POST", "/init_communicator", served.init_communicator),
+        ("POST", "/update_named_params", served.update_named_params),
+        ("POST", "/close_communicator", served.close_communicator),
+    ]  # fmt: skip
+    for method, route, handler in routes:
+        app.add_api_route(route, handler, methods=[method])
 
     @app.exception_handler(VLLMError)
     async def one_line(request: Request, e: VLLMError) -> JSONResponse:

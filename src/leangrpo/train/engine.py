@@ -1,5 +1,6 @@
 """Building what generates: the device's speed levers (leangrpo.cpu's, for a model on CPU only), the
-rollout engine the config picks (HF generate, a colocated vLLM or a vLLM server) and the tools its rollouts call."""
+rollout engine the config picks (HF generate, a colocated vLLM or a vLLM server) and the tools its
+rollouts call."""
 
 from __future__ import annotations
 
