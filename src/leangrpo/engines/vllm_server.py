@@ -112,7 +112,7 @@ class Served:
 
     def load_weights(self, body: WeightsFile) -> dict[str, str]:
         """Reload every weight from the trainer's file (and, when partial, the served checkpoint)."""
-        base = resolve_model_path(self.model) if body.partial else None
+        base = checkpoint_files(self.model) if body.partial else []
         with self.lock:
             reload_weights(self.llm, _reload_from_file, path=body.path, base=base)
         return {"status": "ok"}
@@ -153,27 +153,40 @@ class Served:
         return {"status": "ok"}
 
 
-def _reload_from_file(worker: Any, path: str, base: str | None, is_checkpoint_format: bool) -> None:
+def _reload_from_file(worker: Any, path: str, base: list[str], is_checkpoint_format: bool) -> None:
     """Run by each vLLM worker (so tensor-parallel ranks read the file themselves): reload in place."""
     weights = file_weights(path, base)
     worker.reload_weights(weights_iterator=weights, is_checkpoint_format=is_checkpoint_format)
 
 
-def file_weights(path: str, base: str | None) -> Iterator[tuple[str, Tensor]]:
-    """The tensors of safetensors file `path`, one at a time; with `base` (a model directory), every other
-    tensor of that checkpoint too, so that each layer is reloaded whole."""
+def file_weights(path: str, base: list[str]) -> Iterator[tuple[str, Tensor]]:
+    """The tensors of safetensors file `path`, one at a time, then every other tensor of the `base`
+    checkpoint files, so that each layer is reloaded whole."""
     from safetensors import safe_open
 
     with safe_open(path, "pt") as f:
         sent = set(f.keys())
         for name in sent:
             yield name, f.get_tensor(name)
-    for file in sorted(Path(base).glob("*.safetensors")) if base else []:
-        with safe_open(str(file), "pt") as f:
+    for file in base:
+        with safe_open(file, "pt") as f:
             names = f.keys()
             for name in names:
                 if name not in sent:
                     yield name, f.get_tensor(name)
+
+
+def checkpoint_files(model: str) -> list[str]:
+    """The served checkpoint's safetensors files (a hub id: its copy in the hub cache, which vLLM filled)."""
+    path = Path(resolve_model_path(model))
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(str(path), allow_patterns=["*.safetensors"]))
+    files = sorted(str(f) for f in path.glob("*.safetensors"))
+    if not files:
+        raise VLLMError(f"{model} has no safetensors files to complete a LoRA update from")
+    return files
 
 
 def build_app(served: Served) -> FastAPI:
