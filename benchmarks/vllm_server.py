@@ -32,8 +32,7 @@ from rollout_vllm import build  # noqa: E402
 
 from leangrpo.config.schema import LoraConfig
 from leangrpo.engines.rollout import eos_token_ids
-from leangrpo.engines.vllm import applied_weights
-from leangrpo.engines.vllm_client import VLLMServerEngine
+from leangrpo.engines.vllm_client import VLLMServerEngine, weights_to_send
 from leangrpo.models.load import apply_lora, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,8 +71,7 @@ def sync_cost(repeats: int) -> list[str]:
                 file = engine.sync_dir / "bench.safetensors"
                 t0 = time.perf_counter()
                 with torch.no_grad():
-                    tensors = {n: t.contiguous() for n, t in applied_weights(model, adapted_only=partial)}
-                save_file(tensors, str(file))
+                    save_file(weights_to_send(model, partial), str(file))
                 t1 = time.perf_counter()
                 engine._call("POST", "/load_weights", json={"path": str(file), "partial": partial})
                 load.append(time.perf_counter() - t1)

@@ -142,7 +142,7 @@ class VLLMServerEngine:
             )
         partial = is_peft(model)
         path = self.sync_dir / "weights.safetensors"
-        save_file({n: t.contiguous() for n, t in applied_weights(model, adapted_only=partial)}, str(path))
+        save_file(weights_to_send(model, partial), str(path))
         try:
             self._call("POST", "/load_weights", json={"path": str(path), "partial": partial})
         finally:
@@ -192,6 +192,17 @@ class VLLMServerEngine:
             raise VLLMError(
                 f"the vLLM server at {self.url} stopped answering ({type(e).__name__}: {e})"
             ) from e
+
+
+def weights_to_send(model: torch.nn.Module, adapted_only: bool) -> dict[str, torch.Tensor]:
+    """`applied_weights`, each tensor once (a tied LM head is the embedding: vLLM ties it again)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in applied_weights(model, adapted_only):
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            out[name] = tensor.contiguous()
+    return out
 
 
 def wait_for_health(http: httpx.Client, url: str, timeout: float, name_or_path: str) -> None:
