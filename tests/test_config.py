@@ -438,7 +438,9 @@ def test_the_config_reference_in_docs_is_current():
     [
         ("grpo.vllm_gpu_memory_utilization=0", "grpo.vllm_gpu_memory_utilization: must be in (0, 1]"),
         ("grpo.vllm_gpu_memory_utilization=1.5", "grpo.vllm_gpu_memory_utilization: must be in (0, 1]"),
-        ("grpo.vllm_mode=server", "grpo.vllm_mode: server is not supported yet"),
+        ("grpo.vllm_mode=remote", "grpo.vllm_mode: Input should be 'colocate' or 'server'"),
+        ("grpo.vllm_server_port=0", "grpo.vllm_server_port: Input should be greater than or equal to 1"),
+        ("grpo.vllm_server_timeout=0", "grpo.vllm_server_timeout: Input should be greater than 0"),
         ("grpo.vllm_importance_sampling_mode=token", "grpo.vllm_importance_sampling_mode"),
         ("grpo.vllm_max_model_length=100", "vllm_max_model_length=100 is below max_prompt_length"),
     ],

@@ -412,6 +412,26 @@ def accelerate_config(kind: str) -> None:
     click.echo((_ACCELERATE_CONFIGS / f"{kind}.yaml").read_text(), nl=False)
 
 
+@main.command(name="vllm-serve")
+@click.option("--model", required=True, help="Model directory or hub id: the trainer's model.name_or_path.")
+@click.option("--tensor-parallel-size", default=1, show_default=True, type=_POSITIVE)
+@click.option("--data-parallel-size", default=1, show_default=True, type=_POSITIVE, help="Only 1 for now.")
+@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--dtype", default="auto", show_default=True, help="vLLM's dtype (auto: the model's).")
+@click.option("--max-model-len", type=_POSITIVE, help="Context window (default: the model's).")
+@click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0))
+@click.option("--trust-remote-code", is_flag=True, help="Let the model repository's own code run.")
+@_user_errors
+def vllm_serve(model: str, **options: Any) -> None:
+    """Serve MODEL with vLLM for `grpo.vllm_mode: server` runs: generation, weight updates, health
+    (docs/vllm.md)."""
+    from leangrpo.engines.vllm_server import serve
+
+    serve(model, **options)
+
+
 @main.command(name="report")
 @click.argument("run_dir", type=click.Path())
 @_user_errors

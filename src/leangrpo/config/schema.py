@@ -328,7 +328,19 @@ class GRPOSection(Section):
         False, description="generate rollouts with vLLM instead of HF generate (docs/vllm.md)"
     )
     vllm_mode: Literal["colocate", "server"] = Field(
-        "colocate", description="colocate: one vLLM engine inside each training process (server: not yet)"
+        "colocate",
+        description="colocate: one vLLM engine inside each training process; server: `leangrpo vllm-serve`",
+    )
+    vllm_server_base_url: str | None = Field(
+        None, description="server mode: the server's URL (http://host:port); overrides host and port"
+    )
+    vllm_server_host: str = Field("0.0.0.0", description="server mode: the server's host")
+    vllm_server_port: int = Field(8000, ge=1, le=65535, description="server mode: the server's port")
+    vllm_server_timeout: float = Field(
+        240.0, gt=0, description="server mode: seconds to wait for the server's /health before failing"
+    )
+    vllm_group_port: int = Field(
+        51216, ge=1, le=65535, description="server mode on CUDA: port of the NCCL group weights go through"
     )
     vllm_gpu_memory_utilization: float = Field(
         0.3, description="share of the GPU's memory vLLM may take (weights + KV cache), in (0, 1]"
@@ -361,13 +373,6 @@ class GRPOSection(Section):
     def _memory_share(cls, v: float) -> float:
         if not 0 < v <= 1:
             raise ValueError("must be in (0, 1]: a share of the GPU's memory")
-        return v
-
-    @field_validator("vllm_mode")
-    @classmethod
-    def _colocate_only(cls, v: str) -> str:
-        if v == "server":
-            raise ValueError("server is not supported yet; use colocate (vLLM inside the training process)")
         return v
 
     @model_validator(mode="after")

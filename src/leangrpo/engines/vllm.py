@@ -50,6 +50,134 @@ def import_vllm() -> Any:
     return vllm
 
 
+Sampler = Callable[
+    [list[list[int]], Sampling, torch.Generator | None], tuple[list[list[int]], list[list[float]]]
+]
+"""One completion of each token list, and the sampler's log-prob of each of its tokens; the requests'
+seeds are drawn from the generator (None: torch's global RNG)."""
+
+
+def sampled_batch(
+    tokenizer: PreTrainedTokenizerBase,
+    eos: list[int],
+    prompt_texts: list[str],
+    sampling: Sampling,
+    toolboxes: list[Toolbox] | None,
+    sample: Sampler,
+    max_model_len: int,
+) -> RolloutBatch:
+    """`sampling.num_generations` completions per prompt drawn by `sample` (a vLLM engine, in this process
+    or behind a server), as `rollout.generate` lays them out, with the sampler's log-probs. `toolboxes`
+    (one per completion): rollouts go on after each turn that calls tools (`with_tools`)."""
+    prompt_ids, prompt_mask = encode_prompts(
+        tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
+    )
+    rows = zip(prompt_ids, prompt_mask.bool(), strict=True)
+    rng = sampling.generator(torch.device("cpu"))  # one stream for every turn of the rollouts
+    ids, logprobs = sample([ids[mask].tolist() for ids, mask in rows], sampling, rng)
+    width = max(map(len, ids))
+    completion_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
+    sampling_logprobs = torch.zeros(len(ids), width)
+    for row, (tokens, logps) in enumerate(zip(ids, logprobs, strict=True)):
+        completion_ids[row, : len(tokens)] = torch.tensor(tokens)
+        sampling_logprobs[row, : len(tokens)] = torch.tensor(logps)
+    batch = finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, sampling, sampling_logprobs)
+    if toolboxes is None:
+        return batch
+
+    def next_turns(sequences: list[list[int]], max_new: int) -> tuple[list[list[int]], list[list[float]]]:
+        return sample(sequences, replace(sampling, max_completion_length=max_new), rng)
+
+    return with_tools(batch, tokenizer, toolboxes, sampling, next_turns, eos, max_model_len)
+
+
+def build_llm(
+    path: str,
+    *,
+    max_model_len: int | None,
+    dtype: str = "float32",
+    seed: int = 0,
+    gpu_memory_utilization: float = 0.3,
+    sleep_mode: bool = False,
+    trust_remote_code: bool = False,
+    tensor_parallel_size: int = 1,
+) -> Any:
+    """A `vllm.LLM` on `path` set up to sample as the trainer does (colocated, or in `leangrpo vllm-serve`);
+    a model vLLM cannot load is one VLLMError line."""
+    vllm = import_vllm()
+    try:
+        llm = vllm.LLM(
+            model=path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=sleep_mode,
+            trust_remote_code=trust_remote_code,
+            tensor_parallel_size=tensor_parallel_size,
+            # the log-probs of the distribution actually sampled (after temperature), as the trainer's
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # our sampling settings only, not the model's defaults
+            enforce_eager=not torch.cuda.is_available(),  # CUDA graphs pay off on GPUs only
+            distributed_executor_backend=_executor(),
+        )
+    except Exception as e:  # vLLM raises many types for a model it cannot run
+        raise VLLMError(f"vLLM could not load {path}: {_last_line(e)}") from e
+    # Each reload warns about the layers it is not sent (rotary tables, a tied lm_head): expected here.
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    return llm
+
+
+def sampling_fields(sampling: Sampling, eos: list[int]) -> dict[str, Any]:
+    """vLLM `SamplingParams` fields (all but the seed) that draw as `rollout.generate` does: plain JSON
+    values, so that the server client sends the same ones."""
+    sample, length = sampling.do_sample, sampling.max_completion_length
+    return dict(
+        temperature=sampling.temperature if sample else 0.0,
+        top_p=sampling.top_p if sample else 1.0,
+        top_k=sampling.top_k if sample else 0,
+        min_p=(sampling.min_p or 0.0) if sample else 0.0,
+        repetition_penalty=sampling.repetition_penalty,
+        max_tokens=length,
+        min_tokens=length if sampling.ignore_eos else 0,
+        ignore_eos=sampling.ignore_eos,
+        stop_token_ids=eos,
+        logprobs=0,  # the sampled token's own log-prob
+        **(sampling.generation_kwargs or {}),  # further SamplingParams fields, as TRL passes them to vLLM
+    )
+
+
+def sample_tokens(
+    llm: Any, prompts: list[list[int]], fields: dict[str, Any], seeds: list[int | None]
+) -> tuple[list[list[int]], list[list[float]]]:
+    """One completion of each token list (its own request and seed) and vLLM's log-prob of each token."""
+    from vllm import SamplingParams
+
+    requests = [{"prompt_token_ids": ids} for ids in prompts]
+    params = [SamplingParams(seed=seed, detokenize=False, **fields) for seed in seeds]
+    with _failure("generating"):
+        outputs = llm.generate(requests, params, use_tqdm=False)
+    completions = [out.outputs[0] for out in outputs]
+    return [list(c.token_ids) for c in completions], [
+        [step[token].logprob for step, token in zip(c.logprobs, c.token_ids, strict=True)]
+        for c in completions
+    ]
+
+
+def reload_weights(llm: Any, method: str | Callable[..., None] = "reload_weights", **kwargs: Any) -> None:
+    """Reload `llm`'s weights in place, checkpoint-format, through the workers' `method` (vLLM's own, with
+    `weights_iterator=`, or a function of the worker), and drop its prefix cache (cached prompt states were
+    computed with the old weights).
+
+    vLLM's in-place reload redoes its own per-layer processing (the CPU backend, for one, repacks each
+    Linear for oneDNN), so every weight of a layer must be sent: a layer sent in part would be rebuilt with
+    the rest uninitialised."""
+    with _failure("loading the updated weights"):
+        llm.collective_rpc(method, kwargs={**kwargs, "is_checkpoint_format": True})
+        llm.apply_model(_repack_tied_head)
+    llm.reset_prefix_cache()
+
+
 class VLLMEngine:
     """A RolloutEngine on one colocated `vllm.LLM`."""
 
@@ -67,28 +195,13 @@ class VLLMEngine:
         trust_remote_code: bool = False,
     ):
         """`path`: a model directory (or hub id) for vLLM to load; `sync_weights` replaces its weights."""
-        vllm = import_vllm()
         self.tokenizer, self.eos, self.sleep_mode = tokenizer, eos, sleep_mode
-        try:
-            self.llm = vllm.LLM(
-                model=path,
-                dtype=dtype,
-                seed=seed,
-                max_model_len=max_model_len,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_sleep_mode=sleep_mode,
-                trust_remote_code=trust_remote_code,
-                # the log-probs of the distribution actually sampled (after temperature), as the trainer's
-                logprobs_mode="processed_logprobs",
-                generation_config="vllm",  # our sampling settings only, not the model's defaults
-                enforce_eager=not torch.cuda.is_available(),  # CUDA graphs pay off on GPUs only
-                distributed_executor_backend=_executor(),
-            )
-        except Exception as e:  # vLLM raises many types for a model it cannot run
-            raise VLLMError(f"vLLM could not load {path}: {_last_line(e)}") from e
+        self.llm = build_llm(
+            path, max_model_len=max_model_len, dtype=dtype, seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
+            trust_remote_code=trust_remote_code,
+        )  # fmt: skip
         self.weights_asleep = False
-        # Each reload warns about the layers it is not sent (rotary tables, a tied lm_head): expected here.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: PreTrainedTokenizerBase, eos: list[int]) -> VLLMEngine:
@@ -111,94 +224,36 @@ class VLLMEngine:
         from the rollout's own, `sampling.seed`), so that a resumed run draws the same samples. `toolboxes`
         (one per completion): rollouts go on after each turn that calls tools (`with_tools`), each later
         turn a request of its own; the log-probs cover the model's tokens, 0 on the tools'."""
-        prompt_ids, prompt_mask = encode_prompts(
-            self.tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
-        )
         if self.sleep_mode:
             self.llm.wake_up(tags=["kv_cache"])
-        batch = self._generate(prompt_ids, prompt_mask, sampling, toolboxes)
+        max_model_len = self.llm.llm_engine.model_config.max_model_len
+        batch = sampled_batch(
+            self.tokenizer, self.eos, prompt_texts, sampling, toolboxes, self._sample, max_model_len
+        )
         if self.sleep_mode:  # level 2 also drops the weights: the update then has the GPU to itself
             self.llm.sleep(level=2)
             self.weights_asleep = True
         return batch
-
-    def _generate(
-        self, prompt_ids: Tensor, prompt_mask: Tensor, sampling: Sampling, toolboxes: list[Toolbox] | None
-    ) -> RolloutBatch:
-        rows = zip(prompt_ids, prompt_mask.bool(), strict=True)
-        rng = sampling.generator(torch.device("cpu"))  # one stream for every turn of the rollouts
-        ids, logprobs = self._sample([ids[mask].tolist() for ids, mask in rows], sampling, rng)
-        width = max(map(len, ids))
-        completion_ids = torch.full((len(ids), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        sampling_logprobs = torch.zeros(len(ids), width)
-        for row, (tokens, logps) in enumerate(zip(ids, logprobs, strict=True)):
-            completion_ids[row, : len(tokens)] = torch.tensor(tokens)
-            sampling_logprobs[row, : len(tokens)] = torch.tensor(logps)
-        batch = finish_batch(
-            self.tokenizer, prompt_ids, prompt_mask, completion_ids, self.eos, sampling, sampling_logprobs
-        )
-        if toolboxes is None:
-            return batch
-
-        def next_turns(sequences: list[list[int]], max_new: int) -> tuple[list[list[int]], list[list[float]]]:
-            return self._sample(sequences, replace(sampling, max_completion_length=max_new), rng)
-
-        max_model_len = self.llm.llm_engine.model_config.max_model_len
-        return with_tools(batch, self.tokenizer, toolboxes, sampling, next_turns, self.eos, max_model_len)
 
     def _sample(
         self, prompts: list[list[int]], sampling: Sampling, rng: torch.Generator | None
     ) -> tuple[list[list[int]], list[list[float]]]:
         """One completion of each token list (its own request, seeded from `rng`: None is torch's global
         RNG) and vLLM's log-prob of each token."""
-        from vllm import SamplingParams
-
         seeds = torch.randint(2**31 - 1, (len(prompts),), generator=rng).tolist()
-        sample, length = sampling.do_sample, sampling.max_completion_length
-        common = dict(
-            temperature=sampling.temperature if sample else 0.0,
-            top_p=sampling.top_p if sample else 1.0,
-            top_k=sampling.top_k if sample else 0,
-            min_p=(sampling.min_p or 0.0) if sample else 0.0,
-            repetition_penalty=sampling.repetition_penalty,
-            max_tokens=length,
-            min_tokens=length if sampling.ignore_eos else 0,
-            ignore_eos=sampling.ignore_eos,
-            stop_token_ids=self.eos,
-            logprobs=0,  # the sampled token's own log-prob
-            detokenize=False,
-            **(sampling.generation_kwargs or {}),  # further SamplingParams fields, as TRL passes them to vLLM
-        )
-        requests = [{"prompt_token_ids": ids} for ids in prompts]
-        params = [SamplingParams(seed=seed, **common) for seed in seeds]
-        with _failure("generating"):
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
-        completions = [out.outputs[0] for out in outputs]
-        return [list(c.token_ids) for c in completions], [
-            [step[token].logprob for step, token in zip(c.logprobs, c.token_ids, strict=True)]
-            for c in completions
-        ]
+        return sample_tokens(self.llm, prompts, sampling_fields(sampling, self.eos), seeds)
 
     def sync_weights(
         self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
     ) -> None:
-        """Load `model`'s current weights into vLLM's copy, one tensor at a time, and drop its prefix cache
-        (cached prompt states were computed with the old weights). `weights`: those weights as the caller
-        streams them (FSDP2 gathers them one shard group at a time); default `applied_weights(model)`.
-
-        vLLM's in-place reload takes checkpoint-format tensors and redoes its own per-layer processing
-        (the CPU backend, for one, repacks each Linear for oneDNN), so every weight is sent, LoRA ones
-        merged: a layer sent in part would be rebuilt with the rest uninitialised."""
+        """Load `model`'s current weights into vLLM's copy, one tensor at a time (`reload_weights`).
+        `weights`: those weights as the caller streams them (FSDP2 gathers them one shard group at a
+        time); default `applied_weights(model)`, every weight, LoRA ones merged."""
         if self.weights_asleep:
             self.llm.wake_up(tags=["weights"])
             self.weights_asleep = False
-        with torch.no_grad(), _failure("loading the updated weights"):
-            weights = applied_weights(model) if weights is None else weights
-            self.llm.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
-            )
-            self.llm.apply_model(_repack_tied_head)
-        self.llm.reset_prefix_cache()
+        with torch.no_grad():
+            reload_weights(self.llm, weights_iterator=applied_weights(model) if weights is None else weights)
 
 
 def _executor() -> str | None:
@@ -251,12 +306,15 @@ def _repack_tied_head(vllm_model: torch.nn.Module) -> None:
 
 
 def applied_weights(
-    model: torch.nn.Module, owns: Callable[[torch.nn.Module], bool] | None = None
+    model: torch.nn.Module,
+    owns: Callable[[torch.nn.Module], bool] | None = None,
+    adapted_only: bool = False,
 ) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) of every weight the model applies, under the base checkpoint's names; a peft
-    model's LoRA Linears with their adapter merged in; a tied weight once. `owns`: only the weights of
-    the modules it accepts (FSDP2's sync sends one gathered shard group at a time). A merged weight
-    exists only while vLLM copies it, so the extra memory is one layer's weight, never a second model."""
+    model's LoRA Linears with their adapter merged in (`adapted_only`: those alone, the weights LoRA
+    changes); a tied weight once. `owns`: only the weights of the modules it accepts (FSDP2's sync sends
+    one gathered shard group at a time). A merged weight exists only while vLLM copies it, so the extra
+    memory is one layer's weight, never a second model."""
     base = model.get_base_model() if is_peft(model) else model
     merged: list[str] = []  # LoRA layers, whose own parameters (base_layer, lora_A/B) are not sent
     seen: set[int] = set()
@@ -269,7 +327,7 @@ def applied_weights(
             if mine:
                 yield from _merged_linear(name, module)
             continue
-        for pname, param in module.named_parameters(recurse=False):
+        for pname, param in [] if adapted_only else module.named_parameters(recurse=False):
             if mine and id(param) not in seen:
                 seen.add(id(param))
                 yield f"{name}.{pname}" if name else pname, param.detach()

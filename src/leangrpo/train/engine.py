@@ -1,5 +1,6 @@
 """Building what generates: the device's speed levers (leangrpo.cpu's, for a model on CPU only), the
-rollout engine the config picks (HF generate, or a colocated vLLM) and the tools its rollouts call."""
+rollout engine the config picks (HF generate, a colocated vLLM or a vLLM server) and the tools its
+rollouts call."""
 
 from __future__ import annotations
 
@@ -30,12 +31,18 @@ def cpu_levers(device: torch.device, cfg: CPUConfig) -> CPULevers | None:
 def rollout_engine(
     cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: CPULevers | None
 ) -> RolloutEngine:
-    """The engine `cfg.grpo.use_vllm` picks (vLLM's holds the checkpoint's weights until its first sync)."""
+    """The engine `cfg.grpo.use_vllm` and `vllm_mode` pick (vLLM's holds the checkpoint's weights until its
+    first sync; a server is waited for and checked against `model`)."""
     if not cfg.grpo.use_vllm:
         return HFEngine(model, tokenizer, levers)
+    eos = eos_token_ids(tokenizer, model)
+    if cfg.grpo.vllm_mode == "server":
+        from leangrpo.engines.vllm_client import VLLMServerEngine
+
+        return VLLMServerEngine.from_config(cfg, model, tokenizer, eos)
     from leangrpo.engines.vllm import VLLMEngine
 
-    return VLLMEngine.from_config(cfg, tokenizer, eos_token_ids(tokenizer, model))
+    return VLLMEngine.from_config(cfg, tokenizer, eos)
 
 
 def async_engine(

@@ -103,9 +103,24 @@ def _vllm(cfg: Config, world: World) -> None:
     off a GPU. Several processes each hold an engine of their own (DDP and FSDP2 alike)."""
     if not cfg.grpo.use_vllm:
         return
+    if cfg.grpo.vllm_mode == "server":
+        _vllm_server(world)
+        return
     import_vllm()
     if cfg.grpo.vllm_enable_sleep_mode and world.device != "cuda":
         raise VLLMError("grpo.vllm_enable_sleep_mode needs CUDA (vLLM sleeps only on GPUs); set it to false")
+
+
+def _vllm_server(world: World) -> None:
+    """Server mode: the trainer needs vLLM only on CUDA (its NCCL group), and the whole weights on the
+    process that sends them (DDP, not FSDP)."""
+    if world.device == "cuda":
+        import_vllm()
+    if world.sharded:
+        raise VLLMError(
+            "grpo.vllm_mode=server runs under DDP, not FSDP, for now (the first process sends the whole "
+            "weights); launch with the ddp accelerate config"
+        )
 
 
 def _async(cfg: Config, world: World) -> None:

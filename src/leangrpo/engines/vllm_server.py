@@ -1,0 +1,242 @@
+"""`leangrpo vllm-serve`: one vLLM engine behind a small HTTP API, for `grpo.vllm_mode: server` (the
+client is engines/vllm_client.py).
+
+The routes speak vLLM's own (OpenAI-compatible) names and payloads where vLLM has them, so that TRL's
+`VLLMClient` can generate from this server and leangrpo's client from `trl vllm-serve` / `vllm serve`:
+
+- `GET /health`, `GET /v1/models`, `GET /get_world_size`, `POST /reset_prefix_cache`;
+- `POST /v1/completions`: token ids in (`prompt`), token ids and each sampled token's log-prob out
+  (`choices[i].token_ids`, `choices[i].logprobs.token_logprobs`), vLLM's SamplingParams fields in the body;
+  `seed` may also be a list, one per prompt (leangrpo's one extension: each completion its own seed);
+- `GET /model_info`: what the trainer checks before training (architecture, vocabulary, shapes);
+- weight updates: `POST /load_weights` (a safetensors file on a shared filesystem, CPU or GPU), or NCCL
+  (`/init_communicator`, `/update_named_params`, `/close_communicator`; CUDA only, not tested here).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+from leangrpo.engines.vllm import VLLMError, build_llm, reload_weights, sample_tokens
+from leangrpo.engines.vllm_client import SHAPE_FIELDS
+from leangrpo.models.load import resolve_model_path
+
+
+class Completion(BaseModel):
+    """vLLM's /v1/completions body, as far as leangrpo and TRL use it: further fields are SamplingParams'."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: list[list[int]]
+    seed: int | list[int] | None = None
+    n: int = 1
+    max_tokens: int = 16
+    logprobs: int | None = None
+    model: str | None = None  # OpenAI's fields that are not sampling settings: accepted, not needed
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+
+
+class WeightsFile(BaseModel):
+    """A safetensors file the trainer wrote; `partial`: it holds the changed tensors only (LoRA's adapted
+    layers, merged), the rest comes from the served model's own checkpoint."""
+
+    path: str
+    partial: bool = False
+
+
+class Communicator(BaseModel):
+    """Where the trainer (rank 0) opens the NCCL group the weights are broadcast on."""
+
+    host: str
+    port: int
+    world_size: int
+
+
+class NamedParams(BaseModel):
+    """(name, dtype, shape) of each tensor the trainer is about to broadcast, in order."""
+
+    params: list[tuple[str, str, list[int]]]
+
+
+class Served:
+    """The engine and what each route does with it; one request at a time uses it (`lock`)."""
+
+    def __init__(self, model: str, llm: Any, tensor_parallel_size: int):
+        self.model, self.llm, self.world_size = model, llm, tensor_parallel_size
+        self.lock = threading.Lock()
+        self.communicator: Any = None
+
+    def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    def models(self) -> dict[str, Any]:
+        max_len = self.llm.llm_engine.model_config.max_model_len
+        return {"object": "list", "data": [{"id": self.model, "object": "model", "max_model_len": max_len}]}
+
+    def model_info(self) -> dict[str, Any]:
+        config = self.llm.llm_engine.model_config
+        shape = {key: getattr(config.hf_config, key, None) for key in SHAPE_FIELDS}
+        return {"model": self.model, "max_model_len": config.max_model_len, **shape}
+
+    def get_world_size(self) -> dict[str, int]:
+        return {"world_size": self.world_size}
+
+    def complete(self, body: Completion) -> dict[str, Any]:
+        """Each prompt's `n` completions, prompt-major as vLLM's server returns them; a seed list gives
+        each prompt its own seed (with n > 1, its completions take seed, seed + 1...)."""
+        seeds = body.seed if isinstance(body.seed, list) else [body.seed] * len(body.prompt)
+        if len(seeds) != len(body.prompt):
+            raise VLLMError(f"{len(seeds)} seeds for {len(body.prompt)} prompts")
+        prompts = [p for p in body.prompt for _ in range(body.n)]
+        seeds = [None if s is None else s + k for s in seeds for k in range(body.n)]
+        fields = {**(body.model_extra or {}), "max_tokens": body.max_tokens, "logprobs": 0}
+        with self.lock:
+            ids, logprobs = sample_tokens(self.llm, prompts, fields, seeds)
+        return {"object": "text_completion", "model": self.model, "choices": [
+            {"index": i, "text": "", "prompt_token_ids": prompt, "token_ids": tokens,
+             "logprobs": None if body.logprobs is None else {
+                 "tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logps,
+                 "top_logprobs": [None] * len(tokens)}}
+            for i, (prompt, tokens, logps) in enumerate(zip(prompts, ids, logprobs, strict=True))
+        ]}  # fmt: skip
+
+    def load_weights(self, body: WeightsFile) -> dict[str, str]:
+        """Reload every weight from the trainer's file (and, when partial, the served checkpoint)."""
+        base = checkpoint_files(self.model) if body.partial else []
+        with self.lock:
+            reload_weights(self.llm, _reload_from_file, path=body.path, base=base)
+        return {"status": "ok"}
+
+    def reset_prefix_cache(self) -> dict[str, str]:
+        with self.lock:
+            self.llm.reset_prefix_cache()
+        return {"status": "ok"}
+
+    def init_communicator(self, body: Communicator) -> dict[str, str]:
+        """Join the trainer's NCCL group as rank 1 (CUDA only; not tested here)."""
+        if self.world_size != 1 or not torch.cuda.is_available():
+            raise VLLMError("NCCL weight updates need CUDA and --tensor-parallel-size 1; use /load_weights")
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        group = StatelessProcessGroup.create(body.host, body.port, rank=1, world_size=body.world_size)
+        self.communicator = PyNcclCommunicator(group, device=torch.device("cuda:0"))
+        return {"status": "ok"}
+
+    def update_named_params(self, body: NamedParams) -> dict[str, str]:
+        """Receive the announced tensors from the trainer's broadcast, one at a time, into the reload."""
+        if self.communicator is None:
+            raise VLLMError("no NCCL group: POST /init_communicator first")
+
+        def received() -> Iterator[tuple[str, Tensor]]:
+            for name, dtype, shape in body.params:
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
+                self.communicator.broadcast(tensor, src=0)
+                yield name, tensor
+
+        with self.lock:
+            reload_weights(self.llm, weights_iterator=received())
+        return {"status": "ok"}
+
+    def close_communicator(self) -> dict[str, str]:
+        self.communicator = None
+        return {"status": "ok"}
+
+
+def _reload_from_file(worker: Any, path: str, base: list[str], is_checkpoint_format: bool) -> None:
+    """Run by each vLLM worker (so tensor-parallel ranks read the file themselves): reload in place."""
+    weights = file_weights(path, base)
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=is_checkpoint_format)
+
+
+def file_weights(path: str, base: list[str]) -> Iterator[tuple[str, Tensor]]:
+    """The tensors of safetensors file `path`, one at a time, then every other tensor of the `base`
+    checkpoint files, so that each layer is reloaded whole."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        sent = set(f.keys())
+        for name in sent:
+            yield name, f.get_tensor(name)
+    for file in base:
+        with safe_open(file, "pt") as f:
+            names = f.keys()
+            for name in names:
+                if name not in sent:
+                    yield name, f.get_tensor(name)
+
+
+def checkpoint_files(model: str) -> list[str]:
+    """The served checkpoint's safetensors files (a hub id: its copy in the hub cache, which vLLM filled)."""
+    path = Path(resolve_model_path(model))
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(str(path), allow_patterns=["*.safetensors"]))
+    files = sorted(str(f) for f in path.glob("*.safetensors"))
+    if not files:
+        raise VLLMError(f"{model} has no safetensors files to complete a LoRA update from")
+    return files
+
+
+def build_app(served: Served) -> FastAPI:
+    """The HTTP API on `served`; a VLLMError is answered 500 with its one line as `detail`."""
+    app = FastAPI(title="leangrpo vllm-serve")
+    routes: list[tuple[str, str, Callable[..., dict[str, Any]]]] = [
+        ("GET", "/health", served.health), ("GET", "/v1/models", served.models),
+        ("GET", "/model_info", served.model_info), ("GET", "/get_world_size", served.get_world_size),
+        ("POST", "/v1/completions", served.complete), ("POST", "/load_weights", served.load_weights),
+        ("POST", "/reset_prefix_cache", served.reset_prefix_cache),
+        ("POST", "/init_communicator", served.init_communicator),
+        ("POST", "/update_named_params", served.update_named_params),
+        ("POST", "/close_communicator", served.close_communicator),
+    ]  # fmt: skip
+    for method, route, handler in routes:
+        app.add_api_route(route, handler, methods=[method])
+
+    @app.exception_handler(VLLMError)
+    async def one_line(request: Request, e: VLLMError) -> JSONResponse:
+        return JSONResponse(status_code=500, content={"detail": str(e)})
+
+    return app
+
+
+def serve(
+    model: str,
+    *,
+    host: str = "0.0.0.0",
+    port: int = 8000,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+) -> None:
+    """Load `model` into vLLM and answer HTTP requests on host:port until stopped."""
+    if data_parallel_size != 1:
+        raise VLLMError(
+            "--data-parallel-size > 1 is not supported: start one server per GPU group instead "
+            "(vLLM's offline engine serves one data-parallel rank; TRL refuses it for dense models too)"
+        )
+    import uvicorn
+
+    llm = build_llm(
+        resolve_model_path(model), max_model_len=max_model_len, dtype=dtype, seed=seed,
+        gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
+        tensor_parallel_size=tensor_parallel_size,
+    )  # fmt: skip
+    print(f"leangrpo vllm-serve: {model} on http://{host}:{port}", flush=True)
+    app = build_app(Served(model, llm, tensor_parallel_size))
+    uvicorn.run(app, host=host, port=port, log_level="warning")

