@@ -211,6 +211,39 @@ def test_train_fail_and_resume_with_vllm_from_the_cli(tmp_path, model_dir, gsm8k
     assert {p.name for p in (run / "eval").glob("*.json")} == {"step-0.json", "step-3.json"}
 
 
+def train_async(tmp_path, model_dir, gsm8k_dir, **grpo):
+    """`leangrpo train` of 3 steps with async rollouts one step stale at most, through vLLM (`grpo`: its
+    mode); returns the steps' metrics after checking the schedule: step 1's batch is generated with the
+    starting weights (staleness 0, the gap to the trainer at float32 noise); steps 2 and 3 train on batches
+    generated during the update before, with the weights one step old, so the gap is the update's (at this
+    learning rate far above float32 noise: a batch generated after the sync would not show it)."""
+    from click.testing import CliRunner
+    from test_e2e import read_metrics, write_config
+
+    from leangrpo.cli import main
+
+    run = tmp_path / "run"
+    cfg = write_config(
+        tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run,
+        grpo={"use_vllm": True, "async_rollouts": True, "max_staleness": 1, "num_generations": 4,
+              "max_completion_length": 8, "max_prompt_length": 96, **grpo},
+        optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 3,
+               "learning_rate": 1e-2},
+        logging={"progress_bar": False},
+    )  # fmt: skip
+    trained = CliRunner().invoke(main, ["train", "-c", str(cfg)])
+    assert trained.exit_code == 0, trained.output
+    rows = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 1]
+    assert rows[0]["vllm/logprob_diff_max"] < 1e-3, rows[0]
+    assert all(r["vllm/logprob_diff_max"] > 1e-2 for r in rows[1:]), rows
+    return rows
+
+
+def test_async_rollouts_with_the_colocated_engine(tmp_path, model_dir, gsm8k_dir):
+    train_async(tmp_path, model_dir, gsm8k_dir)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's sleep mode needs CUDA")
 def test_sleep_mode_frees_the_engine_between_rollouts_and_the_sync_wakes_it(model_dir, tokenizer):

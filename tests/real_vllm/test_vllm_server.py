@@ -15,7 +15,15 @@ import sys
 
 import pytest
 import torch
-from test_vllm_engine import LENGTHS, PROMPTS, load, model_dir, tokenizer, trainer_logprobs  # noqa: F401
+from test_vllm_engine import (  # noqa: F401
+    LENGTHS,
+    PROMPTS,
+    load,
+    model_dir,
+    tokenizer,
+    train_async,
+    trainer_logprobs,
+)
 
 from leangrpo.config.schema import LoraConfig
 from leangrpo.engines.rollout import Sampling, eos_token_ids, generate
@@ -107,6 +115,11 @@ def test_mismatch_and_no_server_are_refused_in_one_line(server, model_dir, token
     ) as e:
         client(f"http://127.0.0.1:{free_port()}", load(model_dir), str(model_dir), tokenizer, timeout=2)
     assert "\n" not in str(e.value)
+
+
+def test_async_rollouts_through_the_server(server, tmp_path, model_dir, gsm8k_dir):  # noqa: F811
+    """The next batch generates on the server while the trainer updates (`train_async`'s checks)."""
+    train_async(tmp_path, model_dir, gsm8k_dir, vllm_mode="server", vllm_server_base_url=server[0])
 
 
 def test_train_through_the_server_then_it_dies(server, tmp_path, model_dir, gsm8k_dir, monkeypatch):  # noqa: F811
