@@ -14,6 +14,7 @@ import sys
 import pytest
 from conftest import make_tiny_model
 from test_e2e import PYTHONPATH, TESTS, read_metrics, write_config
+from test_vllm_server import server  # noqa: F401
 
 pytestmark = pytest.mark.slow
 LAUNCH_CONFIGS = TESTS.parent / "configs" / "accelerate"
@@ -25,20 +26,16 @@ def model_dir(tmp_path_factory, real_tokenizer_dir):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-vllm"), real_tokenizer_dir, num_attention_heads=2)
 
 
-@pytest.mark.parametrize(
-    ("launch", "described", "port"),
-    [("ddp", "data parallel (DDP)", 29561), ("fsdp2", "sharded (FSDP2)", 29562)],
-)
-def test_each_process_samples_from_the_weights_it_trains(
-    tmp_path, model_dir, gsm8k_dir, launch, described, port
-):
-    """Every step logs the largest trainer/sampler log-prob gap over both processes' engines: it stays at
-    float32 noise only if each engine got the weights of the step before (at this learning rate an update
-    moves the log-probs far more), under FSDP2 gathered one shard group at a time."""
+def launch_run(tmp_path, model_dir, gsm8k_dir, launch, port, **grpo):
+    """`accelerate launch` of 2 processes training 3 steps with vLLM (`grpo`: more of its settings); the
+    steps' metrics, after checking that both processes ran and every step's trainer/sampler log-prob gap,
+    the largest over both processes, stayed at float32 noise: only so if each process's engine got the
+    weights of the step before (at this learning rate an update moves the log-probs far more)."""
     run = tmp_path / "run"
     cfg = write_config(
         tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run,
-        grpo={"use_vllm": True, "num_generations": 4, "max_completion_length": 8, "max_prompt_length": 96},
+        grpo={"use_vllm": True, "num_generations": 4, "max_completion_length": 8, "max_prompt_length": 96,
+              **grpo},
         optim={"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "max_steps": 3,
                "learning_rate": 1e-2},
         logging={"progress_bar": False, "save_steps": 0},
@@ -52,6 +49,7 @@ def test_each_process_samples_from_the_weights_it_trains(
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]  # vLLM's groups left before the job's
+    described = {"ddp": "data parallel (DDP)", "fsdp2": "sharded (FSDP2)"}[launch]
     assert f"2 processes, {described}" in proc.stdout + proc.stderr
     rows = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -60,3 +58,18 @@ def test_each_process_samples_from_the_weights_it_trains(
         assert r["vllm/logprob_diff_max"] < 1e-3, r  # both processes' engines, the largest gap
         assert r["vllm/is_ratio_mean"] == pytest.approx(1.0, abs=1e-3) and r["vllm/is_clipped_frac"] == 0
     assert rows[0]["grad_norm"] > 0 and (run / "model" / "model.safetensors").is_file()
+    return rows
+
+
+@pytest.mark.parametrize(("launch", "port"), [("ddp", 29561), ("fsdp2", 29562)])
+def test_each_process_samples_from_the_weights_it_trains(tmp_path, model_dir, gsm8k_dir, launch, port):
+    """Each process's colocated engine, under FSDP2 synced one shard group at a time."""
+    launch_run(tmp_path, model_dir, gsm8k_dir, launch, port)
+
+
+def test_ddp_processes_generate_through_one_server(tmp_path, model_dir, gsm8k_dir, server):  # noqa: F811
+    """Two DDP processes, one `leangrpo vllm-serve`: the first process pushes the weights, the other waits
+    for it, and both sample their own prompts from the updated server."""
+    launch_run(
+        tmp_path, model_dir, gsm8k_dir, "ddp", 29563, vllm_mode="server", vllm_server_base_url=server[0]
+    )
