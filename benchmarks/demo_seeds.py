@@ -2,6 +2,7 @@
 
     python benchmarks/demo_seeds.py --runs runs/seeds --seeds 1,2,3 --train   # 6 demo runs, then the table
     python benchmarks/demo_seeds.py --runs runs/seeds --seeds 1,2,3           # the table of finished runs
+    python benchmarks/demo_seeds.py --runs runs/tools --seeds 1,2,3 --task tools --train   # the tool demo
 
 Each run directory (RUNS/none-sN, RUNS/random-reward-sN) holds the demo's evaluations: before anything
 (eval/step-0), after the cold start (eval/cold-start) and after GRPO (eval/step-M). Per seed and pooled
@@ -40,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", required=True, type=Path)
     ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--task", default="chain_sum", help="the demo's --task")
     ap.add_argument("--train", action="store_true", help="run the demos first (one after another)")
     a = ap.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -50,6 +52,8 @@ def main() -> None:
                 cmd = [
                     "leangrpo",
                     "demo",
+                    "--task",
+                    a.task,
                     "--seed",
                     str(seed),
                     "--control",

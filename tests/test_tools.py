@@ -151,6 +151,37 @@ def test_a_malformed_call_is_a_failure_and_ends_the_rollout(tool_tokenizer):
     assert out.use.metrics()["tools/failure_frequency"] == 1.0 and out.use.calls[0]["malformed"] == 1
 
 
+def test_results_that_fill_the_budget_end_the_rollout_without_a_zero_token_turn(tool_tokenizer):
+    """Tool results that take the completion exactly to max_completion_length are kept (TRL drops only
+    those that pass it), and the rollout ends there: the engine is never asked for a 0-token turn (vLLM
+    refuses max_tokens=0), while a rollout with budget left still gets its turn."""
+    from leangrpo.engines.tools import tool_suffix_ids
+
+    tok = tool_tokenizer
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "q"}], tools=[add], add_generation_prompt=True, tokenize=True,
+        return_dict=False,
+    )  # fmt: skip
+    calling = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+    short, long = (tok(calling.replace("3", b), add_special_tokens=False).input_ids for b in ("3", "30"))
+    suffix = tool_suffix_ids(tok, [{"role": "tool", "name": "add", "content": "32"}])
+    budget = len(long) + len(suffix)  # the long call's result fills it
+    answer = tok("5<|im_end|>", add_special_tokens=False).input_ids
+    asked = []
+
+    def turns(sequences, max_new):
+        asked.append(max_new)
+        assert max_new > 0, "asked for a 0-token turn"
+        return [answer[:max_new] for _ in sequences], None
+
+    out = tool_loop(tok, [prompt] * 2, [long, short], None, [Toolbox([add])] * 2, turns, budget, None)
+    assert len(asked) == 1 and out.use.turns == [1, 2]
+    assert out.completion_ids[0] == long + suffix and len(out.completion_ids[0]) == budget
+    assert out.model_mask[0] == [1] * len(long) + [0] * len(suffix)
+    out = tool_loop(tok, [prompt], [long], None, [Toolbox([add])], turns, budget, None)
+    assert len(asked) == 1 and out.use.messages[0][-1]["role"] == "tool"  # kept, and no turn asked for
+
+
 def test_a_tool_without_a_schema_is_one_line():
     def undocumented(x):
         return x
@@ -536,7 +567,7 @@ def test_resumed_turns_give_the_tokens_of_re_encoded_ones(tool_model_dir, levers
 
 def test_a_rollout_func_run_is_evaluated_through_its_rollout_func(tmp_path, tiny_model_dir, gsm8k_dir):
     """As in TRL, evaluation generates with the run's rollout_func: it gets the held-out prompts (and the
-    trainer), and each record holds what it returned."""
+    trainer), each record holds what it returned, and its extra keys reach the rewards."""
     from leangrpo.train.trainer import Trainer
 
     calls = []
@@ -546,7 +577,7 @@ def test_a_rollout_func_run_is_evaluated_through_its_rollout_func(tmp_path, tiny
         tok = trainer.tokenizer
         ids = tok("<answer>72</answer><|im_end|>", add_special_tokens=False).input_ids
         return {"prompt_ids": [[10, 11]] * len(prompts), "completion_ids": [ids] * len(prompts),
-                "logprobs": [[-1.0] * len(ids)] * len(prompts)}  # fmt: skip
+                "logprobs": [[-1.0] * len(ids)] * len(prompts), "judge_note": "seen"}  # fmt: skip
 
     cfg = _config(
         tmp_path, tiny_model_dir, gsm8k_dir, eval={"enabled": True, "path": str(gsm8k_dir), "limit": 2}
@@ -561,3 +592,4 @@ def test_a_rollout_func_run_is_evaluated_through_its_rollout_func(tmp_path, tiny
         json.loads(line) for line in (tmp_path / "run" / "eval" / "step-0.jsonl").read_text().splitlines()
     ]
     assert len(records) == 2 and all("<answer>72</answer>" in r["completion"] for r in records)
+    assert SEEN["judge_note"] == ["seen"] * 2 and "tool_calls" not in records[0]

@@ -299,14 +299,12 @@ def tool_loop(
         pending = {}
         if not sequences:
             break
-        rows = list(sequences)
-        new_ids, new_logprobs = generate_turns([sequences[i] for i in rows], max(budgets.values()))
-        for k, i in enumerate(rows):
-            turn = new_ids[k][: budgets[i]]
+        turns = _next_turns(generate_turns, sequences, budgets)
+        for i, (turn, turn_logprobs) in turns.items():
             tool_length = len(sequences[i]) - len(prompt_ids[i]) - len(completion_ids[i])
             model_mask[i] += [0] * tool_length + [1] * len(turn)
-            if logprobs is not None and new_logprobs is not None:
-                logprobs[i] += [0.0] * tool_length + new_logprobs[k][: len(turn)]
+            if logprobs is not None and turn_logprobs is not None:
+                logprobs[i] += [0.0] * tool_length + turn_logprobs
             completion_ids[i] = sequences[i][len(prompt_ids[i]) :] + turn
             if turn:
                 message, calls = parse_turn(tokenizer, turn, sequences[i], toolboxes[i], use, i)
@@ -316,6 +314,21 @@ def tool_loop(
                     pending[i] = calls
         iteration += 1
     return Trajectories(completion_ids, model_mask, logprobs, use)
+
+
+def _next_turns(
+    generate_turns: TurnGenerator, sequences: dict[int, list[int]], budgets: dict[int, int]
+) -> dict[int, tuple[list[int], list[float] | None]]:
+    """Each rollout's next turn (ids and sampler log-probs) cut at its budget. A rollout whose tool
+    results filled the budget exactly gets an empty turn without asking the engine for zero tokens."""
+    turns: dict[int, tuple[list[int], list[float] | None]] = {i: ([], []) for i in sequences}
+    live = [i for i in sequences if budgets[i] > 0]
+    if live:
+        new_ids, new_logprobs = generate_turns([sequences[i] for i in live], max(budgets[i] for i in live))
+        for k, i in enumerate(live):
+            turn = new_ids[k][: budgets[i]]
+            turns[i] = (turn, None if new_logprobs is None else new_logprobs[k][: len(turn)])
+    return turns
 
 
 def _tool_message(use: ToolUse, row: int, name: str, content: str, failed: bool) -> Message:

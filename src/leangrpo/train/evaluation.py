@@ -122,6 +122,11 @@ def evaluate(
         greedy, use = gen(greedy_sampling, batch_size, bar)
         # scored before sampling, which resets the environments the rewards read
         records = _records(rows, greedy, use, reward_funcs, task, has_chat_template(tokenizer), on_error)
+        tools = use if agent is not None else None  # a rollout_func's own tool calls are not counted here
+        if tools is not None:
+            counts = zip(records, tools.calls, tools.failures, tools.turns, strict=True)
+            for record, calls, failures, turns in counts:
+                record.update(tool_calls=sum(calls.values()), tool_failures=sum(failures.values()), turns=turns)
         if num_samples:
             k = replace(
                 greedy_sampling, num_generations=num_samples, do_sample=True, temperature=temperature,
@@ -130,7 +135,7 @@ def evaluate(
             sample = partial(gen, k, max(1, batch_size // num_samples), bar)
             _count_sampled_correct(records, rows, task, sample, seed, model.device)
     metrics = summarize(records, reward_funcs, num_samples)
-    return EvalResult(metrics | (use.metrics() if use is not None else {}), records)
+    return EvalResult(metrics | (tools.metrics() if tools is not None else {}), records)
 
 
 def _count_sampled_correct(
@@ -193,8 +198,9 @@ def _generate_all(
     bar: Any,
 ) -> tuple[Completions, ToolUse | None]:
     """(text, model tokens, truncated, token ids) of `sampling.num_generations` completions for each row,
-    in `rows` order, and with `agent` what they did with its tools. Prompts go `prompts_per_call` at a
-    time, similar lengths together."""
+    in `rows` order, and what they did with the tools (with `agent`) or what a rollout_func engine
+    returned besides the tokens (None otherwise). Prompts go `prompts_per_call` at a time, similar
+    lengths together."""
     from leangrpo.data.rows import render_prompt
     from leangrpo.engines.tools import ToolUse
 
@@ -235,10 +241,10 @@ def _generate_all(
             if batch.tool_use is not None:
                 uses[i] = batch.tool_use.select(list(group))
         bar.update(len(idx) * per_prompt)
-    if episodes is None:
+    if any(u is None for u in uses):
         return out, None
     use = ToolUse.cat([u for u in uses if u is not None])
-    if episodes.environments is not None:  # TRL gives them to rewards
+    if episodes is not None and episodes.environments is not None:  # TRL gives them to rewards
         use.columns["environments"] = episodes.environments
     return out, use
 
@@ -256,8 +262,8 @@ def score(
     """One record per (row, completion): the task's view of it (question, completion, extracted answer,
     gold), whether it is correct, each reward (None where not applicable or failed) and their total.
     Rewards get `completion_ids` when given (no `trainer_state` outside training). With tools (`use`),
-    rewards get what they get in training (the turns as messages, the environments) and each record
-    counts the completion's tool calls, failed calls and model turns."""
+    rewards get what they get in training (the turns as messages, the environments, a rollout_func's
+    extra keys)."""
     from leangrpo.data.rewards import RewardContext, score_completions
     from leangrpo.engines.rollout import as_reward_inputs
 
@@ -279,9 +285,6 @@ def score(
                 "rewards": rewards,
             }
         )
-        if use is not None:
-            calls, failures = sum(use.calls[i].values()), sum(use.failures[i].values())
-            records[-1].update(tool_calls=calls, tool_failures=failures, turns=use.turns[i])
     return records
 
 
@@ -347,8 +350,8 @@ def load_eval_rows(
 class RolloutFuncEngine:
     """A RolloutEngine that generates through TRL's `rollout_func(prompts, trainer)`, as TRL evaluates a run
     that generates with one: each prompt text is mapped back to its row's prompt, and the function samples
-    as it does in training (greedy evaluation and pass@k samples alike). Its extra keys do not reach the
-    evaluation's rewards."""
+    as it does in training (greedy evaluation and pass@k samples alike). Its extra keys reach the
+    evaluation's rewards, as in training."""
 
     def __init__(
         self, rollout_func: Callable[..., dict[str, Any]], trainer: Any, tokenizer: PreTrainedTokenizerBase,
@@ -366,11 +369,9 @@ class RolloutFuncEngine:
 
         prompts = [self.prompts[text] for text in prompt_texts for _ in range(sampling.num_generations)]
         output = self.rollout_func(prompts, self.trainer)
-        batch = rollout_func_batch(
+        return rollout_func_batch(
             output, self.tokenizer, self.eos, self.trainer.acc.device, keep_logprobs=False
         )
-        batch.tool_use = None  # single rollouts as far as evaluation goes
-        return batch
 
     def sync_weights(
         self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
