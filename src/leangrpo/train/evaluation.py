@@ -126,7 +126,9 @@ def evaluate(
         if tools is not None:
             counts = zip(records, tools.calls, tools.failures, tools.turns, strict=True)
             for record, calls, failures, turns in counts:
-                record.update(tool_calls=sum(calls.values()), tool_failures=sum(failures.values()), turns=turns)
+                record.update(
+                    tool_calls=sum(calls.values()), tool_failures=sum(failures.values()), turns=turns
+                )
         if num_samples:
             k = replace(
                 greedy_sampling, num_generations=num_samples, do_sample=True, temperature=temperature,
