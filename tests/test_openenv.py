@@ -1,5 +1,6 @@
-"""The OpenEnv adapter on small local environments written to OpenEnv's and Gymnasium's interfaces (the
-openenv-core package itself is not needed)."""
+"""The OpenEnv adapter on small local environments written to OpenEnv's client interface and Gymnasium's
+(the openenv-core package itself is not needed; tests/real_vllm/test_openenv_core.py runs it with the real
+package's Environment, server and client)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class GuessAction:
 
 
 @dataclass
-class StepResult:  # OpenEnv's: observation, reward, done
+class StepResult:  # OpenEnv's client returns it: observation, reward, done
     observation: str
     reward: float | None
     done: bool
