@@ -99,8 +99,9 @@ def test_async_tools_run_concurrently():
 
 
 def test_tool_faults_become_error_messages():
-    """A tool that raises, runs too long or returns what is not text, an unknown tool, bad arguments: the
-    model gets the error as the result, and each is a failure; nothing raises."""
+    """A tool that raises, runs too long or returns what is not text, an unknown tool, bad arguments, calls
+    of other shapes (sampled text parses into anything): the model gets the error as the result, and each
+    is a failure; nothing raises."""
 
     def hang(x: int) -> str:
         """Hangs.
@@ -125,11 +126,13 @@ def test_tool_faults_become_error_messages():
         [(box, c) for c in (
             call("add", a=1, b=2), call("broken", x=1), call("hang", x=1), call("opaque", x=1),
             call("missing"), call("add", a=1), {"type": "code", "code": "rm -rf /"},
+            {"type": "function", "function": "add"}, {"type": "function", "function": {"name": ["add"]}},
         )]
     )  # fmt: skip
     assert time.perf_counter() - start < 2
     assert results[0] == ("add", "3", False)
-    assert [failed for _, _, failed in results[1:]] == [True] * 6
+    assert [failed for _, _, failed in results[1:]] == [True] * 8
+    assert [name for name, _, _ in results[-3:]] == ["unknown"] * 3
     assert "out of order" in results[1][1] and "timeout_s=0.3" in results[2][1]
     assert "not text" in results[3][1] and "not found" in results[4][1]
 

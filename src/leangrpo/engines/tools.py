@@ -115,9 +115,10 @@ class Toolbox:
         as text, as TRL does) fails, and its result is the error, as TRL writes one."""
         name = "unknown"
         try:
-            if not isinstance(tool_call, dict) or tool_call.get("type") != "function":
+            called = called_function(tool_call)
+            if called is None:
                 raise ValueError(f"Unsupported tool call: {tool_call!r:.100}")
-            name, arguments = tool_call["function"]["name"], tool_call["function"].get("arguments", {})
+            name, arguments = called
             if name not in self.functions:
                 raise ValueError(f"Tool {name} not found.")
             if not isinstance(arguments, dict):
@@ -130,6 +131,16 @@ class Toolbox:
             return name, str({"error": f"did not return within tools.timeout_s={self.timeout_s:g}s"}), True
         except Exception as e:
             return name, str({"error": str(e)}), True
+
+
+def called_function(tool_call: Any) -> tuple[str, Any] | None:
+    """(name, arguments) of a well-formed tool call, TRL's `{"type": "function", "function": {"name": ...,
+    "arguments": ...}}`; None for anything else the model's text parsed into."""
+    if not isinstance(tool_call, dict) or tool_call.get("type") != "function":
+        return None
+    function = tool_call.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return (name, function.get("arguments", {})) if isinstance(name, str) else None
 
 
 def as_text(result: Any) -> str:
@@ -178,8 +189,8 @@ def run_tool_calls(calls: list[tuple[Toolbox, Any]]) -> list[tuple[str, str, boo
             results[i] = await box.call(tool_call)
 
         def is_async(box: Toolbox, tool_call: Any) -> bool:
-            name = tool_call.get("function", {}).get("name") if isinstance(tool_call, dict) else None
-            return inspect.iscoroutinefunction(box.functions.get(str(name)))
+            called = called_function(tool_call)
+            return called is not None and inspect.iscoroutinefunction(box.functions.get(called[0]))
 
         async def sync_in_order() -> None:
             for i, (box, tool_call) in enumerate(calls):
