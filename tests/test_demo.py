@@ -254,7 +254,8 @@ def test_tools_recipe_builds_and_its_report_counts_tool_use():
 
     cfg = demo_config("tools", 20, False, "o", control="random-reward")
     assert cfg.task.name == "calculator" and cfg.tools.functions == [CALCULATOR_TOOL]
-    assert cfg.data.assistant_prefix == "" and cfg.grpo.shuffle_rewards and cfg.eval.limit == 200
+    assert cfg.data.assistant_prefix == "" and cfg.grpo.shuffle_rewards and cfg.eval.limit == 100
+    assert cfg.grpo.temperature == 0.7  # at 1.0 no sampled rollout of the cold start was right
     agent = agent_from_config(cfg.tools)
     assert agent is not None and [s["function"]["name"] for s in Toolbox(agent.tools).schemas] == [
         "calculator"

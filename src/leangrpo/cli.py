@@ -221,7 +221,7 @@ def _utf8(text: str, what: str) -> None:
 @click.option(
     "--eval-limit",
     type=click.IntRange(min=3),
-    help="Held-out questions (default: chain_sum 300, gsm8k 100, tools 200).",
+    help="Held-out questions (default: chain_sum 300, gsm8k 100, tools 100).",
 )
 @click.option(
     "--control",
