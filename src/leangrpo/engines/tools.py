@@ -139,8 +139,9 @@ def called_function(tool_call: Any) -> tuple[str, Any] | None:
     if not isinstance(tool_call, dict) or tool_call.get("type") != "function":
         return None
     function = tool_call.get("function")
-    name = function.get("name") if isinstance(function, dict) else None
-    return (name, function.get("arguments", {})) if isinstance(name, str) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        return None
+    return function["name"], function.get("arguments", {})
 
 
 def as_text(result: Any) -> str:
