@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from leangrpo.config.schema import ConfigError
+from leangrpo.data.rewards.registry import BUILTIN_REWARDS, reward_name
 from leangrpo.tools.demo import (
     before_after_text,
     choose_threads,
@@ -49,7 +50,9 @@ def record(completion: str, correct: bool, strict: float, lenient: bool | None =
         "extracted": "72" if correct else None,
         "correct": correct,
         "reward": 2.5 if correct else None,
-        "rewards": {"strict_format": strict, "soft_format": strict},
+        "rewards": {
+            reward_name(name, BUILTIN_REWARDS[name]): strict for name in ("strict_format", "soft_format")
+        },  # keyed as evaluation keys them
     }
 
 

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from leangrpo.config.schema import Config, ConfigError
 from leangrpo.core.errors import UserError
+from leangrpo.data.rewards import soft_format_reward, strict_format_reward
 from leangrpo.run.resolve import apply_overrides, validate_config
 from leangrpo.run.rundir import read_jsonl, with_trl_names
 
@@ -348,8 +349,9 @@ def before_after_text(
         correctness += [("called a tool", "tool_calls"), ("a tool call failed", "tool_failures")]
     lines.append(f"== {n} held-out questions (greedy; change after - before, 95% bootstrap interval) ==")
     lines += [_change_line(what, "before", before, after, key) for what, key in correctness]
-    for what, name in (("format: strict", "strict_format"), ("format: both tags (soft)", "soft_format")):
-        hit = lambda r, name=name: (r["rewards"].get(name) or 0) > 0  # noqa: E731
+    formats = (("format: strict", strict_format_reward), ("format: both tags (soft)", soft_format_reward))
+    for what, func in formats:  # a record's rewards are keyed as TRL logs them: by function name
+        hit = lambda r, name=func.__name__: (r["rewards"].get(name) or 0) > 0  # noqa: E731
         lines.append(
             f"  {what:<30} before {sum(map(hit, before)):>3}/{n}   after {sum(map(hit, after)):>3}/{n}"
         )

@@ -101,7 +101,6 @@ def evaluate(
     import torch
     from tqdm import tqdm
 
-    from leangrpo.data.rows import has_chat_template
     from leangrpo.engines.rollout import HFEngine, Sampling
 
     if not rows:
@@ -121,14 +120,8 @@ def evaluate(
     with bar, _left_padded(tokenizer), torch.inference_mode():
         greedy, use = gen(greedy_sampling, batch_size, bar)
         # scored before sampling, which resets the environments the rewards read
-        records = _records(rows, greedy, use, reward_funcs, task, has_chat_template(tokenizer), on_error)
         tools = use if agent is not None else None  # a rollout_func's own tool calls are not counted here
-        if tools is not None:
-            counts = zip(records, tools.calls, tools.failures, tools.turns, strict=True)
-            for record, calls, failures, turns in counts:
-                record.update(
-                    tool_calls=sum(calls.values()), tool_failures=sum(failures.values()), turns=turns
-                )
+        records = _records(rows, greedy, use, tools, reward_funcs, task, tokenizer, on_error)
         if num_samples:
             k = replace(
                 greedy_sampling, num_generations=num_samples, do_sample=True, temperature=temperature,
@@ -175,18 +168,23 @@ def _records(
     rows: list[dict[str, Any]],
     greedy: Completions,
     use: ToolUse | None,
+    tools: ToolUse | None,
     reward_funcs: RewardFuncs,
     task: Task,
-    conversational: bool,
+    tokenizer: PreTrainedTokenizerBase,
     on_error: Literal["raise", "missing"],
 ) -> list[dict[str, Any]]:
-    """One scored record per row: the greedy completion's rewards, length and truncation."""
-    completions = [g[0][0] for g in greedy]
-    records = score(
-        rows, completions, reward_funcs, task, conversational, on_error, [g[0][3] for g in greedy], use
-    )
-    for record, [(_, length, truncated, _)] in zip(records, greedy, strict=True):
+    """One scored record per row: the greedy completion's rewards (given `use`, as `score` says), length
+    and truncation, and with the run's `tools` its tool calls, failed calls and model turns."""
+    from leangrpo.data.rows import has_chat_template
+
+    completions, chat = [g[0][0] for g in greedy], has_chat_template(tokenizer)
+    records = score(rows, completions, reward_funcs, task, chat, on_error, [g[0][3] for g in greedy], use)
+    for i, (record, [(_, length, truncated, _)]) in enumerate(zip(records, greedy, strict=True)):
         record.update(length=length, truncated=truncated)
+        if tools is not None:
+            calls, failures = sum(tools.calls[i].values()), sum(tools.failures[i].values())
+            record.update(tool_calls=calls, tool_failures=failures, turns=tools.turns[i])
     return records
 
 
