@@ -25,11 +25,12 @@ from leangrpo.tools.demo import paired_change
 CONTROLS = ("none", "random-reward")
 
 
-def correct(run: Path, name: str) -> list[bool]:
-    """Per held-out question: lenient correctness in the run's evaluation `name`."""
+def correct(run: Path, name: str, key: str) -> list[bool]:
+    """Per held-out question: correctness (`key`: correct_lenient or correct, the strict one read from the
+    answer tags) in the run's evaluation `name`."""
     if name == "last":
         name = max((p.stem for p in (run / "eval").glob("step-*.jsonl")), key=lambda s: int(s[5:]))
-    return [bool(r["correct_lenient"]) for r in read_jsonl(run / "eval" / f"{name}.jsonl").rows]
+    return [bool(r[key]) for r in read_jsonl(run / "eval" / f"{name}.jsonl").rows]
 
 
 def change(before: list[bool], after: list[bool]) -> str:
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--runs", required=True, type=Path)
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--task", default="chain_sum", help="the demo's --task")
+    ap.add_argument("--strict", action="store_true", help="strict correctness (answer tags), not lenient")
     ap.add_argument("--train", action="store_true", help="run the demos first (one after another)")
     a = ap.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -62,7 +64,9 @@ def main() -> None:
                     str(out),
                 ]
                 subprocess.run([sys.executable, "-m", *cmd], check=True)
-    pooled: dict[str, list[bool]] = {k: [] for k in ("before", "cold", "demo", "control")}
+    key = "correct" if a.strict else "correct_lenient"
+    pooled: dict[str, list[bool]] = {k: [] for k in ("before", "cold", "demo")}
+    paired: dict[str, list[bool]] = {k: [] for k in ("before", "cold", "demo", "control")}  # with a control
     header = (
         "seed | before | cold start | demo after | whole recipe | GRPO's own | control after "
         "| control, whole recipe | control's own | demo - control"
@@ -70,20 +74,31 @@ def main() -> None:
     print(f"| {header} |\n" + "|---" * 10 + "|")
     for seed in seeds:
         demo, control = (a.runs / f"{c}-s{seed}" for c in CONTROLS)
-        before, cold = correct(demo, "step-0"), correct(demo, "cold-start")
-        after, ctrl = correct(demo, "last"), correct(control, "last")
-        for key, values in (("before", before), ("cold", cold), ("demo", after), ("control", ctrl)):
-            pooled[key] += values
+        runs = {"before": correct(demo, "step-0", key), "cold": correct(demo, "cold-start", key)}
+        runs["demo"] = correct(demo, "last", key)
+        for name, values in runs.items():
+            pooled[name] += values
+        cells = ["–"] * 4  # a seed whose control has not run
+        if (control / "eval").is_dir():
+            runs["control"] = ctrl = correct(control, "last", key)
+            for name, values in runs.items():
+                paired[name] += values
+            cells = [str(sum(ctrl)), change(runs["before"], ctrl), change(runs["cold"], ctrl)]
+            cells.append(change(ctrl, runs["demo"]))
+        before, cold, after = runs["before"], runs["cold"], runs["demo"]
         print(f"| {seed} | {sum(before)} | {sum(cold)} | {sum(after)} | {change(before, after)} "
-              f"| {change(cold, after)} | {sum(ctrl)} | {change(before, ctrl)} | {change(cold, ctrl)} "
-              f"| {change(ctrl, after)} |")  # fmt: skip
-    before, cold, after, ctrl = (pooled[k] for k in ("before", "cold", "demo", "control"))
+              f"| {change(cold, after)} | {' | '.join(cells)} |")  # fmt: skip
+    before, cold, after = (pooled[k] for k in ("before", "cold", "demo"))
     print(f"\npooled over {len(seeds)} seeds ({len(cold)} question-runs; the same questions in every seed):")
-    print(
-        f"  whole recipe {change(before, after)} (control {change(before, ctrl)}); GRPO's own change "
-        f"{change(cold, after)}; the control's {change(cold, ctrl)}; after, demo - control "
-        f"{change(ctrl, after)} (points, 95% bootstrap interval, McNemar p)"
-    )
+    print(f"  whole recipe {change(before, after)}; GRPO's own change {change(cold, after)}")
+    if paired["control"]:
+        before, cold, after, ctrl = (paired[k] for k in ("before", "cold", "demo", "control"))
+        print(
+            f"  the seeds with a control ({len(ctrl)} question-runs): control's whole recipe "
+            f"{change(before, ctrl)}; the control's own {change(cold, ctrl)}; after, demo - control "
+            f"{change(ctrl, after)}"
+        )
+    print("  (points, 95% bootstrap interval, McNemar p)")
 
 
 if __name__ == "__main__":
