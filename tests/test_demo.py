@@ -222,12 +222,22 @@ def test_gsm8k_demo_command_runs_two_steps(tmp_path, gguf_cache, gsm8k_dir):
 
 
 def test_demo_seeds_table_pairs_each_seed_with_its_control(tmp_path):
-    """benchmarks/demo_seeds.py: GRPO's own change, the control's, and demo - control, on the eval files."""
+    """benchmarks/demo_seeds.py: GRPO's own change, the control's, and demo - control, on the eval files;
+    `--strict` reads the strict correctness, and a seed whose control has not run shows dashes there."""
 
-    def write(run: str, name: str, hits: int) -> None:
+    def write(run: str, name: str, hits: int) -> None:  # strict: one hit fewer
         (tmp_path / run / "eval").mkdir(parents=True, exist_ok=True)
-        rows = [{"correct_lenient": i < hits} for i in range(10)]
+        rows = [{"correct_lenient": i < hits, "correct": i < hits - 1} for i in range(10)]
         (tmp_path / run / "eval" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def table(*args: str) -> dict[str, list[str]]:
+        proc = subprocess.run(
+            [sys.executable, script, "--runs", str(tmp_path), *args], capture_output=True, text=True,
+            timeout=120, env={**os.environ, "PYTHONPATH": os.path.join(TESTS, "..", "src")},
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
+        return {cells[0].strip(): [c.strip() for c in cells] for cells in rows}
 
     write("none-s1", "step-0", 0)
     write("none-s1", "cold-start", 3)
@@ -235,17 +245,15 @@ def test_demo_seeds_table_pairs_each_seed_with_its_control(tmp_path):
     write("none-s1", "step-20", 6)
     write("random-reward-s1", "step-20", 1)
     script = os.path.join(TESTS, "..", "benchmarks", "demo_seeds.py")
-    proc = subprocess.run(
-        [sys.executable, script, "--runs", str(tmp_path), "--seeds", "1"],
-        capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": os.path.join(TESTS, "..", "src")},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    row = next(line for line in proc.stdout.splitlines() if line.startswith("| 1 |"))
-    cells = [c.strip() for c in row.split("|")[1:-1]]
+    cells = table("--seeds", "1")["1"]
     assert cells[1:4] == ["0", "3", "6"] and cells[4].startswith("+60.0") and cells[5].startswith("+30.0")
     assert cells[6] == "1" and cells[7].startswith("+10.0") and cells[8].startswith("-20.0")
     assert cells[9].startswith("+50.0")
+    for name, hits in (("step-0", 1), ("cold-start", 4), ("step-20", 9)):
+        write("none-s2", name, hits)
+    rows = table("--seeds", "1,2", "--strict")
+    assert rows["1"][1:4] == ["0", "2", "5"] and rows["1"][6] == "0"
+    assert rows["2"][1:4] == ["0", "3", "8"] and rows["2"][6:] == ["–"] * 4
 
 
 def test_tools_recipe_builds_and_its_report_counts_tool_use():
