@@ -10,18 +10,14 @@ What `cpu.matmul: auto` decides between (leangrpo/cpu/onednn.py).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import torch
 
 from leangrpo.cpu import onednn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_trl import cpu_name  # noqa: E402 (the sibling script)
+from leangrpo.cpu.onednn import cpu_name
 
 SHAPES = {"q, o": (576, 576), "k, v": (576, 192), "gate, up": (576, 1536), "down": (1536, 576)}
 # Each product as torch's BLAS and as oneDNN computes it, from (x [rows, in], W [out, in], grad [rows, out]).

@@ -42,6 +42,7 @@ from pathlib import Path
 
 from leangrpo.cpu import onednn
 from leangrpo.cpu.allocator import MMAP_THRESHOLD, return_freed_memory
+from leangrpo.cpu.onednn import cpu_name
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## vs TRL"
@@ -54,16 +55,6 @@ MALLOC = {
     "compact": {"MALLOC_MMAP_THRESHOLD_": str(2**20)},
     "strict": {"MALLOC_MMAP_THRESHOLD_": str(2**16)},
 }
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), since which products are fast depends on it (leangrpo/onednn.py)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "CPU unknown"
-    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
-    return names[0] if names else "CPU unknown"
 
 
 def allocator_env() -> dict[str, str | None]:

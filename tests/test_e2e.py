@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from leangrpo.cpu import onednn
+
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent
 # Subprocesses run this tree's code, wherever the venv's editable install points.
@@ -75,6 +77,7 @@ def test_train_reward_rises(tmp_path, tiny_model_dir, gsm8k_dir):
     cfg = write_config(tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", out)
     proc = run_cli("train", "-c", str(cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("cpu.matmul auto: " in proc.stdout + proc.stderr) == onednn.available()  # what auto chose
 
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 7))

@@ -5,6 +5,8 @@ loader applying the setting."""
 from __future__ import annotations
 
 import copy
+import json
+import time
 
 import pytest
 import torch
@@ -18,8 +20,6 @@ from leangrpo.models.load import ModelError, apply_lora, enable_checkpointing, l
 from leangrpo.train.logprobs import Policy
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
-
-AMD = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse avx2 avx512f avx512bw\n"
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -54,11 +54,53 @@ def test_linear_leaves_other_dtypes_to_nn_linear():
     assert head_product(layer) is torch.nn.functional.linear
 
 
-def test_preferred_on_amd_with_avx512_only():
-    assert onednn.preferred(AMD)
-    assert not onednn.preferred(AMD.replace("AuthenticAMD", "GenuineIntel"))
-    assert not onednn.preferred(AMD.replace(" avx512f", ""))
-    assert not onednn.preferred("")
+def test_auto_follows_a_measurement_made_once_per_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEANGRPO_CACHE", str(tmp_path))
+    speedups = {"AMD EPYC 9B45": 2.0, "Intel Xeon": 0.9}
+    measured = []
+
+    def measure():
+        measured.append(onednn.cpu_name())
+        return speedups[measured[-1]]
+
+    monkeypatch.setattr(onednn, "_measure", measure)
+    for cpu, want in (("AMD EPYC 9B45", True), ("Intel Xeon", False)):
+        monkeypatch.setattr(onednn, "cpu_name", lambda cpu=cpu: cpu)
+        assert onednn.preferred() is want
+        assert onednn.preferred() is want  # read back from the cache
+    assert measured == ["AMD EPYC 9B45", "Intel Xeon"]
+    cache = json.loads((tmp_path / "cpu_matmul.json").read_text())
+    assert sorted(cache.values()) == [0.9, 2.0]
+    assert all(f"torch {torch.__version__} | {torch.get_num_threads()} threads" in key for key in cache)
+
+
+@pytest.mark.parametrize("cache", ["corrupt", "unwritable"])
+def test_a_bad_cache_is_measured_past(tmp_path, monkeypatch, cache):
+    root = tmp_path / "cache"
+    if cache == "corrupt":
+        root.mkdir()
+        (root / "cpu_matmul.json").write_text("{not json")
+    else:
+        root.write_text("a file where the cache folder would be")
+    monkeypatch.setenv("LEANGRPO_CACHE", str(root))
+    monkeypatch.setattr(onednn, "_measure", lambda: 1.5)
+    assert onednn.measured_speedup() == 1.5
+    if cache == "corrupt":
+        assert list(json.loads((root / "cpu_matmul.json").read_text()).values()) == [1.5]
+
+
+def test_the_measurement_times_onednn_against_blas_in_under_a_second(monkeypatch):
+    start = time.perf_counter()
+    assert onednn._measure() > 0
+    assert time.perf_counter() - start < 1.0
+    real = onednn.linear
+
+    def slow(*args):
+        time.sleep(0.02)
+        return real(*args)
+
+    monkeypatch.setattr(onednn, "linear", slow)
+    assert onednn._measure() < 1  # three products, each 20 ms slower than torch's BLAS
 
 
 def test_use_onednn_converts_plain_linears_and_keeps_the_state_dict(tiny_model_dir):
@@ -108,11 +150,24 @@ def load_onednn(path, setting):
     return model
 
 
+@pytest.mark.parametrize("speedup", [2.0, 0.9, None])
 @pytest.mark.parametrize("setting", ["onednn", "blas", "auto"])
-def test_levers_apply_cpu_matmul(tiny_model_dir, setting):
-    model = load_onednn(tiny_model_dir, setting)
-    expected = setting == "onednn" or (setting == "auto" and onednn.preferred())
+def test_levers_apply_cpu_matmul_and_say_what_auto_chose(
+    tiny_model_dir, tmp_path, monkeypatch, setting, speedup
+):
+    monkeypatch.setenv("LEANGRPO_CACHE", str(tmp_path))
+    if speedup is not None:
+        monkeypatch.setattr(onednn, "_measure", lambda: speedup)
+    model, _ = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
+    note = CPULevers(CPUConfig(matmul=setting)).prepare(model)
+    measured = onednn.measured_speedup()  # this machine's own when speedup is None
+    expected = setting == "onednn" or (setting == "auto" and measured >= onednn.FASTER)
     assert isinstance(model.get_decoder().layers[0].mlp.down_proj, onednn.Linear) == expected
+    if setting != "auto":
+        assert note is None
+    else:
+        chosen = "oneDNN" if expected else "torch's BLAS"
+        assert note == f"cpu.matmul auto: {chosen} (oneDNN measured {measured:.2f}× torch's BLAS here)"
 
 
 def test_levers_refuse_onednn_without_it(tiny_model_dir, monkeypatch):

@@ -560,7 +560,8 @@ class CPUConfig(Section):
     matmul: Literal["auto", "onednn", "blas"] = Field(
         "auto",
         description="float32 Linear products on CPU (forward and backward): oneDNN, or torch's BLAS (MKL on "
-        "x86), or auto: oneDNN on AMD CPUs with AVX-512, where MKL runs about half as fast",
+        "x86), or auto: whichever a one-time measurement on this CPU finds faster (oneDNN needs 1.5× "
+        "BLAS's rate; cached in $LEANGRPO_CACHE/cpu_matmul.json)",
     )
     packed_generation: bool = Field(
         True,

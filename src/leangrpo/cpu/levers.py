@@ -31,12 +31,18 @@ class CPULevers:
         """Before anything large is allocated: glibc's mmap threshold fixed (`allocator`)."""
         allocator.return_freed_memory()
 
-    def prepare(self, model: PreTrainedModel) -> None:
-        """A model to train: its Linears' float32 products in oneDNN where `cpu.matmul` picks it."""
+    def prepare(self, model: PreTrainedModel) -> str | None:
+        """A model to train: its Linears' float32 products in oneDNN where `cpu.matmul` picks it.
+        Returns what `auto` chose and why, for the run's log."""
         if self.cfg.matmul == "onednn" and not onednn.available():
             raise ModelError("cpu.matmul=onednn: this torch build has no oneDNN; set cpu.matmul=auto")
-        if self.cfg.matmul == "onednn" or (self.cfg.matmul == "auto" and onednn.preferred()):
+        use = self.cfg.matmul == "onednn" or (self.cfg.matmul == "auto" and onednn.preferred())
+        if use:
             onednn.use_onednn(model)
+        if self.cfg.matmul != "auto" or not onednn.available():
+            return None
+        chosen, speedup = "oneDNN" if use else "torch's BLAS", onednn.measured_speedup()
+        return f"cpu.matmul auto: {chosen} (oneDNN measured {speedup:.2f}× torch's BLAS here)"
 
     def release(self) -> None:
         """After a phase: its freed heap pages back to the OS."""

@@ -205,8 +205,8 @@ class Trainer:
         model, self.tokenizer = load_model_and_tokenizer(
             self.cfg.model, self.extras.model, self.extras.tokenizer
         )
-        if self.levers is not None:
-            self.levers.prepare(model)
+        if self.levers is not None and (note := self.levers.prepare(model)):
+            self._write(note)
         self.conversational = has_chat_template(self.tokenizer)
         if self.agent is not None and self.agent.uses_tools:
             prepare_tokenizer(self.tokenizer)
