@@ -74,6 +74,14 @@ def test_auto_follows_a_measurement_made_once_per_cpu(tmp_path, monkeypatch):
     assert all(f"torch {torch.__version__} | {torch.get_num_threads()} threads" in key for key in cache)
 
 
+def test_the_cache_tells_cpus_of_one_name_apart_by_family_and_model():
+    zen = "processor\t: {n}\ncpu family\t: {f}\nmodel\t\t: {m}\nmodel name\t: AMD EPYC\n"
+    zen4, zen5 = zen.format(n=0, f=25, m=17), zen.format(n=0, f=26, m=2)
+    assert onednn.cpu_name(zen4 + zen.format(n=1, f=25, m=17)) == "AMD EPYC (family 25, model 17)"
+    assert onednn.cpu_name(zen5) == "AMD EPYC (family 26, model 2)"
+    assert onednn.cpu_name("") == "CPU unknown"
+
+
 @pytest.mark.parametrize("cache", ["corrupt", "unwritable"])
 def test_a_bad_cache_is_measured_past(tmp_path, monkeypatch, cache):
     root = tmp_path / "cache"

@@ -41,14 +41,22 @@ def preferred() -> bool:
     return available() and measured_speedup() >= FASTER
 
 
-def cpu_name() -> str:
-    """The CPU's model name (Linux), since which products are fast depends on it."""
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU's model name, with its family and model numbers where Linux gives them (/proc/cpuinfo):
+    virtual machines often name a whole line alike ("AMD EPYC" for Zen 4 and Zen 5), and which products
+    are fast differs."""
     try:
-        info = Path("/proc/cpuinfo").read_text()
+        info = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
     except OSError:
         return platform.processor() or "CPU unknown"
-    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
-    return names[0] if names else "CPU unknown"
+    fields: dict[str, str] = {}
+    for line in info.splitlines():  # the first processor's fields
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", "CPU unknown")
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def measured_speedup() -> float:
