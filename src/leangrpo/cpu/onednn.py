@@ -32,7 +32,7 @@ def available() -> bool:
 
 FASTER = 1.5
 """`auto` takes oneDNN only when it multiplies at least this much faster than torch's BLAS: where the two
-are close the step takes as long either way (benchmarks/RESULTS.md, "cpu.matmul: auto by measurement"),
+are close the step takes as long either way (benchmarks/RESULTS.md, "vs TRL on a Zen 4 EPYC"),
 and the margin keeps noise from flipping the choice."""
 
 
