@@ -1,11 +1,11 @@
 """float32 products on CPU through oneDNN instead of torch's BLAS, for the CPUs where that BLAS is slow.
 
-torch's x86 wheels multiply float32 matrices with MKL, which on an AMD CPU does not use its AVX-512
-instructions; oneDNN (also inside torch) does, and runs the training step's products faster there
-(benchmarks/matmul_rates.py; benchmarks/RESULTS.md, "vs TRL on an AMD EPYC"). `use_onednn` turns a
-model's Linears into `Linear`, whose forward and backward products both run in oneDNN; the chunked
-log-probs use `linear` for the LM head. `preferred` decides what `cpu.matmul: auto` does, by a one-time
-measurement.
+torch's x86 wheels multiply float32 matrices with MKL, which on some AMD CPUs leaves their AVX-512 units
+idle; oneDNN (also inside torch) does not, and runs the training step's products about twice as fast on
+a Zen 5 EPYC, though no faster on a Zen 4 (benchmarks/matmul_rates.py; benchmarks/RESULTS.md).
+`use_onednn` turns a model's Linears into `Linear`, whose forward and backward products both run in
+oneDNN; the chunked log-probs use `linear` for the LM head. `preferred` decides what `cpu.matmul: auto`
+does, by a one-time measurement.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +70,14 @@ def measured_speedup() -> float:
     if isinstance(known.get(key), float | int):
         return float(known[key])
     speedup = _measure()
+    written = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        written = path.with_name(f".{path.name}.{os.getpid()}")
         written.write_text(json.dumps({**known, key: round(speedup, 3)}, indent=1))
         os.replace(written, path)  # whole, even with two runs starting at once
-    except OSError:
-        pass
+    except OSError:  # a cache that cannot be written is measured again next time
+        with suppress(OSError):
+            written.unlink(missing_ok=True)
     return speedup
 
 

@@ -205,8 +205,11 @@ class Trainer:
         model, self.tokenizer = load_model_and_tokenizer(
             self.cfg.model, self.extras.model, self.extras.tokenizer
         )
-        if self.levers is not None and (note := self.levers.prepare(model)):
-            self._write(note)
+        if self.levers is not None:
+            with self.acc.main_process_first():  # one process measures for cpu.matmul: auto, the rest read it
+                note = self.levers.prepare(model)
+            if note:
+                self._write(note)
         self.conversational = has_chat_template(self.tokenizer)
         if self.agent is not None and self.agent.uses_tools:
             prepare_tokenizer(self.tokenizer)
