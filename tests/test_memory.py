@@ -499,7 +499,7 @@ def test_reference_on_disk_is_the_default_on_cpu_and_falls_back_to_memory(
     monkeypatch.setattr(trainer_mod.Trainer, "_write", lambda self, line: notes.append(line))
     fallback = trainer("full")
     assert fallback.ref_pages is None and fallback.ref_policy is not None
-    assert notes == [
+    assert [note for note in notes if not note.startswith("cpu.matmul auto:")] == [
         "grpo.reference_on_disk: no room for the reference copy; the reference copy stays in memory"
     ]
     with pytest.raises(DeviceOptionError, match="no room"):
@@ -664,7 +664,7 @@ def test_trainer_does_not_import_peft_for_full_fine_tuning(tmp_path, tiny_model_
         "print('peft' in sys.modules, 'bitsandbytes' in sys.modules, t.scheduler.get_last_lr()[0])"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.stdout.split() == ["False", "False", "0.0"], proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1].split() == ["False", "False", "0.0"], proc.stderr[-2000:]
 
 
 def test_the_trainer_ignores_accelerates_mixed_precision(tmp_path, tiny_model_dir, gsm8k_dir):
@@ -683,4 +683,4 @@ def test_the_trainer_ignores_accelerates_mixed_precision(tmp_path, tiny_model_di
     )
     env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "bf16"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.stdout.split() == ["no"], proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1].split() == ["no"], proc.stderr[-2000:]
