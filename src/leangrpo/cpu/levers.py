@@ -36,12 +36,13 @@ class CPULevers:
         Returns what `auto` chose and why, for the run's log."""
         if self.cfg.matmul == "onednn" and not onednn.available():
             raise ModelError("cpu.matmul=onednn: this torch build has no oneDNN; set cpu.matmul=auto")
-        use = self.cfg.matmul == "onednn" or (self.cfg.matmul == "auto" and onednn.preferred())
+        speedup = onednn.measured_speedup() if self.cfg.matmul == "auto" and onednn.available() else None
+        use = self.cfg.matmul == "onednn" or (speedup is not None and speedup >= onednn.FASTER)
         if use:
             onednn.use_onednn(model)
-        if self.cfg.matmul != "auto" or not onednn.available():
+        if speedup is None:
             return None
-        chosen, speedup = "oneDNN" if use else "torch's BLAS", onednn.measured_speedup()
+        chosen = "oneDNN" if use else "torch's BLAS"
         return f"cpu.matmul auto: {chosen} (oneDNN measured {speedup:.2f}× torch's BLAS here)"
 
     def release(self) -> None:
