@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from dataclasses import replace
 
 from leangrpo.tools.demo import demo_config
-from leangrpo.train.evaluation import evaluate
+from leangrpo.train.evaluation import eval_sampling, evaluate
 from leangrpo.train.trainer import Trainer
 
 
@@ -36,12 +37,11 @@ def main() -> None:
         g = cfg.grpo
         for temperature in (float(t) for t in a.temperatures.split(",")):
             start = time.perf_counter()
+            sampling = replace(eval_sampling(g, cfg.data), temperature=temperature)
             m = evaluate(
                 trainer.unwrapped.lm, trainer.tokenizer, trainer.evaluator.rows, trainer.reward_funcs,
-                trainer.task, max_new_tokens=g.max_completion_length, max_prompt_length=g.max_prompt_length,
-                batch_size=a.questions, num_samples=a.samples, temperature=temperature, seed=a.seed,
-                progress=False, agent=trainer.agent,
-                max_tool_calling_iterations=g.max_tool_calling_iterations,
+                trainer.task, sampling, prompt_format=trainer.prompt_format, batch_size=a.questions,
+                num_samples=a.samples, seed=a.seed, progress=False, agent=trainer.agent,
             ).metrics  # fmt: skip
             print(
                 f"T={temperature}: greedy correct {m['accuracy']:.2f} (lenient {m['accuracy/lenient']:.2f}), "

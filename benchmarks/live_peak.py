@@ -21,9 +21,9 @@ Long sequences (`--long`; points model/G/C/method/long, e.g. llama3.1-8b/8/20000
   prefill computes the real prompt once per group; the cache positions the C - k decode steps would have
   written are filled with random values in place (`fill_cache`); then k real decode steps run at the
   end of the cache, where the decode peak is.
-- reference: `Trainer.reference` on one completion of C tokens: one micro-batch (micro-batch 1), as each
+- reference: `Updater.reference` on one completion of C tokens: one micro-batch (micro-batch 1), as each
   of the G micro-batches of the real pass.
-- update: `Trainer.update` on one completion of C tokens, the trainable parameters' gradients already
+- update: `Updater.__call__` on one completion of C tokens, the trainable parameters' gradients already
   present (as they are from the second of the G micro-batches on): one micro-batch's forward and
   backward, then the optimizer step.
 Prompts are exactly P tokens (no padding), completions exactly C (no EOS), beta = 0.04 (so the reference
@@ -184,7 +184,7 @@ def long_rollout(trainer: Any, spec: dict) -> None:
     from leangrpo.engines import rollout
 
     P, C, k = spec["prompt"], spec["completion"], spec["decode_steps"]
-    engine, G = trainer.engine, trainer.cfg.grpo.num_generations
+    engine, G = trainer.source.engine, trainer.cfg.grpo.num_generations
     real = rollout.prefill_once_per_group
 
     def prefill(model: Any, ids: torch.Tensor, mask: torch.Tensor, group: int, cache: Any) -> None:
@@ -192,7 +192,7 @@ def long_rollout(trainer: Any, spec: dict) -> None:
         fill_cache(cache, ids.shape[1] - 1)  # generate() then feeds the last filler token
 
     ids = torch.randint(0, spec["vocab"], (1, P + C - k)).repeat(G, 1)
-    sampling = replace(trainer.sampling, max_completion_length=k, ignore_eos=True)
+    sampling = replace(trainer.source.sampling, max_completion_length=k, ignore_eos=True)
     rollout.prefill_once_per_group = levers.prefill_once_per_group = prefill
     try:
         eos = rollout.eos_token_ids(engine.tokenizer, engine.model)
@@ -218,7 +218,7 @@ def long_batch(spec: dict) -> Any:
 
 def long_reference(trainer: Any, spec: dict) -> None:
     """One micro-batch of the reference pass (adapter disabled)."""
-    ref_logp, _ = trainer.reference(long_batch(spec))
+    ref_logp = trainer.updater.reference(long_batch(spec)).ref_logp
     assert ref_logp is not None and ref_logp.shape == (1, spec["completion"])
 
 
@@ -227,8 +227,10 @@ def long_update(trainer: Any, spec: dict) -> None:
     for p in trainer.policy.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)  # what the earlier micro-batches accumulated
-    ref_logp = torch.zeros(1, spec["completion"])
-    trainer.update(long_batch(spec), torch.ones(1), ref_logp, None)
+    from leangrpo.train.update import Reference
+
+    ref = Reference(torch.zeros(1, spec["completion"]), None, None, None)
+    trainer.updater(long_batch(spec), torch.ones(1), ref)
 
 
 def long_worker(config_path: str, result_path: str, spec_path: str) -> None:

@@ -29,7 +29,7 @@ from leangrpo.config.schema import CPUConfig, LoraConfig
 from leangrpo.core.logprobs import LOGPROB_CHUNK_SIZE
 from leangrpo.cpu import levers as levers_mod
 from leangrpo.cpu.levers import CPULevers
-from leangrpo.data.rows import render_prompt
+from leangrpo.data.rows import PromptFormat
 from leangrpo.data.sources import load_rows
 from leangrpo.data.tasks import load_task
 from leangrpo.engines import rollout
@@ -83,7 +83,7 @@ def main() -> None:
     cfg = validate_config({"model": {"name_or_path": str(model_dir)}, "data": data,
                            "rewards": {"functions": [{"name": "correctness"}]}})  # fmt: skip
     row = load_rows(cfg.data, load_task(cfg.task)).rows[0]
-    prompt = render_prompt(tok, row["prompt"], cfg.data.assistant_prefix)
+    prompt = PromptFormat.from_config(cfg.data).render(tok, row["prompt"])
     times: dict[str, list[float]] = {}
 
     def timed(name: str, fn) -> object:

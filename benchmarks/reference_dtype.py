@@ -73,12 +73,13 @@ def main() -> None:
         print(f"load {load}, torch threads {torch.get_num_threads()}")
         print("updates | tokens | ref logp |diff| max / mean | k3 fp32 ref mean | k3 |diff| max / mean | "
               "ref pass s fp32 / bf16")  # fmt: skip
-        shipped = trainer.reference
+        shipped = trainer.updater.reference
 
         def compare(rollout):
             """The step's own (fp32) reference pass, then the bf16 copy's and the policy's on its rollout."""
             start = time.perf_counter()
-            r32, old_logp = shipped(rollout)
+            ref = shipped(rollout)
+            r32 = ref.ref_logp
             t32 = time.perf_counter() - start
             r16, t16 = timed_logprobs(ref16, rollout, micro, trainer.group)
             logp, _ = timed_logprobs(trainer.unwrapped, rollout, micro, trainer.group)
@@ -89,9 +90,9 @@ def main() -> None:
             print(f"{len(done)} | {int(mask.sum())} | {dref.max():.4f} / {dref.mean():.5f} | "
                   f"{k32.mean():.3e} | {dk.max():.2e} / {dk.mean():.2e} | {t32:.2f} / {t16:.2f}",
                   flush=True)  # fmt: skip
-            return r32, old_logp
+            return ref
 
-        trainer.reference = compare
+        trainer.updater.reference = compare
         done: list[dict] = []
         for step in range(1, a.updates + 2):
             done.append(trainer.step(step))

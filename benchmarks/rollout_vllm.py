@@ -26,7 +26,7 @@ from vs_trl import SMOLLM2_135M  # noqa: E402
 from leangrpo.engines.rollout import HFEngine, Sampling, eos_token_ids
 from leangrpo.models.load import cache_root, load_tokenizer, packaged_gguf
 from leangrpo.run.resolve import validate_config
-from leangrpo.train.engine import cpu_levers
+from leangrpo.train.levers import cpu_levers
 
 ARCHS = {  # LlamaConfig / Qwen2Config keyword arguments
     # vLLM's CPU attention needs a head dimension >= 32

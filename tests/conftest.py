@@ -113,12 +113,12 @@ TOOL_TRACES = {  # question -> the model's turns; each turn but the last calls t
 def tool_prompt(tok, question: str, schemas: bool = False) -> str:
     """The prompt text of `question`, by default without the tools' schemas (the tool loop runs the
     calculator all the same); with `schemas`, as a training run shows it."""
-    from leangrpo.data.rows import render_prompt
+    from leangrpo.data.rows import PromptFormat
     from leangrpo.data.tasks.calculator import calculator
     from leangrpo.engines.tools import Toolbox
 
-    tools = {"tools": Toolbox([calculator]).schemas} if schemas else None
-    return render_prompt(tok, [{"role": "user", "content": question}], "", tools)
+    tools = Toolbox([calculator]).schemas if schemas else None
+    return PromptFormat().render(tok, [{"role": "user", "content": question}], tools)
 
 
 def tool_trajectory(tok, question: str, schemas: bool = False) -> tuple[list[int], list[int], list[int]]:

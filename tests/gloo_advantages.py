@@ -1,10 +1,8 @@
-"""Run by torch.multiprocessing in test_trl: `Trainer.advantages` on one of two gloo processes."""
+"""Run by torch.multiprocessing in test_trl: `Scorer.advantages` on one of two gloo processes."""
 
 from __future__ import annotations
 
 import os
-from functools import partial
-from types import SimpleNamespace
 
 import torch
 
@@ -12,7 +10,7 @@ AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 def advantages_on_rank(rank: int, port: int, rewards: torch.Tensor, out: str) -> None:
-    """This rank's half of `rewards` [2N, 2] (one column per reward function) through Trainer.advantages
+    """This rank's half of `rewards` [2N, 2] (one column per reward function) through Scorer.advantages
     with scale_rewards=batch, for each multi_objective_aggregation; saves {aggregation: (advantages,
     group stds)} to out/rank<R>.pt."""
     os.environ.update(
@@ -22,7 +20,7 @@ def advantages_on_rank(rank: int, port: int, rewards: torch.Tensor, out: str) ->
 
     from leangrpo.data.rewards import RewardScores
     from leangrpo.run.resolve import validate_config
-    from leangrpo.train.trainer import Trainer
+    from leangrpo.train.scoring import Scorer
 
     n = len(rewards) // 2
     per_func = rewards[rank * n : (rank + 1) * n]
@@ -37,8 +35,7 @@ def advantages_on_rank(rank: int, port: int, rewards: torch.Tensor, out: str) ->
                         "multi_objective_aggregation": aggregation},
             "grpo": {"num_generations": 4, "scale_rewards": "batch"},
         })  # fmt: skip
-        trainer = SimpleNamespace(acc=acc, cfg=cfg, reward_funcs=[(None, None, 1.0)] * 2)
-        trainer._combine = partial(Trainer._combine, trainer)
-        results[aggregation] = Trainer.advantages(trainer, scores)
+        scorer = Scorer(cfg, acc, [(None, None, 1.0)] * 2, conversational=False, num_rows=1)
+        results[aggregation] = scorer.advantages(scores)
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()  # gloo threads left at exit can abort the process

@@ -61,7 +61,7 @@ def test_traces_are_what_the_chat_template_renders_and_parse_back(real_tokenizer
     whose result is the gold answer; and the task finds the answer correct."""
     from transformers import AutoTokenizer
 
-    from leangrpo.data.rows import render_prompt
+    from leangrpo.data.rows import PromptFormat
 
     tok = AutoTokenizer.from_pretrained(real_tokenizer_dir)
     prepare_tokenizer(tok)
@@ -83,7 +83,7 @@ def test_traces_are_what_the_chat_template_renders_and_parse_back(real_tokenizer
             {"role": "tool", "name": "calculator", "content": row["answer"]},
             {"role": "assistant", "content": final},
         ]  # fmt: skip
-        shown = render_prompt(tok, prompt, "", {"tools": box.schemas})
+        shown = PromptFormat().render(tok, prompt, box.schemas)
         assert tok.apply_chat_template(conversation, tools=box.schemas, tokenize=False) == (
             shown + trace + tok.eos_token + "\n"
         )

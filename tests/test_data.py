@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from leangrpo.config.schema import DataConfig, TaskConfig
-from leangrpo.data.rows import has_chat_template, render_prompt
+from leangrpo.data.rows import PromptFormat, has_chat_template
 from leangrpo.data.sources import DataError, LoadedData, PromptSampler, load_rows
 from leangrpo.data.tasks import load_task
 from leangrpo.data.tasks.gsm8k import parse_gold, solution_steps
@@ -249,10 +249,10 @@ def tiny_tokenizer(chat_template: str | None) -> PreTrainedTokenizerFast:
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
 
 
-def test_render_prompt_with_chat_template():
+def test_prompt_format_with_chat_template():
     tokenizer = tiny_tokenizer(CHATML)
     assert has_chat_template(tokenizer)
-    text = render_prompt(tokenizer, MESSAGES, assistant_prefix="<reasoning>\n")
+    text = PromptFormat("<reasoning>\n").render(tokenizer, MESSAGES)
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n"
         "<|im_start|>user\n2+3?<|im_end|>\n"
@@ -260,11 +260,11 @@ def test_render_prompt_with_chat_template():
     )
 
 
-def test_render_prompt_plain_fallback():
+def test_prompt_format_plain_fallback():
     tokenizer = tiny_tokenizer(None)
     assert not has_chat_template(tokenizer)
-    assert render_prompt(tokenizer, MESSAGES) == "Be brief.\n\nQuestion: 2+3?\nAnswer:"
-    assert render_prompt(tokenizer, MESSAGES[1:], "<reasoning>\n") == (
+    assert PromptFormat().render(tokenizer, MESSAGES) == "Be brief.\n\nQuestion: 2+3?\nAnswer:"
+    assert PromptFormat("<reasoning>\n").render(tokenizer, MESSAGES[1:]) == (
         "Question: 2+3?\nAnswer: <reasoning>\n"
     )
     few_shot = [
@@ -273,7 +273,7 @@ def test_render_prompt_plain_fallback():
         {"role": "user", "content": "2+3?"},
     ]
     expected = "Question: 1+1?\nAnswer: 2\n\nQuestion: 2+3?\nAnswer:"
-    assert render_prompt(tokenizer, few_shot) == expected
+    assert PromptFormat().render(tokenizer, few_shot) == expected
 
 
 # --- sampling --------------------------------------------------------------------------------
@@ -377,7 +377,7 @@ def test_trl_standard_and_prompt_only_rows(tmp_path):
     path = write_jsonl(tmp_path / "std.jsonl", [{"prompt": "The sky is"}, {"prompt": "Once upon", "id": 7}])
     rows = load(path, task="dataset").rows
     assert rows == [{"prompt": "The sky is"}, {"prompt": "Once upon", "id": 7}]  # text, no chat, no answer
-    assert render_prompt(tiny_tokenizer(CHATML), rows[0]["prompt"], "<r>") == "The sky is<r>"
+    assert PromptFormat("<r>").render(tiny_tokenizer(CHATML), rows[0]["prompt"]) == "The sky is<r>"
 
 
 def test_gsm8k_task_needs_an_answer_column(tmp_path):

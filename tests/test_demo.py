@@ -261,7 +261,7 @@ def test_tools_recipe_builds_and_its_report_counts_tool_use():
     the share of questions with a tool call and with a failed call, each with its paired interval."""
     from leangrpo.engines.tools import Toolbox
     from leangrpo.tools.demo import CALCULATOR_TOOL
-    from leangrpo.train.engine import agent_from_config
+    from leangrpo.train.levers import agent_from_config
 
     cfg = demo_config("tools", 20, False, "o", control="random-reward")
     assert cfg.task.name == "calculator" and cfg.tools.functions == [CALCULATOR_TOOL]

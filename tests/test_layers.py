@@ -126,14 +126,14 @@ def test_each_layer_says_what_lives_there(package):
 
 
 def test_only_the_cpu_hook_imports_the_cpu_layer():
-    """leangrpo.cpu is reached through one hook, train/engine.cpu_levers, which imports it for a model on
+    """leangrpo.cpu is reached through one hook, train/levers.cpu_levers, which imports it for a model on
     CPU only; no other module outside cpu/ names it in an import."""
     importers = {
         source
         for source, target, _ in leangrpo_imports()
         if target.startswith("leangrpo.cpu") and not source.startswith("leangrpo.cpu")
     }
-    assert importers == {"leangrpo.train.engine"}, importers
+    assert importers == {"leangrpo.train.levers"}, importers
 
 
 def test_on_cuda_nothing_from_the_cpu_layer_is_imported():
@@ -144,7 +144,7 @@ def test_on_cuda_nothing_from_the_cpu_layer_is_imported():
         "import leangrpo.cli, leangrpo.train.trainer, leangrpo.tools.evaluate, leangrpo.tools.chat\n"
         "import leangrpo.tools.trl_api, leangrpo.tools.demo, leangrpo.tools.export\n"
         "from leangrpo.config.schema import CPUConfig\n"
-        "from leangrpo.train.engine import cpu_levers\n"
+        "from leangrpo.train.levers import cpu_levers\n"
         "assert cpu_levers(torch.device('cuda'), CPUConfig()) is None\n"
         "print(sorted(m for m in sys.modules if m.startswith('leangrpo.cpu')))\n"
     )

@@ -379,8 +379,8 @@ def test_bf16_reference_copy_keeps_fp32_logprobs_and_a_small_kl(tmp_path, tiny_m
     assert {p.dtype for p in trainer.unwrapped.parameters()} == {torch.float32}
     assert ref.get_output_embeddings().weight is ref.get_input_embeddings().weight
     assert ref.model.rotary_emb.inv_freq.dtype == torch.float32
-    _, rollout = trainer.rollout(1)
-    ref_logp, _ = trainer.reference(rollout)
+    rollout = trainer.source.rollout(1).batch
+    ref_logp = trainer.updater.reference(rollout).ref_logp
     with torch.no_grad():
         logp = batch_logprobs(trainer.unwrapped, rollout, 4, trainer.group)
     mask = rollout.completion_mask.bool()
@@ -575,7 +575,7 @@ def test_optimizer_in_backward_leaves_the_cold_start_alone(tmp_path, tiny_model_
     trainer = trainer_mod.Trainer(in_backward_cfg(tmp_path, tiny_model_dir, gsm8k_dir, "run", True))
     params = [p for p in trainer.unwrapped.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
-    _, rollout = trainer.rollout(1)
+    rollout = trainer.source.rollout(1).batch
     from leangrpo.train.logprobs import micro_batch_logprobs
 
     logp, _ = micro_batch_logprobs(trainer.policy, rollout, slice(None), group=trainer.group)

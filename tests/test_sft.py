@@ -8,6 +8,7 @@ import torch
 from leangrpo.data.rewards import correctness_reward, strict_format_reward, xmlcount_reward
 from leangrpo.data.tasks.gsm8k import tagged_solution
 from leangrpo.models.load import load_tokenizer
+from leangrpo.data.rows import PromptFormat
 from leangrpo.train.sft import nll_loss, sft_batch
 
 SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 in all.\n#### 72"
@@ -41,7 +42,7 @@ def test_sft_batch_trains_only_what_the_prefix_does_not_prefill(real_tokenizer):
         tok,
         [r["prompt"] for r in rows],
         [tagged_solution(r["solution"], r["answer"]) for r in rows],
-        assistant_prefix="<reasoning>\n",
+        prompt_format=PromptFormat("<reasoning>\n"),
         max_prompt_length=64,
         max_completion_length=200,
     )
@@ -59,7 +60,7 @@ def test_sft_batch_flags_targets_longer_than_the_completion_budget(real_tokenize
         real_tokenizer,
         [ROW["prompt"]],
         [tagged_solution(SOLUTION, "72")],
-        assistant_prefix="",
+        prompt_format=PromptFormat(),
         max_prompt_length=64,
         max_completion_length=5,
     )
@@ -95,7 +96,7 @@ def test_cold_start_raises_the_likelihood_of_tagged_solutions(tmp_path, tiny_mod
         trainer.tokenizer,
         [r["prompt"] for r in rows],
         [trainer.task.solution(r) for r in rows],
-        assistant_prefix="",
+        prompt_format=PromptFormat(),
         max_prompt_length=128,
         max_completion_length=64,
     )
@@ -122,7 +123,7 @@ def test_a_tool_traces_results_are_out_of_the_cold_start_loss(
     prepare_tokenizer(tok)
     trace = tool_trace("1234 + 5678", "6912")
     batch = sft_batch(
-        tok, [ROW["prompt"], ROW["prompt"]], [trace, "no tools"], assistant_prefix="", max_prompt_length=64,
+        tok, [ROW["prompt"], ROW["prompt"]], [trace, "no tools"], prompt_format=PromptFormat(), max_prompt_length=64,
         max_completion_length=200,
     )  # fmt: skip
     ids, mask = batch.completion_ids[0], batch.completion_mask[0].bool()

@@ -481,6 +481,7 @@ def test_evaluation_rolls_out_with_the_tools(tool_tokenizer):
     tool calls and failures."""
     from leangrpo.config.schema import TaskConfig
     from leangrpo.data.tasks import load_task
+    from leangrpo.engines.rollout import Sampling
     from leangrpo.train.evaluation import evaluate
 
     rows = [
@@ -490,7 +491,7 @@ def test_evaluation_rolls_out_with_the_tools(tool_tokenizer):
     engine = ScriptedEngine(tool_tokenizer)
     result = evaluate(
         SimpleNamespace(device=torch.device("cpu")), tool_tokenizer, rows,
-        [("record", record_reward, 1.0)], load_task(TaskConfig()), max_new_tokens=128, progress=False,
+        [("record", record_reward, 1.0)], load_task(TaskConfig()), Sampling(1, 512, 128), progress=False,
         engine=engine, agent=AgentSpec([add, broken]),
     )  # fmt: skip
     assert all('"name": "add"' in text and '"name": "broken"' in text for text in engine.texts)

@@ -406,7 +406,7 @@ def test_sampling_knobs_and_generation_kwargs_shape_the_rollout(tiny_model_dir):
 
 
 def test_chat_template_kwargs_reach_the_template():
-    from leangrpo.data.rows import render_prompt
+    from leangrpo.data.rows import PromptFormat
 
     class Tok:
         chat_template = "x"
@@ -415,8 +415,8 @@ def test_chat_template_kwargs_reach_the_template():
             return f"{messages[-1]['content']}|thinking={kwargs.get('enable_thinking', True)}"
 
     messages = [{"role": "user", "content": "hi"}]
-    assert render_prompt(Tok(), messages) == "hi|thinking=True"
-    assert render_prompt(Tok(), messages, "", {"enable_thinking": False}) == "hi|thinking=False"
+    assert PromptFormat().render(Tok(), messages) == "hi|thinking=True"
+    assert PromptFormat("", {"enable_thinking": False}).render(Tok(), messages) == "hi|thinking=False"
 
 
 # --- export ------------------------------------------------------------------------------------
@@ -539,6 +539,7 @@ def test_evaluation_passes_completion_ids_to_trl_rewards(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from leangrpo.data.tasks.dataset import TASK
+    from leangrpo.engines.rollout import Sampling
     from leangrpo.train.evaluation import evaluate
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -553,7 +554,7 @@ def test_evaluation_passes_completion_ids_to_trl_rewards(tiny_model_dir):
         rows,
         [("overlong", overlong, 1.0)],
         TASK(),
-        max_new_tokens=5,
+        Sampling(num_generations=1, max_prompt_length=512, max_completion_length=5),
         batch_size=2,
         progress=False,
     )

@@ -12,7 +12,9 @@ from leangrpo.core import grpo
 from leangrpo.data.rewards import RewardScores
 from leangrpo.engines.rollout import RolloutBatch
 from leangrpo.run.resolve import validate_config
+from leangrpo.train.scoring import Scorer
 from leangrpo.train.trainer import Trainer
+from leangrpo.train.update import Updater
 
 
 def test_rollouts_cat_and_select_pad_and_pick_rows():
@@ -120,7 +122,7 @@ def test_mask_truncated_completions_leaves_cut_off_completions_out(tmp_path, tin
 @pytest.mark.slow
 def test_normalize_then_sum_makes_the_advantages(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
     seen: dict[str, Any] = {}
-    real_score, real_update = Trainer.score, Trainer.update
+    real_score, real_update = Scorer.score, Updater.__call__
 
     def score(self, *args):
         seen["scores"] = real_score(self, *args)
@@ -130,8 +132,8 @@ def test_normalize_then_sum_makes_the_advantages(tmp_path, tiny_model_dir, gsm8k
         seen["advantages"] = advantages
         return real_update(self, rollout, advantages, *args)
 
-    monkeypatch.setattr(Trainer, "score", score)
-    monkeypatch.setattr(Trainer, "update", update)
+    monkeypatch.setattr(Scorer, "score", score)
+    monkeypatch.setattr(Updater, "__call__", update)
     functions = [{"name": "toy_rewards:vowel_share"}, {"name": "toy_rewards:length_share", "weight": 3.0}]
     rewards = {"functions": functions, "multi_objective_aggregation": "normalize_then_sum"}
     make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, rewards=rewards).step(1)
@@ -147,16 +149,16 @@ def test_dynamic_sampling_trains_on_informative_groups(tmp_path, tiny_model_dir,
     rewards = {"functions": [{"name": "toy_rewards:vowel_share_some_questions"}]}
     grpo_section = {"dynamic_sampling": True, "max_resample_rounds": 8}
     trainer = make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, rewards=rewards, grpo=grpo_section)
-    first = [trainer.rows[i]["question"] for i in trainer.sampler.indices(0)]
+    first = [trainer.rows[i]["question"] for i in trainer.source.sampler.indices(0)]
     assert any(len(q) % 3 for q in first)  # the first draw holds an uninformative group
     seen = []
-    real_score = Trainer.score
+    real_score = trainer.scorer.score
 
-    def score(self, step, rows, rollout):
-        seen.append([r["question"] for r in rows])
-        return real_score(self, step, rows, rollout)
+    def score(step, rollout, stop):
+        seen.append([r["question"] for r in rollout.rows])
+        return real_score(step, rollout, stop)
 
-    trainer.score = score.__get__(trainer)
+    trainer.scorer.score = score
     metrics = trainer.step(1)
     rounds = metrics["dynamic_sampling/rounds"]
     assert len(seen) == rounds + 1 and seen[0] == first and 1 <= rounds <= 8
@@ -165,7 +167,7 @@ def test_dynamic_sampling_trains_on_informative_groups(tmp_path, tiny_model_dir,
     assert metrics["dynamic_sampling/groups_dropped"] == sum(len(q) % 3 != 0 for q in drawn)
     assert metrics["dynamic_sampling/filled"] == 0 and metrics["frac_reward_zero_std"] == 0.0
     # The extra rounds' prompts come from their own seeded order, a pure function of seed, step and round.
-    assert seen[1] == [trainer.rows[i]["question"] for i in trainer.resampler.indices(0)]
+    assert seen[1] == [trainer.rows[i]["question"] for i in trainer.source.resampler.indices(0)]
 
 
 @pytest.mark.slow

@@ -3,7 +3,12 @@ generation starts from. Tasks and data sources both use it, so it imports neithe
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from leangrpo.config.schema import DataConfig
 
 Message = dict[str, str]  # one chat message: {"role": ..., "content": ...}
 
@@ -25,34 +30,44 @@ def prompt_text(prompt: str | list[Message]) -> str:
     return str(user[-1]["content"])
 
 
-def render_prompt(
-    tokenizer: Any,
-    messages: str | list[Message],
-    assistant_prefix: str = "",
-    chat_template_kwargs: dict[str, Any] | None = None,
-) -> str:
-    """Prompt text for generation, ending where the assistant's answer begins.
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a row's prompt becomes the text generation continues: the chat template (or the plain-text form
+    of a base model), `data.chat_template_kwargs`, the rollout's tool schemas and `data.assistant_prefix`.
+    The row's system prompt is already in its messages (`load_rows`). Every path that renders a prompt
+    (rollouts, evaluation, the cold start, the long-prompt check, rollout_func, chat) calls `render`, so
+    none can leave an option out."""
 
-    A text prompt (TRL's standard format) is used verbatim, followed by ``assistant_prefix``.
-    With a chat template: the template with the generation prompt. Without one (base models):
-    ``"{system}\\n\\n"`` (if any), then ``"Question: {user}\\nAnswer:"`` per user turn, with
-    earlier assistant turns as ``" {answer}\\n\\n"``, so few-shot messages read naturally.
-    ``assistant_prefix`` (e.g. ``"<reasoning>\\n"``) prefills the assistant turn; in the
-    plain-text form it is separated from ``"Answer:"`` by one space.
-    """
-    if isinstance(messages, str):
-        return messages + assistant_prefix
-    if has_chat_template(tokenizer):
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
-        )
-        return text + assistant_prefix
-    text = "".join(_plain_turn(m) for m in messages)
-    return f"{text} {assistant_prefix}" if assistant_prefix else text
+    assistant_prefix: str = ""
+    chat_template_kwargs: Mapping[str, Any] | None = None
+
+    @classmethod
+    def from_config(cls, data: DataConfig) -> PromptFormat:
+        return cls(data.assistant_prefix, data.chat_template_kwargs)
+
+    def render(self, tokenizer: Any, prompt: str | list[Message], tools: list[Any] | None = None) -> str:
+        """Prompt text for generation, ending where the assistant's answer begins.
+
+        A text prompt (TRL's standard format) is used verbatim, followed by the assistant prefix. With a
+        chat template: the template with the generation prompt, given the chat template kwargs and, with
+        `tools`, the tool schemas. Without one (base models): ``"{system}\\n\\n"`` (if any), then
+        ``"Question: {user}\\nAnswer:"`` per user turn, with earlier assistant turns as
+        ``" {answer}\\n\\n"``, so few-shot messages read naturally. The assistant prefix (e.g.
+        ``"<reasoning>\\n"``) prefills the assistant turn; in the plain-text form it is separated from
+        ``"Answer:"`` by one space."""
+        prefix = self.assistant_prefix
+        if isinstance(prompt, str):
+            return prompt + prefix
+        if has_chat_template(tokenizer):
+            kwargs = {**(self.chat_template_kwargs or {}), **({} if tools is None else {"tools": tools})}
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kwargs)
+            return text + prefix
+        text = "".join(_plain_turn(m) for m in prompt)
+        return f"{text} {prefix}" if prefix else text
 
 
 def _plain_turn(message: Message) -> str:
-    """One message in the plain-text prompt format of ``render_prompt``."""
+    """One message in the plain-text prompt format of ``PromptFormat.render``."""
     role, content = message["role"], message["content"]
     if role == "system":
         return f"{content}\n\n"

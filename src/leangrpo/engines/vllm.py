@@ -181,6 +181,8 @@ def reload_weights(llm: Any, method: str | Callable[..., None] = "reload_weights
 class VLLMEngine:
     """A RolloutEngine on one colocated `vllm.LLM`."""
 
+    holds_weights = sampler_logprobs = True
+
     def __init__(
         self,
         path: str,
@@ -254,6 +256,23 @@ class VLLMEngine:
             self.weights_asleep = False
         with torch.no_grad():
             reload_weights(self.llm, weights_iterator=applied_weights(model) if weights is None else weights)
+
+
+    def close(self) -> None:
+        """In a job of several processes, leave the groups the engines formed over them, while the job's own
+        group still exists (`leave_vllm_groups`); alone, vLLM's own single-process group stays for the
+        next engine in this process."""
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            leave_vllm_groups()
+
+
+def check_colocate(cfg: Config, device: str) -> None:
+    """What can fail before a colocated engine loads: vLLM missing, sleep mode off a GPU. Several processes
+    each hold an engine of their own (DDP and FSDP2 alike)."""
+    import_vllm()
+    if cfg.grpo.vllm_enable_sleep_mode and device != "cuda":
+        raise VLLMError("grpo.vllm_enable_sleep_mode needs CUDA (vLLM sleeps only on GPUs); set it to false")
 
 
 def _executor() -> str | None:

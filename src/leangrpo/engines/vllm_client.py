@@ -27,7 +27,7 @@ import torch
 
 from leangrpo.engines.rollout import RolloutBatch, Sampling
 from leangrpo.engines.tools import Toolbox
-from leangrpo.engines.vllm import VLLMError, applied_weights, sampled_batch, sampling_fields
+from leangrpo.engines.vllm import VLLMError, applied_weights, import_vllm, sampled_batch, sampling_fields
 from leangrpo.models.load import is_peft
 
 if TYPE_CHECKING:
@@ -48,8 +48,22 @@ def server_url(base_url: str | None, host: str, port: int) -> str:
     return (base_url or f"http://{host}:{port}").rstrip("/")
 
 
+def check_server(device: str, sharded: bool) -> None:
+    """Server mode: the trainer needs vLLM only on CUDA (its NCCL group), and the whole weights on the
+    process that sends them (DDP, not FSDP)."""
+    if device == "cuda":
+        import_vllm()
+    if sharded:
+        raise VLLMError(
+            "grpo.vllm_mode=server runs under DDP, not FSDP, for now (the first process sends the whole "
+            "weights); launch with the ddp accelerate config"
+        )
+
+
 class VLLMServerEngine:
     """A RolloutEngine on a vLLM server at `url`, checked against the trainer's `model` before use."""
+
+    holds_weights = sampler_logprobs = True
 
     def __init__(
         self,
@@ -135,6 +149,10 @@ class VLLMServerEngine:
                     self._send_file(model)
         if several:
             dist.barrier()
+
+    def close(self) -> None:
+        """The HTTP connections go; the server and its weights stay for the next run."""
+        self.http.close()
 
     def _send_file(self, model: PreTrainedModel) -> None:
         """One safetensors file in `sync_dir` (which the server must see at the same path), loaded by the

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from leangrpo.config.schema import CPUConfig, TaskConfig
-from leangrpo.data.rows import render_prompt
+from leangrpo.data.rows import PromptFormat
 from leangrpo.data.tasks import load_task
 from leangrpo.engines.rollout import Sampling, generate
 from leangrpo.run.trained import load_trained
-from leangrpo.train.engine import cpu_levers
+from leangrpo.train.levers import cpu_levers
 
 
 class Chat:
@@ -28,14 +28,16 @@ class Chat:
             trained.config["data"] if trained else {"system_prompt": load_task(TaskConfig()).system_prompt}
         )
         self.system_prompt = system_prompt if system_prompt is not None else data.get("system_prompt")
-        self.assistant_prefix = data.get("assistant_prefix", "")
+        # as the run rendered its prompts (chat_template_kwargs such as Qwen3's enable_thinking included)
+        kwargs = data.get("chat_template_kwargs")
+        self.prompt_format = PromptFormat(data.get("assistant_prefix", ""), kwargs if isinstance(kwargs, dict) else None)
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.levers = cpu_levers(self.model.device, CPUConfig())
 
     def prompt(self, question: str) -> str:
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         messages.append({"role": "user", "content": question})
-        return render_prompt(self.tokenizer, messages, self.assistant_prefix)
+        return self.prompt_format.render(self.tokenizer, messages)
 
     def ask(self, question: str) -> str:
         """The model's answer (with the assistant prefix it was prefilled with)."""
@@ -45,7 +47,7 @@ class Chat:
             max_completion_length=self.max_new_tokens,
             temperature=self.temperature or 1.0,
             do_sample=self.temperature > 0,
-            assistant_prefix=self.assistant_prefix,
+            assistant_prefix=self.prompt_format.assistant_prefix,
         )
         batch = generate(self.model, self.tokenizer, [self.prompt(question)], sampling, levers=self.levers)
         return batch.completion_texts[0]

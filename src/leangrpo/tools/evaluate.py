@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from leangrpo.config.schema import Config, CPUConfig, DataConfig, RewardSpec, TaskConfig
 from leangrpo.data.rewards import load_rewards
 from leangrpo.data.rewards.registry import foreign_rewards
+from leangrpo.data.rows import PromptFormat
 from leangrpo.data.tasks import Task, load_task
 from leangrpo.engines.rollout import HFEngine, RolloutEngine, eos_token_ids
 from leangrpo.engines.tools import AgentSpec, prepare_tokenizer
@@ -20,11 +21,12 @@ from leangrpo.run.resolve import load_config, validate_config
 from leangrpo.run.rundir import check_writable, is_run_dir
 from leangrpo.run.trained import Trained, load_trained, locate
 from leangrpo.run.trust import TRUST_FLAG, is_run_owned, refusal, tool_code
-from leangrpo.train.engine import agent_from_config, cpu_levers
+from leangrpo.train.levers import agent_from_config, cpu_levers
 from leangrpo.train.evaluation import (
     EvalError,
     EvalResult,
     RewardFuncs,
+    eval_sampling,
     evaluate,
     load_eval_rows,
     resolve_data_path,
@@ -73,20 +75,17 @@ def run_eval(
     lm, tokenizer, _ = load_trained(model, dtype=dtype, adapter=adapter, trust_remote_code=trust_remote_code)
     if inputs.agent is not None:
         prepare_tokenizer(tokenizer)
-    max_new_tokens = max_new_tokens or (cfg.grpo.max_completion_length if cfg else 256)
-    max_prompt_length = cfg.grpo.max_prompt_length if cfg else 512
+    sampling = eval_sampling(cfg.grpo if cfg else None, inputs.data, max_new_tokens)
+    max_model_len = sampling.max_prompt_length + sampling.max_completion_length
     generator = (
-        _vllm_engine(lm, tokenizer, cfg, max_prompt_length + max_new_tokens, dtype, seed, trust_remote_code)
+        _vllm_engine(lm, tokenizer, cfg, max_model_len, dtype, seed, trust_remote_code)
         if engine == "vllm"
         else HFEngine(lm, tokenizer, cpu_levers(lm.device, cfg.cpu if cfg else CPUConfig()))
     )
     result = evaluate(
-        lm, tokenizer, inputs.rows, inputs.reward_funcs, inputs.task,
-        assistant_prefix=inputs.data.assistant_prefix, max_new_tokens=max_new_tokens,
-        max_prompt_length=max_prompt_length, batch_size=batch_size, num_samples=num_samples,
-        temperature=cfg.grpo.temperature if cfg else 1.0, top_p=cfg.grpo.top_p if cfg else 1.0, seed=seed,
-        engine=generator, agent=inputs.agent,
-        max_tool_calling_iterations=cfg.grpo.max_tool_calling_iterations if cfg else None,
+        lm, tokenizer, inputs.rows, inputs.reward_funcs, inputs.task, sampling,
+        prompt_format=PromptFormat.from_config(inputs.data), batch_size=batch_size, num_samples=num_samples,
+        seed=seed, engine=generator, agent=inputs.agent,
     )  # fmt: skip
     meta = dict(model=model, adapter=adapter, data=inputs.source, split=split, num_samples=num_samples)
     return result, result.save(path, **meta)

@@ -171,9 +171,7 @@ class GRPOTrainer:
     def train(self, resume_from_checkpoint: str | bool | None = None, **_: Any) -> TrainOutput:
         """Train (or with `resume_from_checkpoint` True or a path, continue the run from its last complete
         checkpoint); an earlier run in output_dir is replaced, as TRL writes over it."""
-        import torch
-
-        from leangrpo.train.trainer import Trainer
+        from leangrpo.train.trainer import Trainer, run
 
         cfg = self.cfg
         if isinstance(resume_from_checkpoint, str | Path):
@@ -183,11 +181,7 @@ class GRPOTrainer:
         resume = bool(resume_from_checkpoint)
         trainer = Trainer(cfg, overwrite=not resume, resume=resume, agent=self._agent, extras=self._extras)
         self._call("on_train_begin")
-        try:
-            self._final = trainer.train()
-        finally:
-            if trainer.acc.num_processes > 1:
-                torch.distributed.destroy_process_group()
+        self._final = run(trainer)  # the CLI's run and teardown
         if trainer.is_main:  # a signal stops train() with Stopped
             write_report_after_training(Path(cfg.output_dir), print)
         self._call("on_train_end")

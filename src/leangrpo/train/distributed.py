@@ -100,6 +100,10 @@ class Replicated:
         n = self.acc.num_processes
         return f"{n} processes, data parallel (DDP)" if n > 1 else "1 process"
 
+    def any_process(self, flag: bool) -> bool:
+        """True on every process when `flag` is true on any (so that all stop, skip or save together)."""
+        return bool(self.acc.reduce(torch.tensor(float(flag), device=self.acc.device), "sum") > 0)
+
     def wrap(self, policy: Policy) -> nn.Module:
         return self.acc.prepare_model(policy)
 

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from leangrpo.config.schema import step_interval
 from leangrpo.core.errors import UserError
 from leangrpo.data.rewards import soft_format_reward, strict_format_reward
+from leangrpo.data.rows import PromptFormat
 from leangrpo.run.rundir import atomic_path, claim, write_text_atomic
+from leangrpo.train.scoring import RewardFuncs
 
 # (text, token length, truncated, token ids) of each completion of each prompt
 Completions = list[list[tuple[str, int, bool, list[int]]]]
@@ -34,12 +36,11 @@ if TYPE_CHECKING:
     from torch import Tensor
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from leangrpo.config.schema import Config, DataConfig
+    from leangrpo.config.schema import Config, DataConfig, GRPOSection
     from leangrpo.data.tasks import Task
     from leangrpo.engines.rollout import RolloutBatch, RolloutEngine, Sampling
     from leangrpo.engines.tools import AgentSpec, Toolbox, ToolUse
 
-RewardFuncs = list[tuple[str, Callable[..., list[Any]], float]]
 FORMAT_REWARDS = (strict_format_reward, soft_format_reward)
 """Rewards that check the output format: their rate of non-zero scores is reported as `format/<name>`."""
 DATA_SUFFIXES = (".jsonl", ".parquet", ".json")
@@ -77,41 +78,35 @@ def evaluate(
     rows: list[dict[str, Any]],
     reward_funcs: RewardFuncs,
     task: Task,
+    sampling: Sampling,
     *,
-    assistant_prefix: str = "",
-    max_new_tokens: int = 256,
-    max_prompt_length: int = 512,
+    prompt_format: PromptFormat | None = None,
     batch_size: int = 16,
     num_samples: int = 0,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
     seed: int = 0,
     on_error: Literal["raise", "missing"] = "missing",
     progress: bool = True,
     engine: RolloutEngine | None = None,
     agent: AgentSpec | None = None,
-    max_tool_calling_iterations: int | None = None,
 ) -> EvalResult:
     """Greedy-decode one completion per row (rows as `data.load_rows` makes them), score it with
     `reward_funcs` and the task's correctness, and with `num_samples = k > 0` also sample k completions
     per row for pass@k, on a seeded RNG stream of its own (a training run's randomness stays untouched).
+    `sampling`: the run's (`eval_sampling`): its lengths, tool rounds and knobs, the greedy pass with
+    sampling off. `prompt_format`: the run's (default: the sampling's assistant prefix alone).
     `engine` generates (default: HF generate on `model`; a VLLMEngine holding its weights).
-    `agent` (tools or environments, its tokenizer prepared): rollouts go through the tool loop, at most
-    `max_tool_calling_iterations` rounds of calls."""
+    `agent` (tools or environments, its tokenizer prepared): rollouts go through the tool loop."""
     import torch
     from tqdm import tqdm
 
-    from leangrpo.engines.rollout import HFEngine, Sampling
+    from leangrpo.engines.rollout import HFEngine
 
     if not rows:
         raise EvalError("no rows to evaluate")
     agent = agent if agent is not None and agent.uses_tools else None
-    gen = partial(_generate_all, engine or HFEngine(model, tokenizer), tokenizer, rows, agent)
-    greedy_sampling = Sampling(
-        num_generations=1, max_prompt_length=max_prompt_length, max_completion_length=max_new_tokens,
-        do_sample=False, assistant_prefix=assistant_prefix,
-        max_tool_calling_iterations=max_tool_calling_iterations,
-    )  # fmt: skip
+    fmt = prompt_format or PromptFormat(sampling.assistant_prefix)
+    gen = partial(_generate_all, engine or HFEngine(model, tokenizer), tokenizer, rows, agent, fmt)
+    greedy_sampling = replace(sampling, num_generations=1, do_sample=False, seed=None)
     # leave=False: in training, the bar goes once done and the console table goes on under the GRPO bar
     bar = tqdm(
         total=len(rows) * (1 + num_samples), desc="eval", unit="completion", disable=not progress,
@@ -123,14 +118,27 @@ def evaluate(
         tools = use if agent is not None else None  # a rollout_func's own tool calls are not counted here
         records = _records(rows, greedy, use, tools, reward_funcs, task, tokenizer, on_error)
         if num_samples:
-            k = replace(
-                greedy_sampling, num_generations=num_samples, do_sample=True, temperature=temperature,
-                top_p=top_p,
-            )  # fmt: skip
+            k = replace(greedy_sampling, num_generations=num_samples, do_sample=True)
             sample = partial(gen, k, max(1, batch_size // num_samples), bar)
             _count_sampled_correct(records, rows, task, sample, seed, model.device)
     metrics = summarize(records, reward_funcs, num_samples)
     return EvalResult(metrics | (tools.metrics() if tools is not None else {}), records)
+
+
+def eval_sampling(grpo: GRPOSection | None, data: DataConfig, max_new_tokens: int | None = None) -> Sampling:
+    """How an evaluation samples: as the training run's rollouts (`grpo`; without one, its defaults), with
+    `data`'s assistant prefix, up to `max_new_tokens` (default: grpo.max_completion_length, else 256) and
+    never ignoring EOS. `evaluate` turns sampling off for its greedy pass."""
+    from leangrpo.engines.rollout import Sampling
+
+    if grpo is None:
+        return Sampling(
+            num_generations=1, max_prompt_length=512, max_completion_length=max_new_tokens or 256,
+            assistant_prefix=data.assistant_prefix,
+        )  # fmt: skip
+    training = Sampling.from_config(grpo, data.assistant_prefix)
+    length = max_new_tokens or grpo.max_completion_length
+    return replace(training, max_completion_length=length, ignore_eos=False)
 
 
 def _count_sampled_correct(
@@ -193,6 +201,7 @@ def _generate_all(
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict[str, Any]],
     agent: AgentSpec | None,
+    prompt_format: PromptFormat,
     sampling: Sampling,
     prompts_per_call: int,
     bar: Any,
@@ -201,7 +210,6 @@ def _generate_all(
     in `rows` order, and what they did with the tools (with `agent`) or what a rollout_func engine
     returned besides the tokens (None otherwise). Prompts go `prompts_per_call` at a time, similar
     lengths together."""
-    from leangrpo.data.rows import render_prompt
     from leangrpo.engines.tools import ToolUse
 
     per_prompt = sampling.num_generations
@@ -209,12 +217,11 @@ def _generate_all(
     episodes = agent.start(rows, per_prompt) if agent is not None else None
     prompts = [r["prompt"] for r in rows] if episodes is None else episodes.prompts
     texts = [
-        render_prompt(
-            tokenizer, prompt, sampling.assistant_prefix,
-            None if episodes is None else {"tools": episodes.toolboxes[i * per_prompt].schemas},
+        prompt_format.render(
+            tokenizer, prompt, None if episodes is None else episodes.toolboxes[i * per_prompt].schemas
         )
         for i, prompt in enumerate(prompts)
-    ]  # fmt: skip
+    ]
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
     order = sorted(range(len(rows)), key=lambda i: lengths[i])
     out: Completions = [[] for _ in texts]
@@ -265,13 +272,9 @@ def score(
     rewards get what they get in training (the turns as messages, the environments, a rollout_func's
     extra keys)."""
     from leangrpo.data.rewards import RewardContext, score_completions
-    from leangrpo.engines.rollout import as_reward_inputs
+    from leangrpo.train.scoring import reward_inputs
 
-    prompts, comps = as_reward_inputs([r["prompt"] for r in rows], completions, conversational)
-    columns = {k: [r.get(k) for r in rows] for k in rows[0] if k != "prompt"}
-    if use is not None:
-        comps = use.messages if conversational else comps
-        columns.update(use.columns)
+    prompts, comps, columns = reward_inputs(rows, completions, conversational, use)
     scores = score_completions(reward_funcs, prompts, comps, columns, on_error, RewardContext(completion_ids))
     records = []
     for i, (row, text) in enumerate(zip(rows, completions, strict=True)):
@@ -353,14 +356,14 @@ class RolloutFuncEngine:
     as it does in training (greedy evaluation and pass@k samples alike). Its extra keys reach the
     evaluation's rewards, as in training."""
 
+    holds_weights = sampler_logprobs = False
+
     def __init__(
         self, rollout_func: Callable[..., dict[str, Any]], trainer: Any, tokenizer: PreTrainedTokenizerBase,
-        eos: list[int], prompts: list[Any], assistant_prefix: str,
+        eos: list[int], prompts: list[Any], prompt_format: PromptFormat,
     ):  # fmt: skip
-        from leangrpo.data.rows import render_prompt
-
         self.rollout_func, self.trainer, self.tokenizer, self.eos = rollout_func, trainer, tokenizer, eos
-        self.prompts = {render_prompt(tokenizer, p, assistant_prefix): p for p in prompts}
+        self.prompts = {prompt_format.render(tokenizer, p): p for p in prompts}
 
     def generate(
         self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
@@ -376,6 +379,9 @@ class RolloutFuncEngine:
     def sync_weights(
         self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
     ) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -415,24 +421,13 @@ class TrainingEvaluator:
         `name`: the files' stem (default `step-N`)."""
         cfg, ev = self.cfg, self.cfg.eval
         result = evaluate(
-            model,
-            tokenizer,
-            self.rows,
-            self.reward_funcs,
-            self.task,
-            assistant_prefix=cfg.data.assistant_prefix,
-            max_new_tokens=ev.max_new_tokens or cfg.grpo.max_completion_length,
-            max_prompt_length=cfg.grpo.max_prompt_length,
-            batch_size=ev.batch_size,
-            num_samples=ev.num_samples,
-            temperature=cfg.grpo.temperature,
-            top_p=cfg.grpo.top_p,
-            seed=cfg.seed,
+            model, tokenizer, self.rows, self.reward_funcs, self.task,
+            eval_sampling(cfg.grpo, cfg.data, ev.max_new_tokens),
+            prompt_format=PromptFormat.from_config(cfg.data), batch_size=ev.batch_size,
+            num_samples=ev.num_samples, seed=cfg.seed,
             progress=cfg.logging.progress_bar,  # called on the main process only
-            engine=engine,
-            agent=self.agent,
-            max_tool_calling_iterations=cfg.grpo.max_tool_calling_iterations,
-        )
+            engine=engine, agent=self.agent,
+        )  # fmt: skip
         stem = name or f"step-{step}"
         result.save(self.run_dir / "eval" / f"{stem}.json", step=step, data=self.source, split=ev.split)
         return {"step": step, **{f"eval/{k}": v for k, v in result.metrics.items()}}

@@ -1,6 +1,6 @@
 """Every check of a run's config against the machine and the launch it runs on, in one place, before any
 model loads: the run directory (fresh or resumed), device-only and package-only options, what FSDP cannot
-honour, vLLM's limits, the trackers' packages. Each refusal is one line naming the option and the fix.
+honour, the rollout engine's limits, the trackers' packages. Each refusal is one line naming the option and the fix.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import yaml
 from leangrpo.config.schema import Config
 from leangrpo.core.errors import DeviceOptionError, UserError
 from leangrpo.engines.tools import AgentSpec
-from leangrpo.engines.vllm import VLLMError, import_vllm
+from leangrpo.engines.registry import engine_kind
 from leangrpo.run.checkpoint import RESUMABLE_KEYS, CheckpointError, flatten, read_state
 from leangrpo.run.rundir import check_output_dir
 from leangrpo.run.tracking import TrackerError
@@ -39,7 +39,7 @@ def preflight(cfg: Config, world: World, *, overwrite: bool = False, resume_from
         check_resumable(resume_from, cfg, world.num_processes)
     _device_options(cfg, world)
     _sharding(cfg, world)
-    _vllm(cfg, world)
+    _engine(cfg, world)
     _async(cfg, world)
     _trackers(cfg)
 
@@ -98,29 +98,9 @@ def _sharding(cfg: Config, world: World) -> None:
         )
 
 
-def _vllm(cfg: Config, world: World) -> None:
-    """Everything about `grpo.use_vllm` that can fail before the engine loads: vLLM missing, sleep mode
-    off a GPU. Several processes each hold an engine of their own (DDP and FSDP2 alike)."""
-    if not cfg.grpo.use_vllm:
-        return
-    if cfg.grpo.vllm_mode == "server":
-        _vllm_server(world)
-        return
-    import_vllm()
-    if cfg.grpo.vllm_enable_sleep_mode and world.device != "cuda":
-        raise VLLMError("grpo.vllm_enable_sleep_mode needs CUDA (vLLM sleeps only on GPUs); set it to false")
-
-
-def _vllm_server(world: World) -> None:
-    """Server mode: the trainer needs vLLM only on CUDA (its NCCL group), and the whole weights on the
-    process that sends them (DDP, not FSDP)."""
-    if world.device == "cuda":
-        import_vllm()
-    if world.sharded:
-        raise VLLMError(
-            "grpo.vllm_mode=server runs under DDP, not FSDP, for now (the first process sends the whole "
-            "weights); launch with the ddp accelerate config"
-        )
+def _engine(cfg: Config, world: World) -> None:
+    """What the rollout engine the config picks cannot run (vLLM missing, sleep mode off a GPU...)."""
+    engine_kind(cfg).check(cfg, world.device, world.sharded)
 
 
 def _async(cfg: Config, world: World) -> None:
@@ -135,7 +115,7 @@ def _async(cfg: Config, world: World) -> None:
         "grpo.vllm_enable_sleep_mode": g.vllm_enable_sleep_mode
         and "vLLM would sleep during the update, when async rollouts generate",
         "FSDP": world.sharded
-        and not (g.use_vllm and g.vllm_mode == "server")
+        and engine_kind(cfg).copy_in_process
         and "the engine would hold a whole unsharded copy of the weights on every process",
     }
     for option, reason in why.items():

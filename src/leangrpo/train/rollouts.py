@@ -15,16 +15,42 @@ import hashlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.engines.rollout import RolloutBatch, RolloutEngine
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-Rollout = tuple[list[dict[str, Any]], RolloutBatch]
-"""A step's rows (its prompts) and their sampled completions."""
+    from leangrpo.engines.rollout import GenerateLevers
+    from leangrpo.engines.tools import AgentSpec
+    from leangrpo.train.distributed import Replicated
+
+
+
+@dataclass
+class Rollout:
+    """A step's rows (its prompts), their sampled completions, and what generating them measured
+    (async/*, dynamic_sampling/*): the step's data travels with it, not beside it."""
+
+    rows: list[dict[str, Any]]
+    batch: RolloutBatch
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Generation:
+    """What a rollout source generates with: the policy (wrapped for DDP or FSDP2), how it is distributed,
+    its tokenizer and the device's speed levers, and TRL's tools, environments or rollout_func."""
+
+    policy: torch.nn.Module
+    dist: Replicated
+    tokenizer: PreTrainedTokenizerBase
+    levers: GenerateLevers | None
+    agent: AgentSpec | None
+
 
 Job = Callable[[RolloutEngine], Rollout]
 """Generating one batch with a given engine: what may run in the background thread."""
@@ -63,7 +89,7 @@ def _timed(job: Job, engine: RolloutEngine) -> tuple[Rollout, float]:
 
 class AsyncRollouts:
     """One background thread generating with `engine` (which must hold weights of its own: see
-    `train.engine.async_engine`), the batch in flight, and the weights' version the engine holds."""
+    `engines.registry.async_engine`), the batch in flight, and the weights' version the engine holds."""
 
     def __init__(self, engine: RolloutEngine, max_staleness: int, updates_per_step: int):
         self.engine = engine

@@ -8,16 +8,68 @@ differ, and RL takes it from there.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from leangrpo.data.rows import Message, render_prompt
+from leangrpo.config.schema import step_interval
+from leangrpo.data.rows import Message, PromptFormat
+from leangrpo.data.sources import PromptSampler
 from leangrpo.engines.rollout import RolloutBatch
+from leangrpo.train.logprobs import micro_batch_logprobs
+from leangrpo.train.optim import build_optimizer
 
 if TYPE_CHECKING:
+    from accelerate import Accelerator
     from transformers import PreTrainedTokenizerBase
+
+    from leangrpo.config.schema import Config
+    from leangrpo.data.tasks import Task
+    from leangrpo.train.rollouts import Generation
+
+
+def cold_start(
+    cfg: Config,
+    acc: Accelerator,
+    gen: Generation,
+    task: Task,
+    rows: list[dict[str, Any]],
+    write: Callable[[str], None],
+) -> None:
+    """`sft.steps` supervised steps on `task`'s worked solutions of `rows`, before the first GRPO step, with
+    an optimizer of their own; each prompt is shown as rollouts show it (with its tools, in a run that
+    has them)."""
+    from tqdm import trange
+
+    s, policy, agent = cfg.sft, gen.policy, gen.agent
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, cfg.optim, learning_rate=s.learning_rate)
+    order = PromptSampler(len(rows), s.batch_size, cfg.seed + 1, acc.process_index, acc.num_processes)
+    fmt = PromptFormat.from_config(cfg.data)
+    policy.train()
+    show = acc.is_main_process and cfg.logging.progress_bar
+    for step in trange(s.steps, desc="SFT cold start", disable=not show, dynamic_ncols=True):
+        batch_rows = [rows[i] for i in order.indices(step)]
+        prompts, tools = [r["prompt"] for r in batch_rows], None
+        if agent is not None and agent.uses_tools:  # the prompts as rollouts show them
+            episodes = agent.start(batch_rows, 1)
+            prompts, tools = episodes.prompts, [box.schemas for box in episodes.toolboxes]
+        batch = sft_batch(
+            gen.tokenizer, prompts, [task.solution(r) for r in batch_rows], prompt_format=fmt,
+            max_prompt_length=cfg.grpo.max_prompt_length, max_completion_length=cfg.grpo.max_completion_length,
+            tools=tools,
+        ).to(acc.device)  # fmt: skip
+        logp, _ = micro_batch_logprobs(policy, batch, slice(None), temperature=1.0)
+        loss = nll_loss(logp, batch.loss_mask[:, : logp.shape[1]])  # a trace's tool results: out
+        acc.backward(loss)
+        gen.dist.clip_grad_norm(policy, cfg.optim.max_grad_norm or math.inf)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % step_interval(cfg.logging.logging_steps, s.steps) == 0 or step + 1 == s.steps:
+            write(f"sft step {step + 1:>4} | loss={loss.item():.4g}")
 
 
 def sft_batch(
@@ -25,20 +77,21 @@ def sft_batch(
     prompts: list[list[Message]],
     solutions: list[str],
     *,
-    assistant_prefix: str,
+    prompt_format: PromptFormat,
     max_prompt_length: int,
     max_completion_length: int,
-    chat_template_kwargs: list[dict[str, Any]] | None = None,
+    tools: list[list[Any]] | None = None,
 ) -> RolloutBatch:
     """Prompts (left-padded) and their solutions (right-padded, ending in EOS) as a RolloutBatch, so the
-    cold start scores targets through the same log-prob path as GRPO. `chat_template_kwargs`: one per
-    prompt (a run with tools shows each prompt with its rollout's tools, as GRPO will).
+    cold start scores targets through the same log-prob path as GRPO. `tools`: each prompt's tool schemas
+    (a run with tools shows each prompt with its rollout's tools, as GRPO will).
 
     The part of the target that the assistant prefix already prefills is not trained on, nor are the tool
     results of a tool-use trace (`target_ids`): they are out of `loss_mask`, as in GRPO.
     """
-    kwargs = chat_template_kwargs or [{} for _ in prompts]
-    texts = [render_prompt(tokenizer, p, assistant_prefix, k) for p, k in zip(prompts, kwargs, strict=True)]
+    schemas = tools or [None for _ in prompts]
+    texts = [prompt_format.render(tokenizer, p, t) for p, t in zip(prompts, schemas, strict=True)]
+    assistant_prefix = prompt_format.assistant_prefix
     targets = [s.removeprefix(assistant_prefix) + tokenizer.eos_token for s in solutions]
     prompt = tokenizer(
         texts, return_tensors="pt", padding=True, truncation=True, max_length=max_prompt_length,

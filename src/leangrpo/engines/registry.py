@@ -1,0 +1,114 @@
+"""The rollout engines by name, and the one builder that maps a config to one of them.
+
+TRL's `grpo.use_vllm` and `grpo.vllm_mode` stay the user-facing names; `engine_name` reads them here and
+nowhere else (outside the config), and everything else asks the engine's `EngineKind` what it needs to
+know: whether the engine holds weights of its own (synced after each update) and whether it holds a whole
+copy in this process. Adding an engine is one entry in `ENGINES` and one line in `engine_name`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from leangrpo.engines.rollout import HFEngine, SnapshotEngine, eos_token_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from leangrpo.config.schema import Config, GRPOSection
+    from leangrpo.engines.rollout import GenerateLevers, RolloutEngine
+
+Builder = Callable[["Config", "PreTrainedModel", "PreTrainedTokenizerBase", "GenerateLevers | None"], "RolloutEngine"]
+Check = Callable[["Config", str, bool], None]
+"""A refusal, in one line, of what the engine cannot run (config, device type, sharded), before any model
+loads."""
+
+
+def _no_check(cfg: Config, device: str, sharded: bool) -> None:
+    """HF generate runs wherever the policy does."""
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """An engine: how to build it and check the run for it, and what the trainer must know of it.
+    `holds_weights`: a copy of the weights of its own, which the trainer syncs after each update (else it
+    reads the policy, and under FSDP2 generates inside the gathered weights). `copy_in_process`: that copy,
+    or async rollouts' snapshot of the policy, is whole in this process (refused with FSDP2 and async)."""
+
+    build: Builder
+    check: Check = _no_check
+    holds_weights: bool = False
+    copy_in_process: bool = True
+
+
+def _hf(
+    cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None
+) -> RolloutEngine:
+    return HFEngine(model, tokenizer, levers)
+
+
+def _vllm(
+    cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None
+) -> RolloutEngine:
+    from leangrpo.engines.vllm import VLLMEngine
+
+    return VLLMEngine.from_config(cfg, tokenizer, eos_token_ids(tokenizer, model))
+
+
+def _vllm_server(
+    cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None
+) -> RolloutEngine:
+    from leangrpo.engines.vllm_client import VLLMServerEngine
+
+    return VLLMServerEngine.from_config(cfg, model, tokenizer, eos_token_ids(tokenizer, model))
+
+
+def _check_vllm(cfg: Config, device: str, sharded: bool) -> None:
+    from leangrpo.engines.vllm import check_colocate
+
+    check_colocate(cfg, device)
+
+
+def _check_vllm_server(cfg: Config, device: str, sharded: bool) -> None:
+    from leangrpo.engines.vllm_client import check_server
+
+    check_server(device, sharded)
+
+
+ENGINES: dict[str, EngineKind] = {
+    "hf": EngineKind(_hf),
+    "vllm": EngineKind(_vllm, _check_vllm, holds_weights=True),
+    "vllm_server": EngineKind(_vllm_server, _check_vllm_server, holds_weights=True, copy_in_process=False),
+}
+
+
+def engine_name(g: GRPOSection) -> str:
+    """The engine TRL's names pick: HF generate, a colocated vLLM (`vllm_mode: colocate`) or a server."""
+    if not g.use_vllm:
+        return "hf"
+    return "vllm_server" if g.vllm_mode == "server" else "vllm"
+
+
+def engine_kind(cfg: Config) -> EngineKind:
+    return ENGINES[engine_name(cfg.grpo)]
+
+
+def build_engine(
+    cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None
+) -> RolloutEngine:
+    """The engine `cfg` picks (vLLM's holds the checkpoint's weights until its first sync; a server is
+    waited for and checked against `model`)."""
+    return engine_kind(cfg).build(cfg, model, tokenizer, levers)
+
+
+def async_engine(
+    engine: RolloutEngine,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    levers: GenerateLevers | None,
+) -> RolloutEngine:
+    """The engine async rollouts generate with while the update runs: one holding weights of its own, or for
+    one that reads the policy, a snapshot of them (a copy of the trainable weights)."""
+    return engine if engine.holds_weights else SnapshotEngine(model, tokenizer, levers)

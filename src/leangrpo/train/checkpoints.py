@@ -1,0 +1,118 @@
+"""When a run checkpoints, and what a checkpoint holds beyond the files `run.checkpoint` writes: the
+trainable weights (refused when not finite), the optimizer's state as the distribution keeps it, the
+schedule, the RNG and the counters; and a resume's restore of them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from leangrpo.config.schema import step_interval
+from leangrpo.core.errors import UserError
+from leangrpo.run.checkpoint import (
+    load_rank_state,
+    read_state,
+    remove_partial,
+    save_checkpoint,
+    set_rng_state,
+    truncate_log,
+    what_holds,
+)
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import PreTrainedTokenizerBase
+
+    from leangrpo.config.schema import Config
+    from leangrpo.run.tracking import MetricsLogger
+    from leangrpo.train.distributed import Replicated
+    from leangrpo.train.update import Optimization
+
+
+class TrainingError(UserError, RuntimeError):
+    """The run cannot go on (too many non-finite steps in a row, weights that are not finite)."""
+
+
+def check_steps_left(ckpt: Path, max_steps: int, run_dir: Path, write: Callable[[str], None]) -> None:
+    """A resume needs steps left to train, or (checkpoint at the last step, no final model: the run died
+    while saving it) the final save still to do."""
+    step = read_state(ckpt)["step"]
+    if step == max_steps and not (run_dir / "model" / "config.json").is_file():
+        write(f"{ckpt} is the last step, but the final model was never saved: saving it now")
+    elif step >= max_steps:
+        raise TrainingError(
+            f"{ckpt} is at step {step} and optim.max_steps={max_steps}: "
+            f"nothing left to train; raise optim.max_steps to continue"
+        )
+
+
+class Checkpoints:
+    """Saves and restores a run's checkpoints; every process calls each method together."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        acc: Accelerator,
+        dist: Replicated,
+        opt: Optimization,
+        tokenizer: PreTrainedTokenizerBase,
+        write: Callable[[str], None],
+    ):
+        self.cfg, self.acc, self.dist, self.opt, self.tokenizer = cfg, acc, dist, opt, tokenizer
+        self.run_dir, self.write = Path(cfg.output_dir), write
+        self.last_save = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        """Every `save_steps` steps, once `save_minutes` have passed since the last save (decided by any
+        process, so all save together), and at the last step; never when both are 0."""
+        log, max_steps = self.cfg.logging, self.cfg.optim.max_steps
+        if not (log.save_steps or log.save_minutes):
+            return False
+        every = step_interval(log.save_steps, max_steps)
+        if step == max_steps or (every and step % every == 0):
+            return True
+        late = bool(log.save_minutes) and time.monotonic() - self.last_save >= 60 * log.save_minutes
+        return self.dist.any_process(late)
+
+    def check_finite(self, what: str) -> None:
+        """Refuse to save non-finite weights (NaN or inf in any trainable parameter, on any process)."""
+        params = (p for p in self.opt.policy.parameters() if p.requires_grad)
+        if self.dist.any_process(any(not bool(torch.isfinite(p).all()) for p in params)):
+            raise TrainingError(
+                f"the trained weights are not finite (NaN or inf), so {what} is not saved; "
+                f"{what_holds(self.run_dir)}"
+            )
+
+    def save(self, step: int, state: dict[str, Any], rng: dict[str, Any] | None = None) -> Path:
+        """`checkpoint-{step}` of the weights and states now, with the trainer's `state` (its counters);
+        `rng`: the RNG state to record instead of the current one."""
+        self.check_finite(f"checkpoint-{step}")
+        opt, dist = self.opt, self.dist
+        ckpt = save_checkpoint(
+            self.run_dir, step, model=dist.saveable(opt.policy), tokenizer=self.tokenizer,
+            optimizer_state=dist.optimizer_state(opt.policy, opt.optimizer), scheduler=opt.scheduler,
+            cfg=self.cfg, state={"world_size": self.acc.num_processes, **state}, rank=self.acc.process_index,
+            barrier=self.acc.wait_for_everyone, rng=rng,
+        )  # fmt: skip
+        self.last_save = time.monotonic()
+        return ckpt
+
+    def restore(self, ckpt: Path, logger: MetricsLogger) -> dict[str, Any]:
+        """The optimizer, schedule and RNG as they were right after the checkpoint's step (the weights were
+        loaded before wrapping); log rows after that step are dropped, since those steps run again.
+        Returns the checkpoint's state (its step and the trainer's counters)."""
+        state = read_state(ckpt)
+        rank_state = load_rank_state(ckpt, self.acc.process_index)
+        self.dist.load_optimizer_state(self.opt.policy, self.opt.optimizer, rank_state["optimizer"])
+        self.opt.scheduler.load_state_dict(rank_state["scheduler"])
+        if self.acc.is_main_process:
+            remove_partial(self.run_dir)
+            for log in (logger.metrics_path, logger.samples_path):
+                truncate_log(log, state["step"])
+            self.write(f"resuming from {ckpt} at step {state['step']}")
+        set_rng_state(rank_state["rng"])  # last: nothing may draw random numbers after this
+        return state

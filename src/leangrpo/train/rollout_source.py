@@ -1,0 +1,278 @@
+"""Where a step's batch comes from: the step's prompts, the rollout engine (built once, given the policy's
+weights when it holds a copy of its own), async rollouts generated in the background, TRL's rollout_func,
+and DAPO's dynamic sampling rounds. A step's prompts and samples are a pure function of the seed, the step,
+the round and the process, so that a resumed run draws exactly what an uninterrupted one would."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from leangrpo.core import grpo
+from leangrpo.data.rewards import RewardScores
+from leangrpo.data.sources import PromptSampler
+from leangrpo.engines.registry import async_engine, build_engine, engine_kind
+from leangrpo.data.rows import PromptFormat
+from leangrpo.engines.rollout import (
+    MAX_CHARS_PER_TOKEN,
+    RolloutBatch,
+    RolloutEngine,
+    Sampling,
+    eos_token_ids,
+    rollout_func_batch,
+)
+from leangrpo.train.rollouts import AsyncRollouts, Generation, Job, Rollout, rollout_seed
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import PreTrainedTokenizerBase
+
+    from leangrpo.config.schema import Config
+    from leangrpo.train.logprobs import Policy
+    from leangrpo.train.scoring import Scorer
+
+
+def long_prompts(tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]], cfg: Config) -> str | None:
+    """A warning of how many prompts are longer than grpo.max_prompt_length (rollouts keep only their
+    end), rendered as rollouts render them; None when none is."""
+    limit, fmt = cfg.grpo.max_prompt_length, PromptFormat.from_config(cfg.data)
+
+    def too_long(text: str) -> bool:  # too many characters for `limit` tokens: no need to tokenize it
+        return (
+            len(text) > MAX_CHARS_PER_TOKEN * limit
+            or len(tokenizer(text, add_special_tokens=False).input_ids) > limit
+        )
+
+    long = sum(too_long(fmt.render(tokenizer, r["prompt"])) for r in rows)
+    if not long:
+        return None
+    return (
+        f"warning: {long} of {len(rows)} prompts are longer than grpo.max_prompt_length={limit} tokens; "
+        "their start is cut off in rollouts"
+    )
+
+
+class RolloutSource:
+    """A step's rows and their sampled completions, by whichever engine the config picks."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        acc: Accelerator,
+        gen: Generation,
+        rows: list[dict[str, Any]],
+        prompt_format: PromptFormat,
+        trainer: Any,
+        release_memory: Callable[[], None],
+    ):
+        """`trainer`: what a rollout_func is given (TRL passes its trainer)."""
+        self.cfg, self.acc, self.gen, self.rows = cfg, acc, gen, rows
+        self.prompt_format, self.trainer, self.release_memory = prompt_format, trainer, release_memory
+        self.kind = engine_kind(cfg)
+        self.sampling = Sampling.from_config(cfg.grpo, cfg.data.assistant_prefix)
+        # each step's prompts, and dynamic sampling's extra prompts in their own seeded order
+        self.sampler, self.resampler = (
+            PromptSampler(len(rows), cfg.prompts_per_step, seed, acc.process_index, acc.num_processes)
+            for seed in (cfg.seed, cfg.seed + 2)
+        )
+        self._engine: RolloutEngine | None = None  # built at the first rollout, after any resume or SFT
+        self._rollouts: AsyncRollouts | None = None  # grpo.async_rollouts: built with the engine
+
+    @property
+    def unwrapped(self) -> Policy:
+        return self.acc.unwrap_model(self.gen.policy)
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The rollout engine (HF generate, or a vLLM engine built once and fed the current weights)."""
+        if self._engine is None:
+            gen = self.gen
+            self._engine = build_engine(self.cfg, self.unwrapped.lm, gen.tokenizer, gen.levers)
+        return self._engine
+
+    @property
+    def syncs_each_step(self) -> bool:
+        """The engine holds weights of its own, given the policy's before each step's rollout (async
+        rollouts give them after it instead, then generate the next batch)."""
+        return self.kind.holds_weights and not self.cfg.grpo.async_rollouts
+
+    def start(self) -> None:
+        """Build an engine holding weights of its own now, before any work, so that a model it cannot load
+        stops the run at once."""
+        if self.kind.holds_weights:
+            _ = self.engine
+
+    def sync(self) -> None:
+        """Load the policy's current weights into an engine holding its own (HF generate reads the policy
+        itself). Every process syncs its own engine; under FSDP2 they gather the weights together, a shard
+        group at a time (`Sharded.engine_weights`)."""
+        if self.kind.holds_weights:
+            self.engine.sync_weights(self.unwrapped.lm, self.gen.dist.engine_weights(self.gen.policy))
+
+    def sync_for_eval(self, step: int) -> None:
+        """The engine given the weights of the step just trained, before evaluating with it (async: after
+        the batch in flight)."""
+        if self._rollouts is not None and self._rollouts.engine is self.engine:
+            self._rollouts.sync(self.unwrapped.lm, step * self.cfg.grpo.num_iterations)
+        else:
+            self.sync()
+
+    def generating(self) -> AbstractContextManager[None]:
+        """Around generation: under FSDP2 HF generate needs the whole weights gathered; an engine holding
+        its own copy leaves the shards as they are."""
+        return nullcontext() if self.kind.holds_weights else self.gen.dist.full_weights(self.gen.policy)
+
+    def rollout(self, step: int, round_: int = 0) -> Rollout:
+        """The step's prompts (`round_` > 0: dynamic sampling's extra draws) and G sampled completions of
+        each; with async rollouts, the batch generated in the background (started now if it was not)."""
+        if self.cfg.grpo.async_rollouts:
+            return self._take(step)
+        agent = self.gen.agent
+        if agent is not None and agent.rollout_func is not None:
+            return self._rollout_func(self.step_rows(step, round_))
+        job = self.job(step, round_)
+        with self.generating():
+            rollout = job(self.engine)
+        self.release_memory()
+        return rollout
+
+    def step_rows(self, step: int, round_: int = 0) -> list[dict[str, Any]]:
+        """The rows of `step`'s prompts (of dynamic sampling's round `round_`)."""
+        if round_:
+            indices = self.resampler.indices((step - 1) * self.cfg.grpo.max_resample_rounds + round_ - 1)
+        else:
+            indices = self.sampler.indices(step - 1)
+        return [self.rows[i] for i in indices]
+
+    def _rollout_func(self, rows: list[dict[str, Any]]) -> Rollout:
+        """TRL's rollout_func: the user's function generates, with the trainer in hand. The sampler's
+        log-probs it returns are kept where the engine's would be (vLLM)."""
+        G, gen = self.cfg.grpo.num_generations, self.gen
+        assert gen.agent is not None and gen.agent.rollout_func is not None
+        with gen.dist.full_weights(gen.policy):
+            output = gen.agent.rollout_func([r["prompt"] for r in rows for _ in range(G)], self.trainer)
+        eos = eos_token_ids(gen.tokenizer, self.unwrapped.lm)
+        batch = rollout_func_batch(output, gen.tokenizer, eos, self.acc.device, self.kind.holds_weights)
+        self.release_memory()
+        return Rollout(rows, batch)
+
+    def job(self, step: int, round_: int = 0) -> Job:
+        """Generating `step`'s batch: here, what must run on this thread (the prompts, the environments'
+        reset); returned, the rest as a function of the engine, which may run in another thread. The
+        samples are drawn from the rollout's own seed (`rollout_seed`)."""
+        cfg, G, agent, tokenizer = self.cfg, self.cfg.grpo.num_generations, self.gen.agent, self.gen.tokenizer
+        rows = self.step_rows(step, round_)
+        episodes = agent.start(rows, G) if agent is not None and agent.uses_tools else None
+        if episodes is not None:  # the prompts after the environments' reset, each with its tools
+            rows = [{**r, "prompt": p} for r, p in zip(rows, episodes.prompts, strict=True)]
+        texts = [
+            self.prompt_format.render(
+                tokenizer, r["prompt"], None if episodes is None else episodes.toolboxes[i * G].schemas
+            )
+            for i, r in enumerate(rows)
+        ]
+        sampling = replace(self.sampling, seed=rollout_seed(cfg.seed, step, round_, self.acc.process_index))
+        device = self.acc.device
+
+        def generate(engine: RolloutEngine) -> Rollout:
+            batch = engine.generate(texts, sampling, None if episodes is None else episodes.toolboxes)
+            batch = batch.to(device)
+            if episodes is not None and episodes.environments is not None and batch.tool_use is not None:
+                batch.tool_use.columns["environments"] = episodes.environments  # TRL gives them to rewards
+            return Rollout(rows, batch)
+
+        return generate
+
+    # -------------------------------------------------------------------------------- async rollouts
+
+    @property
+    def rollouts(self) -> AsyncRollouts:
+        """Async rollouts' background thread and engine (built at the first rollout, like the engine)."""
+        if self._rollouts is None:
+            g, gen = self.cfg.grpo, self.gen
+            engine = async_engine(self.engine, self.unwrapped.lm, gen.tokenizer, gen.levers)
+            self._rollouts = AsyncRollouts(engine, g.max_staleness, g.num_iterations)
+        return self._rollouts
+
+    @property
+    def in_flight_step(self) -> int | None:
+        """The step whose batch async rollouts are generating, if any (a checkpoint records it as dropped)."""
+        in_flight = None if self._rollouts is None else self._rollouts.in_flight
+        return None if in_flight is None else in_flight.step
+
+    def prefetch(self, step: int, trained: int) -> None:
+        """Async rollouts: give the engine the policy's weights, those after step `trained`, and start
+        generating `step`'s batch in the background."""
+        self.rollouts.sync(self.unwrapped.lm, trained * self.cfg.grpo.num_iterations)
+        self.rollouts.submit(step, self.job(step))
+
+    def prefetch_next(self, step: int) -> None:
+        """While `step` trains, generate the next step's batch, if the staleness bound allows it."""
+        if self.rollouts.ahead and step < self.cfg.optim.max_steps:
+            self.prefetch(step + 1, trained=step - 1)
+
+    def _take(self, step: int) -> Rollout:
+        """`step`'s batch from the background thread (generated now if none was ahead: the first step, a
+        resumed run's, or a staleness bound below num_iterations), with its async/* metrics."""
+        if self.rollouts.in_flight is None:
+            self.prefetch(step, trained=step - 1)
+        taken = self.rollouts.take(step)
+        staleness = float((step - 1) * self.cfg.grpo.num_iterations - taken.version)
+        assert staleness <= self.cfg.grpo.max_staleness, f"a batch {staleness} optimizer steps stale"
+        rollout = taken.rollout
+        if staleness == 0 and not self.kind.holds_weights:  # a snapshot of the policy's own weights:
+            rollout.batch.sampling_logprobs = None  # no gap to correct, as with HF generate
+        every = self.acc.gather(torch.tensor([staleness], device=self.acc.device))
+        rollout.metrics.update({
+            "async/staleness_mean": float(every.mean()),
+            "async/staleness_max": float(every.max()),
+            "async/generate_seconds": taken.seconds,
+        })  # fmt: skip
+        self.release_memory()
+        return rollout
+
+    # ------------------------------------------------------------------------------ dynamic sampling
+
+    def resample(
+        self, step: int, rollout: Rollout, scores: RewardScores, scorer: Scorer, stop: Callable[[], bool]
+    ) -> tuple[Rollout, RewardScores]:
+        """DAPO's dynamic sampling: while this process (or any other: they generate together) has fewer
+        informative groups than the batch holds, and at most `max_resample_rounds` times, draw and score
+        another batch of prompts; then keep the first informative groups (`grpo.fill_groups`). The batch
+        to train on carries its dynamic_sampling/* metrics, summed over processes."""
+        g, any_process = self.cfg.grpo, self.gen.dist.any_process
+        drawn, informative = [(rollout, scores)], [scorer.informative(scores)]
+        while len(drawn) <= g.max_resample_rounds and any_process(
+            int(torch.cat(informative).sum()) < len(rollout.rows)
+        ):
+            more = self.rollout(step, len(drawn))
+            more_scores = scorer.score(step, more, stop)
+            drawn.append((more, more_scores))
+            informative.append(scorer.informative(more_scores))
+        flags = torch.cat(informative)
+        groups = grpo.fill_groups(flags, len(rollout.rows))
+        completions = (groups[:, None] * g.num_generations + torch.arange(g.num_generations)).flatten()
+        every_row = [row for r, _ in drawn for row in r.rows]
+        batch = RolloutBatch.cat([r.batch for r, _ in drawn]).select(completions.to(rollout.batch.prompt_ids.device))
+        kept = RewardScores.cat([s for _, s in drawn]).select(completions)
+        filled = int((~flags[groups]).sum())
+        counts = torch.tensor([len(flags), int((~flags).sum()) - filled, filled], device=self.acc.device)
+        prompts, dropped, filled = self.acc.reduce(counts, "sum").tolist()
+        metrics = {
+            "dynamic_sampling/rounds": len(drawn) - 1,
+            "dynamic_sampling/prompts_drawn": prompts,
+            "dynamic_sampling/groups_dropped": dropped,
+            "dynamic_sampling/filled": filled,
+        }
+        return Rollout([every_row[i] for i in groups.tolist()], batch, metrics), kept
+
+    def close(self) -> None:
+        """Stop the background thread (dropping the batch in flight) and close the engine."""
+        if self._rollouts is not None:
+            self._rollouts.close()
+        if self._engine is not None:
+            self._engine.close()

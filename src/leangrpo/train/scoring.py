@@ -1,0 +1,103 @@
+"""Rewards and advantages: each reward function on each completion, called as TRL calls it, and the
+advantages GRPO takes from them. `reward_inputs` is the one place that turns rows and completions into a
+reward function's arguments, for training and evaluation alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from leangrpo.core import grpo
+from leangrpo.data.rewards import RewardContext, RewardScores, TrainerState, score_completions
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from leangrpo.config.schema import Config
+    from leangrpo.engines.tools import ToolUse
+    from leangrpo.train.rollouts import Rollout
+
+RewardFuncs = list[tuple[str, Callable[..., list[Any]], float]]
+
+
+def reward_inputs(
+    rows: list[dict[str, Any]], completion_texts: list[str], conversational: bool, use: ToolUse | None = None
+) -> tuple[list[Any], list[Any], dict[str, list[Any]]]:
+    """A reward function's prompts, completions and dataset columns, in TRL's shapes, for completions that
+    come `len(completion_texts) // len(rows)` to a row: chat messages when the prompts are chats rendered
+    by a chat template, plain strings otherwise (TRL's standard format). With tools (`use`): the
+    assistant's turns, calls and results as messages, and the environments or a rollout_func's extra keys
+    as columns."""
+    per_row = len(completion_texts) // len(rows)
+    prompts = [r["prompt"] for r in rows for _ in range(per_row)]
+    chats = conversational and not isinstance(rows[0]["prompt"], str)
+    completions: list[Any] = (
+        [[{"role": "assistant", "content": t}] for t in completion_texts] if chats else completion_texts
+    )
+    columns = {k: [r.get(k) for r in rows for _ in range(per_row)] for k in rows[0] if k != "prompt"}
+    if use is not None:
+        completions = use.messages if conversational else completions
+        columns.update(use.columns)
+    return prompts, completions, columns
+
+
+class Scorer:
+    """Scores a step's completions and turns the scores into advantages, over every process's groups."""
+
+    def __init__(
+        self, cfg: Config, acc: Accelerator, reward_funcs: RewardFuncs, conversational: bool, num_rows: int
+    ):
+        self.cfg, self.acc, self.reward_funcs = cfg, acc, reward_funcs
+        self.conversational, self.num_rows = conversational, num_rows
+        self.shuffle_generator = torch.Generator().manual_seed(cfg.seed)  # grpo.shuffle_rewards only
+
+    def score(self, step: int, rollout: Rollout, stop: Callable[[], bool]) -> RewardScores:
+        """Every reward function on every completion, called as TRL calls it (prompts, completions,
+        completion_ids, the row's columns, trainer_state, log_extra, log_metric); `stop` abandons rewards
+        still running when a stop is asked for."""
+        cfg, batch = self.cfg, rollout.batch
+        prompts, completions, columns = reward_inputs(
+            rollout.rows, batch.completion_texts, self.conversational, batch.tool_use
+        )
+        ids, mask = batch.completion_ids.cpu(), batch.completion_mask.bool().cpu()
+        context = RewardContext(
+            completion_ids=[row[keep].tolist() for row, keep in zip(ids, mask, strict=True)],
+            trainer_state=TrainerState(
+                global_step=(step - 1) * cfg.grpo.num_iterations,
+                max_steps=cfg.optim.max_steps * cfg.grpo.num_iterations,
+                epoch=(step - 1) * cfg.prompts_per_step * self.acc.num_processes / self.num_rows,
+            ),
+        )
+        return score_completions(
+            self.reward_funcs, prompts, completions, columns, cfg.rewards.on_error, context,
+            cfg.rewards.timeout_s, stop=stop,
+        )  # fmt: skip
+
+    def informative(self, scores: RewardScores) -> Tensor:
+        """Which of this process's groups carry a signal, under `rewards.multi_objective_aggregation`."""
+        return grpo.informative_groups(self.combine(scores.per_func, scores.total)[1])
+
+    def combine(self, per_func: Tensor, total: Tensor) -> tuple[Tensor, Tensor]:
+        """Advantages and group stds, the rewards combined as `rewards.multi_objective_aggregation` says."""
+        G = self.cfg.grpo.num_generations
+        if self.cfg.rewards.multi_objective_aggregation == "normalize_then_sum":
+            weights = torch.tensor([weight for _, _, weight in self.reward_funcs], device=per_func.device)
+            return grpo.normalize_then_sum(per_func, weights, total.isnan(), G)
+        return grpo.group_advantages(total, G, self.cfg.grpo.scale_rewards)
+
+    def advantages(self, scores: RewardScores) -> tuple[Tensor, Tensor]:
+        """This process's advantages and every process's group reward stds, as TRL computes them: on all
+        processes' rewards (`scale_rewards: batch` and normalize_then_sum use the whole batch's std),
+        combined as `rewards.multi_objective_aggregation` says."""
+        acc = self.acc
+        per_func, total = acc.gather(scores.per_func.to(acc.device)), acc.gather(scores.total.to(acc.device))
+        if self.cfg.grpo.shuffle_rewards:
+            G = self.cfg.grpo.num_generations
+            rows = grpo.shuffle_within_groups(len(total), G, self.shuffle_generator).to(total.device)
+            per_func, total = per_func[rows], total[rows]
+        advantages, group_std = self.combine(per_func, total)
+        n = len(scores.total)
+        return advantages[acc.process_index * n : (acc.process_index + 1) * n], group_std

@@ -1,0 +1,248 @@
+"""The policy update of a step: the log-probs it compares against (the reference's, the policy's own before
+the first update, the sampler correction), then `num_iterations` optimizer steps, each accumulated over
+micro-batches. A NaN/inf loss or gradient on any process skips that optimizer step on every process."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from leangrpo.core import grpo
+from leangrpo.core.errors import DeviceOptionError
+from leangrpo.models.load import TensorStore, frozen_copy, is_peft
+from leangrpo.train.checkpoints import TrainingError
+from leangrpo.train.distributed import Sharded
+from leangrpo.train.logprobs import Policy, batch_logprobs, micro_batch_logprobs
+from leangrpo.train.loss import loss_spec
+from leangrpo.train.optim import StepInBackward, activation_offload
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from torch.optim.lr_scheduler import LambdaLR
+    from transformers import PreTrainedModel
+
+    from leangrpo.config.schema import Config
+    from leangrpo.cpu.levers import CPULevers
+    from leangrpo.engines.rollout import RolloutBatch
+    from leangrpo.train.distributed import Replicated
+
+
+@dataclass
+class Reference:
+    """What the update compares the policy against, computed once per generation batch: the reference's
+    log-probs (None at beta = 0), the policy's own before the first update (None when num_iterations is 1:
+    the ratio is then 1 by construction), the sampler's importance weights and the gap they correct
+    (vllm/*), both None without the correction."""
+
+    ref_logp: Tensor | None
+    old_logp: Tensor | None
+    sampler_weights: Tensor | None
+    mismatch: grpo.SamplerMismatch | None
+
+
+@dataclass
+class Update:
+    """What the update phase reports: the mean loss of its iterations, the last gradient norm and
+    learning rate, and each micro-batch's token counts for the KL and clip metrics."""
+
+    loss: float
+    grad_norm: float
+    learning_rate: float
+    stats: list[grpo.LossStats]
+
+
+@dataclass
+class Optimization:
+    """The policy and what steps it: the optimizer, its in-backward stepping (`optim.optimizer_in_backward`)
+    and the learning-rate schedule."""
+
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    in_backward: StepInBackward | None
+    scheduler: LambdaLR
+
+
+def build_reference(
+    cfg: Config,
+    model: PreTrainedModel,
+    dist: Replicated,
+    levers: CPULevers | None,
+    group: int,
+    run_dir: Path,
+    write: Callable[[str], None],
+) -> tuple[torch.nn.Module | None, TensorStore | None]:
+    """The frozen reference copy of full fine-tuning with beta > 0 (LoRA's reference is the model with its
+    adapter off), and the file holding its weights with `cpu.reference_on_disk` (by default on CPU without
+    FSDP, in memory where the disk has no room for it): on the run directory's disk, its nearest existing
+    folder (the directory itself is made later, under the lock)."""
+    g, asked = cfg.grpo, cfg.cpu.reference_on_disk
+    if g.beta == 0 or is_peft(model):
+        if asked:
+            write("cpu.reference_on_disk: no effect, there is no reference copy (beta = 0, or LoRA)")
+        return None, None
+    dtype = None if g.reference_dtype == "auto" else getattr(torch, g.reference_dtype)
+    sharded = isinstance(dist, Sharded)
+    if asked and (levers is None or sharded):
+        raise TrainingError(
+            f"cpu.reference_on_disk is for CPU runs without FSDP (this run: {dist.acc.device.type}, "
+            f"{dist.describe()}): elsewhere the reference must live in device memory"
+        )
+    on_disk = asked if asked is not None else levers is not None and not sharded
+    try:
+        where = next(d for d in (run_dir, *run_dir.resolve().parents) if d.is_dir())
+        pages = levers.reference_store(where) if on_disk and levers is not None else None
+        copy = frozen_copy(model, dtype, pages)
+    except DeviceOptionError as e:
+        if asked:
+            raise
+        write(f"{e}; the reference copy stays in memory")
+        pages, copy = None, frozen_copy(model, dtype)
+    ref_policy = dist.place_frozen(Policy(copy, g.temperature, g.logprob_chunk_size, group > 1))
+    if pages is not None:
+        pages.drop_pages()  # written: out of memory until the first reference pass
+    return ref_policy, pages
+
+
+class Updater:
+    """Computes a step's reference and trains the policy on it; counts the steps it skipped."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        acc: Accelerator,
+        dist: Replicated,
+        opt: Optimization,
+        ref_policy: torch.nn.Module | None,
+        ref_pages: TensorStore | None,
+        group: int,
+        release_memory: Callable[[], None],
+        write: Callable[[str], None],
+        skipped: tuple[int, int] = (0, 0),
+    ):
+        """`skipped`: the steps skipped so far and in a row at the end (a resumed run's)."""
+        self.cfg, self.acc, self.dist, self.opt = cfg, acc, dist, opt
+        self.ref_policy, self.ref_pages, self.group = ref_policy, ref_pages, group
+        self.release_memory, self.write = release_memory, write
+        self.loss_spec = loss_spec(cfg.grpo)  # the objective, its aggregation and constants, once
+        self.skipped_steps, self.nonfinite_in_a_row = skipped
+
+    @property
+    def unwrapped(self) -> Policy:
+        return self.acc.unwrap_model(self.opt.policy)
+
+    def reference(self, rollout: RolloutBatch) -> Reference:
+        """The log-probs the update compares against: the reference's (adapter disabled for LoRA, the frozen
+        copy for full fine-tuning, none at beta = 0) and, with num_iterations > 1 or the vLLM correction
+        on, the policy's own before the first update (else the update detaches its own)."""
+        g, micro = self.cfg.grpo, self.cfg.optim.per_device_train_batch_size
+        ref_logp = None
+        if g.beta > 0 and self.ref_policy is not None:
+            ref_logp = batch_logprobs(self.ref_policy, rollout, micro, self.group)
+            if self.ref_pages is not None:
+                self.ref_pages.drop_pages()
+        elif g.beta > 0:
+            lm = self.unwrapped.lm
+            assert is_peft(lm), "without a reference copy the policy is LoRA (see Trainer._build_reference)"
+            with lm.disable_adapter():
+                ref_logp = batch_logprobs(self.unwrapped, rollout, micro, self.group)
+        corrects = rollout.sampling_logprobs is not None and g.vllm_importance_sampling_correction
+        need_old = g.num_iterations > 1 or corrects
+        old_logp = batch_logprobs(self.opt.policy, rollout, micro, self.group) if need_old else None
+        weights, mismatch = self._sampler_correction(rollout, old_logp) if corrects else (None, None)
+        return Reference(ref_logp, old_logp if g.num_iterations > 1 else None, weights, mismatch)
+
+    def _sampler_correction(
+        self, rollout: RolloutBatch, old_logp: Tensor | None
+    ) -> tuple[Tensor | None, grpo.SamplerMismatch | None]:
+        """Importance weights for the gap between the sampler's distribution and the trainer's (TRL's
+        truncated/masked IS), and the numbers that make that gap visible."""
+        assert old_logp is not None and rollout.sampling_logprobs is not None
+        g = self.cfg.grpo
+        return grpo.sampler_importance_weights(
+            old_logp, rollout.sampling_logprobs, rollout.loss_mask, g.vllm_importance_sampling_mode,
+            g.vllm_importance_sampling_clip_min, g.vllm_importance_sampling_clip_max,
+        )  # fmt: skip
+
+    def __call__(self, rollout: RolloutBatch, advantages: Tensor, ref: Reference) -> Update:
+        """`num_iterations` optimizer steps on the rollout, each accumulated over micro-batches."""
+        g = self.cfg.grpo
+        mask = rollout.loss_mask.float()  # the model's tokens: a tool's are no action of the policy
+        if g.mask_truncated_completions:
+            mask = grpo.mask_truncated(mask, rollout.truncated)
+        # dapo normalises by every process's tokens (DDP then averages the gradients)
+        num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
+        self.opt.policy.train()
+        loss_total, stats, skipped = 0.0, [], False
+        grad_norm, lr = math.nan, float(self.opt.scheduler.get_last_lr()[0])
+        for _ in range(g.num_iterations):
+            iteration_loss, iteration_stats = self._backward(rollout, advantages, ref, mask, num_tokens)
+            stats += iteration_stats
+            loss_total += iteration_loss / g.num_iterations
+            grad_norm, lr, skipped = self._optimizer_step(iteration_loss)
+            if skipped:  # the step's later iterations would build on the same bad batch
+                break
+        self.release_memory()
+        self.skipped_steps += skipped
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
+        if skipped:
+            self.write("non-finite loss or gradient; update skipped")
+        return Update(loss_total, grad_norm, lr, stats)
+
+    def _backward(
+        self, rollout: RolloutBatch, advantages: Tensor, ref: Reference, mask: Tensor, num_tokens: float
+    ) -> tuple[float, list[grpo.LossStats]]:
+        """One iteration's loss and gradients, micro-batch by micro-batch (`mask`: the completion tokens
+        that count, `num_tokens` of them on an average process); returns the summed loss and each
+        micro-batch's token counts."""
+        cfg, policy, in_backward = self.cfg, self.opt.policy, self.opt.in_backward
+        micro = cfg.optim.per_device_train_batch_size
+        batch = grpo.BatchTotals(len(rollout), num_tokens, math.ceil(len(rollout) / micro))
+        iteration_loss, stats = 0.0, []
+        for start in range(0, len(rollout), micro):
+            rows = slice(start, start + micro)
+            last = start + micro >= len(rollout)
+            with (
+                self.dist.sync_gradients(policy, sync=last),
+                activation_offload(cfg.model.activation_offload),
+                nullcontext() if in_backward is None else in_backward.stepping(),
+            ):
+                logp, _, entropy = micro_batch_logprobs(policy, rollout, rows, group=self.group, with_entropy=True)
+                width = logp.shape[1]
+
+                def cut(t: Tensor | None) -> Tensor | None:
+                    return None if t is None else t[rows, :width]
+
+                loss, mb_stats = grpo.grpo_loss(
+                    logp, logp.detach() if ref.old_logp is None else ref.old_logp[rows, :width],
+                    cut(ref.ref_logp), advantages[rows], mask[rows, :width], spec=self.loss_spec, batch=batch,
+                    entropy=entropy, sampler_weights=cut(ref.sampler_weights),
+                )  # fmt: skip
+                self.acc.backward(loss)
+            iteration_loss += loss.item()
+            stats.append(mb_stats)
+        return iteration_loss, stats
+
+    def _optimizer_step(self, iteration_loss: float) -> tuple[float, float, bool]:
+        """Clip (or read the in-backward steps' norm), then step the optimizer and schedule unless the
+        loss or gradient is non-finite on any process; returns the gradient norm, the learning rate
+        the step used and whether it was skipped."""
+        opt = self.opt
+        if opt.in_backward is None:
+            grad_norm = self.dist.clip_grad_norm(opt.policy, self.cfg.optim.max_grad_norm or math.inf)
+        else:  # each parameter took its step in the backward
+            grad_norm = opt.in_backward.grad_norm
+        lr = float(opt.scheduler.get_last_lr()[0])
+        skipped = self.dist.any_process(not (math.isfinite(iteration_loss) and math.isfinite(grad_norm)))
+        if not skipped:
+            if opt.in_backward is None:
+                opt.optimizer.step()
+            opt.scheduler.step()
+        opt.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, lr, skipped
