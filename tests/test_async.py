@@ -15,7 +15,7 @@ from test_resume import _timing as _phase_timing
 from test_resume import interrupt_after, make_config, prompts_seen
 
 from leangrpo.core.errors import Stopped, UserError
-from leangrpo.engines.rollout import Sampling, SnapshotEngine
+from leangrpo.engines.hf import Sampling, SnapshotEngine
 from leangrpo.engines.tools import AgentSpec
 from leangrpo.run.checkpoint import checkpoint_dirs, read_state
 from leangrpo.run.resolve import load_config

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from leangrpo.engines.rollout import RolloutBatch
+from leangrpo.engines.hf import RolloutBatch
 from leangrpo.engines.tools import (
     AgentSpec,
     Toolbox,
@@ -461,7 +461,7 @@ class ScriptedEngine:
     def generate(self, texts, sampling, toolboxes=None):
         from torch.nn.utils.rnn import pad_sequence
 
-        from leangrpo.engines.rollout import encode_prompts, finish_batch, with_tools
+        from leangrpo.engines.hf import encode_prompts, finish_batch, with_tools
 
         self.texts += texts
         tok, eos = self.tok, [self.tok.eos_token_id]
@@ -524,9 +524,9 @@ def test_resumed_turns_give_the_tokens_of_re_encoded_ones(tool_model_dir, levers
     from conftest import TOOL_TRACES, tool_prompt, tool_trajectory
     from transformers import AutoModelForCausalLM
 
-    import leangrpo.engines.rollout as rollout
+    import leangrpo.engines.hf as hf
     from leangrpo.data.tasks.calculator import calculator
-    from leangrpo.engines.rollout import Sampling, generate
+    from leangrpo.engines.hf import Sampling, generate
     from leangrpo.models.load import load_tokenizer
 
     tok = load_tokenizer(str(tool_model_dir))
@@ -534,12 +534,12 @@ def test_resumed_turns_give_the_tokens_of_re_encoded_ones(tool_model_dir, levers
     model = AutoModelForCausalLM.from_pretrained(tool_model_dir, dtype=torch.float32)
     turns = []
 
-    class Spy(rollout.ResumedTurns):
+    class Spy(hf.ResumedTurns):
         def __init__(self, *args):
             super().__init__(*args)
             turns.append(self)
 
-    monkeypatch.setattr(rollout, "ResumedTurns", Spy)
+    monkeypatch.setattr(hf, "ResumedTurns", Spy)
     # the questions twice, in another order: rows of one batch differ in length and turn count
     questions = [*TOOL_TRACES, *reversed(TOOL_TRACES)]
     texts = [tool_prompt(tok, q) for q in questions]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import torch
 
-from leangrpo.engines.rollout import RolloutBatch, Sampling
+from leangrpo.engines.hf import RolloutBatch, Sampling
 from leangrpo.engines.tools import Toolbox
 from leangrpo.engines.vllm import VLLMError, applied_weights, sampled_batch, sampling_fields
 from leangrpo.models.load import is_peft

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from leangrpo.config.schema import Config, CPUConfig, ToolsConfig
 from leangrpo.data.rewards.registry import import_object
-from leangrpo.engines.rollout import HFEngine, RolloutEngine, SnapshotEngine, eos_token_ids
+from leangrpo.engines.hf import HFEngine, RolloutEngine, SnapshotEngine, eos_token_ids
 from leangrpo.engines.tools import AgentSpec, ToolError
 
 if TYPE_CHECKING:

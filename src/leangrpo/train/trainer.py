@@ -33,7 +33,7 @@ from leangrpo.data.rewards import (
 from leangrpo.data.rows import has_chat_template, render_prompt
 from leangrpo.data.sources import PromptSampler, load_rows
 from leangrpo.data.tasks import load_task
-from leangrpo.engines.rollout import (
+from leangrpo.engines.hf import (
     MAX_CHARS_PER_TOKEN,
     RolloutBatch,
     RolloutEngine,
