@@ -182,6 +182,7 @@ def long_rollout(trainer: Any, spec: dict) -> None:
 
     from leangrpo.cpu import levers
     from leangrpo.engines import hf
+    from leangrpo.engines.types import eos_token_ids
 
     P, C, k = spec["prompt"], spec["completion"], spec["decode_steps"]
     engine, G = trainer.engine, trainer.cfg.grpo.num_generations
@@ -195,7 +196,7 @@ def long_rollout(trainer: Any, spec: dict) -> None:
     sampling = replace(trainer.sampling, max_completion_length=k, ignore_eos=True)
     hf.prefill_once_per_group = levers.prefill_once_per_group = prefill
     try:
-        eos = hf.eos_token_ids(engine.tokenizer, engine.model)
+        eos = eos_token_ids(engine.tokenizer, engine.model)
         out = hf.sample(
             engine.model, engine.tokenizer, ids, torch.ones_like(ids), sampling, eos, engine.levers
         )
@@ -206,7 +207,7 @@ def long_rollout(trainer: Any, spec: dict) -> None:
 
 def long_batch(spec: dict) -> Any:
     """One completion of C tokens after a prompt of P, as a RolloutBatch (no padding, no EOS)."""
-    from leangrpo.engines.hf import RolloutBatch
+    from leangrpo.engines.types import RolloutBatch
 
     prompt = torch.randint(0, spec["vocab"], (1, spec["prompt"]))
     completion = torch.randint(0, spec["vocab"], (1, spec["completion"]))

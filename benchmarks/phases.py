@@ -33,7 +33,8 @@ from leangrpo.data.rows import render_prompt
 from leangrpo.data.sources import load_rows
 from leangrpo.data.tasks import load_task
 from leangrpo.engines import hf
-from leangrpo.engines.hf import Sampling, generate
+from leangrpo.engines.hf import generate
+from leangrpo.engines.types import RolloutBatch, Sampling
 from leangrpo.models.load import apply_lora, cache_root, load_tokenizer
 from leangrpo.run.resolve import validate_config
 from leangrpo.train.logprobs import Policy, micro_batch_logprobs
@@ -93,7 +94,7 @@ def main() -> None:
         print(f"{name}: {times[name][-1]:.2f} s", flush=True)
         return out
 
-    def rollout_batch(packed: bool = True) -> hf.RolloutBatch:
+    def rollout_batch(packed: bool = True) -> RolloutBatch:
         C = a.completion_length
         sampling = Sampling(
             num_generations=G, max_prompt_length=512, max_completion_length=C, ignore_eos=True

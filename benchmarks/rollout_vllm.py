@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import SMOLLM2_135M  # noqa: E402
 
-from leangrpo.engines.hf import HFEngine, Sampling, eos_token_ids
+from leangrpo.engines.hf import HFEngine
+from leangrpo.engines.types import Sampling, eos_token_ids
 from leangrpo.models.load import cache_root, load_tokenizer, packaged_gguf
 from leangrpo.run.resolve import validate_config
 from leangrpo.train.engine import cpu_levers

@@ -24,8 +24,9 @@ from conftest import TOOL_TRACES, make_tool_model, tool_prompt  # noqa: E402
 
 import leangrpo.engines.hf as hf  # noqa: E402
 from leangrpo.data.tasks.calculator import calculator  # noqa: E402
-from leangrpo.engines.hf import Sampling, generate  # noqa: E402
+from leangrpo.engines.hf import generate  # noqa: E402
 from leangrpo.engines.tools import Toolbox, prepare_tokenizer  # noqa: E402
+from leangrpo.engines.types import Sampling  # noqa: E402
 from leangrpo.models.load import load_tokenizer, packaged_gguf  # noqa: E402
 
 

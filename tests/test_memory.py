@@ -134,7 +134,8 @@ def test_generation_leaves_no_garbage_cycles(tiny_model_dir, levers):
     import gc
 
     from leangrpo.config.schema import ModelConfig
-    from leangrpo.engines.hf import Sampling, generate
+    from leangrpo.engines.hf import generate
+    from leangrpo.engines.types import Sampling
     from leangrpo.models.load import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
@@ -152,7 +153,8 @@ def test_generation_runs_without_grad_and_with_the_kv_cache(tiny_model_dir, leve
     """Generation holds no autograd graph, and each new token is one position through the model (cache on),
     even when the model is in train mode with gradient checkpointing (which disables the cache there)."""
     from leangrpo.config.schema import ModelConfig
-    from leangrpo.engines.hf import Sampling, generate
+    from leangrpo.engines.hf import generate
+    from leangrpo.engines.types import Sampling
     from leangrpo.models.load import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))

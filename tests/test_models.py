@@ -15,14 +15,8 @@ import torch
 from leangrpo.config.schema import CPUConfig, LoraConfig, ModelConfig
 from leangrpo.core.grpo import mask_after_eos
 from leangrpo.cpu.levers import CPULevers
-from leangrpo.engines.hf import (
-    InverseCDFSampler,
-    PreallocatedLayer,
-    Sampling,
-    eos_token_ids,
-    generate,
-    kv_cache,
-)
+from leangrpo.engines.hf import InverseCDFSampler, PreallocatedLayer, generate, kv_cache
+from leangrpo.engines.types import Sampling, eos_token_ids
 from leangrpo.models.load import (
     ModelError,
     apply_lora,
@@ -364,7 +358,8 @@ def test_groups_prefill_their_prompt_once(tiny_model_dir, tokenizer, monkeypatch
     """With G completions per prompt the prompt's forward runs on one row per group, into the cache that
     generate()'s own prefill of every row writes (prompts of different lengths, so left padding too),
     and greedy completions are the same."""
-    from leangrpo.engines.hf import CACHE_KWARG, encode_prompts, prefill_once_per_group
+    from leangrpo.engines.hf import CACHE_KWARG, prefill_once_per_group
+    from leangrpo.engines.types import encode_prompts
 
     model = load_tiny(tiny_model_dir).eval()
     ids, mask = encode_prompts(tokenizer, PROMPTS, 64, 3)

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from leangrpo.cli import main
 from leangrpo.config.schema import LoraConfig
-from leangrpo.engines.hf import CACHE_KWARG, RolloutBatch, kv_cache, prefill_once_per_group
+from leangrpo.engines.hf import CACHE_KWARG, kv_cache, prefill_once_per_group
+from leangrpo.engines.types import RolloutBatch
 from leangrpo.models.load import apply_lora
 from leangrpo.run.resolve import validate_config
 from leangrpo.tools import plan

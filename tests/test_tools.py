@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from leangrpo.engines.hf import RolloutBatch
 from leangrpo.engines.tools import (
     AgentSpec,
     Toolbox,
@@ -21,6 +20,7 @@ from leangrpo.engines.tools import (
     run_tool_calls,
     tool_loop,
 )
+from leangrpo.engines.types import RolloutBatch
 
 
 def add(a: int, b: int) -> int:
@@ -461,7 +461,7 @@ class ScriptedEngine:
     def generate(self, texts, sampling, toolboxes=None):
         from torch.nn.utils.rnn import pad_sequence
 
-        from leangrpo.engines.hf import encode_prompts, finish_batch, with_tools
+        from leangrpo.engines.types import encode_prompts, finish_batch, with_tools
 
         self.texts += texts
         tok, eos = self.tok, [self.tok.eos_token_id]
@@ -526,7 +526,8 @@ def test_resumed_turns_give_the_tokens_of_re_encoded_ones(tool_model_dir, levers
 
     import leangrpo.engines.hf as hf
     from leangrpo.data.tasks.calculator import calculator
-    from leangrpo.engines.hf import Sampling, generate
+    from leangrpo.engines.hf import generate
+    from leangrpo.engines.types import Sampling
     from leangrpo.models.load import load_tokenizer
 
     tok = load_tokenizer(str(tool_model_dir))

@@ -26,7 +26,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 
 from leangrpo.cpu import onednn
-from leangrpo.engines.hf import Sampling
+from leangrpo.engines.types import Sampling
 from leangrpo.models.load import is_peft, linear_weight, peft_base
 
 if TYPE_CHECKING:

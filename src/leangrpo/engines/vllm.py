@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from leangrpo.core.errors import UserError
-from leangrpo.engines.hf import RolloutBatch, Sampling, encode_prompts, finish_batch, with_tools
 from leangrpo.engines.tools import Toolbox
+from leangrpo.engines.types import RolloutBatch, Sampling, encode_prompts, finish_batch, with_tools
 from leangrpo.models.load import is_peft, linear_weight, resolve_model_path
 
 if TYPE_CHECKING:

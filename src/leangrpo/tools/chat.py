@@ -7,7 +7,8 @@ from typing import Any
 from leangrpo.config.schema import CPUConfig, TaskConfig
 from leangrpo.data.rows import render_prompt
 from leangrpo.data.tasks import load_task
-from leangrpo.engines.hf import Sampling, generate
+from leangrpo.engines.hf import generate
+from leangrpo.engines.types import Sampling
 from leangrpo.run.trained import load_trained
 from leangrpo.train.engine import cpu_levers
 

@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 
     from leangrpo.config.schema import Config, DataConfig
     from leangrpo.data.tasks import Task
-    from leangrpo.engines.hf import RolloutBatch, RolloutEngine, Sampling
     from leangrpo.engines.tools import AgentSpec, Toolbox, ToolUse
+    from leangrpo.engines.types import RolloutBatch, RolloutEngine, Sampling
 
 RewardFuncs = list[tuple[str, Callable[..., list[Any]], float]]
 FORMAT_REWARDS = (strict_format_reward, soft_format_reward)
@@ -101,7 +101,7 @@ def evaluate(
     import torch
     from tqdm import tqdm
 
-    from leangrpo.engines.hf import HFEngine, Sampling
+    from leangrpo.engines.hf import HFEngine, Sampling  # Sampling is types'; one line keeps evaluate() at 60
 
     if not rows:
         raise EvalError("no rows to evaluate")
@@ -265,7 +265,7 @@ def score(
     rewards get what they get in training (the turns as messages, the environments, a rollout_func's
     extra keys)."""
     from leangrpo.data.rewards import RewardContext, score_completions
-    from leangrpo.engines.hf import as_reward_inputs
+    from leangrpo.engines.types import as_reward_inputs
 
     prompts, comps = as_reward_inputs([r["prompt"] for r in rows], completions, conversational)
     columns = {k: [r.get(k) for r in rows] for k in rows[0] if k != "prompt"}
@@ -365,7 +365,7 @@ class RolloutFuncEngine:
     def generate(
         self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
     ) -> RolloutBatch:
-        from leangrpo.engines.hf import rollout_func_batch
+        from leangrpo.engines.types import rollout_func_batch
 
         prompts = [self.prompts[text] for text in prompt_texts for _ in range(sampling.num_generations)]
         output = self.rollout_func(prompts, self.trainer)

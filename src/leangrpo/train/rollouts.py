@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from leangrpo.engines.hf import RolloutBatch, RolloutEngine
+from leangrpo.engines.types import RolloutBatch, RolloutEngine
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from leangrpo.data.rows import Message, render_prompt
-from leangrpo.engines.hf import RolloutBatch
+from leangrpo.engines.types import RolloutBatch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

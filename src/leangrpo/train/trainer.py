@@ -33,17 +33,17 @@ from leangrpo.data.rewards import (
 from leangrpo.data.rows import has_chat_template, render_prompt
 from leangrpo.data.sources import PromptSampler, load_rows
 from leangrpo.data.tasks import load_task
-from leangrpo.engines.hf import (
+from leangrpo.engines.hf import SnapshotEngine
+from leangrpo.engines.tools import AgentSpec, prepare_tokenizer
+from leangrpo.engines.types import (
     MAX_CHARS_PER_TOKEN,
     RolloutBatch,
     RolloutEngine,
     Sampling,
-    SnapshotEngine,
     as_reward_inputs,
     eos_token_ids,
     rollout_func_batch,
 )
-from leangrpo.engines.tools import AgentSpec, prepare_tokenizer
 from leangrpo.engines.vllm import VLLMError, leave_vllm_groups
 from leangrpo.models.load import TensorStore, frozen_copy, is_peft, load_model_and_tokenizer
 from leangrpo.run.checkpoint import (
