@@ -12,14 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from leangrpo.engines.tools import (
-    AgentSpec,
-    Toolbox,
-    ToolError,
-    prepare_tokenizer,
-    run_tool_calls,
-    tool_loop,
-)
+from leangrpo.engines.agents import AgentSpec
+from leangrpo.engines.tools import Toolbox, ToolError, prepare_tokenizer, run_tool_calls, tool_loop
 from leangrpo.engines.types import RolloutBatch
 
 

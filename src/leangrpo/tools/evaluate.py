@@ -13,8 +13,9 @@ from leangrpo.config.schema import Config, CPUConfig, DataConfig, RewardSpec, Ta
 from leangrpo.data.rewards import load_rewards
 from leangrpo.data.rewards.registry import foreign_rewards
 from leangrpo.data.tasks import Task, load_task
+from leangrpo.engines.agents import AgentSpec
 from leangrpo.engines.hf import HFEngine
-from leangrpo.engines.tools import AgentSpec, prepare_tokenizer
+from leangrpo.engines.tools import prepare_tokenizer
 from leangrpo.engines.types import RolloutEngine, eos_token_ids
 from leangrpo.engines.vllm import VLLMEngine, import_vllm
 from leangrpo.run.resolve import load_config, validate_config

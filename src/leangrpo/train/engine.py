@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 from leangrpo.config.schema import Config, CPUConfig, ToolsConfig
 from leangrpo.data.rewards.registry import import_object
+from leangrpo.engines.agents import AgentSpec
 from leangrpo.engines.hf import HFEngine, SnapshotEngine
-from leangrpo.engines.tools import AgentSpec, ToolError
+from leangrpo.engines.tools import ToolError
 from leangrpo.engines.types import RolloutEngine, eos_token_ids
 
 if TYPE_CHECKING:

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
     from leangrpo.config.schema import Config, DataConfig
     from leangrpo.data.tasks import Task
-    from leangrpo.engines.tools import AgentSpec, Toolbox, ToolUse
+    from leangrpo.engines.agents import AgentSpec
+    from leangrpo.engines.tools import Toolbox, ToolUse
     from leangrpo.engines.types import RolloutBatch, RolloutEngine, Sampling
 
 RewardFuncs = list[tuple[str, Callable[..., list[Any]], float]]

@@ -13,7 +13,7 @@ import yaml
 
 from leangrpo.config.schema import Config
 from leangrpo.core.errors import DeviceOptionError, UserError
-from leangrpo.engines.tools import AgentSpec
+from leangrpo.engines.agents import AgentSpec
 from leangrpo.engines.vllm import VLLMError, import_vllm
 from leangrpo.run.checkpoint import RESUMABLE_KEYS, CheckpointError, flatten, read_state
 from leangrpo.run.rundir import check_output_dir

@@ -33,8 +33,9 @@ from leangrpo.data.rewards import (
 from leangrpo.data.rows import has_chat_template, render_prompt
 from leangrpo.data.sources import PromptSampler, load_rows
 from leangrpo.data.tasks import load_task
+from leangrpo.engines.agents import AgentSpec
 from leangrpo.engines.hf import SnapshotEngine
-from leangrpo.engines.tools import AgentSpec, prepare_tokenizer
+from leangrpo.engines.tools import prepare_tokenizer
 from leangrpo.engines.types import (
     MAX_CHARS_PER_TOKEN,
     RolloutBatch,
