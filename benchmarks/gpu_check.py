@@ -57,7 +57,8 @@ from plan_accuracy import MODELS, PROMPT_LEN, TINY, build_model, measure, predic
 
 from leangrpo.config.schema import CPUConfig  # noqa: E402
 from leangrpo.core.logprobs import token_logprobs  # noqa: E402
-from leangrpo.engines.rollout import Sampling, encode_prompts, generate  # noqa: E402
+from leangrpo.engines.hf import generate  # noqa: E402
+from leangrpo.engines.types import Sampling, encode_prompts  # noqa: E402
 from leangrpo.train.levers import cpu_levers  # noqa: E402
 from leangrpo.train.logprobs import Policy  # noqa: E402
 

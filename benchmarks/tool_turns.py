@@ -22,10 +22,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from conftest import TOOL_TRACES, make_tool_model, tool_prompt  # noqa: E402
 
-import leangrpo.engines.rollout as rollout  # noqa: E402
+import leangrpo.engines.hf as hf  # noqa: E402
 from leangrpo.data.tasks.calculator import calculator  # noqa: E402
-from leangrpo.engines.rollout import Sampling, generate  # noqa: E402
+from leangrpo.engines.hf import generate  # noqa: E402
 from leangrpo.engines.tools import Toolbox, prepare_tokenizer  # noqa: E402
+from leangrpo.engines.types import Sampling  # noqa: E402
 from leangrpo.models.load import load_tokenizer, packaged_gguf  # noqa: E402
 
 
@@ -43,14 +44,14 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     texts = [tool_prompt(tok, q) for q in TOOL_TRACES] * args.repeat
     sampling = Sampling(num_generations=1, do_sample=False, max_prompt_length=512, max_completion_length=160)
-    made: list[rollout.ResumedTurns] = []
+    made: list[hf.ResumedTurns] = []
 
-    class Counted(rollout.ResumedTurns):
+    class Counted(hf.ResumedTurns):
         def __init__(self, *a: object) -> None:
             super().__init__(*a)  # type: ignore[arg-type]
             made.append(self)
 
-    rollout.ResumedTurns = Counted  # type: ignore[misc]
+    hf.ResumedTurns = Counted  # type: ignore[misc]
     seconds: dict[bool, list[float]] = {True: [], False: []}
     positions: dict[bool, int] = {}
     for pair in range(args.pairs):

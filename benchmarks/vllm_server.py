@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_vllm import build  # noqa: E402
 
 from leangrpo.config.schema import LoraConfig
-from leangrpo.engines.rollout import eos_token_ids
+from leangrpo.engines.types import eos_token_ids
 from leangrpo.engines.vllm_client import VLLMServerEngine, weights_to_send
 from leangrpo.models.load import apply_lora, load_tokenizer
 

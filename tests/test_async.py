@@ -15,8 +15,9 @@ from test_resume import _timing as _phase_timing
 from test_resume import interrupt_after, make_config, prompts_seen
 
 from leangrpo.core.errors import Stopped, UserError
-from leangrpo.engines.rollout import Sampling, SnapshotEngine
-from leangrpo.engines.tools import AgentSpec
+from leangrpo.engines.agents import AgentSpec
+from leangrpo.engines.hf import SnapshotEngine
+from leangrpo.engines.types import Sampling
 from leangrpo.run.checkpoint import checkpoint_dirs, read_state
 from leangrpo.run.resolve import load_config
 from leangrpo.train.logprobs import Policy, batch_logprobs

@@ -10,7 +10,7 @@ import transformers
 
 from leangrpo.config.schema import LoraConfig
 from leangrpo.cpu.decode import lean_decoder
-from leangrpo.engines.rollout import kv_cache, prefill_once_per_group
+from leangrpo.engines.hf import kv_cache, prefill_once_per_group
 from leangrpo.models.load import apply_lora
 
 FAMILIES = {

@@ -259,9 +259,9 @@ def test_demo_seeds_table_pairs_each_seed_with_its_control(tmp_path):
 def test_tools_recipe_builds_and_its_report_counts_tool_use():
     """`--task tools`: the calculator task with its tool, validated; its time is not claimed; the table adds
     the share of questions with a tool call and with a failed call, each with its paired interval."""
+    from leangrpo.engines.agents import agent_from_config
     from leangrpo.engines.tools import Toolbox
     from leangrpo.tools.demo import CALCULATOR_TOOL
-    from leangrpo.train.levers import agent_from_config
 
     cfg = demo_config("tools", 20, False, "o", control="random-reward")
     assert cfg.task.name == "calculator" and cfg.tools.functions == [CALCULATOR_TOOL]

@@ -136,6 +136,18 @@ def test_only_the_cpu_hook_imports_the_cpu_layer():
     assert importers == {"leangrpo.train.levers"}, importers
 
 
+def test_the_vllm_engines_do_not_import_the_hf_engine():
+    """vLLM's engines (and OpenEnv's adapter) build on engines/types.py and engines/tools.py, never on the HF
+    engine (engines/hf.py)."""
+    importers = {
+        source
+        for source, target, names in leangrpo_imports()
+        if source.startswith(("leangrpo.engines.vllm", "leangrpo.engines.openenv"))
+        and (target == "leangrpo.engines.hf" or (target == "leangrpo.engines" and "hf" in names))
+    }
+    assert not importers, importers
+
+
 def test_on_cuda_nothing_from_the_cpu_layer_is_imported():
     """What a CUDA run imports (the CLI, the trainer, eval, chat, the Python API) pulls in no module of
     leangrpo.cpu, and the hook gives a CUDA device no levers (checked by module name, in a fresh process)."""

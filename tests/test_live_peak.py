@@ -142,7 +142,7 @@ def test_the_prefill_repeat_holds_one_layer_of_the_prompt_cache_beside_the_group
     whole group-sized cache and that layer's one-prompt buffers are alive together, as the plan counts."""
     import transformers
 
-    from leangrpo.engines.rollout import kv_cache, prefill_once_per_group
+    from leangrpo.engines.hf import kv_cache, prefill_once_per_group
     from leangrpo.tools import plan
 
     live_peak = load_script()

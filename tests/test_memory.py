@@ -117,14 +117,14 @@ def test_release_memory_empties_the_cuda_cache_or_asks_the_cpu_levers(monkeypatc
     """After a phase: on CUDA the allocator's cached blocks go back; on CPU the levers trim glibc's heap."""
     from types import SimpleNamespace
 
-    from leangrpo.train.trainer import Trainer
+    from leangrpo.train.levers import release_memory
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
-    Trainer.release_memory(SimpleNamespace(levers=None))
+    release_memory(None)
     assert calls == ["empty"]
-    Trainer.release_memory(SimpleNamespace(levers=SimpleNamespace(release=lambda: calls.append("trim"))))
+    release_memory(SimpleNamespace(release=lambda: calls.append("trim")))
     assert calls == ["empty", "trim"]
 
 
@@ -134,7 +134,8 @@ def test_generation_leaves_no_garbage_cycles(tiny_model_dir, levers):
     import gc
 
     from leangrpo.config.schema import ModelConfig
-    from leangrpo.engines.rollout import Sampling, generate
+    from leangrpo.engines.hf import generate
+    from leangrpo.engines.types import Sampling
     from leangrpo.models.load import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
@@ -152,7 +153,8 @@ def test_generation_runs_without_grad_and_with_the_kv_cache(tiny_model_dir, leve
     """Generation holds no autograd graph, and each new token is one position through the model (cache on),
     even when the model is in train mode with gradient checkpointing (which disables the cache there)."""
     from leangrpo.config.schema import ModelConfig
-    from leangrpo.engines.rollout import Sampling, generate
+    from leangrpo.engines.hf import generate
+    from leangrpo.engines.types import Sampling
     from leangrpo.models.load import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
@@ -219,11 +221,11 @@ def test_trainer_releases_freed_memory_after_generation_and_update(
     """Order inside a step: generate (grpo.ignore_eos, cpu.packed_generation and cpu.packed_lm_head
     passed through) → release → update → release, and nothing else: at beta=0 and num_iterations=1
     neither reference nor old log-probs are computed."""
-    import leangrpo.engines.rollout as rollout_mod
+    import leangrpo.engines.hf as hf_mod
     import leangrpo.train.trainer as trainer_mod
     from leangrpo.cpu.levers import CPULevers
 
-    events, real_generate, real_logprobs = [], rollout_mod.generate, trainer_mod.micro_batch_logprobs
+    events, real_generate, real_logprobs = [], hf_mod.generate, trainer_mod.micro_batch_logprobs
 
     def generate(model, tokenizer, prompts, sampling, **kwargs):
         levers = kwargs["levers"].cfg
@@ -234,7 +236,7 @@ def test_trainer_releases_freed_memory_after_generation_and_update(
         events.append(("update", torch.is_grad_enabled()))
         return real_logprobs(policy, *args, **kwargs)
 
-    monkeypatch.setattr(rollout_mod, "generate", generate)  # what the default HF engine calls
+    monkeypatch.setattr(hf_mod, "generate", generate)  # what the default HF engine calls
     monkeypatch.setattr(CPULevers, "release", lambda self: events.append(("release", None)))
     monkeypatch.setattr(trainer_mod, "micro_batch_logprobs", logprobs)
     cfg = make_cfg(

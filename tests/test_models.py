@@ -1,4 +1,4 @@
-"""Tests for leangrpo.models.load (and the model side of leangrpo.engines.rollout): the Policy log-prob
+"""Tests for leangrpo.models.load (and the model side of leangrpo.engines.hf): the Policy log-prob
 path against the naive full-logits path, LoRA, loading, saving/merging, and the GGUF → safetensors cache."""
 
 from __future__ import annotations
@@ -15,14 +15,8 @@ import torch
 from leangrpo.config.schema import CPUConfig, LoraConfig, ModelConfig
 from leangrpo.core.grpo import mask_after_eos
 from leangrpo.cpu.levers import CPULevers
-from leangrpo.engines.rollout import (
-    InverseCDFSampler,
-    PreallocatedLayer,
-    Sampling,
-    eos_token_ids,
-    generate,
-    kv_cache,
-)
+from leangrpo.engines.hf import InverseCDFSampler, PreallocatedLayer, generate, kv_cache
+from leangrpo.engines.types import Sampling, eos_token_ids
 from leangrpo.models.load import (
     ModelError,
     apply_lora,
@@ -270,7 +264,7 @@ def test_apply_lora_all_linear_skips_lm_head(tiny_model_dir):
     assert any("q_proj" in n for n in trainable) and any("down_proj" in n for n in trainable)
 
 
-# --------------------------------------------------------------------------- rollout.generate
+# --------------------------------------------------------------------------- hf.generate
 
 
 def test_generate_layout_and_prefix(tiny_model_dir, tokenizer, levers):
@@ -364,7 +358,8 @@ def test_groups_prefill_their_prompt_once(tiny_model_dir, tokenizer, monkeypatch
     """With G completions per prompt the prompt's forward runs on one row per group, into the cache that
     generate()'s own prefill of every row writes (prompts of different lengths, so left padding too),
     and greedy completions are the same."""
-    from leangrpo.engines.rollout import CACHE_KWARG, encode_prompts, prefill_once_per_group
+    from leangrpo.engines.hf import CACHE_KWARG, prefill_once_per_group
+    from leangrpo.engines.types import encode_prompts
 
     model = load_tiny(tiny_model_dir).eval()
     ids, mask = encode_prompts(tokenizer, PROMPTS, 64, 3)
@@ -387,7 +382,7 @@ def test_groups_prefill_their_prompt_once(tiny_model_dir, tokenizer, monkeypatch
         torch.testing.assert_close(a.values.transpose(1, 2)[real], b.values[:, :, :-1].transpose(1, 2)[real])
     kwargs = dict(num_generations=3, max_prompt_length=64, max_completion_length=6, do_sample=False)
     shared = generate(model, tokenizer, PROMPTS, Sampling(ignore_eos=True, **kwargs))
-    monkeypatch.setattr("leangrpo.engines.rollout.prefill_once_per_group", lambda *a: None)
+    monkeypatch.setattr("leangrpo.engines.hf.prefill_once_per_group", lambda *a: None)
     # generate()'s own loop (the lean one needs the prefill), prefilling every row
     every_row = generate(model, tokenizer, PROMPTS, Sampling(ignore_eos=True, **kwargs))
     assert torch.equal(shared.completion_ids, every_row.completion_ids)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from leangrpo.engines.agents import AgentSpec
 from leangrpo.engines.openenv import openenv_factory
-from leangrpo.engines.tools import AgentSpec, run_tool_calls
+from leangrpo.engines.tools import run_tool_calls
 
 
 @dataclass

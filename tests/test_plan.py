@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from leangrpo.cli import main
 from leangrpo.config.schema import LoraConfig
-from leangrpo.engines.rollout import CACHE_KWARG, RolloutBatch, kv_cache, prefill_once_per_group
+from leangrpo.engines.hf import CACHE_KWARG, kv_cache, prefill_once_per_group
+from leangrpo.engines.types import RolloutBatch
 from leangrpo.models.load import apply_lora
 from leangrpo.run.resolve import validate_config
 from leangrpo.tools import plan
@@ -114,14 +115,14 @@ def test_adamw_8bit_state_follows_bitsandbytes_layout():
 
 
 def test_kv_cache_is_the_cache_generation_preallocates():
-    """rollout.kv_cache's buffers, filled as the step fills them (a prefill per group, then generate()),
+    """hf.kv_cache's buffers, filled as the step fills them (a prefill per group, then generate()),
     hold what the plan's KV cache says: every row at the capacity kv_capacity gives."""
     model, shape = tiny("llama", dtype=torch.bfloat16)
     knobs = plan.Knobs(num_generations=2, per_device_train_batch_size=4, max_prompt_length=7,
                        max_completion_length=5)  # fmt: skip
     ids = torch.randint(0, 1000, (2, knobs.max_prompt_length)).repeat_interleave(2, 0)
     mask = torch.ones_like(ids)
-    cache = kv_cache(model, ids.shape[1] + knobs.max_completion_length)  # as rollout.generate sizes it
+    cache = kv_cache(model, ids.shape[1] + knobs.max_completion_length)  # as hf.generate sizes it
     prefill_once_per_group(model, ids, mask, knobs.num_generations, cache)
     new = knobs.max_completion_length
     model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
@@ -518,7 +519,7 @@ def test_fsdp_plans_shards_per_process_and_the_gathered_model():
 @pytest.mark.parametrize("lean", [True, False])
 def test_packed_weights_are_the_copies_generation_packs(monkeypatch, tied, method, pack_head, lean):
     """The plan's 'packed weights' (CPU, float32) is what generation hands oneDNN to pack: the lean decode
-    loop, or rollout.packed_linears for generate()."""
+    loop, or packed_linears for generate()."""
     from leangrpo.cpu.decode import lean_decoder, packed_linears
 
     model, shape = tiny("llama", tied)

@@ -503,7 +503,7 @@ def test_export_to_a_full_disk_is_one_line(tmp_path, tiny_model_dir, gsm8k_dir):
 def test_a_huge_prompt_is_not_tokenized_whole(real_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    from leangrpo.engines.rollout import encode_prompts
+    from leangrpo.engines.types import encode_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(real_tokenizer_dir, padding_side="left", truncation_side="left")
     seen: list[int] = []

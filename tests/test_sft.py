@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from leangrpo.data.rewards import correctness_reward, strict_format_reward, xmlcount_reward
+from leangrpo.data.rows import PromptFormat
 from leangrpo.data.tasks.gsm8k import tagged_solution
 from leangrpo.models.load import load_tokenizer
-from leangrpo.data.rows import PromptFormat
 from leangrpo.train.sft import nll_loss, sft_batch
 
 SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 in all.\n#### 72"
@@ -123,7 +123,8 @@ def test_a_tool_traces_results_are_out_of_the_cold_start_loss(
     prepare_tokenizer(tok)
     trace = tool_trace("1234 + 5678", "6912")
     batch = sft_batch(
-        tok, [ROW["prompt"], ROW["prompt"]], [trace, "no tools"], prompt_format=PromptFormat(), max_prompt_length=64,
+        tok, [ROW["prompt"], ROW["prompt"]], [trace, "no tools"], prompt_format=PromptFormat(),
+        max_prompt_length=64,
         max_completion_length=200,
     )  # fmt: skip
     ids, mask = batch.completion_ids[0], batch.completion_mask[0].bool()

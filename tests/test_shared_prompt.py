@@ -8,7 +8,7 @@ import torch
 from test_models import LORA, assert_grads_close, load_tiny, randomize_lora_b
 
 from leangrpo.core import shared_prompt
-from leangrpo.engines.rollout import RolloutBatch
+from leangrpo.engines.types import RolloutBatch
 from leangrpo.models.load import apply_lora, enable_checkpointing
 from leangrpo.train.logprobs import LayoutError, Policy, micro_batch_logprobs
 

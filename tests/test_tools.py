@@ -12,15 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from leangrpo.engines.rollout import RolloutBatch
-from leangrpo.engines.tools import (
-    AgentSpec,
-    Toolbox,
-    ToolError,
-    prepare_tokenizer,
-    run_tool_calls,
-    tool_loop,
-)
+from leangrpo.engines.agents import AgentSpec
+from leangrpo.engines.tools import Toolbox, ToolError, prepare_tokenizer, run_tool_calls, tool_loop
+from leangrpo.engines.types import RolloutBatch
 
 
 def add(a: int, b: int) -> int:
@@ -461,7 +455,7 @@ class ScriptedEngine:
     def generate(self, texts, sampling, toolboxes=None):
         from torch.nn.utils.rnn import pad_sequence
 
-        from leangrpo.engines.rollout import encode_prompts, finish_batch, with_tools
+        from leangrpo.engines.types import encode_prompts, finish_batch, with_tools
 
         self.texts += texts
         tok, eos = self.tok, [self.tok.eos_token_id]
@@ -481,7 +475,7 @@ def test_evaluation_rolls_out_with_the_tools(tool_tokenizer):
     tool calls and failures."""
     from leangrpo.config.schema import TaskConfig
     from leangrpo.data.tasks import load_task
-    from leangrpo.engines.rollout import Sampling
+    from leangrpo.engines.types import Sampling
     from leangrpo.train.evaluation import evaluate
 
     rows = [
@@ -525,9 +519,10 @@ def test_resumed_turns_give_the_tokens_of_re_encoded_ones(tool_model_dir, levers
     from conftest import TOOL_TRACES, tool_prompt, tool_trajectory
     from transformers import AutoModelForCausalLM
 
-    import leangrpo.engines.rollout as rollout
+    import leangrpo.engines.hf as hf
     from leangrpo.data.tasks.calculator import calculator
-    from leangrpo.engines.rollout import Sampling, generate
+    from leangrpo.engines.hf import generate
+    from leangrpo.engines.types import Sampling
     from leangrpo.models.load import load_tokenizer
 
     tok = load_tokenizer(str(tool_model_dir))
@@ -535,12 +530,12 @@ def test_resumed_turns_give_the_tokens_of_re_encoded_ones(tool_model_dir, levers
     model = AutoModelForCausalLM.from_pretrained(tool_model_dir, dtype=torch.float32)
     turns = []
 
-    class Spy(rollout.ResumedTurns):
+    class Spy(hf.ResumedTurns):
         def __init__(self, *args):
             super().__init__(*args)
             turns.append(self)
 
-    monkeypatch.setattr(rollout, "ResumedTurns", Spy)
+    monkeypatch.setattr(hf, "ResumedTurns", Spy)
     # the questions twice, in another order: rows of one batch differ in length and turn count
     questions = [*TOOL_TRACES, *reversed(TOOL_TRACES)]
     texts = [tool_prompt(tok, q) for q in questions]

@@ -89,12 +89,14 @@ def test_a_rollout_func_engine_renders_prompts_with_the_run_format(tmp_path, tin
 def test_pass_at_k_samples_with_the_runs_top_k_and_min_p(tmp_path, tiny_model_dir, gsm8k_dir):
     """Drift 2: evaluation rebuilt its sampling from a few settings, and pass@k dropped top_k and min_p."""
     from leangrpo.data.tasks import load_task
-    from leangrpo.engines.rollout import HFEngine
+    from leangrpo.engines.hf import HFEngine
     from leangrpo.train.evaluation import TrainingEvaluator
 
     cfg = validate_config(
         config(
-            tmp_path, tiny_model_dir, gsm8k_dir,
+            tmp_path,
+            tiny_model_dir,
+            gsm8k_dir,
             grpo={"top_k": 5, "min_p": 0.1, "temperature": 0.7, "repetition_penalty": 1.1},
             eval={"enabled": True, "path": str(gsm8k_dir), "limit": 2, "num_samples": 2},
         )  # fmt: skip
@@ -115,10 +117,17 @@ def test_pass_at_k_samples_with_the_runs_top_k_and_min_p(tmp_path, tiny_model_di
     greedy, sampled = seen[0], seen[-1]
     assert not greedy.do_sample and greedy.num_generations == 1
     assert sampled.do_sample and sampled.num_generations == 2
-    assert (sampled.top_k, sampled.min_p, sampled.temperature, sampled.repetition_penalty) == (5, 0.1, 0.7, 1.1)
+    assert (sampled.top_k, sampled.min_p, sampled.temperature, sampled.repetition_penalty) == (
+        5,
+        0.1,
+        0.7,
+        1.1,
+    )
 
 
-def test_training_and_evaluation_build_reward_inputs_in_one_place(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+def test_training_and_evaluation_build_reward_inputs_in_one_place(
+    tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch
+):
     """Drift 3: reward inputs were built twice (the trainer's and the evaluation's). Both now go through
     `scoring.reward_inputs`, and a reward sees the same columns in both."""
     import leangrpo.train.scoring as scoring
@@ -127,7 +136,9 @@ def test_training_and_evaluation_build_reward_inputs_in_one_place(tmp_path, tiny
     calls = []
     real = scoring.reward_inputs
     monkeypatch.setattr(scoring, "reward_inputs", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
-    cfg = config(tmp_path, tiny_model_dir, gsm8k_dir, eval={"enabled": True, "path": str(gsm8k_dir), "limit": 2})
+    cfg = config(
+        tmp_path, tiny_model_dir, gsm8k_dir, eval={"enabled": True, "path": str(gsm8k_dir), "limit": 2}
+    )
     trainer = Trainer(validate_config(cfg))
     trainer.maybe_evaluate(0)
     trainer.step(1)
@@ -139,10 +150,11 @@ def test_the_python_api_closes_the_engine_as_the_cli_does(tmp_path, tiny_model_d
     """Drift 4: GRPOTrainer.train() repeated the CLI's teardown without the engines' part (vLLM's groups
     in a multi-process job). Both now end in `trainer.run`, which closes the engine."""
     from leangrpo import GRPOConfig, GRPOTrainer
-    from leangrpo.engines.rollout import HFEngine
+    from leangrpo.engines.hf import HFEngine
 
     closed = []
     monkeypatch.setattr(HFEngine, "close", lambda self: closed.append(self))
+
     def reward(completions, **_):
         return [float(len(c)) for c in completions]
 
@@ -171,8 +183,8 @@ def test_an_async_batch_carries_its_own_metrics(tmp_path, tiny_model_dir, gsm8k_
 
 def test_engines_tell_the_trainer_what_it_needs(tmp_path, tiny_model_dir):
     """The registry maps TRL's names to engines; the trainer asks the engine, not the config."""
+    from leangrpo.engines.hf import HFEngine
     from leangrpo.engines.registry import ENGINES, engine_name
-    from leangrpo.engines.rollout import HFEngine
 
     g = SimpleNamespace
     assert engine_name(g(use_vllm=False, vllm_mode="colocate")) == "hf"

@@ -235,7 +235,7 @@ def test_kl_clip_ratio_and_entropy_are_means_of_micro_batch_means_as_in_trl():
 def test_multi_turn_loss_and_gradient_match_trl(loss_type):
     """A multi-turn batch (tool tokens inside completions): leangrpo's loss over `RolloutBatch.loss_mask`
     equals TRL's over completion_mask × tool_mask, and so does the gradient."""
-    from leangrpo.engines.rollout import RolloutBatch
+    from leangrpo.engines.types import RolloutBatch
 
     base, old, ref, adv, mask = _batch(1)
     n, c = base.shape

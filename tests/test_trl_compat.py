@@ -382,7 +382,8 @@ def test_sampling_knobs_and_generation_kwargs_shape_the_rollout(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from leangrpo.engines.rollout import Sampling, generate
+    from leangrpo.engines.hf import generate
+    from leangrpo.engines.types import Sampling
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -539,7 +540,7 @@ def test_evaluation_passes_completion_ids_to_trl_rewards(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from leangrpo.data.tasks.dataset import TASK
-    from leangrpo.engines.rollout import Sampling
+    from leangrpo.engines.types import Sampling
     from leangrpo.train.evaluation import evaluate
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -10,7 +10,7 @@ import torch
 
 from leangrpo.core import grpo
 from leangrpo.data.rewards import RewardScores
-from leangrpo.engines.rollout import RolloutBatch
+from leangrpo.engines.types import RolloutBatch
 from leangrpo.run.resolve import validate_config
 from leangrpo.train.scoring import Scorer
 from leangrpo.train.trainer import Trainer

@@ -27,7 +27,8 @@ def test_hf_top_k_one_samples_the_greedy_completion(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from leangrpo.engines.rollout import Sampling, generate
+    from leangrpo.engines.hf import generate
+    from leangrpo.engines.types import Sampling
     from leangrpo.models.load import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -18,8 +18,9 @@ from openenv.core import EnvClient, Environment, create_fastapi_app
 from openenv.core.client_types import StepResult
 from openenv.core.env_server.types import Action, Observation, State
 
+from leangrpo.engines.agents import AgentSpec
 from leangrpo.engines.openenv import openenv_factory
-from leangrpo.engines.tools import AgentSpec, run_tool_calls
+from leangrpo.engines.tools import run_tool_calls
 
 
 class GuessAction(Action):

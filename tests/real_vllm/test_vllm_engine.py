@@ -14,7 +14,8 @@ from conftest import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from leangrpo.config.schema import LoraConfig
-from leangrpo.engines.rollout import Sampling, eos_token_ids, generate
+from leangrpo.engines.hf import generate
+from leangrpo.engines.types import Sampling, eos_token_ids
 from leangrpo.engines.vllm import VLLMEngine, VLLMError
 from leangrpo.models.load import apply_lora, load_tokenizer
 from leangrpo.run.resolve import validate_config

@@ -26,7 +26,8 @@ from test_vllm_engine import (  # noqa: F401
 )
 
 from leangrpo.config.schema import LoraConfig
-from leangrpo.engines.rollout import Sampling, eos_token_ids, generate
+from leangrpo.engines.hf import generate
+from leangrpo.engines.types import Sampling, eos_token_ids
 from leangrpo.engines.vllm import VLLMError
 from leangrpo.engines.vllm_client import VLLMServerEngine
 from leangrpo.models.load import apply_lora

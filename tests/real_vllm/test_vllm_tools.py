@@ -14,8 +14,9 @@ from conftest import TOOL_TRACES, make_tool_model, tool_prompt, tool_trajectory
 from transformers import AutoModelForCausalLM
 
 from leangrpo.data.tasks.calculator import calculator
-from leangrpo.engines.rollout import Sampling, eos_token_ids, generate
+from leangrpo.engines.hf import generate
 from leangrpo.engines.tools import Toolbox, prepare_tokenizer
+from leangrpo.engines.types import Sampling, eos_token_ids
 from leangrpo.engines.vllm import VLLMEngine
 from leangrpo.models.load import load_tokenizer
 from leangrpo.train.logprobs import Policy, batch_logprobs

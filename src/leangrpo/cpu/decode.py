@@ -7,7 +7,7 @@ in SDPA's attention, costly per call for one query row, and in Python and small 
 layer is four packed oneDNN products (q/k/v and gate/up side by side, so a handful of rows reads each
 weight in one call), attention is two batched matmuls over the in-place KV cache, and nothing else runs
 per layer but the norms, the rotary embedding and the residual adds. The prompt is still prefilled by
-the model's own forward (`engines.rollout.prefill_once_per_group`); every other architecture, and any
+the model's own forward (`engines.hf.prefill_once_per_group`); every other architecture, and any
 `generation_kwargs`, keeps generate().
 """
 
@@ -26,13 +26,13 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 
 from leangrpo.cpu import onednn
-from leangrpo.engines.rollout import Sampling
+from leangrpo.engines.types import Sampling
 from leangrpo.models.load import is_peft, linear_weight, peft_base
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
 
-    from leangrpo.engines.rollout import PreallocatedLayer
+    from leangrpo.engines.hf import PreallocatedLayer
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
@@ -164,7 +164,7 @@ def _layer(block: Any, cfg: Any, rows: int) -> Layer | None:
 
 
 class LeanDecoder:
-    """Decodes from a prefilled in-place KV cache (`rollout.PreallocatedLayer`), one token per row a step."""
+    """Decodes from a prefilled in-place KV cache (`hf.PreallocatedLayer`), one token per row a step."""
 
     def __init__(self, inner: Any, layers: list[Layer], head: Callable[[Tensor], Tensor], cfg: Any):
         self.inner, self.layers, self.head = inner, layers, head  # inner: the decoder under the LM head

@@ -13,7 +13,8 @@ from leangrpo.config.schema import CPUConfig
 from leangrpo.cpu import allocator, onednn
 from leangrpo.cpu.decode import decode_lean, lean_decoder, packed_linears
 from leangrpo.cpu.disk import DiskTensors
-from leangrpo.engines.rollout import Sampling, prefill_once_per_group
+from leangrpo.engines.hf import prefill_once_per_group
+from leangrpo.engines.types import Sampling
 from leangrpo.models.load import ModelError
 
 if TYPE_CHECKING:

@@ -1,2 +1,3 @@
-"""Generation: Sampling, the RolloutBatch, the HF engine and the colocated vLLM engine. Imports core,
-config, data and models; a device's speed levers come in from above (GenerateLevers)."""
+"""Generation: what every engine shares (types.py), the HF engine (hf.py), vLLM's, colocated or behind a
+server (vllm*.py), tool calls (tools.py) and agents (agents.py, openenv.py). Imports core, config, data and
+models; a device's speed levers come in from above (GenerateLevers)."""

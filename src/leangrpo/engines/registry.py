@@ -12,15 +12,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from leangrpo.engines.rollout import HFEngine, SnapshotEngine, eos_token_ids
+from leangrpo.engines.hf import HFEngine, SnapshotEngine
+from leangrpo.engines.types import eos_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from leangrpo.config.schema import Config, GRPOSection
-    from leangrpo.engines.rollout import GenerateLevers, RolloutEngine
+    from leangrpo.engines.types import GenerateLevers, RolloutEngine
 
-Builder = Callable[["Config", "PreTrainedModel", "PreTrainedTokenizerBase", "GenerateLevers | None"], "RolloutEngine"]
+Builder = Callable[
+    ["Config", "PreTrainedModel", "PreTrainedTokenizerBase", "GenerateLevers | None"], "RolloutEngine"
+]
 Check = Callable[["Config", str, bool], None]
 """A refusal, in one line, of what the engine cannot run (config, device type, sharded), before any model
 loads."""

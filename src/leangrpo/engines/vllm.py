@@ -19,9 +19,15 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor
 
-from leangrpo.core.errors import UserError
-from leangrpo.engines.rollout import RolloutBatch, Sampling, encode_prompts, finish_batch, with_tools
 from leangrpo.engines.tools import Toolbox
+from leangrpo.engines.types import (
+    EngineError,
+    RolloutBatch,
+    Sampling,
+    encode_prompts,
+    finish_batch,
+    with_tools,
+)
 from leangrpo.models.load import is_peft, linear_weight, resolve_model_path
 
 if TYPE_CHECKING:
@@ -32,7 +38,7 @@ if TYPE_CHECKING:
 INSTALL = 'pip install "leangrpo[vllm]"'
 
 
-class VLLMError(UserError, RuntimeError):
+class VLLMError(EngineError):
     """vLLM is missing, cannot load the model, or cannot run as configured."""
 
 
@@ -67,7 +73,7 @@ def sampled_batch(
     max_model_len: int,
 ) -> RolloutBatch:
     """`sampling.num_generations` completions per prompt drawn by `sample` (a vLLM engine, in this process
-    or behind a server), as `rollout.generate` lays them out, with the sampler's log-probs. `toolboxes`
+    or behind a server), as `hf.generate` lays them out, with the sampler's log-probs. `toolboxes`
     (one per completion): rollouts go on after each turn that calls tools (`with_tools`)."""
     prompt_ids, prompt_mask = encode_prompts(
         tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
@@ -129,7 +135,7 @@ def build_llm(
 
 
 def sampling_fields(sampling: Sampling, eos: list[int]) -> dict[str, Any]:
-    """vLLM `SamplingParams` fields (all but the seed) that draw as `rollout.generate` does: plain JSON
+    """vLLM `SamplingParams` fields (all but the seed) that draw as `hf.generate` does: plain JSON
     values, so that the server client sends the same ones."""
     sample, length = sampling.do_sample, sampling.max_completion_length
     return dict(
@@ -221,7 +227,7 @@ class VLLMEngine:
     def generate(
         self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
     ) -> RolloutBatch:
-        """`sampling.num_generations` completions per prompt, as `rollout.generate` draws them, with vLLM's
+        """`sampling.num_generations` completions per prompt, as `hf.generate` draws them, with vLLM's
         log-prob of each sampled token. Each completion is its own request seeded from torch's RNG (or
         from the rollout's own, `sampling.seed`), so that a resumed run draws the same samples. `toolboxes`
         (one per completion): rollouts go on after each turn that calls tools (`with_tools`), each later
@@ -256,7 +262,6 @@ class VLLMEngine:
             self.weights_asleep = False
         with torch.no_grad():
             reload_weights(self.llm, weights_iterator=applied_weights(model) if weights is None else weights)
-
 
     def close(self) -> None:
         """In a job of several processes, leave the groups the engines formed over them, while the job's own

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import torch
 
-from leangrpo.engines.rollout import RolloutBatch, Sampling
 from leangrpo.engines.tools import Toolbox
+from leangrpo.engines.types import RolloutBatch, Sampling
 from leangrpo.engines.vllm import VLLMError, applied_weights, import_vllm, sampled_batch, sampling_fields
 from leangrpo.models.load import is_peft
 

@@ -39,7 +39,9 @@ class RunSession:
             why = e if isinstance(e, RunDirError) else f"cannot write in {self.run_dir}: {error_reason(e)}"
             raise RunDirError(f"{why}; {what_holds(self.run_dir)}" if resuming else why) from None
 
-    def open(self, cfg: Config, overwrite: bool, resuming: bool, barrier: Callable[[], None]) -> tuple[Config, MetricsLogger]:
+    def open(
+        self, cfg: Config, overwrite: bool, resuming: bool, barrier: Callable[[], None]
+    ) -> tuple[Config, MetricsLogger]:
         """Replace an earlier run (a fresh start) and write the config, then open the logs and trackers;
         returns the config as written (the model's path resolved) and the metrics logger."""
         if self.is_main and not resuming:

@@ -7,7 +7,8 @@ from typing import Any
 from leangrpo.config.schema import CPUConfig, TaskConfig
 from leangrpo.data.rows import PromptFormat
 from leangrpo.data.tasks import load_task
-from leangrpo.engines.rollout import Sampling, generate
+from leangrpo.engines.hf import generate
+from leangrpo.engines.types import Sampling
 from leangrpo.run.trained import load_trained
 from leangrpo.train.levers import cpu_levers
 
@@ -30,7 +31,9 @@ class Chat:
         self.system_prompt = system_prompt if system_prompt is not None else data.get("system_prompt")
         # as the run rendered its prompts (chat_template_kwargs such as Qwen3's enable_thinking included)
         kwargs = data.get("chat_template_kwargs")
-        self.prompt_format = PromptFormat(data.get("assistant_prefix", ""), kwargs if isinstance(kwargs, dict) else None)
+        self.prompt_format = PromptFormat(
+            data.get("assistant_prefix", ""), kwargs if isinstance(kwargs, dict) else None
+        )
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.levers = cpu_levers(self.model.device, CPUConfig())
 

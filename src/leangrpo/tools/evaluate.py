@@ -14,14 +14,15 @@ from leangrpo.data.rewards import load_rewards
 from leangrpo.data.rewards.registry import foreign_rewards
 from leangrpo.data.rows import PromptFormat
 from leangrpo.data.tasks import Task, load_task
-from leangrpo.engines.rollout import HFEngine, RolloutEngine, eos_token_ids
-from leangrpo.engines.tools import AgentSpec, prepare_tokenizer
+from leangrpo.engines.agents import AgentSpec, agent_from_config
+from leangrpo.engines.hf import HFEngine
+from leangrpo.engines.tools import prepare_tokenizer
+from leangrpo.engines.types import RolloutEngine, eos_token_ids
 from leangrpo.engines.vllm import VLLMEngine, import_vllm
 from leangrpo.run.resolve import load_config, validate_config
 from leangrpo.run.rundir import check_writable, is_run_dir
 from leangrpo.run.trained import Trained, load_trained, locate
 from leangrpo.run.trust import TRUST_FLAG, is_run_owned, refusal, tool_code
-from leangrpo.train.levers import agent_from_config, cpu_levers
 from leangrpo.train.evaluation import (
     EvalError,
     EvalResult,
@@ -31,6 +32,7 @@ from leangrpo.train.evaluation import (
     load_eval_rows,
     resolve_data_path,
 )
+from leangrpo.train.levers import cpu_levers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -24,7 +24,7 @@ from leangrpo.tools.report import write_report_after_training
 from leangrpo.train.extras import RuntimeExtras
 
 if TYPE_CHECKING:
-    from leangrpo.engines.tools import AgentSpec
+    from leangrpo.engines.agents import AgentSpec
 
 
 class GRPOConfig:
@@ -85,7 +85,7 @@ def _agent(
     any. A problem with them joins `problems`."""
     if not tools and rollout_func is None and environment_factory is None:
         return None
-    from leangrpo.engines.tools import AgentSpec
+    from leangrpo.engines.agents import AgentSpec
 
     try:
         return AgentSpec(tools or (), environment_factory, rollout_func)

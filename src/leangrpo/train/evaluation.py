@@ -38,8 +38,9 @@ if TYPE_CHECKING:
 
     from leangrpo.config.schema import Config, DataConfig, GRPOSection
     from leangrpo.data.tasks import Task
-    from leangrpo.engines.rollout import RolloutBatch, RolloutEngine, Sampling
-    from leangrpo.engines.tools import AgentSpec, Toolbox, ToolUse
+    from leangrpo.engines.agents import AgentSpec
+    from leangrpo.engines.tools import Toolbox, ToolUse
+    from leangrpo.engines.types import RolloutBatch, RolloutEngine, Sampling
 
 FORMAT_REWARDS = (strict_format_reward, soft_format_reward)
 """Rewards that check the output format: their rate of non-zero scores is reported as `format/<name>`."""
@@ -99,7 +100,7 @@ def evaluate(
     import torch
     from tqdm import tqdm
 
-    from leangrpo.engines.rollout import HFEngine
+    from leangrpo.engines.hf import HFEngine
 
     if not rows:
         raise EvalError("no rows to evaluate")
@@ -129,7 +130,7 @@ def eval_sampling(grpo: GRPOSection | None, data: DataConfig, max_new_tokens: in
     """How an evaluation samples: as the training run's rollouts (`grpo`; without one, its defaults), with
     `data`'s assistant prefix, up to `max_new_tokens` (default: grpo.max_completion_length, else 256) and
     never ignoring EOS. `evaluate` turns sampling off for its greedy pass."""
-    from leangrpo.engines.rollout import Sampling
+    from leangrpo.engines.types import Sampling
 
     if grpo is None:
         return Sampling(
@@ -368,7 +369,7 @@ class RolloutFuncEngine:
     def generate(
         self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
     ) -> RolloutBatch:
-        from leangrpo.engines.rollout import rollout_func_batch
+        from leangrpo.engines.types import rollout_func_batch
 
         prompts = [self.prompts[text] for text in prompt_texts for _ in range(sampling.num_generations)]
         output = self.rollout_func(prompts, self.trainer)

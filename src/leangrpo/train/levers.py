@@ -1,17 +1,14 @@
-"""What generation runs with besides its engine (`engines.registry` builds that): the device's speed levers
-(leangrpo.cpu's, for a model on CPU only) and the tools and environments the config's rollouts call."""
+"""The device's speed levers: leangrpo.cpu's, for a model on CPU only (the one way into leangrpo.cpu)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from leangrpo.config.schema import CPUConfig, ToolsConfig
-from leangrpo.data.rewards.registry import import_object
-from leangrpo.engines.tools import AgentSpec, ToolError
+import torch
+
+from leangrpo.config.schema import CPUConfig
 
 if TYPE_CHECKING:
-    import torch
-
     from leangrpo.cpu.levers import CPULevers
 
 
@@ -25,20 +22,10 @@ def cpu_levers(device: torch.device, cfg: CPUConfig) -> CPULevers | None:
     return CPULevers(cfg)
 
 
-def agent_from_config(cfg: ToolsConfig) -> AgentSpec | None:
-    """The `tools:` section's tools and environment, imported like rewards; None when it names none."""
-    if not cfg.enabled:
-        return None
-    tools = [import_object(path, "tool") for path in cfg.functions]
-    for path, tool in zip(cfg.functions, tools, strict=True):
-        if not callable(tool):
-            raise ToolError(f"tool {path!r} is not callable (it is a {type(tool).__name__})")
-    env = cfg.environment
-    factories = (
-        None
-        if env is None
-        else import_object(env, "environment")
-        if isinstance(env, str)
-        else {name: import_object(path, "environment") for name, path in env.items()}
-    )
-    return AgentSpec(tools, factories, timeout_s=cfg.timeout_s)
+def release_memory(levers: CPULevers | None) -> None:
+    """Hand back what a phase freed before the next one allocates (after the rollout and the update):
+    on CPU glibc's heap pages (the levers'), on CUDA the cached blocks."""
+    if levers is not None:
+        levers.release()
+    elif torch.cuda.is_available():
+        torch.cuda.empty_cache()

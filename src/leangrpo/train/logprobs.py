@@ -30,7 +30,7 @@ from leangrpo.models.load import is_peft, peft_base
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from leangrpo.engines.rollout import RolloutBatch
+    from leangrpo.engines.types import RolloutBatch
 
 
 class LayoutError(UserError, RuntimeError):

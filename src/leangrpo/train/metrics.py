@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +54,7 @@ class StepRecorder:
         logger: MetricsLogger,
         task: Task,
         uses_tools: bool,
-        hooks: list[StepHook],
+        hooks: Sequence[StepHook],
     ):
         self.cfg, self.acc, self.logger, self.task = cfg, acc, logger, task
         self.uses_tools, self.hooks = uses_tools, hooks

@@ -1,6 +1,7 @@
 """Every check of a run's config against the machine and the launch it runs on, in one place, before any
 model loads: the run directory (fresh or resumed), device-only and package-only options, what FSDP cannot
-honour, the rollout engine's limits, the trackers' packages. Each refusal is one line naming the option and the fix.
+honour, the rollout engine's limits, the trackers' packages. Each refusal is one line naming the option
+and the fix.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import yaml
 
 from leangrpo.config.schema import Config
 from leangrpo.core.errors import DeviceOptionError, UserError
-from leangrpo.engines.tools import AgentSpec
+from leangrpo.engines.agents import AgentSpec
 from leangrpo.engines.registry import engine_kind
 from leangrpo.run.checkpoint import RESUMABLE_KEYS, CheckpointError, flatten, read_state
 from leangrpo.run.rundir import check_output_dir

@@ -14,10 +14,10 @@ import torch
 
 from leangrpo.core import grpo
 from leangrpo.data.rewards import RewardScores
+from leangrpo.data.rows import PromptFormat
 from leangrpo.data.sources import PromptSampler
 from leangrpo.engines.registry import async_engine, build_engine, engine_kind
-from leangrpo.data.rows import PromptFormat
-from leangrpo.engines.rollout import (
+from leangrpo.engines.types import (
     MAX_CHARS_PER_TOKEN,
     RolloutBatch,
     RolloutEngine,
@@ -25,6 +25,7 @@ from leangrpo.engines.rollout import (
     eos_token_ids,
     rollout_func_batch,
 )
+from leangrpo.train.evaluation import RolloutFuncEngine
 from leangrpo.train.rollouts import AsyncRollouts, Generation, Job, Rollout, rollout_seed
 
 if TYPE_CHECKING:
@@ -120,6 +121,17 @@ class RolloutSource:
             self._rollouts.sync(self.unwrapped.lm, step * self.cfg.grpo.num_iterations)
         else:
             self.sync()
+
+    def eval_engine(self, prompts: list[Any]) -> RolloutEngine:
+        """What evaluation of `prompts` generates with: the run's engine or, as TRL evaluates, the run's
+        rollout_func."""
+        agent, tokenizer = self.gen.agent, self.gen.tokenizer
+        if agent is None or agent.rollout_func is None:
+            return self.engine
+        eos = eos_token_ids(tokenizer, self.unwrapped.lm)
+        return RolloutFuncEngine(
+            agent.rollout_func, self.trainer, tokenizer, eos, prompts, self.prompt_format
+        )
 
     def generating(self) -> AbstractContextManager[None]:
         """Around generation: under FSDP2 HF generate needs the whole weights gathered; an engine holding
@@ -257,7 +269,9 @@ class RolloutSource:
         groups = grpo.fill_groups(flags, len(rollout.rows))
         completions = (groups[:, None] * g.num_generations + torch.arange(g.num_generations)).flatten()
         every_row = [row for r, _ in drawn for row in r.rows]
-        batch = RolloutBatch.cat([r.batch for r, _ in drawn]).select(completions.to(rollout.batch.prompt_ids.device))
+        batch = RolloutBatch.cat([r.batch for r, _ in drawn]).select(
+            completions.to(rollout.batch.prompt_ids.device)
+        )
         kept = RewardScores.cat([s for _, s in drawn]).select(completions)
         filled = int((~flags[groups]).sum())
         counts = torch.tensor([len(flags), int((~flags).sum()) - filled, filled], device=self.acc.device)

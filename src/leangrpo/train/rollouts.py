@@ -18,16 +18,15 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from leangrpo.engines.rollout import RolloutBatch, RolloutEngine
+from leangrpo.engines.types import RolloutBatch, RolloutEngine
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from leangrpo.engines.rollout import GenerateLevers
-    from leangrpo.engines.tools import AgentSpec
+    from leangrpo.engines.agents import AgentSpec
+    from leangrpo.engines.types import GenerateLevers
     from leangrpo.train.distributed import Replicated
-
 
 
 @dataclass

@@ -18,7 +18,7 @@ from torch import Tensor
 from leangrpo.config.schema import step_interval
 from leangrpo.data.rows import Message, PromptFormat
 from leangrpo.data.sources import PromptSampler
-from leangrpo.engines.rollout import RolloutBatch
+from leangrpo.engines.types import RolloutBatch
 from leangrpo.train.logprobs import micro_batch_logprobs
 from leangrpo.train.optim import build_optimizer
 
@@ -44,7 +44,7 @@ def cold_start(
     has them)."""
     from tqdm import trange
 
-    s, policy, agent = cfg.sft, gen.policy, gen.agent
+    s, g, policy, agent = cfg.sft, cfg.grpo, gen.policy, gen.agent
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.optim, learning_rate=s.learning_rate)
     order = PromptSampler(len(rows), s.batch_size, cfg.seed + 1, acc.process_index, acc.num_processes)
@@ -58,9 +58,8 @@ def cold_start(
             episodes = agent.start(batch_rows, 1)
             prompts, tools = episodes.prompts, [box.schemas for box in episodes.toolboxes]
         batch = sft_batch(
-            gen.tokenizer, prompts, [task.solution(r) for r in batch_rows], prompt_format=fmt,
-            max_prompt_length=cfg.grpo.max_prompt_length, max_completion_length=cfg.grpo.max_completion_length,
-            tools=tools,
+            gen.tokenizer, prompts, [task.solution(r) for r in batch_rows], prompt_format=fmt, tools=tools,
+            max_prompt_length=g.max_prompt_length, max_completion_length=g.max_completion_length,
         ).to(acc.device)  # fmt: skip
         logp, _ = micro_batch_logprobs(policy, batch, slice(None), temperature=1.0)
         loss = nll_loss(logp, batch.loss_mask[:, : logp.shape[1]])  # a trace's tool results: out
@@ -89,7 +88,7 @@ def sft_batch(
     The part of the target that the assistant prefix already prefills is not trained on, nor are the tool
     results of a tool-use trace (`target_ids`): they are out of `loss_mask`, as in GRPO.
     """
-    schemas = tools or [None for _ in prompts]
+    schemas: list[list[Any] | None] = list(tools) if tools else [None] * len(prompts)
     texts = [prompt_format.render(tokenizer, p, t) for p, t in zip(prompts, schemas, strict=True)]
     assistant_prefix = prompt_format.assistant_prefix
     targets = [s.removeprefix(assistant_prefix) + tokenizer.eos_token for s in solutions]

@@ -10,23 +10,22 @@ row (`metrics.py`), checkpoints (`checkpoints.py`), the cold start (`sft.py`), e
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from leangrpo.config.schema import Config
-from leangrpo.core.errors import DeviceOptionError, Stopped, error_reason
+from leangrpo.core.errors import Stopped, error_reason
 from leangrpo.data.rewards import RewardsAbandoned, load_rewards
 from leangrpo.data.rows import PromptFormat, has_chat_template
 from leangrpo.data.sources import load_rows
 from leangrpo.data.tasks import load_task
-from leangrpo.engines.rollout import MAX_CHARS_PER_TOKEN, EngineError, eos_token_ids
-from leangrpo.engines.tools import AgentSpec, prepare_tokenizer
-from leangrpo.models.load import TensorStore, frozen_copy, is_peft, load_model_and_tokenizer
+from leangrpo.engines.agents import AgentSpec, agent_from_config
+from leangrpo.engines.tools import prepare_tokenizer
+from leangrpo.engines.types import EngineError
+from leangrpo.models.load import load_model_and_tokenizer
 from leangrpo.run.checkpoint import load_trainable, resume_checkpoint, rng_state, save_final_model, what_holds
 from leangrpo.run.resolve import resolve_steps, save_config
 from leangrpo.run.rundir import RunDirError, drop_replaced
@@ -35,20 +34,22 @@ from leangrpo.run.signals import StopSignals
 from leangrpo.run.tracking import eval_line
 from leangrpo.train import distributed, sft
 from leangrpo.train.checkpoints import Checkpoints, TrainingError, check_steps_left
-from leangrpo.train.evaluation import RolloutFuncEngine, TrainingEvaluator
+from leangrpo.train.evaluation import TrainingEvaluator
 from leangrpo.train.extras import RuntimeExtras
-from leangrpo.train.levers import agent_from_config, cpu_levers
+from leangrpo.train.levers import cpu_levers, release_memory
 from leangrpo.train.logprobs import Policy, shared_prompt_group
-from leangrpo.train.metrics import StepRecorder
+from leangrpo.train.metrics import PhaseTimer, StepRecorder
 from leangrpo.train.optim import StepInBackward, build_optimizer, build_scheduler
 from leangrpo.train.preflight import World, check_async_agent, preflight
-from leangrpo.train.rollout_source import RolloutSource
+from leangrpo.train.rollout_source import RolloutSource, long_prompts
 from leangrpo.train.rollouts import Generation
 from leangrpo.train.scoring import Scorer
-from leangrpo.train.update import Optimization, Updater
+from leangrpo.train.update import Optimization, Updater, build_reference
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from leangrpo.models.load import TensorStore
 
 __all__ = ["RunDirError", "Trainer", "TrainingError", "train"]
 
@@ -111,21 +112,24 @@ class Trainer:
         self.optimizer, self.scheduler = opt.optimizer, opt.scheduler
         set_seed(cfg.seed, device_specific=True)  # different samples on each rank
         state = self._open_run_dir(overwrite, opt)
+        self._build_roles(opt, ref_pages, state)
+        self.signals = StopSignals()  # active while the steps run
+
+    def _build_roles(self, opt: Optimization, ref_pages: TensorStore | None, state: dict[str, Any]) -> None:
+        """Each role of a step, on the run's final config: where batches come from, the rewards and
+        advantages, the update (its counters as a resumed run's `state` left them) and the record."""
         self.start_step = state.get("step", 0)
+        free = partial(release_memory, self.levers)
         self.gen = Generation(self.policy, self.dist, self.tokenizer, self.levers, self.agent)
-        self.source = RolloutSource(
-            self.cfg, self.acc, self.gen, self.rows, self.prompt_format, self, self.release_memory
-        )
+        self.source = RolloutSource(self.cfg, self.acc, self.gen, self.rows, self.prompt_format, self, free)
         self.scorer = Scorer(self.cfg, self.acc, self.reward_funcs, self.conversational, len(self.rows))
         self.updater = Updater(
-            self.cfg, self.acc, self.dist, opt, self.ref_policy, ref_pages, self.group, self.release_memory,
-            self._write, skipped=(state.get("skipped_steps", 0), state.get("nonfinite_in_a_row", 0)),
+            self.cfg, self.acc, self.dist, opt, self.ref_policy, ref_pages, self.group, free, self._write,
+            skipped=(state.get("skipped_steps", 0), state.get("nonfinite_in_a_row", 0)),
         )  # fmt: skip
         uses_tools = self.agent is not None and self.agent.uses_tools
-        self.recorder = StepRecorder(
-            self.cfg, self.acc, self.logger, self.task, uses_tools, self.extras.step_hooks
-        )
-        self.signals = StopSignals()  # active while the steps run
+        hooks = self.extras.step_hooks
+        self.recorder = StepRecorder(self.cfg, self.acc, self.logger, self.task, uses_tools, hooks)
 
     def _load_data(self, cfg: Config) -> Config:
         """The task, its reward functions and the training rows (and the cold start's); returns `cfg`
@@ -185,7 +189,9 @@ class Trainer:
         self.session = RunSession(self.run_dir, self.is_main, self._write)
         resuming = self.resume_from is not None
         with self.session.opening(resuming):
-            self.cfg, self.logger = self.session.open(self.cfg, overwrite, resuming, self.acc.wait_for_everyone)
+            self.cfg, self.logger = self.session.open(
+                self.cfg, overwrite, resuming, self.acc.wait_for_everyone
+            )
             self.checkpoints = Checkpoints(self.cfg, self.acc, self.dist, opt, self.tokenizer, self._write)
             if self.resume_from is None:
                 return {}
@@ -193,14 +199,6 @@ class Trainer:
             if self.is_main:
                 save_config(self.cfg, self.run_dir / "config.yaml")  # with the resume's new max_steps...
             return state
-
-    def release_memory(self) -> None:
-        """Hand back what a phase freed before the next one allocates (after the rollout and the update):
-        CUDA's cached blocks, or on CPU glibc's heap pages."""
-        if self.levers is not None:
-            self.levers.release()
-        elif torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------------------------ one step
 
@@ -275,13 +273,19 @@ class Trainer:
 
         cfg, max_steps = self.cfg, self.cfg.optim.max_steps
         show = self.is_main and cfg.logging.progress_bar
-        with tqdm(total=max_steps, initial=self.start_step, desc="GRPO", disable=not show, dynamic_ncols=True) as bar, self.signals:
+        with (
+            tqdm(
+                total=max_steps, initial=self.start_step, desc="GRPO", disable=not show, dynamic_ncols=True
+            ) as bar,
+            self.signals,
+        ):
             for step in range(self.start_step + 1, max_steps + 1):
                 rng = rng_state()  # what a checkpoint of the step before holds, should this one be dropped
                 try:
                     metrics = self.step(step)
                 except EngineError as e:  # the engine fails before the step's update: keep the last one's
-                    raise self._engine_failed(step, e) from e
+                    self._keep_step_before(step)
+                    raise TrainingError(f"stopped at step {step}: {e}; {what_holds(self.run_dir)}") from e
                 except RewardsAbandoned:
                     raise self._abandoned(step, rng) from None
                 if self.is_main and step == self.start_step + 1:
@@ -296,8 +300,9 @@ class Trainer:
                     ckpt = self.save_checkpoint(step)
                 if diverged:
                     raise TrainingError(
-                        f"stopped at step {step}: {in_a_row} steps in a row had a non-finite loss or gradient "
-                        f"(optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps}); {ckpt} holds the last good weights"
+                        f"stopped at step {step}: {in_a_row} steps in a row had a non-finite loss or "
+                        f"gradient (optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps}); {ckpt} "
+                        "holds the last good weights"
                     )
                 if stop:
                     raise self.signals.stopped(
@@ -319,25 +324,22 @@ class Trainer:
     def _abandoned(self, step: int, rng: dict[str, Any]) -> Stopped:
         """A stop asked for while `step`'s rewards still ran: the step is dropped, and the one before it
         checkpointed with the RNG state it ended with (an exact resume), unless a checkpoint holds it."""
-        done = step - 1
-        if done == 0:
+        if not (done := self._keep_step_before(step, rng)):
             return self.signals.stopped(
                 "stopped during step 1, before any step had finished: nothing to resume"
             )
-        if not (self.run_dir / f"checkpoint-{done}").is_dir():
-            self.save_checkpoint(done, rng)
         return self.signals.stopped(
             f"stopped during step {step}, its rewards abandoned while still running; resume from step {done} "
             f"with: leangrpo train --resume {self.run_dir}"
         )
 
-    def _engine_failed(self, step: int, error: EngineError) -> TrainingError:
-        """After the engine failed during `step`: checkpoint the weights of the step before (unless one
-        holds them already) and say, in one line, what failed and how to resume."""
+    def _keep_step_before(self, step: int, rng: dict[str, Any] | None = None) -> int:
+        """When `step` fails or is dropped: checkpoint the weights of the step before, unless a checkpoint
+        holds them already; returns that step (0: none)."""
         done = step - 1
         if done > 0 and not (self.run_dir / f"checkpoint-{done}").is_dir():
-            self.save_checkpoint(done)
-        return TrainingError(f"stopped at step {step}: {error}; {what_holds(self.run_dir)}")
+            self.save_checkpoint(done, rng)
+        return done
 
     def _announce(self) -> None:
         """Say where the run trains, warn of a launch that formed fewer processes than it asked for, and
@@ -360,10 +362,7 @@ class Trainer:
         if self.evaluator is None or not self.evaluator.due(step):
             return
         self.source.sync_for_eval(step)  # the run's engine, given the weights of the step just trained
-        engine = self.source.engine
-        if self.agent is not None and self.agent.rollout_func is not None:  # as TRL: the run's generation
-            eos, prompts = eos_token_ids(self.tokenizer, self.unwrapped.lm), [r["prompt"] for r in self.evaluator.rows]
-            engine = RolloutFuncEngine(self.agent.rollout_func, self, self.tokenizer, eos, prompts, self.prompt_format)
+        engine = self.source.eval_engine([r["prompt"] for r in self.evaluator.rows])
         with self.source.generating():
             if self.is_main:
                 metrics = self.evaluator(self.unwrapped.lm, self.tokenizer, step, engine, name=name)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from leangrpo.config.schema import Config
     from leangrpo.cpu.levers import CPULevers
-    from leangrpo.engines.rollout import RolloutBatch
+    from leangrpo.engines.types import RolloutBatch
     from leangrpo.train.distributed import Replicated
 
 
@@ -213,16 +213,15 @@ class Updater:
                 activation_offload(cfg.model.activation_offload),
                 nullcontext() if in_backward is None else in_backward.stepping(),
             ):
-                logp, _, entropy = micro_batch_logprobs(policy, rollout, rows, group=self.group, with_entropy=True)
+                logp, _, entropy = micro_batch_logprobs(
+                    policy, rollout, rows, group=self.group, with_entropy=True
+                )
                 width = logp.shape[1]
-
-                def cut(t: Tensor | None) -> Tensor | None:
-                    return None if t is None else t[rows, :width]
-
+                old_logp = logp.detach() if ref.old_logp is None else ref.old_logp[rows, :width]
                 loss, mb_stats = grpo.grpo_loss(
-                    logp, logp.detach() if ref.old_logp is None else ref.old_logp[rows, :width],
-                    cut(ref.ref_logp), advantages[rows], mask[rows, :width], spec=self.loss_spec, batch=batch,
-                    entropy=entropy, sampler_weights=cut(ref.sampler_weights),
+                    logp, old_logp, _cut(ref.ref_logp, rows, width), advantages[rows], mask[rows, :width],
+                    spec=self.loss_spec, batch=batch, entropy=entropy,
+                    sampler_weights=_cut(ref.sampler_weights, rows, width),
                 )  # fmt: skip
                 self.acc.backward(loss)
             iteration_loss += loss.item()
@@ -246,3 +245,8 @@ class Updater:
             opt.scheduler.step()
         opt.optimizer.zero_grad(set_to_none=True)
         return grad_norm, lr, skipped
+
+
+def _cut(values: Tensor | None, rows: slice, width: int) -> Tensor | None:
+    """A micro-batch's rows of per-token values, as wide as its log-probs."""
+    return None if values is None else values[rows, :width]

@@ -1,16 +1,15 @@
-"""Generation: prompts → G sampled completions each → a RolloutBatch, the one type that crosses from
-rollout to update. A RolloutEngine runs it: HF generate here (the default), vLLM in engines/vllm.py."""
+"""HF generation: transformers' generate on the policy (HFEngine) or on a copy of it (SnapshotEngine, for
+async rollouts), drawing by inverse CDF into a KV cache allocated once, each group's prompt prefilled once,
+and tool-calling turns resumed from the cache (ResumedTurns)."""
 
 from __future__ import annotations
 
 import copy
 import inspect
-import math
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -25,186 +24,28 @@ from transformers.generation.logits_process import (
 )
 
 from leangrpo.core.grpo import mask_after_eos
-from leangrpo.engines.tools import Toolbox, ToolError, ToolUse, TurnGenerator, tool_loop, turn_message
+from leangrpo.engines.tools import Toolbox
+from leangrpo.engines.types import (
+    GenerateLevers,
+    RolloutBatch,
+    Sampling,
+    encode_prompts,
+    eos_token_ids,
+    finish_batch,
+    left_padded,
+    with_tools,
+)
 from leangrpo.models.load import is_peft, peft_base
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from leangrpo.config.schema import GRPOSection
-
-
-@dataclass
-class RolloutBatch:
-    """N = prompts × G completions, laid out group by group (the G samples of a prompt are adjacent)."""
-
-    prompt_ids: Tensor  # [N, P], left-padded
-    prompt_mask: Tensor  # [N, P]
-    completion_ids: Tensor  # [N, C]
-    completion_mask: Tensor  # [N, C]: 1 up to and including the first EOS
-    truncated: Tensor  # [N] bool: hit max_completion_length without an EOS
-    completion_texts: list[str]  # decoded, with the assistant prefix (if any) in front
-    sampling_logprobs: Tensor | None = None  # [N, C]: the sampler's own log-probs (vLLM), 0 past the end
-    # [N, C]: 1 where the model wrote the token, 0 on a tool's or environment's (TRL's tool_mask); None: all
-    # the model's (a single-turn rollout)
-    model_mask: Tensor | None = None
-    tool_use: ToolUse | None = None  # what each rollout did with its tools (rollouts with tools only)
-
-    def __len__(self) -> int:
-        return self.completion_ids.shape[0]
-
-    @property
-    def input_ids(self) -> Tensor:
-        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
-
-    @property
-    def attention_mask(self) -> Tensor:
-        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
-
-    @property
-    def loss_mask(self) -> Tensor:
-        """The tokens the model wrote: what the loss, KL, entropy and token counts cover."""
-        return self.completion_mask if self.model_mask is None else self.completion_mask * self.model_mask
-
-    def lengths(self) -> Tensor:
-        """Tokens the model wrote in each completion (TRL's completion length: tool results excluded)."""
-        return self.loss_mask.sum(dim=1)
-
-    def to(self, device: torch.device) -> RolloutBatch:
-        return self._map(lambda t: t.to(device), self.completion_texts, self.tool_use)
-
-    def select(self, rows: Tensor) -> RolloutBatch:
-        """The completions at `rows` [K], in that order."""
-        indices = rows.tolist()
-        use = None if self.tool_use is None else self.tool_use.select(indices)
-        return self._map(lambda t: t[rows], [self.completion_texts[i] for i in indices], use)
-
-    def _map(
-        self, f: Callable[[Tensor], Tensor], texts: list[str], use: ToolUse | None = None
-    ) -> RolloutBatch:
-        """Every tensor through `f`, with `texts` and `use`."""
-        logp = None if self.sampling_logprobs is None else f(self.sampling_logprobs)
-        model_mask = None if self.model_mask is None else f(self.model_mask)
-        return RolloutBatch(
-            f(self.prompt_ids), f(self.prompt_mask), f(self.completion_ids), f(self.completion_mask),
-            f(self.truncated), texts, logp, model_mask, use,
-        )  # fmt: skip
-
-    @staticmethod
-    def cat(batches: list[RolloutBatch]) -> RolloutBatch:
-        """Batches one after another, prompts left-padded and completions right-padded to the widest."""
-        P = max(b.prompt_ids.shape[1] for b in batches)
-        C = max(b.completion_ids.shape[1] for b in batches)
-
-        def cat(tensors: list[Tensor], width: int, left: bool) -> Tensor:
-            pad = [(width - t.shape[1], 0) if left else (0, width - t.shape[1]) for t in tensors]
-            return torch.cat([torch.nn.functional.pad(t, p) for t, p in zip(tensors, pad, strict=True)])
-
-        logps = [b.sampling_logprobs for b in batches if b.sampling_logprobs is not None]
-        uses = [b.tool_use for b in batches if b.tool_use is not None]
-        multi_turn = any(b.model_mask is not None for b in batches)
-        # a batch without a model mask: every token is the model's
-        model_masks = [b.completion_mask if b.model_mask is None else b.model_mask for b in batches]
-        return RolloutBatch(
-            cat([b.prompt_ids for b in batches], P, left=True),
-            cat([b.prompt_mask for b in batches], P, left=True),
-            cat([b.completion_ids for b in batches], C, left=False),
-            cat([b.completion_mask for b in batches], C, left=False),
-            torch.cat([b.truncated for b in batches]),
-            [text for b in batches for text in b.completion_texts],
-            None if len(logps) < len(batches) else cat(logps, C, left=False),
-            cat(model_masks, C, left=False) if multi_turn else None,
-            ToolUse.cat(uses) if len(uses) == len(batches) else None,
-        )
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How completions are drawn, the same for every engine (HF generate, vLLM).
-
-    The knobs apply in transformers' order (repetition penalty, temperature, top-k, top-p, min-p);
-    `generation_kwargs` are further `GenerationConfig` fields for HF (their logits processors run first)
-    or `SamplingParams` fields for vLLM, as TRL passes them. `ignore_eos` forces every completion to
-    max_completion_length tokens (for benchmarks that must compare equal work).
-    `max_tool_calling_iterations`: rounds of tool calls a rollout makes at most (None: no limit).
-    `seed`: the rollout draws from its own generator seeded with it, not torch's global RNG, so that a
-    rollout is the same whichever thread runs it and whatever else draws meanwhile (None: the global RNG)."""
-
-    num_generations: int
-    max_prompt_length: int
-    max_completion_length: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    generation_kwargs: dict[str, Any] | None = None
-    do_sample: bool = True
-    assistant_prefix: str = ""
-    ignore_eos: bool = False
-    max_tool_calling_iterations: int | None = None
-    seed: int | None = None
-
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        """The rollout's own random stream on `device` (None without a seed: torch's global RNG)."""
-        return None if self.seed is None else torch.Generator(device).manual_seed(self.seed)
-
-    @classmethod
-    def from_config(cls, g: GRPOSection, assistant_prefix: str) -> Sampling:
-        """The training rollout's: `grpo`'s sampling settings, each completion opened by the data's
-        `assistant_prefix`."""
-        return cls(
-            num_generations=g.num_generations, max_prompt_length=g.max_prompt_length,
-            max_completion_length=g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
-            top_k=g.top_k, min_p=g.min_p, repetition_penalty=g.repetition_penalty,
-            generation_kwargs=g.generation_kwargs, assistant_prefix=assistant_prefix,
-            ignore_eos=g.ignore_eos, max_tool_calling_iterations=g.max_tool_calling_iterations,
-        )  # fmt: skip
-
-
-class RolloutEngine(Protocol):
-    """What the trainer generates with; `sync_weights` makes the next rollout use the model's current
-    weights (`weights`: those weights as the caller streams them, when they are not whole in `model`,
-    as under FSDP2)."""
-
-    def generate(
-        self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
-    ) -> RolloutBatch:
-        """Completions of each prompt; with `toolboxes` (one per completion), multi-turn rollouts that
-        call those tools."""
-        ...
-
-    def sync_weights(
-        self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
-    ) -> None: ...
-
-
-class GenerateLevers(Protocol):
-    """A device's speed levers for `generate`, which leave what is sampled unchanged (leangrpo.cpu has the
-    CPU's): a decode loop of its own, or a context around generate()."""
-
-    def decode(
-        self,
-        model: PreTrainedModel,
-        cache: DynamicCache,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        sampling: Sampling,
-        processors: list[LogitsProcessor],
-        eos: list[int],
-        gen_cfg: GenerationConfig,
-    ) -> Tensor | None:
-        """The completion ids, or None where its loop does not apply (generate() then runs)."""
-        ...
-
-    def around_generate(self, model: PreTrainedModel, rows: int) -> AbstractContextManager[None]: ...
 
 
 class HFEngine:
     """transformers' generate on the policy itself: the weights are shared, so there is nothing to sync
     (and no gap between sampler and trainer to correct: its batches carry no sampler log-probs)."""
 
-    sampler_logprobs = False
+    holds_weights = sampler_logprobs = False
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None = None
@@ -224,6 +65,9 @@ class HFEngine:
     ) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
 
 class SnapshotEngine(HFEngine):
     """transformers' generate on a copy of the policy that changes only at `sync_weights`, so that it can
@@ -232,7 +76,7 @@ class SnapshotEngine(HFEngine):
     buffers) are the policy's own, which nothing writes. Its batches carry the sampler's log-probs: the
     policy has moved on when it trains on them, and the importance-sampling correction weighs that gap."""
 
-    sampler_logprobs = True
+    holds_weights = sampler_logprobs = True
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None = None
@@ -252,14 +96,6 @@ class SnapshotEngine(HFEngine):
             for name, param in model.named_parameters():
                 if param.requires_grad:
                     mine[name].copy_(param)
-
-
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
-    """Every token that ends a completion: the tokenizer's EOS and the model's generation EOS ids."""
-    ids = {tokenizer.eos_token_id}
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
-    return sorted(i for i in ids if i is not None)
 
 
 @torch.no_grad()
@@ -505,129 +341,10 @@ def model_length(model: PreTrainedModel) -> int | None:
     return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
 
 
-def left_padded(sequences: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Token lists as left-padded ids and their attention mask."""
-    width = max(map(len, sequences))
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq) :], mask[row, width - len(seq) :] = torch.tensor(seq), 1
-    return ids.to(device), mask.to(device)
-
-
 def ended_at_eos(completion_ids: Tensor, eos: list[int]) -> list[list[int]]:
     """Each row's tokens up to and including its first EOS."""
     mask, _ = mask_after_eos(completion_ids, eos)
     return [row[: int(n)].tolist() for row, n in zip(completion_ids, mask.sum(dim=1), strict=True)]
-
-
-def with_tools(
-    first: RolloutBatch,
-    tokenizer: PreTrainedTokenizerBase,
-    toolboxes: list[Toolbox],
-    sampling: Sampling,
-    next_turns: TurnGenerator,
-    eos: list[int],
-    max_model_len: int | None,
-) -> RolloutBatch:
-    """The first turns `first` continued through their tool calls (`tool_loop`, TRL's contract): each
-    completion holds the model's turns and the tool results between them, `model_mask` tells them apart,
-    and a completion is truncated when its last token is not an EOS (TRL's test)."""
-    if len(toolboxes) != len(first):
-        raise ValueError(f"{len(toolboxes)} toolboxes for {len(first)} completions")
-    prompts = [
-        ids[mask.bool()].tolist() for ids, mask in zip(first.prompt_ids, first.prompt_mask, strict=True)
-    ]
-    lengths = first.completion_mask.sum(dim=1).tolist()
-    logprobs = first.sampling_logprobs
-    trajectories = tool_loop(
-        tokenizer, prompts,
-        [ids[:n].tolist() for ids, n in zip(first.completion_ids, lengths, strict=True)],
-        None if logprobs is None else [lp[:n].tolist() for lp, n in zip(logprobs, lengths, strict=True)],
-        toolboxes, next_turns, sampling.max_completion_length, sampling.max_tool_calling_iterations,
-        max_model_len,
-    )  # fmt: skip
-    return batch_of_lists(
-        tokenizer, first.prompt_ids, first.prompt_mask, trajectories.completion_ids, trajectories.model_mask,
-        trajectories.logprobs, eos, sampling.assistant_prefix, trajectories.use,
-    )  # fmt: skip
-
-
-def batch_of_lists(
-    tokenizer: PreTrainedTokenizerBase,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    completions: list[list[int]],
-    model_mask: list[list[int]] | None,
-    logprobs: list[list[float]] | None,
-    eos: list[int],
-    assistant_prefix: str,
-    use: ToolUse | None,
-) -> RolloutBatch:
-    """A RolloutBatch of completions given as token lists (multi-turn rollouts, a rollout_func's), each
-    whole: truncated when its last token is not an EOS (TRL's test)."""
-    width, device = max(map(len, completions)), prompt_ids.device
-
-    def padded(rows: list[list[Any]], value: float, dtype: torch.dtype) -> Tensor:
-        out = torch.full((len(rows), width), value, dtype=dtype)
-        for r, row in enumerate(rows):
-            out[r, : len(row)] = torch.tensor(row, dtype=dtype)
-        return out.to(device)
-
-    return RolloutBatch(
-        prompt_ids,
-        prompt_mask,
-        padded(completions, tokenizer.pad_token_id, torch.long),
-        padded([[1] * len(row) for row in completions], 0, torch.long),
-        torch.tensor([not row or row[-1] not in eos for row in completions], device=device),
-        [
-            assistant_prefix + cast(str, tokenizer.decode(row, skip_special_tokens=True))
-            for row in completions
-        ],
-        None if logprobs is None else padded(logprobs, 0.0, torch.float32),
-        None if model_mask is None else padded(model_mask, 0, torch.long),
-        use,
-    )
-
-
-def rollout_func_batch(
-    output: dict[str, Any], tokenizer: PreTrainedTokenizerBase, eos: list[int], device: torch.device,
-    keep_logprobs: bool,
-) -> RolloutBatch:  # fmt: skip
-    """TRL's rollout_func output (`prompt_ids`, `completion_ids`, `logprobs`, optionally `env_mask`: 1 on
-    the model's tokens; any other key, one value per rollout or one for all, goes to the rewards) as a
-    RolloutBatch. `keep_logprobs`: the sampler's log-probs are kept (vLLM runs; TRL uses them only there)."""
-    missing = sorted({"prompt_ids", "completion_ids", "logprobs"} - output.keys())
-    if missing:
-        raise ToolError(f"rollout_func must return the keys {missing} in its output dict")
-    completions = [list(ids) for ids in output["completion_ids"]]
-    n = len(completions)
-    if len(output["prompt_ids"]) != n or not all(completions):
-        raise ToolError(
-            f"rollout_func returned {len(output['prompt_ids'])} prompts and {n} completions, some empty"
-        )
-    env_mask = output.get("env_mask")
-    logprobs = output["logprobs"] if keep_logprobs else None
-    for name, rows in (("env_mask", env_mask), ("logprobs", logprobs)):
-        if rows is not None and [len(r) for r in rows] != [len(c) for c in completions]:
-            raise ToolError(f"rollout_func's {name} must have one value per completion token")
-    if logprobs is not None:
-        logprobs = [[math.nan if lp is None else float(lp) for lp in row] for row in logprobs]
-    prompt_ids, prompt_mask = left_padded(
-        [list(p) for p in output["prompt_ids"]], tokenizer.pad_token_id, device
-    )
-    extra = {
-        key: values if isinstance(values, list) else [values] * n
-        for key, values in output.items()
-        if key not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")
-    }
-    prompts = [list(p) for p in output["prompt_ids"]]
-    messages = [
-        [turn_message(tokenizer, ids, prompt)] for ids, prompt in zip(completions, prompts, strict=True)
-    ]
-    use = ToolUse(messages, [1] * n, [Counter() for _ in range(n)], [Counter() for _ in range(n)], extra)
-    model_mask = None if env_mask is None else [list(m) for m in env_mask]
-    return batch_of_lists(tokenizer, prompt_ids, prompt_mask, completions, model_mask, logprobs, eos, "", use)
 
 
 def logits_processors(
@@ -646,55 +363,6 @@ def logits_processors(
         processors += [MinPLogitsWarper(sampling.min_p)] if sampling.min_p else []
         processors.append(InverseCDFSampler(generator, drawn))
     return processors
-
-
-# No text averages more characters a token, so a text's last 64·N characters hold its last N tokens.
-MAX_CHARS_PER_TOKEN = 64
-
-
-def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompt_texts: list[str], max_prompt_length: int, repeat: int
-) -> tuple[Tensor, Tensor]:
-    """Left-padded prompt ids and mask, each prompt repeated `repeat` times (one row per completion).
-    Left truncation keeps the last `max_prompt_length` tokens, so only the text's end is tokenized: a
-    50 MB question costs no more memory than a long one."""
-    enc = tokenizer(
-        [text[-MAX_CHARS_PER_TOKEN * max_prompt_length :] for text in prompt_texts],
-        return_tensors="pt",
-        padding=True,
-        truncation=True,
-        max_length=max_prompt_length,
-        add_special_tokens=False,
-    )
-    return enc.input_ids.repeat_interleave(repeat, dim=0), enc.attention_mask.repeat_interleave(repeat, dim=0)
-
-
-def finish_batch(
-    tokenizer: PreTrainedTokenizerBase,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    completion_ids: Tensor,
-    eos: list[int],
-    sampling: Sampling,
-    sampling_logprobs: Tensor | None = None,
-) -> RolloutBatch:
-    """A RolloutBatch from generated ids: tokens after the first EOS masked, texts decoded."""
-    if sampling.ignore_eos:
-        completion_mask = torch.ones_like(completion_ids)
-        truncated = torch.ones(len(completion_ids), dtype=torch.bool, device=completion_ids.device)
-    else:
-        completion_mask, has_eos = mask_after_eos(completion_ids, eos)
-        truncated = ~has_eos
-    texts = [
-        sampling.assistant_prefix
-        + cast(str, tokenizer.decode(ids[: int(n)], skip_special_tokens=True))  # one sequence
-        for ids, n in zip(completion_ids, completion_mask.sum(dim=1), strict=True)
-    ]
-    if sampling_logprobs is not None:
-        sampling_logprobs = sampling_logprobs * completion_mask
-    return RolloutBatch(
-        prompt_ids, prompt_mask, completion_ids, completion_mask, truncated, texts, sampling_logprobs
-    )
 
 
 @contextmanager
@@ -814,16 +482,3 @@ def prefill_once_per_group(
     )  # fmt: skip
     if group > 1:
         cache.batch_repeat_interleave(group)
-
-
-def as_reward_inputs(
-    prompts: list[Any], completion_texts: list[str], conversational: bool
-) -> tuple[list[Any], list[Any]]:
-    """Prompts and completions in TRL's shapes: chat-message lists when the prompts are chats rendered
-    by a chat template, plain strings otherwise (text prompts: TRL's standard format). Each prompt is
-    repeated for each of its completions."""
-    per_prompt = len(completion_texts) // len(prompts)
-    repeated = [p for p in prompts for _ in range(per_prompt)]
-    if conversational and not isinstance(prompts[0], str):
-        return repeated, [[{"role": "assistant", "content": t}] for t in completion_texts]
-    return repeated, completion_texts
