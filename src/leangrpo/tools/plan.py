@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from leangrpo.config.schema import Config
 from leangrpo.core.errors import UserError
+from leangrpo.engines.registry import engine_name
 
 Method = Literal["full", "lora", "qlora-4bit"]
 METHODS: tuple[Method, ...] = ("full", "lora", "qlora-4bit")  # heaviest first: --fit falls back in this order
@@ -818,7 +819,7 @@ def knobs_from_config(cfg: Config, **overrides: Any) -> Knobs:
     values.update(
         method="qlora-4bit" if m.load_in_4bit else "lora" if m.lora.enabled else "full",
         lora_targets=parse_targets(m.lora.target_modules),
-        rollout="vllm" if cfg.grpo.use_vllm else "hf",
+        rollout="hf" if engine_name(cfg.grpo) == "hf" else "vllm",  # a server's memory counts as colocated
     )
     values.update({key: v for key, v in overrides.items() if v is not None})
     return Knobs(**values)

@@ -22,6 +22,7 @@ from leangrpo.run.checkpoint import (
     truncate_log,
     what_holds,
 )
+from leangrpo.run.resolve import save_config
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from leangrpo.config.schema import Config
     from leangrpo.run.tracking import MetricsLogger
     from leangrpo.train.distributed import Replicated
-    from leangrpo.train.update import Optimization
+    from leangrpo.train.optim import Optimization
 
 
 class TrainingError(UserError, RuntimeError):
@@ -103,8 +104,9 @@ class Checkpoints:
 
     def restore(self, ckpt: Path, logger: MetricsLogger) -> dict[str, Any]:
         """The optimizer, schedule and RNG as they were right after the checkpoint's step (the weights were
-        loaded before wrapping); log rows after that step are dropped, since those steps run again.
-        Returns the checkpoint's state (its step and the trainer's counters)."""
+        loaded before wrapping); log rows after that step are dropped, since those steps run again, and
+        the run's config is written again (with the resume's new max_steps...). Returns the checkpoint's
+        state (its step and the trainer's counters)."""
         state = read_state(ckpt)
         rank_state = load_rank_state(ckpt, self.acc.process_index)
         self.dist.load_optimizer_state(self.opt.policy, self.opt.optimizer, rank_state["optimizer"])
@@ -114,5 +116,6 @@ class Checkpoints:
             for log in (logger.metrics_path, logger.samples_path):
                 truncate_log(log, state["step"])
             self.write(f"resuming from {ckpt} at step {state['step']}")
+            save_config(self.cfg, self.run_dir / "config.yaml")
         set_rng_state(rank_state["rng"])  # last: nothing may draw random numbers after this
         return state

@@ -6,11 +6,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LambdaLR
+
     from leangrpo.config.schema import OptimConfig
 
 
@@ -108,6 +111,17 @@ def build_scheduler(
         return max(0.0, cosine)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@dataclass
+class Optimization:
+    """The policy and what steps it: the optimizer, its in-backward stepping (`optim.optimizer_in_backward`)
+    and the learning-rate schedule."""
+
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    in_backward: StepInBackward | None
+    scheduler: LambdaLR
 
 
 def activation_offload(enabled: bool) -> AbstractContextManager:

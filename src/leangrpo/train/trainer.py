@@ -27,7 +27,7 @@ from leangrpo.engines.tools import prepare_tokenizer
 from leangrpo.engines.types import EngineError
 from leangrpo.models.load import load_model_and_tokenizer
 from leangrpo.run.checkpoint import load_trainable, resume_checkpoint, rng_state, save_final_model, what_holds
-from leangrpo.run.resolve import resolve_steps, save_config
+from leangrpo.run.resolve import resolve_steps
 from leangrpo.run.rundir import RunDirError, drop_replaced
 from leangrpo.run.session import RunSession
 from leangrpo.run.signals import StopSignals
@@ -39,12 +39,12 @@ from leangrpo.train.extras import RuntimeExtras
 from leangrpo.train.levers import cpu_levers, release_memory
 from leangrpo.train.logprobs import Policy, shared_prompt_group
 from leangrpo.train.metrics import PhaseTimer, StepRecorder
-from leangrpo.train.optim import StepInBackward, build_optimizer, build_scheduler
+from leangrpo.train.optim import Optimization, StepInBackward, build_optimizer, build_scheduler
 from leangrpo.train.preflight import World, check_async_agent, preflight
 from leangrpo.train.rollout_source import RolloutSource, long_prompts
 from leangrpo.train.rollouts import Generation
 from leangrpo.train.scoring import Scorer
-from leangrpo.train.update import Optimization, Updater, build_reference
+from leangrpo.train.update import Updater, build_reference
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -100,8 +100,9 @@ class Trainer:
             else None
         )
         model = self._load_model()
+        store = None if self.levers is None else self.levers.reference_store
         self.ref_policy, ref_pages = build_reference(
-            cfg, model, self.dist, self.levers, self.group, self.run_dir, self._write
+            cfg, model, self.dist, store, self.group, self.run_dir, self._write
         )
         if self.resume_from:  # into the whole model, before sharding (the reference keeps the start)
             check_steps_left(self.resume_from, self.cfg.optim.max_steps, self.run_dir, self._write)
@@ -193,12 +194,7 @@ class Trainer:
                 self.cfg, overwrite, resuming, self.acc.wait_for_everyone
             )
             self.checkpoints = Checkpoints(self.cfg, self.acc, self.dist, opt, self.tokenizer, self._write)
-            if self.resume_from is None:
-                return {}
-            state = self.checkpoints.restore(self.resume_from, self.logger)
-            if self.is_main:
-                save_config(self.cfg, self.run_dir / "config.yaml")  # with the resume's new max_steps...
-            return state
+            return {} if self.resume_from is None else self.checkpoints.restore(self.resume_from, self.logger)
 
     # ------------------------------------------------------------------------------------ one step
 
@@ -239,9 +235,7 @@ class Trainer:
         try:
             return self._run()
         except (OSError, RunDirError) as e:  # a full disk or I/O error in a log, an eval, a tracker...
-            why = (
-                str(e) if isinstance(e, RunDirError) else f"cannot write in {self.run_dir}: {error_reason(e)}"
-            )
+            why = e if isinstance(e, RunDirError) else f"cannot write in {self.run_dir}: {error_reason(e)}"
             raise TrainingError(f"{why}; {what_holds(self.run_dir)}") from None
         finally:
             self.source.close()
@@ -273,12 +267,10 @@ class Trainer:
 
         cfg, max_steps = self.cfg, self.cfg.optim.max_steps
         show = self.is_main and cfg.logging.progress_bar
-        with (
-            tqdm(
-                total=max_steps, initial=self.start_step, desc="GRPO", disable=not show, dynamic_ncols=True
-            ) as bar,
-            self.signals,
-        ):
+        bar = tqdm(
+            total=max_steps, initial=self.start_step, desc="GRPO", disable=not show, dynamic_ncols=True
+        )
+        with bar, self.signals:
             for step in range(self.start_step + 1, max_steps + 1):
                 rng = rng_state()  # what a checkpoint of the step before holds, should this one be dropped
                 try:
@@ -342,8 +334,7 @@ class Trainer:
         return done
 
     def _announce(self) -> None:
-        """Say where the run trains, warn of a launch that formed fewer processes than it asked for, and
-        count the data's bad rows."""
+        """Where the run trains, a launch that formed fewer processes than it asked for, bad data rows."""
         self._write(f"training on {self.dist.describe()}, device {self.acc.device}")
         if warning := distributed.launch_warning(self.acc.num_processes):
             self._write(warning)

@@ -21,15 +21,13 @@ from leangrpo.train.checkpoints import TrainingError
 from leangrpo.train.distributed import Sharded
 from leangrpo.train.logprobs import Policy, batch_logprobs, micro_batch_logprobs
 from leangrpo.train.loss import loss_spec
-from leangrpo.train.optim import StepInBackward, activation_offload
+from leangrpo.train.optim import Optimization, activation_offload
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-    from torch.optim.lr_scheduler import LambdaLR
     from transformers import PreTrainedModel
 
     from leangrpo.config.schema import Config
-    from leangrpo.cpu.levers import CPULevers
     from leangrpo.engines.types import RolloutBatch
     from leangrpo.train.distributed import Replicated
 
@@ -58,30 +56,20 @@ class Update:
     stats: list[grpo.LossStats]
 
 
-@dataclass
-class Optimization:
-    """The policy and what steps it: the optimizer, its in-backward stepping (`optim.optimizer_in_backward`)
-    and the learning-rate schedule."""
-
-    policy: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    in_backward: StepInBackward | None
-    scheduler: LambdaLR
-
-
 def build_reference(
     cfg: Config,
     model: PreTrainedModel,
     dist: Replicated,
-    levers: CPULevers | None,
+    reference_store: Callable[[Path], TensorStore] | None,
     group: int,
     run_dir: Path,
     write: Callable[[str], None],
 ) -> tuple[torch.nn.Module | None, TensorStore | None]:
     """The frozen reference copy of full fine-tuning with beta > 0 (LoRA's reference is the model with its
     adapter off), and the file holding its weights with `cpu.reference_on_disk` (by default on CPU without
-    FSDP, in memory where the disk has no room for it): on the run directory's disk, its nearest existing
-    folder (the directory itself is made later, under the lock)."""
+    FSDP, in memory where the disk has no room for it): `reference_store` (the CPU levers') makes it on the
+    run directory's disk, in its nearest existing folder (the directory itself is made later, under the
+    lock)."""
     g, asked = cfg.grpo, cfg.cpu.reference_on_disk
     if g.beta == 0 or is_peft(model):
         if asked:
@@ -89,15 +77,15 @@ def build_reference(
         return None, None
     dtype = None if g.reference_dtype == "auto" else getattr(torch, g.reference_dtype)
     sharded = isinstance(dist, Sharded)
-    if asked and (levers is None or sharded):
+    if asked and (reference_store is None or sharded):
         raise TrainingError(
             f"cpu.reference_on_disk is for CPU runs without FSDP (this run: {dist.acc.device.type}, "
             f"{dist.describe()}): elsewhere the reference must live in device memory"
         )
-    on_disk = asked if asked is not None else levers is not None and not sharded
+    on_disk = asked if asked is not None else reference_store is not None and not sharded
     try:
         where = next(d for d in (run_dir, *run_dir.resolve().parents) if d.is_dir())
-        pages = levers.reference_store(where) if on_disk and levers is not None else None
+        pages = reference_store(where) if on_disk and reference_store is not None else None
         copy = frozen_copy(model, dtype, pages)
     except DeviceOptionError as e:
         if asked:
