@@ -77,8 +77,13 @@ def test_evaluate_batched_greedy_and_pass_at_k(tiny, test_rows):
 
     model, tok = tiny
     rng = torch.get_rng_state()
-    kwargs = dict(max_new_tokens=6, max_prompt_length=256, progress=False)
-    res = evaluate(model, tok, test_rows, REWARDS, GSM8K, batch_size=2, num_samples=3, seed=1, **kwargs)
+    from leangrpo.engines.types import Sampling
+
+    kwargs = dict(progress=False)
+    sampling = Sampling(num_generations=1, max_prompt_length=256, max_completion_length=6)
+    res = evaluate(
+        model, tok, test_rows, REWARDS, GSM8K, sampling, batch_size=2, num_samples=3, seed=1, **kwargs
+    )
     assert torch.equal(torch.get_rng_state(), rng)  # sampling ran on its own RNG stream
     assert tok.padding_side == "left"
     assert [r["question"] for r in res.records] == [r["question"] for r in test_rows]
@@ -93,9 +98,11 @@ def test_evaluate_batched_greedy_and_pass_at_k(tiny, test_rows):
     assert all(0 <= r["samples_correct"] <= 3 and 1 <= r["length"] <= 6 for r in res.records)
 
     # Left padding: a prompt's greedy completion does not depend on what it is batched with.
-    alone = evaluate(model, tok, test_rows, REWARDS, GSM8K, batch_size=1, **kwargs)
+    alone = evaluate(model, tok, test_rows, REWARDS, GSM8K, sampling, batch_size=1, **kwargs)
     assert [r["completion"] for r in alone.records] == [r["completion"] for r in res.records]
-    again = evaluate(model, tok, test_rows, REWARDS, GSM8K, batch_size=2, num_samples=3, seed=1, **kwargs)
+    again = evaluate(
+        model, tok, test_rows, REWARDS, GSM8K, sampling, batch_size=2, num_samples=3, seed=1, **kwargs
+    )
     assert [r["samples_correct"] for r in again.records] == [r["samples_correct"] for r in res.records]
 
 

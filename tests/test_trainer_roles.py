@@ -129,21 +129,34 @@ def test_training_and_evaluation_build_reward_inputs_in_one_place(
     tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch
 ):
     """Drift 3: reward inputs were built twice (the trainer's and the evaluation's). Both now go through
-    `scoring.reward_inputs`, and a reward sees the same columns in both."""
+    `data.rewards.reward_inputs`, and a reward gets the same arguments from both (training adds its
+    trainer_state)."""
+    import leangrpo.data.rewards as rewards
     import leangrpo.train.scoring as scoring
     from leangrpo.train.trainer import Trainer
 
-    calls = []
-    real = scoring.reward_inputs
-    monkeypatch.setattr(scoring, "reward_inputs", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    built, seen = [], []
+    real = rewards.reward_inputs
+
+    def counted(*args, **kwargs):
+        built.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rewards, "reward_inputs", counted)
+    monkeypatch.setattr(scoring, "reward_inputs", counted)
+    monkeypatch.setattr(
+        "toy_rewards.vowel_share", lambda completions, **kw: seen.append(kw) or [0.0] * len(completions)
+    )
     cfg = config(
         tmp_path, tiny_model_dir, gsm8k_dir, eval={"enabled": True, "path": str(gsm8k_dir), "limit": 2}
     )
     trainer = Trainer(validate_config(cfg))
     trainer.maybe_evaluate(0)
     trainer.step(1)
-    assert len(calls) == 2
-    assert set(calls[0][0]) == set(calls[1][0])  # the same columns from evaluation and training rows
+    assert len(built) == 2 and len(seen) == 2
+    evaluation, training = seen
+    assert set(training) - set(evaluation) == {"trainer_state"}
+    assert type(training["prompts"][0]) is type(evaluation["prompts"][0])
 
 
 def test_the_python_api_closes_the_engine_as_the_cli_does(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):

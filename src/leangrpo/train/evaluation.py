@@ -272,10 +272,10 @@ def score(
     Rewards get `completion_ids` when given (no `trainer_state` outside training). With tools (`use`),
     rewards get what they get in training (the turns as messages, the environments, a rollout_func's
     extra keys)."""
-    from leangrpo.data.rewards import RewardContext, score_completions
-    from leangrpo.train.scoring import reward_inputs
+    from leangrpo.data.rewards import RewardContext, reward_inputs, score_completions
 
-    prompts, comps, columns = reward_inputs(rows, completions, conversational, use)
+    messages, extra = (None, None) if use is None else (use.messages, use.columns)
+    prompts, comps, columns = reward_inputs(rows, completions, conversational, messages, extra)
     scores = score_completions(reward_funcs, prompts, comps, columns, on_error, RewardContext(completion_ids))
     records = []
     for i, (row, text) in enumerate(zip(rows, completions, strict=True)):

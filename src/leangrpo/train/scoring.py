@@ -1,6 +1,6 @@
-"""Rewards and advantages: each reward function on each completion, called as TRL calls it, and the
-advantages GRPO takes from them. `reward_inputs` is the one place that turns rows and completions into a
-reward function's arguments, for training and evaluation alike."""
+"""Rewards and advantages: each reward function on each completion, called as TRL calls it (its inputs
+built by `data.rewards.reward_inputs`, as evaluation builds them), and the advantages GRPO takes from
+them, over every process's groups."""
 
 from __future__ import annotations
 
@@ -11,37 +11,15 @@ import torch
 from torch import Tensor
 
 from leangrpo.core import grpo
-from leangrpo.data.rewards import RewardContext, RewardScores, TrainerState, score_completions
+from leangrpo.data.rewards import RewardContext, RewardScores, TrainerState, reward_inputs, score_completions
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from leangrpo.config.schema import Config
-    from leangrpo.engines.tools import ToolUse
     from leangrpo.train.rollouts import Rollout
 
 RewardFuncs = list[tuple[str, Callable[..., list[Any]], float]]
-
-
-def reward_inputs(
-    rows: list[dict[str, Any]], completion_texts: list[str], conversational: bool, use: ToolUse | None = None
-) -> tuple[list[Any], list[Any], dict[str, list[Any]]]:
-    """A reward function's prompts, completions and dataset columns, in TRL's shapes, for completions that
-    come `len(completion_texts) // len(rows)` to a row: chat messages when the prompts are chats rendered
-    by a chat template, plain strings otherwise (TRL's standard format). With tools (`use`): the
-    assistant's turns, calls and results as messages, and the environments or a rollout_func's extra keys
-    as columns."""
-    per_row = len(completion_texts) // len(rows)
-    prompts = [r["prompt"] for r in rows for _ in range(per_row)]
-    chats = conversational and not isinstance(rows[0]["prompt"], str)
-    completions: list[Any] = (
-        [[{"role": "assistant", "content": t}] for t in completion_texts] if chats else completion_texts
-    )
-    columns = {k: [r.get(k) for r in rows for _ in range(per_row)] for k in rows[0] if k != "prompt"}
-    if use is not None:
-        completions = use.messages if conversational else completions
-        columns.update(use.columns)
-    return prompts, completions, columns
 
 
 class Scorer:
@@ -59,9 +37,11 @@ class Scorer:
         completion_ids, the row's columns, trainer_state, log_extra, log_metric); `stop` abandons rewards
         still running when a stop is asked for."""
         cfg, batch = self.cfg, rollout.batch
+        use = batch.tool_use
         prompts, completions, columns = reward_inputs(
-            rollout.rows, batch.completion_texts, self.conversational, batch.tool_use
-        )
+            rollout.rows, batch.completion_texts, self.conversational,
+            None if use is None else use.messages, None if use is None else use.columns,
+        )  # fmt: skip
         ids, mask = batch.completion_ids.cpu(), batch.completion_mask.bool().cpu()
         context = RewardContext(
             completion_ids=[row[keep].tolist() for row, keep in zip(ids, mask, strict=True)],

@@ -23,6 +23,7 @@ from leangrpo.data.rewards.scoring import (
     RewardsAbandoned,
     RewardScores,
     TrainerState,
+    reward_inputs,
     score_completions,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "RewardScores",
     "RewardsAbandoned",
     "TrainerState",
+    "reward_inputs",
     "answers_match",
     "completion_text",
     "correctness_reward",
