@@ -1,6 +1,6 @@
-"""Agents, TRL's multi-turn rollouts: an `AgentSpec` holds the run's tools, environment factories or
-rollout_func, and each step it hands out `Episodes`, one toolbox per rollout and, with environments, one
-reset instance per rollout whose public methods are its tools (engines/tools.py runs their calls)."""
+"""Agents, as TRL's GRPOTrainer takes them: an `AgentSpec` holds a run's tools, environment factories or
+rollout_func; each step it hands out `Episodes`, a toolbox per rollout and, with environments, an instance
+per rollout, reset for its row, whose public methods are its tools (engines/tools.py runs the calls)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ from leangrpo.data.rewards.registry import import_object
 from leangrpo.engines.tools import Toolbox, ToolError
 
 EnvironmentFactory = Callable[[], Any]
-
-
 RolloutFunc = Callable[[list[Any], Any], dict[str, Any]]
 
 
