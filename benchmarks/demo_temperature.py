@@ -14,7 +14,7 @@ import argparse
 import tempfile
 import time
 
-from leangrpo.tools.demo import demo_config
+from leangrpo.commands.demo import demo_config
 from leangrpo.train.evaluation import evaluate
 from leangrpo.train.trainer import Trainer
 

@@ -13,6 +13,7 @@ from typing import Any, TypeGuard
 
 import yaml
 
+from leangrpo.commands.compare import fmt_value
 from leangrpo.run.rundir import (
     CURVES,
     Curve,
@@ -24,7 +25,6 @@ from leangrpo.run.rundir import (
     with_trl_names,
     write_text_atomic,
 )
-from leangrpo.tools.compare import fmt_value
 
 SAMPLES_EACH = 3  # sample completions shown from the start and from the end
 
