@@ -135,7 +135,7 @@ class TaskConfig(Section):
         "gsm8k",
         min_length=1,
         description="task module: gsm8k (the R1 recipe), reasoning_gym (generated problems) "
-        "or dataset (your rewards)",
+        "or dataset (your rewards); or your own Task subclass as package.module:MyTask",
     )
 
     @model_validator(mode="before")
