@@ -126,8 +126,9 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    """What to learn: `name` picks a task module (leangrpo/tasks/); the other keys are that task's own
-    options, checked by it. `task: gsm8k` is short for `task: {name: gsm8k}`."""
+    """What to learn: `name` picks a task module (leangrpo/data/tasks/), or a Task subclass of yours by
+    import path (package.module:MyTask); the other keys are that task's own options, checked by it.
+    `task: gsm8k` is short for `task: {name: gsm8k}`."""
 
     model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
 
@@ -697,7 +698,7 @@ class EvalConfig(Section):
 class Config(Section):
     """A whole run."""
 
-    task: TaskConfig = Field(default_factory=TaskConfig, description="what to learn (leangrpo/tasks/)")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="what to learn (leangrpo/data/tasks/)")
     model: ModelConfig = Field(..., description="the policy model")
     data: DataConfig = Field(..., description="the training prompts")
     rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="the reward functions")
