@@ -90,15 +90,6 @@ def load_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return rows, loaded.notes
 
 
-def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
-    """Plot the run's reward (total and per function) over steps into `out` (default
-    `RUN/reward_curve.png`); None when no step was logged."""
-    run_dir = Path(run_dir)
-    rows, _ = load_run(run_dir)
-    train = [r for r in rows if "reward" in r]
-    return plot_curve(train, CURVES[0], Path(out) if out else run_dir / f"{CURVES[0].stem}.png")
-
-
 def _table(header: list[str], rows: list[list[Any]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     cells = ("".join(f"<td>{html.escape(fmt_value(c))}</td>" for c in r) for r in rows)
