@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from rollout_vllm import ARCHS, build  # noqa: E402
 
+from leangrpo.commands import plan  # noqa: E402
 from leangrpo.run.resolve import load_config  # noqa: E402
-from leangrpo.tools import plan  # noqa: E402
 
 MIB = 2**20
 

@@ -19,8 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from leangrpo.commands.demo import paired_change
 from leangrpo.run.rundir import read_jsonl
-from leangrpo.tools.demo import paired_change
 
 CONTROLS = ("none", "random-reward")
 

@@ -15,7 +15,7 @@ import tempfile
 import time
 from dataclasses import replace
 
-from leangrpo.tools.demo import demo_config
+from leangrpo.commands.demo import demo_config
 from leangrpo.train.evaluation import eval_sampling, evaluate
 from leangrpo.train.trainer import Trainer
 

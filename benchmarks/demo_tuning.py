@@ -5,7 +5,8 @@ to a JSONL file: the held-out correct count before, after the cold start and aft
         --temperature 1.2 [--seed 2] [--steps 30] [--sft-steps 4] [--eval-steps 10] \\
         [--sft-equation] [--control random-reward] [--out /tmp/tuning]
 
-The shipped recipe is `leangrpo demo` (leangrpo.tools.demo.demo_config); benchmarks/RESULTS.md lists the runs.
+The shipped recipe is `leangrpo demo` (leangrpo.commands.demo.demo_config); benchmarks/RESULTS.md lists
+the runs.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_seeds import correct  # noqa: E402
 
+from leangrpo.commands.demo import CHAIN_SUM, demo_config
 from leangrpo.data.tasks.reasoning_gym import ReasoningGym
 from leangrpo.run.resolve import validate_config
-from leangrpo.tools.demo import CHAIN_SUM, demo_config
 from leangrpo.train.trainer import train
 
 

@@ -318,8 +318,8 @@ def predict(config_path: Path, layers: int | None = None) -> dict[str, int]:
     if given (the plan's per-layer terms scaled: the model is otherwise the same)."""
     from dataclasses import replace
 
+    from leangrpo.commands import plan
     from leangrpo.run.resolve import load_config
-    from leangrpo.tools import plan
 
     cfg = load_config(config_path)
     shape = plan.resolve_shape(cfg.model.name_or_path)

@@ -195,8 +195,8 @@ def run_config(point: dict, model_dir: Path, out: Path, overrides: list[str]) ->
 
 
 def predict(config_path: Path, device: str) -> dict:
+    from leangrpo.commands import plan
     from leangrpo.run.resolve import load_config
-    from leangrpo.tools import plan
 
     cfg = load_config(config_path)
     shape = plan.resolve_shape(cfg.model.name_or_path)

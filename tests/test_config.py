@@ -422,15 +422,15 @@ def test_the_cold_start_needs_a_task_with_worked_solutions(minimal_yaml):
 
 def test_the_config_reference_in_docs_is_current():
     """docs/config.md is generated from the fields' descriptions: every field has one, and the file is
-    regenerated when a field changes (python -m leangrpo.tools.configdoc > docs/config.md)."""
-    from leangrpo.tools.configdoc import reference
+    regenerated when a field changes (python -m leangrpo.commands.configdoc > docs/config.md)."""
+    from leangrpo.commands.configdoc import reference
 
     text = reference()
     assert "| `grpo.num_generations` | `8` | completions sampled per prompt" in text
     assert "| `task.max_solution_steps` |" in text
     assert not [line for line in text.splitlines() if line.startswith("| `") and line.endswith("|  |")]
     docs = Path(__file__).resolve().parents[1] / "docs" / "config.md"
-    assert docs.read_text() == text, "docs/config.md is stale: python -m leangrpo.tools.configdoc > it"
+    assert docs.read_text() == text, "docs/config.md is stale: python -m leangrpo.commands.configdoc > it"
 
 
 @pytest.mark.parametrize(

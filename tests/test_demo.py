@@ -12,9 +12,7 @@ import psutil
 import pytest
 import yaml
 
-from leangrpo.config.schema import ConfigError
-from leangrpo.data.rewards.registry import BUILTIN_REWARDS, reward_name
-from leangrpo.tools.demo import (
+from leangrpo.commands.demo import (
     before_after_text,
     choose_threads,
     demo_config,
@@ -23,6 +21,8 @@ from leangrpo.tools.demo import (
     reward_rise,
     reward_rise_text,
 )
+from leangrpo.config.schema import ConfigError
+from leangrpo.data.rewards.registry import BUILTIN_REWARDS, reward_name
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -103,7 +103,7 @@ def test_threads_leave_busy_cores_alone(monkeypatch):
 def test_expected_minutes_is_the_arithmetic_of_the_rates(monkeypatch):
     """Steps, cold-start steps, the evaluations (before, after the cold start, at the end) and start-up at
     the given rates; fewer threads than measured scale it up, more do not scale it down."""
-    from leangrpo.tools import demo
+    from leangrpo.commands import demo
 
     monkeypatch.setitem(demo.RATES, "chain_sum", demo.Rates(10.0, 2.0, 0.5, 30.0, threads=2))
     cfg = demo_config("chain_sum", 20, False, "o", eval_limit=100)
@@ -163,8 +163,8 @@ def test_gsm8k_demo_data_ships_with_the_package():
 def test_plots_have_integer_step_ticks(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
+    from leangrpo.commands.report import plot_curve
     from leangrpo.run.rundir import CURVES
-    from leangrpo.tools.report import plot_curve
 
     saved, savefig = [], Figure.savefig
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig) or savefig(fig, *a, **k))
@@ -259,9 +259,9 @@ def test_demo_seeds_table_pairs_each_seed_with_its_control(tmp_path):
 def test_tools_recipe_builds_and_its_report_counts_tool_use():
     """`--task tools`: the calculator task with its tool, validated; its time is not claimed; the table adds
     the share of questions with a tool call and with a failed call, each with its paired interval."""
+    from leangrpo.commands.demo import CALCULATOR_TOOL
     from leangrpo.engines.agents import agent_from_config
     from leangrpo.engines.tools import Toolbox
-    from leangrpo.tools.demo import CALCULATOR_TOOL
 
     cfg = demo_config("tools", 20, False, "o", control="random-reward")
     assert cfg.task.name == "calculator" and cfg.tools.functions == [CALCULATOR_TOOL]

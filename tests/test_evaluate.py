@@ -10,10 +10,10 @@ import pytest
 from click.testing import CliRunner
 
 from leangrpo.cli import main
+from leangrpo.commands.compare import compare
 from leangrpo.config.schema import TaskConfig
 from leangrpo.data.rewards import load_reward
 from leangrpo.data.tasks import load_task
-from leangrpo.tools.compare import compare
 from leangrpo.train.evaluation import EvalResult, evaluate, score, summarize
 
 RUN_CONFIG = (

@@ -53,7 +53,7 @@ def test_sharded_step_equals_one_process_and_halves_the_bytes(tmp_path, tiny_mod
     assert r["grad_error"] < 1e-5 and r["grad_scale"] > 1e-3  # gradients that exist, equal within fp32
     assert 0.48 < r["param_ratio"] < 0.55 and 0.48 < r["optim_ratio"] < 0.55
     # `leangrpo plan --fsdp 2` predicts those per-process bytes
-    from leangrpo.tools import plan
+    from leangrpo.commands import plan
 
     est = plan.estimate(plan.resolve_shape(str(tiny_model_dir)), plan.make_knobs(fsdp=2, dtype="float32"))
     assert est.components["weights"] == pytest.approx(r["rank0_param_bytes"], rel=0.02)
@@ -144,7 +144,7 @@ def test_engine_sync_gathers_one_shard_group_at_a_time(tmp_path, tiny_model_dir)
         assert r["groups"] == 3 and r["groups_visited"] == 3, (kind, r)  # root + 2 layers, each in turn
         assert r["gathered_after"] == [], (kind, r)  # all resharded after the sync
     # `leangrpo plan --fsdp 2 --rollout vllm` counts that gather: the largest group's weights
-    from leangrpo.tools import plan
+    from leangrpo.commands import plan
 
     knobs = plan.make_knobs(fsdp=2, dtype="float32", rollout="vllm")
     planned = plan.sync_gather_bytes(plan.resolve_shape(str(tiny_model_dir)), knobs)

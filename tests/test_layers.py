@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "leangrpo"
-LAYERS = ("core", "config", "data", "models", "engines", "cpu", "run", "train", "tools", "cli")
+LAYERS = ("core", "config", "data", "models", "engines", "cpu", "run", "train", "commands", "cli")
 
 
 def module_name(path: Path) -> str:
@@ -153,8 +153,8 @@ def test_on_cuda_nothing_from_the_cpu_layer_is_imported():
     leangrpo.cpu, and the hook gives a CUDA device no levers (checked by module name, in a fresh process)."""
     code = (
         "import sys, torch\n"
-        "import leangrpo.cli, leangrpo.train.trainer, leangrpo.tools.evaluate, leangrpo.tools.chat\n"
-        "import leangrpo.tools.trl_api, leangrpo.tools.demo, leangrpo.tools.export\n"
+        "import leangrpo.cli, leangrpo.train.trainer, leangrpo.commands.evaluate, leangrpo.commands.chat\n"
+        "import leangrpo.commands.trl_api, leangrpo.commands.demo, leangrpo.commands.export\n"
         "from leangrpo.config.schema import CPUConfig\n"
         "from leangrpo.train.levers import cpu_levers\n"
         "assert cpu_levers(torch.device('cuda'), CPUConfig()) is None\n"

@@ -59,8 +59,8 @@ def test_live_tensors_sees_what_autograd_saves_until_the_backward():
 
 def test_logprob_workspace_of_the_update_forward_matches_the_plan():
     """The update's forward (log-probs + entropy) holds two fp32 chunks of logits at most, as planned."""
+    from leangrpo.commands import plan
     from leangrpo.core.logprobs import token_logprobs
-    from leangrpo.tools import plan
 
     live_peak = load_script()
     shape = plan.ModelShape.from_config(plan._llama(32, 64, 1, 4, 4, 40_000, True), "toy")
@@ -85,8 +85,8 @@ def test_logprob_workspace_of_the_update_forward_matches_the_plan():
 
 def test_logprob_backward_workspace_with_a_trained_head_matches_the_plan():
     """Full fine-tuning: the fp32 lm_head gradient lives through every chunk, then through its bf16 cast."""
+    from leangrpo.commands import plan
     from leangrpo.core.logprobs import token_logprobs
-    from leangrpo.tools import plan
 
     live_peak = load_script()
     shape = plan.ModelShape.from_config(plan._llama(64, 64, 1, 4, 4, 40_000, True), "toy")
@@ -142,8 +142,8 @@ def test_the_prefill_repeat_holds_one_layer_of_the_prompt_cache_beside_the_group
     whole group-sized cache and that layer's one-prompt buffers are alive together, as the plan counts."""
     import transformers
 
+    from leangrpo.commands import plan
     from leangrpo.engines.hf import kv_cache, prefill_once_per_group
-    from leangrpo.tools import plan
 
     live_peak = load_script()
     dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

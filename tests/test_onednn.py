@@ -1,4 +1,4 @@
-"""oneDNN products for the training step (leangrpo/onednn.py): the same values and gradients as
+"""oneDNN products for the training step (leangrpo/cpu/onednn.py): the same values and gradients as
 nn.Linear and the model's own forward, for which CPUs `cpu.matmul: auto` picks them, and the
 loader applying the setting."""
 

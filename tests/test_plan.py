@@ -13,12 +13,12 @@ import yaml
 from click.testing import CliRunner
 
 from leangrpo.cli import main
+from leangrpo.commands import plan
 from leangrpo.config.schema import LoraConfig
 from leangrpo.engines.hf import CACHE_KWARG, kv_cache, prefill_once_per_group
 from leangrpo.engines.types import RolloutBatch
 from leangrpo.models.load import apply_lora
 from leangrpo.run.resolve import validate_config
-from leangrpo.tools import plan
 from leangrpo.train.logprobs import Policy, micro_batch_logprobs, shared_prompt_group
 
 KNOWN_TOTALS = {

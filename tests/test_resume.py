@@ -290,7 +290,7 @@ def test_export_and_chat(tmp_path, tiny_model_dir, gsm8k_dir):
     result = cli.invoke(main, ["export", str(run), "--out", str(merged_dir)])
     assert result.exit_code == 2 and "not an empty directory" in result.output
 
-    from leangrpo.tools.chat import Chat
+    from leangrpo.commands.chat import Chat
 
     bot = Chat(str(run), None, max_new_tokens=4)
     assert "You are a careful test bot." in bot.prompt("What is 2+2?")

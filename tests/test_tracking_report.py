@@ -24,8 +24,8 @@ from leangrpo.train.preflight import World, preflight
 def test_train_with_eval_trackers_and_report(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch, capsys):
     from test_e2e import read_metrics, write_config
 
+    from leangrpo.commands.report import write_report_after_training
     from leangrpo.run.resolve import load_config
-    from leangrpo.tools.report import write_report_after_training
     from leangrpo.train.trainer import train
 
     out = tmp_path / "run"
@@ -107,8 +107,8 @@ def test_train_with_eval_trackers_and_report(tmp_path, tiny_model_dir, gsm8k_dir
     assert f"report: {out / 'report.html'}" in printed
 
     # `leangrpo eval` on the run directory: its model/, its config's rewards; then compare before/after.
-    from leangrpo.tools.compare import compare
-    from leangrpo.tools.evaluate import run_eval
+    from leangrpo.commands.compare import compare
+    from leangrpo.commands.evaluate import run_eval
 
     result, path = run_eval(str(out), data=str(gsm8k_dir), limit=2, max_new_tokens=4)
     assert path == out / "eval" / "eval-test.json"
@@ -267,7 +267,7 @@ def test_report_renders_plots_in_headless_chromium(tmp_path):
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
-    from leangrpo.tools.report import write_report
+    from leangrpo.commands.report import write_report
 
     run = make_run(tmp_path / "run")
     page, _ = write_report(run)

@@ -66,9 +66,9 @@ def test_refusals_come_all_at_once_one_line_each():
 
 
 def test_docs_table_is_current():
-    from leangrpo.tools.configdoc import trl_table
+    from leangrpo.commands.configdoc import trl_table
 
-    assert trl_table() in DOCS.read_text(), "docs/trl.md: python -m leangrpo.tools.configdoc --trl-table"
+    assert trl_table() in DOCS.read_text(), "docs/trl.md: python -m leangrpo.commands.configdoc --trl-table"
     assert len(field_table()) == len(TRL_DEFAULTS)
 
 

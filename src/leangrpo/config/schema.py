@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from leangrpo.core.errors import UserError
+from leangrpo.core.loss_types import LOSS_TYPES, unclipped_loss_types
 
 logger = logging.getLogger("leangrpo.config.schema")
 
@@ -125,8 +126,9 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    """What to learn: `name` picks a task module (leangrpo/tasks/); the other keys are that task's own
-    options, checked by it. `task: gsm8k` is short for `task: {name: gsm8k}`."""
+    """What to learn: `name` picks a task module (leangrpo/data/tasks/), or a Task subclass of yours by
+    import path (package.module:MyTask); the other keys are that task's own options, checked by it.
+    `task: gsm8k` is short for `task: {name: gsm8k}`."""
 
     model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
 
@@ -134,7 +136,7 @@ class TaskConfig(Section):
         "gsm8k",
         min_length=1,
         description="task module: gsm8k (the R1 recipe), reasoning_gym (generated problems) "
-        "or dataset (your rewards)",
+        "or dataset (your rewards); or your own Task subclass as package.module:MyTask",
     )
 
     @model_validator(mode="before")
@@ -305,10 +307,11 @@ class GRPOSection(Section):
         "with uninformative groups (metric dynamic_sampling/filled)",
     )
     num_iterations: int = Field(1, ge=1, description="updates per generation batch (mu)")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = Field(
+    loss_type: str = Field(
         "dapo",
-        description="how per-token losses are averaged (docs/trl.md); cispo: the ratio capped at "
-        "epsilon_high (ScaleRL: 5) weights the log-prob; sapo: a sigmoid gate instead of the clip",
+        description=f"one of {', '.join(LOSS_TYPES)}: how per-token losses are averaged (docs/trl.md); "
+        "cispo: the ratio capped at epsilon_high (ScaleRL: 5) weights the log-prob; sapo: a sigmoid gate "
+        "instead of the clip",
     )
     sapo_temperature_pos: float = Field(
         1.0, gt=0, description="sapo: the gate's temperature, positive advantages"
@@ -450,6 +453,14 @@ class GRPOSection(Section):
     def _scale_bool(cls, v: Any) -> Any:
         # TRL also accepts booleans here.
         return {True: "group", False: "none"}.get(v, v) if isinstance(v, bool) else v
+
+    @field_validator("loss_type")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        # core/loss_types.py's LOSS_TYPES is the one list of the names
+        if v not in LOSS_TYPES:
+            raise ValueError(f"unknown loss type; one of {', '.join(LOSS_TYPES)}")
+        return v
 
 
 class OptimConfig(Section):
@@ -687,7 +698,7 @@ class EvalConfig(Section):
 class Config(Section):
     """A whole run."""
 
-    task: TaskConfig = Field(default_factory=TaskConfig, description="what to learn (leangrpo/tasks/)")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="what to learn (leangrpo/data/tasks/)")
     model: ModelConfig = Field(..., description="the policy model")
     data: DataConfig = Field(..., description="the training prompts")
     rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="the reward functions")
@@ -741,7 +752,7 @@ class Config(Section):
             raise ValueError(
                 f"grpo.epsilon_high={self.grpo.epsilon_high} is below grpo.epsilon={self.grpo.epsilon}"
             )
-        if self.grpo.delta is not None and self.grpo.loss_type in ("cispo", "sapo"):
+        if self.grpo.delta is not None and self.grpo.loss_type in unclipped_loss_types():
             raise ValueError(f"grpo.delta clips the ratio, which loss_type {self.grpo.loss_type} does not")
         upper = 1 + (self.grpo.epsilon_high or self.grpo.epsilon)
         if self.grpo.delta is not None and self.grpo.delta <= upper:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -21,6 +20,7 @@ from pydantic.fields import FieldInfo
 
 from leangrpo.config.schema import ConfigError
 from leangrpo.config.trl_fields import TRL_DEFAULTS
+from leangrpo.core.loss_types import LOSS_TYPES
 
 logger = logging.getLogger("leangrpo.config.trl")
 
@@ -333,8 +333,6 @@ def from_trl(
 
 def _translate_special(flat: dict[str, Any], put: Any, refused: list[str]) -> None:
     """The fields whose TRL meaning needs a translation; each is popped from ``flat`` once handled."""
-    from leangrpo.config.schema import GRPOSection
-
     for key, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
         if flat.pop(key, None) is True:
             put("model.dtype", dtype)
@@ -368,10 +366,9 @@ def _translate_special(flat: dict[str, Any], put: Any, refused: list[str]) -> No
         put("eval.eval_steps", eval_steps or flat.get("logging_steps", 10))
     elif evaluation != "no":
         logger.warning(f"eval_strategy={evaluation!r} ignored: set eval_strategy: steps to evaluate")
-    loss_types = typing.get_args(GRPOSection.model_fields["loss_type"].annotation)
-    if flat.get("loss_type", "dapo") not in loss_types:
+    if flat.get("loss_type", "dapo") not in LOSS_TYPES:
         refused.append(
-            f"loss_type={flat.pop('loss_type')!r}: not supported (leangrpo has {', '.join(loss_types)})"
+            f"loss_type={flat.pop('loss_type')!r}: not supported (leangrpo has {', '.join(LOSS_TYPES)})"
         )
 
 

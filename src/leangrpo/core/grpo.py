@@ -2,7 +2,8 @@
 
 The loss is a per-token objective (OBJECTIVES: the clipped surrogate, cispo, sapo) on the importance
 ratio, per token or (GSPO) per completion, plus the KL term, then an aggregation (AGGREGATIONS) into the
-micro-batch's share of the batch loss; a `LossSpec` names both through TRL's loss_type (LOSS_TYPES).
+micro-batch's share of the batch loss; a `LossSpec` names both through TRL's loss_type (LOSS_TYPES, from
+loss_types.py: the one list of the names, which the config validates against).
 Nothing here touches a model object, so every quantity can be checked against numbers computed by hand.
 """
 
@@ -16,7 +17,8 @@ from typing import Any, Literal, NamedTuple, TypeVar
 import torch
 from torch import Tensor
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
+from leangrpo.core.loss_types import LOSS_TYPES
+
 ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
@@ -202,18 +204,6 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float) -> Ten
     return keep & (entropy >= torch.quantile(values.float(), 1 - top_quantile))
 
 
-# TRL's loss_type names an objective (the per-token term) and an aggregation (how a micro-batch's
-# per-token terms become its share of the batch loss) at once.
-LOSS_TYPES: dict[str, tuple[str, str]] = {
-    "grpo": ("clip", "grpo"),
-    "bnpo": ("clip", "bnpo"),
-    "dr_grpo": ("clip", "dr_grpo"),
-    "dapo": ("clip", "dapo"),
-    "cispo": ("cispo", "dapo"),
-    "sapo": ("sapo", "grpo"),
-}
-
-
 @dataclass(frozen=True)
 class LossSpec:
     """The loss of a run, fixed by its config: TRL's loss_type (`LOSS_TYPES`) and the constants it uses.
@@ -226,7 +216,7 @@ class LossSpec:
     is unchanged, as in TRL). `sapo_temperatures`: sapo's (positive, non-positive advantage) temperatures.
     """
 
-    loss_type: LossType
+    loss_type: str  # a key of LOSS_TYPES
     epsilon: float
     epsilon_high: float
     max_completion_length: int

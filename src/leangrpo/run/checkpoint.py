@@ -344,9 +344,12 @@ def resume_config(
     if config_path is None and not is_run_dir(run_dir):
         raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
     source = config_path or run_dir / "config.yaml"
-    cfg = load_config(source, overrides)
-    if is_run_owned(source) and not trust_run_code and (named := code_named(cfg, overrides)):
-        raise refusal(f"--resume {run_dir}: {source}", named)
+
+    def vet(cfg: Config) -> None:  # before the config's task is imported
+        if is_run_owned(source) and not trust_run_code and (named := code_named(cfg, overrides)):
+            raise refusal(f"--resume {run_dir}: {source}", named)
+
+    cfg = load_config(source, overrides, vet)
     return cfg.model_copy(update={"output_dir": str(run_dir)})
 
 

@@ -69,8 +69,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (optional), apply overrides, validate. Raises ConfigError with one line."""
+Vet = Callable[[Config], None]
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, vet: Vet | None = None
+) -> Config:
+    """Read YAML (optional), apply overrides, validate. Raises ConfigError with one line. `vet`: see
+    `validate_config`."""
     data: dict[str, Any] = {}
     source = str(path) if path else "overrides"
     if path is not None:
@@ -90,15 +96,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if is_trl_config(data):
             data = from_trl(data, source)
     apply_overrides(data, overrides or [])
-    return validate_config(data, source)
+    return validate_config(data, source, vet)
 
 
-def validate_config(data: dict[str, Any], source: str = "config") -> Config:
-    """The whole config from nested data: the schema's checks, then the task's (`resolve`)."""
+def validate_config(data: dict[str, Any], source: str = "config", vet: Vet | None = None) -> Config:
+    """The whole config from nested data: the schema's checks, then the task's (`resolve`). `vet` sees
+    the config between the two, before anything it names is imported (a task named by import path is
+    imported by `resolve`): where the config comes from a run, `run.trust`'s check goes there."""
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_problem_lines(e, source)) from None
+    if vet is not None:
+        vet(cfg)
     return resolve(cfg, source)
 
 
@@ -138,7 +148,7 @@ def resolve(cfg: Config, source: str = "config") -> Config:
     rewards = cfg.rewards
     if not rewards.functions:
         rewards = rewards.model_copy(update={"functions": [RewardSpec(name=n) for n in task.default_rewards]})
-    task_cfg = TaskConfig.model_validate({"name": task.name, **options.model_dump()})
+    task_cfg = TaskConfig.model_validate({"name": cfg.task.name, **options.model_dump()})
     return cfg.model_copy(update={"task": task_cfg, "data": data, "rewards": rewards})
 
 

@@ -382,17 +382,6 @@ def is_run_dir(path: Path) -> bool:
     return isinstance(data, dict) and {"model", "data", "rewards", "grpo"} <= data.keys()
 
 
-def run_model_dir(run_dir: Path) -> Path:
-    """The final model of a run: `run_dir/model`, or a one-line error if training never got there."""
-    model = run_dir / "model"
-    if not (model / "config.json").is_file():
-        raise RunDirError(
-            f"run directory {run_dir} has no model (no {model}/config.json): "
-            "the run did not finish; evaluate a checkpoint or a model directory instead"
-        )
-    return model
-
-
 def eval_files(run_dir: Path) -> list[Path]:
     """The run's evaluation JSONs (training's `eval/step-N.json`, `leangrpo eval` outputs), oldest first."""
     return sorted((run_dir / "eval").glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name))

@@ -1,7 +1,7 @@
 """The trust boundary. What a run directory, checkpoint or export holds is data: its config, its
-`leangrpo_export.json`, its files. Code such a config names (an import-path reward, a reward model, a
-tool or environment, the model's own code) is run only when the user names it in their own config or
-on the command line, or passes `--trust-run-code`."""
+`leangrpo_export.json`, its files. Code such a config names (an import-path reward or task, a reward
+model, a tool or environment, the model's own code) is run only when the user names it in their own config
+or on the command line, or passes `--trust-run-code`."""
 
 from __future__ import annotations
 
@@ -29,8 +29,10 @@ def is_run_owned(path: str | Path) -> bool:
 
 def code_named(cfg: Config, overrides: Sequence[str] = ()) -> list[str]:
     """What `cfg` would have leangrpo import or run beyond its own code, leaving out what the user set on
-    the command line (`overrides`): import-path rewards, reward models, tools, and the model's own code."""
+    the command line (`overrides`): import-path rewards and tasks, reward models, tools, and the model's
+    own code."""
     named = [] if _overridden(overrides, "rewards.functions") else foreign_rewards(cfg.rewards.functions)
+    named += [] if _overridden(overrides, "task", "task.name") else task_code(cfg)
     named += tool_code(cfg)
     if cfg.model.trust_remote_code and not _overridden(overrides, "model.trust_remote_code"):
         named.append(f"the model's own code ({cfg.model.name_or_path}, model.trust_remote_code)")
@@ -43,8 +45,13 @@ def tool_code(cfg: Config) -> list[str]:
     return [*cfg.tools.functions, *([env] if isinstance(env, str) else (env or {}).values())]
 
 
-def _overridden(overrides: Sequence[str], key: str) -> bool:
-    return any(o.split("=", 1)[0].strip() == key for o in overrides)
+def task_code(cfg: Config) -> list[str]:
+    """The task `cfg` would import, when it names one by import path (`task: package.module:MyTask`)."""
+    return [cfg.task.name] if ":" in cfg.task.name else []
+
+
+def _overridden(overrides: Sequence[str], *keys: str) -> bool:
+    return any(o.split("=", 1)[0].strip() in keys for o in overrides)
 
 
 def refusal(source: str, named: list[str]) -> UntrustedCodeError:

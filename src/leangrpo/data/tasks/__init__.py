@@ -1,8 +1,9 @@
-"""Tasks: what to learn. A task is one module, `leangrpo/tasks/<name>.py`, that defines `TASK`, a `Task`
-subclass owning everything task-specific: how a dataset row becomes a training row (its gold answer), the
-default system prompt and rewards, the worked solutions a cold start trains on, what a logged sample
-shows, and when an answer is correct. `task: <name>` in the config picks it; the core (rollout, update,
-record) knows none of this.
+"""Tasks: what to learn. A task is one module, `leangrpo/data/tasks/<name>.py`, that defines `TASK`, a
+`Task` subclass owning everything task-specific: how a dataset row becomes a training row (its gold
+answer), the default system prompt and rewards, the worked solutions a cold start trains on, what a logged
+sample shows, and when an answer is correct. `task: <name>` in the config picks it, and `task:
+package.module:MyTask` a `Task` subclass of the user's, imported as a reward is (`run.trust` decides
+whether a run's own config may name one); the core (rollout, update, record) knows none of this.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from pydantic import BaseModel, ConfigDict
 from leangrpo.core.errors import UserError
 from leangrpo.data.rewards.builtin import (
     ANSWER_FORMAT_PROMPT,
+    RewardError,
     answers_match,
     extract_xml_answer,
     predicted_answer,
 )
+from leangrpo.data.rewards.registry import import_object
 
 if TYPE_CHECKING:
     from leangrpo.config.schema import TaskConfig
@@ -111,12 +114,35 @@ def available() -> list[str]:
 
 
 def task_class(name: str) -> type[Task]:
-    """The Task subclass of `leangrpo/tasks/<name>.py`; an unknown name lists the close matches."""
+    """The Task subclass of `leangrpo/data/tasks/<name>.py`, or the one an import path
+    `package.module:MyTask` names; an unknown name lists the close matches."""
+    if ":" in name:
+        return imported_task(name)
     names = available()
     if name not in names:
         close = difflib.get_close_matches(name, names) or names
-        raise TaskError(f"unknown task {name!r}; did you mean {', '.join(close)}?")
+        raise TaskError(
+            f"unknown task {name!r}; did you mean {', '.join(close)}? "
+            "(or give your own Task subclass as 'package.module:MyTask')"
+        )
     return importlib.import_module(f"{__name__}.{name}").TASK
+
+
+def imported_task(path: str) -> type[Task]:
+    """The Task subclass user code names as ``package.module:MyTask``, imported by the loader rewards and
+    tools go through (`rewards.registry.import_object`); one without a `name` of its own is named by
+    `path`. A module or object that is not there, or an object that is not a Task subclass, is a
+    one-line TaskError."""
+    try:
+        cls = import_object(path, "task")
+    except RewardError as e:
+        raise TaskError(str(e)) from None
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        what = f"class {cls.__name__}" if isinstance(cls, type) else f"a {type(cls).__name__}"
+        raise TaskError(f"task {path!r} is not a Task subclass (it is {what})")
+    if not hasattr(cls, "name"):
+        cls.name = path
+    return cls
 
 
 def load_task(cfg: TaskConfig) -> Task:

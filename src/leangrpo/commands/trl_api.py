@@ -15,12 +15,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from leangrpo.commands.report import write_report_after_training
 from leangrpo.config.schema import Config, ConfigError
 from leangrpo.config.trl import accepted_fields, from_trl
 from leangrpo.config.trl_fields import TRL_DEFAULTS
 from leangrpo.core.errors import UserError
 from leangrpo.run.resolve import validate_config
-from leangrpo.tools.report import write_report_after_training
 from leangrpo.train.extras import RuntimeExtras
 
 if TYPE_CHECKING:

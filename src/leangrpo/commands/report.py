@@ -13,6 +13,7 @@ from typing import Any, TypeGuard
 
 import yaml
 
+from leangrpo.commands.compare import fmt_value
 from leangrpo.run.rundir import (
     CURVES,
     Curve,
@@ -24,7 +25,6 @@ from leangrpo.run.rundir import (
     with_trl_names,
     write_text_atomic,
 )
-from leangrpo.tools.compare import fmt_value
 
 SAMPLES_EACH = 3  # sample completions shown from the start and from the end
 
@@ -88,15 +88,6 @@ def load_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
             f"skipped {len(loaded.rows) - len(rows)} rows of metrics.jsonl with no step number"
         )
     return rows, loaded.notes
-
-
-def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Path | None:
-    """Plot the run's reward (total and per function) over steps into `out` (default
-    `RUN/reward_curve.png`); None when no step was logged."""
-    run_dir = Path(run_dir)
-    rows, _ = load_run(run_dir)
-    train = [r for r in rows if "reward" in r]
-    return plot_curve(train, CURVES[0], Path(out) if out else run_dir / f"{CURVES[0].stem}.png")
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:

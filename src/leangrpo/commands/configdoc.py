@@ -1,7 +1,7 @@
 """docs/config.md, generated: every section and field of the config with its default and description,
-and each task's options. Regenerate with `python -m leangrpo.tools.configdoc > docs/config.md`; the table of
-TRL's GRPOConfig fields in docs/trl.md with `python -m leangrpo.tools.configdoc --trl-table` (tests check
-that both are current)."""
+and each task's options. Regenerate with `python -m leangrpo.commands.configdoc > docs/config.md`; the
+table of TRL's GRPOConfig fields in docs/trl.md with `python -m leangrpo.commands.configdoc --trl-table`
+(tests check that both are current)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def reference() -> str:
         "# Config reference",
         "",
         "Generated from the field descriptions in `src/leangrpo/config/schema.py` "
-        "(`python -m leangrpo.tools.configdoc > docs/config.md`).",
+        "(`python -m leangrpo.commands.configdoc > docs/config.md`).",
         "Set any field on the command line as `section.key=value` (values are YAML).",
     ]
 

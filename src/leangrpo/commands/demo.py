@@ -224,8 +224,8 @@ def run_demo(cfg: Config, task: str, write: Callable[[str], None]) -> Path:
     a directory with files that is not one: the demo's own PNGs could be the user's."""
     import torch
 
+    from leangrpo.commands.report import plot_curve, write_report_after_training
     from leangrpo.run.rundir import LOCK_FILE, MANIFEST, Curve, RunDirError, claim
-    from leangrpo.tools.report import plot_curve, write_report_after_training
     from leangrpo.train.trainer import train
 
     run_dir = Path(cfg.output_dir)

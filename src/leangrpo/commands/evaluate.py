@@ -19,10 +19,10 @@ from leangrpo.engines.hf import HFEngine
 from leangrpo.engines.tools import prepare_tokenizer
 from leangrpo.engines.types import RolloutEngine, eos_token_ids
 from leangrpo.engines.vllm import VLLMEngine, import_vllm
-from leangrpo.run.resolve import load_config, validate_config
+from leangrpo.run.resolve import Vet, load_config, validate_config
 from leangrpo.run.rundir import check_writable, is_run_dir
 from leangrpo.run.trained import Trained, load_trained, locate
-from leangrpo.run.trust import TRUST_FLAG, is_run_owned, refusal, tool_code
+from leangrpo.run.trust import TRUST_FLAG, is_run_owned, refusal, task_code, tool_code
 from leangrpo.train.evaluation import (
     EvalError,
     EvalResult,
@@ -68,8 +68,9 @@ def run_eval(
         raise EvalError(f"--split {split!r} is not a split name (letters, digits, '_', '.', '-')")
     trained = locate(model)
     path = _output(out, trained, split)
-    cfg = _config_for(model, config, trained)
-    untrusted = cfg is not None and (config is None or is_run_owned(config)) and not trust_run_code
+    runs = (config is None or is_run_owned(config)) and not trust_run_code  # the config is a run's
+    cfg = _config_for(model, config, trained, _refuse_task_code if runs else None)
+    untrusted = cfg is not None and runs
     inputs = _inputs(cfg, data, split, limit, rewards, untrusted)
     dtype = dtype or (cfg.model.dtype if cfg else None)
     if engine == "vllm":
@@ -102,12 +103,18 @@ def _output(out: str | None, trained: Trained | None, split: str) -> Path:
     return path
 
 
-def _config_for(model: str, config: str | None, trained: Trained | None) -> Config | None:
+def _config_for(model: str, config: str | None, trained: Trained | None, vet: Vet | None) -> Config | None:
     """The config the evaluation follows: `config` (a YAML file or run directory), else the training
-    config of a trained `model`, else none (the default task's)."""
+    config of a trained `model`, else none (the default task's). `vet`: `resolve.validate_config`'s."""
     if config:
-        return load_config(Path(config) / "config.yaml" if is_run_dir(Path(config)) else config)
-    return validate_config(trained.config, f"the training config of {model}") if trained else None
+        return load_config(Path(config) / "config.yaml" if is_run_dir(Path(config)) else config, vet=vet)
+    return validate_config(trained.config, f"the training config of {model}", vet) if trained else None
+
+
+def _refuse_task_code(cfg: Config) -> None:
+    """A run's config naming its task by import path: refused before the task is imported (`run.trust`)."""
+    if task := task_code(cfg):
+        raise refusal("the run's config", task)
 
 
 @dataclass(frozen=True)
