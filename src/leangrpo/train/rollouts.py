@@ -1,6 +1,7 @@
-"""Async rollouts (`grpo.async_rollouts`, docs/async.md): the next step's batch is generated in a background
-thread while this step trains, by an engine holding the weights of its last sync, and never used more than
-`grpo.max_staleness` optimizer steps after them.
+"""A step's rollout (`Rollout`: the data a step carries from its rollout to its record), what generates it
+(`Generation`), and async rollouts (`grpo.async_rollouts`, docs/async.md): the next step's batch is
+generated in a background thread while this step trains, by an engine holding the weights of its last
+sync, and never used more than `grpo.max_staleness` optimizer steps after them.
 
 One batch is generated ahead at most. The engine is synced only between two rollouts, from the main
 thread, before the update that follows starts writing the policy: a batch generated during step k's

@@ -137,7 +137,7 @@ class Updater:
                 self.ref_pages.drop_pages()
         elif g.beta > 0:
             lm = self.unwrapped.lm
-            assert is_peft(lm), "without a reference copy the policy is LoRA (see Trainer._build_reference)"
+            assert is_peft(lm), "without a reference copy the policy is LoRA (see build_reference)"
             with lm.disable_adapter():
                 ref_logp = batch_logprobs(self.unwrapped, rollout, micro, self.group)
         corrects = rollout.sampling_logprobs is not None and g.vllm_importance_sampling_correction
