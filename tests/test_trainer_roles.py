@@ -77,12 +77,12 @@ def test_a_rollout_func_engine_renders_prompts_with_the_run_format(tmp_path, tin
     from transformers import AutoTokenizer
 
     from leangrpo.data.rows import PromptFormat
-    from leangrpo.train.evaluation import RolloutFuncEngine
+    from leangrpo.train.rollout_source import RolloutFuncEngine
 
     tok = AutoTokenizer.from_pretrained(strict_model(tmp_path, tiny_model_dir))
     fmt = PromptFormat("", {"mode": "quiet"})
     prompt = [{"role": "user", "content": "2+2?"}]
-    engine = RolloutFuncEngine(lambda p, t: {}, None, tok, [0], [prompt], fmt)
+    engine = RolloutFuncEngine(lambda p, t: {}, None, tok, [0], [prompt], fmt, torch.device("cpu"))
     assert engine.prompts == {fmt.render(tok, prompt): prompt}
 
 

@@ -27,6 +27,7 @@ from leangrpo.core.grpo import mask_after_eos
 from leangrpo.engines.tools import Toolbox
 from leangrpo.engines.types import (
     GenerateLevers,
+    PolicyEngine,
     RolloutBatch,
     Sampling,
     encode_prompts,
@@ -41,11 +42,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
-class HFEngine:
+class HFEngine(PolicyEngine):
     """transformers' generate on the policy itself: the weights are shared, so there is nothing to sync
     (and no gap between sampler and trainer to correct: its batches carry no sampler log-probs)."""
-
-    holds_weights = sampler_logprobs = False
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None = None
@@ -59,14 +58,6 @@ class HFEngine:
             self.model, self.tokenizer, prompt_texts, sampling, levers=self.levers, toolboxes=toolboxes,
             sampler_logprobs=self.sampler_logprobs,
         )  # fmt: skip
-
-    def sync_weights(
-        self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
-    ) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class SnapshotEngine(HFEngine):

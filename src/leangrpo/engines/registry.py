@@ -3,7 +3,8 @@
 TRL's `grpo.use_vllm` and `grpo.vllm_mode` stay the user-facing names; `engine_name` reads them here and
 nowhere else (outside the config), and everything else asks the engine's `EngineKind` what it needs to
 know: whether the engine holds weights of its own (synced after each update) and whether it holds a whole
-copy in this process. Adding an engine is one entry in `ENGINES` and one line in `engine_name`.
+copy in this process. Adding an engine is one entry in `ENGINES` and one line in `engine_name`. Each
+engine's module is imported when it is built: the planner reads the registry without torch.
 """
 
 from __future__ import annotations
@@ -11,9 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from leangrpo.engines.hf import HFEngine, SnapshotEngine
-from leangrpo.engines.types import eos_token_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -49,12 +47,15 @@ class EngineKind:
 def _hf(
     cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None
 ) -> RolloutEngine:
+    from leangrpo.engines.hf import HFEngine
+
     return HFEngine(model, tokenizer, levers)
 
 
 def _vllm(
     cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None
 ) -> RolloutEngine:
+    from leangrpo.engines.types import eos_token_ids
     from leangrpo.engines.vllm import VLLMEngine
 
     return VLLMEngine.from_config(cfg, tokenizer, eos_token_ids(tokenizer, model))
@@ -63,6 +64,7 @@ def _vllm(
 def _vllm_server(
     cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None
 ) -> RolloutEngine:
+    from leangrpo.engines.types import eos_token_ids
     from leangrpo.engines.vllm_client import VLLMServerEngine
 
     return VLLMServerEngine.from_config(cfg, model, tokenizer, eos_token_ids(tokenizer, model))
@@ -114,4 +116,6 @@ def async_engine(
 ) -> RolloutEngine:
     """The engine async rollouts generate with while the update runs: one holding weights of its own, or for
     one that reads the policy, a snapshot of them (a copy of the trainable weights)."""
+    from leangrpo.engines.hf import SnapshotEngine
+
     return engine if engine.holds_weights else SnapshotEngine(model, tokenizer, levers)

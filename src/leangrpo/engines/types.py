@@ -187,6 +187,21 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
+class PolicyEngine:
+    """The part of a RolloutEngine that generates with the policy itself: no weights of its own to sync,
+    no sampler log-probs (the trainer's are the sampler's), nothing to close."""
+
+    holds_weights = sampler_logprobs = False
+
+    def sync_weights(
+        self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
+    ) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class GenerateLevers(Protocol):
     """A device's speed levers for the HF engine's `generate`, which leave what is sampled unchanged
     (leangrpo.cpu has the CPU's): a decode loop of its own, or a context around generate()."""

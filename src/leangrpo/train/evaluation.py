@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -33,14 +33,13 @@ from leangrpo.train.scoring import RewardFuncs
 Completions = list[list[tuple[str, int, bool, list[int]]]]
 
 if TYPE_CHECKING:
-    from torch import Tensor
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from leangrpo.config.schema import Config, DataConfig, GRPOSection
     from leangrpo.data.tasks import Task
     from leangrpo.engines.agents import AgentSpec
     from leangrpo.engines.tools import Toolbox, ToolUse
-    from leangrpo.engines.types import RolloutBatch, RolloutEngine, Sampling
+    from leangrpo.engines.types import RolloutEngine, Sampling
 
 FORMAT_REWARDS = (strict_format_reward, soft_format_reward)
 """Rewards that check the output format: their rate of non-zero scores is reported as `format/<name>`."""
@@ -349,41 +348,6 @@ def load_eval_rows(
     resolved = resolve_data_path(path, split)
     eval_data = data.model_copy(update={"path": resolved, "split": split, "limit": limit})
     return load_rows(eval_data, task).rows
-
-
-class RolloutFuncEngine:
-    """A RolloutEngine that generates through TRL's `rollout_func(prompts, trainer)`, as TRL evaluates a run
-    that generates with one: each prompt text is mapped back to its row's prompt, and the function samples
-    as it does in training (greedy evaluation and pass@k samples alike). Its extra keys reach the
-    evaluation's rewards, as in training."""
-
-    holds_weights = sampler_logprobs = False
-
-    def __init__(
-        self, rollout_func: Callable[..., dict[str, Any]], trainer: Any, tokenizer: PreTrainedTokenizerBase,
-        eos: list[int], prompts: list[Any], prompt_format: PromptFormat,
-    ):  # fmt: skip
-        self.rollout_func, self.trainer, self.tokenizer, self.eos = rollout_func, trainer, tokenizer, eos
-        self.prompts = {prompt_format.render(tokenizer, p): p for p in prompts}
-
-    def generate(
-        self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
-    ) -> RolloutBatch:
-        from leangrpo.engines.types import rollout_func_batch
-
-        prompts = [self.prompts[text] for text in prompt_texts for _ in range(sampling.num_generations)]
-        output = self.rollout_func(prompts, self.trainer)
-        return rollout_func_batch(
-            output, self.tokenizer, self.eos, self.trainer.acc.device, keep_logprobs=False
-        )
-
-    def sync_weights(
-        self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
-    ) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class TrainingEvaluator:

@@ -19,13 +19,13 @@ from leangrpo.data.sources import PromptSampler
 from leangrpo.engines.registry import async_engine, build_engine, engine_kind
 from leangrpo.engines.types import (
     MAX_CHARS_PER_TOKEN,
+    PolicyEngine,
     RolloutBatch,
     RolloutEngine,
     Sampling,
     eos_token_ids,
     rollout_func_batch,
 )
-from leangrpo.train.evaluation import RolloutFuncEngine
 from leangrpo.train.rollouts import AsyncRollouts, Generation, Job, Rollout, rollout_seed
 
 if TYPE_CHECKING:
@@ -33,8 +33,32 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from leangrpo.config.schema import Config
+    from leangrpo.engines.agents import RolloutFunc
+    from leangrpo.engines.tools import Toolbox
     from leangrpo.train.logprobs import Policy
     from leangrpo.train.scoring import Scorer
+
+
+class RolloutFuncEngine(PolicyEngine):
+    """A RolloutEngine that generates through TRL's `rollout_func(prompts, trainer)`, as TRL evaluates a run
+    that generates with one: each prompt text is mapped back to its row's prompt, and the function samples
+    as it does in training (greedy evaluation and pass@k samples alike). Its extra keys reach the
+    evaluation's rewards, as in training."""
+
+    def __init__(
+        self, rollout_func: RolloutFunc, trainer: Any, tokenizer: PreTrainedTokenizerBase, eos: list[int],
+        prompts: list[Any], prompt_format: PromptFormat, device: torch.device,
+    ):  # fmt: skip
+        self.rollout_func, self.trainer, self.tokenizer, self.eos = rollout_func, trainer, tokenizer, eos
+        self.prompts = {prompt_format.render(tokenizer, p): p for p in prompts}
+        self.device = device
+
+    def generate(
+        self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
+    ) -> RolloutBatch:
+        prompts = [self.prompts[text] for text in prompt_texts for _ in range(sampling.num_generations)]
+        output = self.rollout_func(prompts, self.trainer)
+        return rollout_func_batch(output, self.tokenizer, self.eos, self.device, keep_logprobs=False)
 
 
 def long_prompts(tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]], cfg: Config) -> str | None:
@@ -130,7 +154,7 @@ class RolloutSource:
             return self.engine
         eos = eos_token_ids(tokenizer, self.unwrapped.lm)
         return RolloutFuncEngine(
-            agent.rollout_func, self.trainer, tokenizer, eos, prompts, self.prompt_format
+            agent.rollout_func, self.trainer, tokenizer, eos, prompts, self.prompt_format, self.acc.device
         )
 
     def generating(self) -> AbstractContextManager[None]:
