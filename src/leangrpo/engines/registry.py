@@ -1,10 +1,11 @@
 """The rollout engines by name, and the one builder that maps a config to one of them.
 
 TRL's `grpo.use_vllm` and `grpo.vllm_mode` stay the user-facing names; `engine_name` reads them here and
-nowhere else (outside the config), and everything else asks the engine's `EngineKind` what it needs to
-know: whether the engine holds weights of its own (synced after each update) and whether it holds a whole
-copy in this process. Adding an engine is one entry in `ENGINES` and one line in `engine_name`. Each
-engine's module is imported when it is built: the planner reads the registry without torch.
+nowhere else (outside the config): preflight asks the engine's `EngineKind` what to check, and the trainer
+asks the built engine whether it holds weights of its own (synced after each update) and whether its
+batches carry the sampler's log-probs. Adding an engine is one entry in `ENGINES` and one line in
+`engine_name`. Each engine's module is imported when it is built: the planner reads the registry without
+torch.
 """
 
 from __future__ import annotations
@@ -33,14 +34,13 @@ def _no_check(cfg: Config, device: str, sharded: bool) -> None:
 
 @dataclass(frozen=True)
 class EngineKind:
-    """An engine: how to build it and check the run for it, and what the trainer must know of it.
-    `holds_weights`: a copy of the weights of its own, which the trainer syncs after each update (else it
-    reads the policy, and under FSDP2 generates inside the gathered weights). `copy_in_process`: that copy,
-    or async rollouts' snapshot of the policy, is whole in this process (refused with FSDP2 and async)."""
+    """An engine: how to build it, and what to check of a run before any model loads. `copy_in_process`:
+    its weights (or, for an engine that reads the policy, async rollouts' snapshot of them) are whole in
+    this process, which FSDP2 with async rollouts refuses. What the trainer needs to know of a built
+    engine, the engine says itself (`RolloutEngine`: holds_weights, sampler_logprobs, close)."""
 
     build: Builder
     check: Check = _no_check
-    holds_weights: bool = False
     copy_in_process: bool = True
 
 
@@ -84,8 +84,8 @@ def _check_vllm_server(cfg: Config, device: str, sharded: bool) -> None:
 
 ENGINES: dict[str, EngineKind] = {
     "hf": EngineKind(_hf),
-    "vllm": EngineKind(_vllm, _check_vllm, holds_weights=True),
-    "vllm_server": EngineKind(_vllm_server, _check_vllm_server, holds_weights=True, copy_in_process=False),
+    "vllm": EngineKind(_vllm, _check_vllm),
+    "vllm_server": EngineKind(_vllm_server, _check_vllm_server, copy_in_process=False),
 }
 
 

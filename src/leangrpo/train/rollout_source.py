@@ -16,7 +16,7 @@ from leangrpo.core import grpo
 from leangrpo.data.rewards import RewardScores
 from leangrpo.data.rows import PromptFormat
 from leangrpo.data.sources import PromptSampler
-from leangrpo.engines.registry import async_engine, build_engine, engine_kind
+from leangrpo.engines.registry import async_engine, build_engine
 from leangrpo.engines.types import (
     MAX_CHARS_PER_TOKEN,
     PolicyEngine,
@@ -97,7 +97,6 @@ class RolloutSource:
         """`trainer`: what a rollout_func is given (TRL passes its trainer)."""
         self.cfg, self.acc, self.gen, self.rows = cfg, acc, gen, rows
         self.prompt_format, self.trainer, self.release_memory = prompt_format, trainer, release_memory
-        self.kind = engine_kind(cfg)
         self.sampling = Sampling.from_config(cfg.grpo, cfg.data.assistant_prefix)
         # each step's prompts, and dynamic sampling's extra prompts in their own seeded order
         self.sampler, self.resampler = (
@@ -123,19 +122,17 @@ class RolloutSource:
     def syncs_each_step(self) -> bool:
         """The engine holds weights of its own, given the policy's before each step's rollout (async
         rollouts give them after it instead, then generate the next batch)."""
-        return self.kind.holds_weights and not self.cfg.grpo.async_rollouts
+        return self.engine.holds_weights and not self.cfg.grpo.async_rollouts
 
     def start(self) -> None:
-        """Build an engine holding weights of its own now, before any work, so that a model it cannot load
-        stops the run at once."""
-        if self.kind.holds_weights:
-            _ = self.engine
+        """Build the engine now, before any work, so that a model vLLM cannot load stops the run at once."""
+        _ = self.engine
 
     def sync(self) -> None:
         """Load the policy's current weights into an engine holding its own (HF generate reads the policy
         itself). Every process syncs its own engine; under FSDP2 they gather the weights together, a shard
         group at a time (`Sharded.engine_weights`)."""
-        if self.kind.holds_weights:
+        if self.engine.holds_weights:
             self.engine.sync_weights(self.unwrapped.lm, self.gen.dist.engine_weights(self.gen.policy))
 
     def sync_for_eval(self, step: int) -> None:
@@ -160,7 +157,7 @@ class RolloutSource:
     def generating(self) -> AbstractContextManager[None]:
         """Around generation: under FSDP2 HF generate needs the whole weights gathered; an engine holding
         its own copy leaves the shards as they are."""
-        return nullcontext() if self.kind.holds_weights else self.gen.dist.full_weights(self.gen.policy)
+        return nullcontext() if self.engine.holds_weights else self.gen.dist.full_weights(self.gen.policy)
 
     def rollout(self, step: int, round_: int = 0) -> Rollout:
         """The step's prompts (`round_` > 0: dynamic sampling's extra draws) and G sampled completions of
@@ -192,7 +189,7 @@ class RolloutSource:
         with gen.dist.full_weights(gen.policy):
             output = gen.agent.rollout_func([r["prompt"] for r in rows for _ in range(G)], self.trainer)
         eos = eos_token_ids(gen.tokenizer, self.unwrapped.lm)
-        batch = rollout_func_batch(output, gen.tokenizer, eos, self.acc.device, self.kind.holds_weights)
+        batch = rollout_func_batch(output, gen.tokenizer, eos, self.acc.device, self.engine.sampler_logprobs)
         self.release_memory()
         return Rollout(rows, batch)
 
@@ -260,7 +257,7 @@ class RolloutSource:
         staleness = float((step - 1) * self.cfg.grpo.num_iterations - taken.version)
         assert staleness <= self.cfg.grpo.max_staleness, f"a batch {staleness} optimizer steps stale"
         rollout = taken.rollout
-        if staleness == 0 and not self.kind.holds_weights:  # a snapshot of the policy's own weights:
+        if staleness == 0 and not self.engine.holds_weights:  # a snapshot of the policy's own weights:
             rollout.batch.sampling_logprobs = None  # no gap to correct, as with HF generate
         every = self.acc.gather(torch.tensor([staleness], device=self.acc.device))
         rollout.metrics.update({
