@@ -23,7 +23,7 @@ Long sequences (`--long`; points model/G/C/method/long, e.g. llama3.1-8b/8/20000
   end of the cache, where the decode peak is.
 - reference: `Updater.reference` on one completion of C tokens: one micro-batch (micro-batch 1), as each
   of the G micro-batches of the real pass.
-- update: `Updater.__call__` on one completion of C tokens, the trainable parameters' gradients already
+- update: `Updater.update` on one completion of C tokens, the trainable parameters' gradients already
   present (as they are from the second of the G micro-batches on): one micro-batch's forward and
   backward, then the optimizer step.
 Prompts are exactly P tokens (no padding), completions exactly C (no EOS), beta = 0.04 (so the reference
@@ -151,8 +151,12 @@ def worker(config_path: str, result_path: str) -> None:
         phases[name] = tracker.peak
         return out
 
-    for name in ("rollout", "reference", "update"):
-        setattr(trainer, name, partial(phase, name, getattr(trainer, name)))
+    for name, role in (
+        ("rollout", trainer.source),
+        ("reference", trainer.updater),
+        ("update", trainer.updater),
+    ):
+        setattr(role, name, partial(phase, name, getattr(role, name)))
     start = time.perf_counter()
     with tracker:
         row = trainer.step(1)
@@ -231,7 +235,7 @@ def long_update(trainer: Any, spec: dict) -> None:
     from leangrpo.train.update import Reference
 
     ref = Reference(torch.zeros(1, spec["completion"]), None, None, None)
-    trainer.updater(long_batch(spec), torch.ones(1), ref)
+    trainer.updater.update(long_batch(spec), torch.ones(1), ref)
 
 
 def long_worker(config_path: str, result_path: str, spec_path: str) -> None:

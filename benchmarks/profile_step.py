@@ -29,6 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_trl  # noqa: E402 (the sibling script, imported as a module)
 
 PHASES = ("rollout", "score", "advantages", "reference", "update", "record")
+ROLES = {"rollout": "source", "score": "scorer", "advantages": "scorer", "reference": "updater",
+         "update": "updater", "record": "recorder"}  # fmt: skip
+"""Which of the Trainer's roles (train/*.py) runs each phase."""
 
 
 def rss_mb(field: str) -> float:
@@ -82,7 +85,8 @@ def main() -> None:
         trainer.step(1)
         phases: dict[str, dict[str, float]] = {}
         for name in PHASES:
-            setattr(trainer, name, measured(name, getattr(trainer, name), name == a.profile, phases))
+            role = getattr(trainer, ROLES[name])
+            setattr(role, name, measured(name, getattr(role, name), name == a.profile, phases))
         metrics = trainer.step(2)
     print(f"step 2: {metrics['step_seconds']:.2f} s, {torch.get_num_threads()} torch thread(s)")
     print(f"{'phase':12} {'seconds':>8} {'peak RSS MiB':>13} {'RSS after MiB':>14}")

@@ -157,3 +157,20 @@ def test_matmul_rates_runs():
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert len(lines) == 2 + 4 * 3 and lines[-1].startswith("down") and "grad.T @ x" in lines[-1]
+
+
+@pytest.mark.slow
+def test_same_runs_writes_each_runs_logs_without_time_keys(tmp_path):
+    """benchmarks/same_runs.py, the refactor check (docs/development.md), on one of its runs."""
+    script = SCRIPT.with_name("same_runs.py")
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    proc = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path), "--only", "async"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and "async/staleness_max" in rows[0]
+    assert not any(
+        k.startswith("time/") or k in ("step_seconds", "async/generate_seconds") for r in rows for k in r
+    )

@@ -223,9 +223,10 @@ def test_trainer_releases_freed_memory_after_generation_and_update(
     neither reference nor old log-probs are computed."""
     import leangrpo.engines.hf as hf_mod
     import leangrpo.train.trainer as trainer_mod
+    import leangrpo.train.update as update_mod
     from leangrpo.cpu.levers import CPULevers
 
-    events, real_generate, real_logprobs = [], hf_mod.generate, trainer_mod.micro_batch_logprobs
+    events, real_generate, real_logprobs = [], hf_mod.generate, update_mod.micro_batch_logprobs
 
     def generate(model, tokenizer, prompts, sampling, **kwargs):
         levers = kwargs["levers"].cfg
@@ -238,7 +239,7 @@ def test_trainer_releases_freed_memory_after_generation_and_update(
 
     monkeypatch.setattr(hf_mod, "generate", generate)  # what the default HF engine calls
     monkeypatch.setattr(CPULevers, "release", lambda self: events.append(("release", None)))
-    monkeypatch.setattr(trainer_mod, "micro_batch_logprobs", logprobs)
+    monkeypatch.setattr(update_mod, "micro_batch_logprobs", logprobs)
     cfg = make_cfg(
         model={"name_or_path": str(tiny_model_dir)},
         data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},

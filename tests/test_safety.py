@@ -522,7 +522,7 @@ def test_a_disk_failing_as_the_run_starts_is_one_line(tmp_path, tiny_model_dir, 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("leangrpo.train.trainer.open_trackers", full)  # the first write after the config
+    monkeypatch.setattr("leangrpo.run.session.open_trackers", full)  # the first write after the config
     run = tmp_path / "x"
     one_line_error(
         train_cli("-c", str(tiny_run_config(tmp_path, tiny_model_dir, gsm8k_dir, run))), "errno 28"

@@ -122,7 +122,7 @@ def test_mask_truncated_completions_leaves_cut_off_completions_out(tmp_path, tin
 @pytest.mark.slow
 def test_normalize_then_sum_makes_the_advantages(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
     seen: dict[str, Any] = {}
-    real_score, real_update = Scorer.score, Updater.__call__
+    real_score, real_update = Scorer.score, Updater.update
 
     def score(self, *args):
         seen["scores"] = real_score(self, *args)
@@ -133,7 +133,7 @@ def test_normalize_then_sum_makes_the_advantages(tmp_path, tiny_model_dir, gsm8k
         return real_update(self, rollout, advantages, *args)
 
     monkeypatch.setattr(Scorer, "score", score)
-    monkeypatch.setattr(Updater, "__call__", update)
+    monkeypatch.setattr(Updater, "update", update)
     functions = [{"name": "toy_rewards:vowel_share"}, {"name": "toy_rewards:length_share", "weight": 3.0}]
     rewards = {"functions": functions, "multi_objective_aggregation": "normalize_then_sum"}
     make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, rewards=rewards).step(1)

@@ -222,7 +222,7 @@ class Trainer:
         with timer("reference"):
             ref = self.updater.reference(rollout.batch)
         with timer("update"):
-            update = self.updater(rollout.batch, advantages.to(self.acc.device), ref)
+            update = self.updater.update(rollout.batch, advantages.to(self.acc.device), ref)
         return self.recorder.record(
             step, rollout, scores, group_std, ref, update, timer.seconds, self.updater.skipped_steps
         )

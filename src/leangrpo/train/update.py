@@ -158,7 +158,7 @@ class Updater:
             g.vllm_importance_sampling_clip_min, g.vllm_importance_sampling_clip_max,
         )  # fmt: skip
 
-    def __call__(self, rollout: RolloutBatch, advantages: Tensor, ref: Reference) -> Update:
+    def update(self, rollout: RolloutBatch, advantages: Tensor, ref: Reference) -> Update:
         """`num_iterations` optimizer steps on the rollout, each accumulated over micro-batches."""
         g = self.cfg.grpo
         mask = rollout.loss_mask.float()  # the model's tokens: a tool's are no action of the policy
