@@ -454,10 +454,10 @@ def test_reference_on_disk_gives_the_same_logprobs(tmp_path, tiny_model_dir, gsm
         ))  # fmt: skip
 
     mapped, plain = trainer("disk", True), trainer("memory", False)
-    assert isinstance(mapped.ref_pages, DiskTensors) and plain.ref_pages is None
+    assert isinstance(mapped.updater.ref_pages, DiskTensors) and plain.updater.ref_pages is None
     ref = mapped.ref_policy.lm
     addresses = {p.data_ptr() for p in ref.parameters()}
-    assert len(mapped.ref_pages.maps) == len(addresses)  # every parameter in a region of the file
+    assert len(mapped.updater.ref_pages.maps) == len(addresses)  # every parameter in a region of the file
     assert ref.get_output_embeddings().weight is ref.get_input_embeddings().weight
     _, rollout = mapped.rollout(1)
     logp_disk, _ = mapped.reference(rollout)
@@ -491,8 +491,8 @@ def test_reference_on_disk_is_the_default_on_cpu_and_falls_back_to_memory(
             output_dir=str(tmp_path / name),
         ))  # fmt: skip
 
-    assert isinstance(trainer("default").ref_pages, DiskTensors)
-    assert trainer("off", False).ref_pages is None
+    assert isinstance(trainer("default").updater.ref_pages, DiskTensors)
+    assert trainer("off", False).updater.ref_pages is None
 
     def full(self, t, dtype):
         raise DeviceOptionError("grpo.reference_on_disk: no room for the reference copy")
@@ -501,7 +501,7 @@ def test_reference_on_disk_is_the_default_on_cpu_and_falls_back_to_memory(
     notes = []
     monkeypatch.setattr(trainer_mod.Trainer, "_write", lambda self, line: notes.append(line))
     fallback = trainer("full")
-    assert fallback.ref_pages is None and fallback.ref_policy is not None
+    assert fallback.updater.ref_pages is None and fallback.ref_policy is not None
     assert [note for note in notes if not note.startswith("cpu.matmul auto:")] == [
         "grpo.reference_on_disk: no room for the reference copy; the reference copy stays in memory"
     ]

@@ -65,6 +65,18 @@ class PromptFormat:
         text = "".join(_plain_turn(m) for m in prompt)
         return f"{text} {prefix}" if prefix else text
 
+    def generation_header(self, tokenizer: Any) -> str | None:
+        """The text the chat template puts before an assistant's turn (ChatML: "<|im_start|>assistant\n";
+        with Qwen3's enable_thinking false, its empty think block too); None without a chat template."""
+        if not has_chat_template(tokenizer):
+            return None
+        chat, kwargs = [{"role": "user", "content": "x"}], dict(self.chat_template_kwargs or {})
+        bare = str(tokenizer.apply_chat_template(chat, tokenize=False, **kwargs))
+        opened = str(
+            tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **kwargs)
+        )
+        return opened.removeprefix(bare) or None
+
 
 def _plain_turn(message: Message) -> str:
     """One message in the plain-text prompt format of ``PromptFormat.render``."""

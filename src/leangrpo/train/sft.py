@@ -96,7 +96,7 @@ def sft_batch(
         texts, return_tensors="pt", padding=True, truncation=True, max_length=max_prompt_length,
         add_special_tokens=False,
     )  # fmt: skip
-    header = generation_header(tokenizer)
+    header = prompt_format.generation_header(tokenizer)
     encoded = [target_ids(tokenizer, t, header) for t in targets]
     truncated = torch.tensor([len(ids) > max_completion_length for ids, _ in encoded])
     width = max(min(len(ids), max_completion_length) for ids, _ in encoded)
@@ -114,17 +114,6 @@ def sft_batch(
         prompt.input_ids, prompt.attention_mask, ids, mask, truncated, targets,
         model_mask=model_mask if multi_turn else None,
     )  # fmt: skip
-
-
-def generation_header(tokenizer: PreTrainedTokenizerBase) -> str | None:
-    """The text the chat template puts before an assistant's turn (ChatML: "<|im_start|>assistant\n");
-    None without a chat template."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    chat: list[Any] = [{"role": "user", "content": "x"}]
-    bare = str(tokenizer.apply_chat_template(chat, tokenize=False))
-    opened = str(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
-    return opened.removeprefix(bare) or None
 
 
 def target_ids(
