@@ -459,9 +459,9 @@ def test_reference_on_disk_gives_the_same_logprobs(tmp_path, tiny_model_dir, gsm
     addresses = {p.data_ptr() for p in ref.parameters()}
     assert len(mapped.updater.ref_pages.maps) == len(addresses)  # every parameter in a region of the file
     assert ref.get_output_embeddings().weight is ref.get_input_embeddings().weight
-    _, rollout = mapped.rollout(1)
-    logp_disk, _ = mapped.reference(rollout)
-    logp_memory, _ = plain.reference(rollout)
+    rollout = mapped.source.rollout(1).batch
+    logp_disk = mapped.updater.reference(rollout).ref_logp
+    logp_memory = plain.updater.reference(rollout).ref_logp
     assert torch.equal(logp_disk, logp_memory)
     metrics = mapped.step(1)
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
