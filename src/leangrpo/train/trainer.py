@@ -276,6 +276,8 @@ class Trainer:
                 try:
                     metrics = self.step(step)
                 except EngineError as e:  # the engine fails before the step's update: keep the last one's
+                    if self.signals.requested:  # a stop ended its wait (a vLLM server's answer)
+                        raise self._abandoned(step, rng, "its rollout abandoned") from None
                     self._keep_step_before(step)
                     raise TrainingError(f"stopped at step {step}: {e}; {what_holds(self.run_dir)}") from e
                 except RewardsAbandoned:
@@ -313,15 +315,18 @@ class Trainer:
             state["async_discarded_step"] = in_flight
         return self.checkpoints.save(step, state, rng)
 
-    def _abandoned(self, step: int, rng: dict[str, Any]) -> Stopped:
-        """A stop asked for while `step`'s rewards still ran: the step is dropped, and the one before it
-        checkpointed with the RNG state it ended with (an exact resume), unless a checkpoint holds it."""
+    def _abandoned(
+        self, step: int, rng: dict[str, Any], what: str = "its rewards abandoned while still running"
+    ) -> Stopped:
+        """A stop asked for while `step`'s rewards still ran (or its rollout waited): the step is dropped,
+        and the one before it checkpointed with the RNG state it ended with (an exact resume), unless a
+        checkpoint holds it."""
         if not (done := self._keep_step_before(step, rng)):
             return self.signals.stopped(
                 "stopped during step 1, before any step had finished: nothing to resume"
             )
         return self.signals.stopped(
-            f"stopped during step {step}, its rewards abandoned while still running; resume from step {done} "
+            f"stopped during step {step}, {what}; resume from step {done} "
             f"with: leangrpo train --resume {self.run_dir}"
         )
 
