@@ -332,7 +332,9 @@ def test_a_run_stops_on_a_hung_or_bad_answer_with_the_step_before_checkpointed(
     assert (tmp_path / "run" / "checkpoint-1").is_dir(), output
     if second == "hang":
         assert proc.returncode == 143 and time.monotonic() - stopped < 30, output
-        assert "stopped during step 2, its rollout abandoned; resume from step 1" in output
+        assert "stopped during step 2, its rollout abandoned while still running; resume from step 1" in (
+            output
+        )
     else:
         bad = f"the vLLM server at {url} answered /v1/completions badly: choice 0 has log-prob nan"
         assert proc.returncode == 2, output
