@@ -69,7 +69,7 @@ def sync_cost(repeats: int) -> list[str]:
         for label, partial in [("every weight, merged", False), ("adapted layers only, merged", True)]:
             write, load, size = [], [], 0
             for _ in range(repeats):
-                file = engine.sync_dir / "bench.safetensors"
+                file = engine.new_weights_file()
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     save_file(weights_to_send(model, partial), str(file))
@@ -82,7 +82,7 @@ def sync_cost(repeats: int) -> list[str]:
             med = statistics.median
             rows.append(f"| {label} | {size / 1e6:.1f} | {med(write):.2f} | {med(load):.2f} |")
         adapter = {n: p.detach().contiguous() for n, p in model.named_parameters() if "lora_" in n}
-        file = engine.sync_dir / "adapter.safetensors"
+        file = engine.new_weights_file()
         t0 = time.perf_counter()
         save_file(adapter, str(file))
         seconds = time.perf_counter() - t0

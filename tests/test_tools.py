@@ -592,3 +592,79 @@ def test_a_rollout_func_run_is_evaluated_through_its_rollout_func(tmp_path, tiny
     ]
     assert len(records) == 2 and all("<answer>72</answer>" in r["completion"] for r in records)
     assert SEEN["judge_note"] == ["seen"] * 2 and "tool_calls" not in records[0]
+
+
+def test_a_call_nested_1000_deep_is_a_malformed_call(tool_tokenizer):
+    """About 500 tokens of `[` (a model can sample them) do not raise RecursionError out of the parse: the
+    call is malformed, a failure like any call that does not parse (issue 50, case 17)."""
+    tok = tool_tokenizer
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "q"}], tools=[add], add_generation_prompt=True, tokenize=True,
+        return_dict=False,
+    )  # fmt: skip
+    deep = "[" * 1000 + "]" * 1000
+    text = f'<tool_call>\n{{"name": "add", "arguments": {{"a": {deep}}}}}\n</tool_call><|im_end|>'
+    turn = tok(text, add_special_tokens=False).input_ids
+    out = tool_loop(
+        tok, [prompt], [turn], None, [Toolbox([add])], lambda s, n: pytest.fail("resumed"), 4096, None
+    )
+    assert out.completion_ids == [turn] and out.use.calls[0]["malformed"] == 1
+
+
+def test_a_tool_raising_systemexit_or_keyboardinterrupt_is_a_failed_call():
+    """A tool's SystemExit or KeyboardInterrupt, sync or async, is its error result, not the end of the
+    run (issue 50, case 18)."""
+
+    def leave(x: int) -> str:
+        """Exits.
+
+        Args:
+            x: the exit code
+        """
+        raise SystemExit(x)
+
+    def interrupt(x: int) -> str:
+        """Interrupts.
+
+        Args:
+            x: ignored
+        """
+        raise KeyboardInterrupt
+
+    async def leave_async(x: int) -> str:
+        """Exits.
+
+        Args:
+            x: the exit code
+        """
+        raise SystemExit(x)
+
+    box = Toolbox([leave, interrupt, leave_async, add])
+    names = ("leave", "interrupt", "leave_async")
+    results = run_tool_calls([(box, call(name, x=3)) for name in names] + [(box, call("add", a=1, b=2))])
+    assert [(name, failed) for name, _, failed in results] == [(n, True) for n in names] + [("add", False)]
+    assert all("error" in text for _, text, _ in results[:3])
+
+
+def test_the_runs_own_signal_still_stops_it_while_a_tool_runs():
+    """A SIGTERM that arrives while a tool runs reaches StopSignals (the run stops after the step), though
+    the tool's own KeyboardInterrupt is only its failed result."""
+    import os
+    import signal
+
+    from leangrpo.run.signals import StopSignals
+
+    def signalled(x: int) -> str:
+        """Sends SIGTERM to the run, then interrupts itself.
+
+        Args:
+            x: ignored
+        """
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        raise KeyboardInterrupt
+
+    with StopSignals() as signals:
+        results = run_tool_calls([(Toolbox([signalled]), call("signalled", x=1))])
+        time.sleep(0.1)
+    assert results[0][0] == "signalled" and results[0][2] and signals.requested

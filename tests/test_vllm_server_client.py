@@ -4,18 +4,36 @@ is tested for real in tests/real_vllm/test_vllm_server.py."""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import json
+import os
+import signal
 import socket
+import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
-from test_e2e import run_cli, write_config
+import yaml
+from click.testing import CliRunner
+from test_e2e import PYTHONPATH, run_cli, write_config
 from test_memory import make_cfg
 
+from leangrpo.cli import main
 from leangrpo.config.trl_fields import TRL_DEFAULTS
+from leangrpo.engines.types import Sampling
 from leangrpo.engines.vllm import VLLMError
-from leangrpo.engines.vllm_client import SHAPE_FIELDS, check_model, server_url
+from leangrpo.engines.vllm_client import SHAPE_FIELDS, VLLMServerEngine, check_model, server_url
 from leangrpo.train.preflight import World, preflight
 
+API_KEY_ENV = "LEANGRPO_VLLM_API_KEY"  # the documented name, shared by vllm-serve and the client
 SERVER_FIELDS = (
     "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port"
 )  # fmt: skip
@@ -81,3 +99,318 @@ def test_a_server_of_another_model_is_refused_in_one_line(tiny_model_dir):
         "max_model_len 256 < the 300 this run needs); "
         "start it with: leangrpo vllm-serve --model org/other"
     )
+
+
+# ------------------------------------------------------------------------ a fake server (issue 50)
+
+Answer = Any  # a JSON value, raw text, (status, either), "hang", or a function of the request's body
+
+
+@contextlib.contextmanager
+def fake_server(answers: dict[str, Answer]) -> Iterator[tuple[str, list[tuple[str, str | None]]]]:
+    """A tiny HTTP server on 127.0.0.1 answering each route as `answers` says: (its URL, the (route,
+    Authorization header) of each request). "hang" answers nothing until the server stops (30 s at most)."""
+    stopped, seen = threading.Event(), []
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            length = int(self.headers.get("content-length") or 0)
+            body = json.loads(self.rfile.read(length) or "null")
+            seen.append((self.path, self.headers.get("authorization")))
+            answer = answers.get(self.path, (404, {"detail": "Not Found"}))
+            answer = answer(body) if callable(answer) else answer
+            if answer == "hang":
+                stopped.wait(30)
+                return
+            status, content = answer if isinstance(answer, tuple) else (200, answer)
+            data = (content if isinstance(content, str) else json.dumps(content)).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = answer
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        stopped.set()
+        server.shutdown()
+        server.server_close()
+
+
+def model_info(model_dir: Path, weights_dir: Path) -> dict[str, Any]:
+    """What leangrpo's server says of the tiny model."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    shape = {key: getattr(config, key) for key in SHAPE_FIELDS}
+    return {"model": str(model_dir), "max_model_len": 256, **shape, "weights_dir": str(weights_dir)}
+
+
+def completions(tokens: int = 3, logprob: float = -1.0) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """A good /v1/completions answer: `tokens` tokens (id 5) of each prompt."""
+
+    def answer(body: dict[str, Any]) -> dict[str, Any]:
+        choice = {"token_ids": [5] * tokens, "logprobs": {"token_logprobs": [logprob] * tokens}}
+        return {"choices": [choice for _ in body["prompt"]]}
+
+    return answer
+
+
+def engine_on(url: str, model_dir: Path, **kwargs: Any) -> VLLMServerEngine:
+    from transformers import AutoConfig
+
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir))
+    return VLLMServerEngine(url, model, str(model_dir), None, [0], timeout=3, **kwargs)  # type: ignore[arg-type]
+
+
+SAMPLING = Sampling(num_generations=1, max_prompt_length=8, max_completion_length=4)
+
+
+def choice(tokens: Any, logprobs: Any) -> dict[str, Any]:
+    return {"choices": [{"token_ids": tokens, "logprobs": {"token_logprobs": logprobs}}]}
+
+
+BAD_INFO = [
+    ({}, "/model_info badly: no model, max_model_len, architectures"),
+    ([], "a JSON list, not an object"),
+]
+BAD_COMPLETIONS = [
+    ("<html>oops</html>", "/v1/completions badly: not JSON"),
+    ([], "/v1/completions badly: a JSON list, not an object"),
+    ({"object": "text_completion"}, "no choices list for 1 prompts"),
+    (choice([10**9], [-1.0]), "token 1000000000, not an id in [0, "),
+    (choice([-1], [-1.0]), "token -1, not an id in [0, "),
+    (choice(["a", "b"], [-1.0, -1.0]), "token 'a', not an id in [0, "),
+    (choice([5, 6, 7], [-1.0]), "choice 0 has 3 tokens (max_tokens 4), 1 log-probs"),
+    (choice([5, 6], [-1.0, float("nan")]), "choice 0 has log-prob nan, not a finite number"),
+]
+
+
+@pytest.mark.parametrize(("info", "why"), BAD_INFO, ids=["empty", "list"])
+def test_a_bad_model_info_is_one_line(tiny_model_dir, info, why):
+    routes = {"/health": {"status": "ok"}, "/model_info": info}
+    with (
+        fake_server(routes) as (url, _),
+        pytest.raises(VLLMError, match="answered /model_info badly") as caught,
+    ):
+        engine_on(url, tiny_model_dir)
+    assert why in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("answer", "why"), BAD_COMPLETIONS, ids=[
+    "non-json", "list", "no-choices", "id-1e9", "id-minus-1", "string-tokens", "short-logprobs", "nan",
+])  # fmt: skip
+def test_a_bad_completion_is_one_line(tiny_model_dir, tmp_path, answer, why):
+    """Each of issue 50's bad answers (case 16) is one VLLMError line naming what is wrong."""
+    routes = {"/health": {}, "/model_info": model_info(tiny_model_dir, tmp_path), "/v1/completions": answer}
+    with fake_server(routes) as (url, _):
+        engine = engine_on(url, tiny_model_dir)
+        with pytest.raises(
+            VLLMError, match="^the vLLM server at .* answered /v1/completions badly: "
+        ) as caught:
+            engine._sample([[1, 2]], SAMPLING, None)
+    assert why in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_good_completion_passes(tiny_model_dir, tmp_path):
+    routes = {
+        "/health": {}, "/model_info": model_info(tiny_model_dir, tmp_path), "/v1/completions": completions(),
+    }  # fmt: skip
+    with fake_server(routes) as (url, _):
+        engine = engine_on(url, tiny_model_dir)
+        assert engine._sample([[1, 2], [3]], SAMPLING, None) == ([[5] * 3] * 2, [[-1.0] * 3] * 2)
+
+
+def test_a_server_that_never_answers_times_out_or_stops(tiny_model_dir, tmp_path):
+    """A read is bounded (grpo.vllm_server_read_timeout), and a stop asked for ends the wait at once."""
+    routes = {"/health": {}, "/model_info": model_info(tiny_model_dir, tmp_path), "/v1/completions": "hang"}
+    with fake_server(routes) as (url, _):
+        engine = engine_on(url, tiny_model_dir, read_timeout=1.0)
+        start = time.monotonic()
+        with pytest.raises(VLLMError, match=r"did not answer /v1/completions within 1 s \(grpo.vllm_server_"):
+            engine._sample([[1, 2]], SAMPLING, None)
+        assert time.monotonic() - start < 5
+        asked = time.monotonic() + 0.5
+        engine = engine_on(url, tiny_model_dir, stop=lambda: time.monotonic() > asked)
+        with pytest.raises(
+            VLLMError, match="^stopped while waiting for the vLLM server at .* /v1/completions$"
+        ):
+            engine._sample([[1, 2]], SAMPLING, None)
+        assert time.monotonic() - asked < 2
+
+
+def test_the_key_goes_with_every_request_and_a_refusal_is_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "s3cret")
+    routes = {
+        "/health": {},
+        "/model_info": model_info(tiny_model_dir, tmp_path),
+        "/v1/completions": completions(),
+    }
+    with fake_server(routes) as (url, seen):
+        engine_on(url, tiny_model_dir)._sample([[1]], SAMPLING, None)
+    assert [route for route, _ in seen] == ["/health", "/model_info", "/v1/completions"]
+    assert {key for _, key in seen} == {"Bearer s3cret"}
+    with fake_server({"/health": (401, {"detail": "key"})}) as (url, _):
+        start = time.monotonic()
+        with pytest.raises(VLLMError, match=f"refused /health \\(401\\): set {API_KEY_ENV} to the key"):
+            engine_on(url, tiny_model_dir)
+        assert time.monotonic() - start < 2  # at once, not after grpo.vllm_server_timeout
+
+
+def test_weights_go_only_into_the_servers_own_directory(tiny_model_dir, tmp_path):
+    """The client writes each weights file, new, in the directory /model_info names; a directory this side
+    does not have is one line."""
+    routes = {"/health": {}, "/model_info": model_info(tiny_model_dir, tmp_path)}
+    with fake_server(routes) as (url, _):
+        path = engine_on(url, tiny_model_dir).new_weights_file()
+    assert path.parent == tmp_path and path.name.startswith("weights-") and path.stat().st_size == 0
+    routes = {"/health": {}, "/model_info": model_info(tiny_model_dir, tmp_path / "elsewhere")}
+    with fake_server(routes) as (url, _), pytest.raises(VLLMError, match="not a directory on this machine"):
+        engine_on(url, tiny_model_dir).new_weights_file()
+
+
+@pytest.mark.parametrize("second", ["hang", "nan"])
+def test_a_run_stops_on_a_hung_or_bad_answer_with_the_step_before_checkpointed(
+    tmp_path, tiny_model_dir, gsm8k_dir, second
+):
+    """`leangrpo train` on a fake server whose second /v1/completions answer never comes (one SIGTERM:
+    exit 143 within seconds) or carries a NaN log-prob (exit 2, one line); either way step 1 is saved."""
+    calls = []
+
+    def answer(body: dict[str, Any]) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            return completions()(body)
+        return "hang" if second == "hang" else completions(logprob=float("nan"))(body)
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    routes = {
+        "/health": {}, "/model_info": model_info(tiny_model_dir, weights), "/load_weights": {"status": "ok"},
+        "/v1/completions": answer,
+    }  # fmt: skip
+    with fake_server(routes) as (url, _):
+        grpo = {
+            "use_vllm": True,
+            "vllm_mode": "server",
+            "vllm_server_base_url": url,
+            "vllm_server_timeout": 5,
+        }
+        cfg = write_config(
+            tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", tmp_path / "run", grpo=grpo,
+        )  # fmt: skip
+        raw = yaml.safe_load(cfg.read_text())
+        raw["eval"] = {"enabled": False}
+        raw["logging"] = {**raw.get("logging", {}), "save_steps": 0}
+        cfg.write_text(yaml.safe_dump(raw))
+        env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "leangrpo", "train", "-c", str(cfg)], env=env, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 240
+            while len(calls) < 2 and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if second == "hang":
+                time.sleep(0.5)
+                proc.send_signal(signal.SIGTERM)
+            stopped = time.monotonic()
+            output, _ = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert "Traceback" not in output, output
+    assert (tmp_path / "run" / "checkpoint-1").is_dir(), output
+    if second == "hang":
+        assert proc.returncode == 143 and time.monotonic() - stopped < 30, output
+        assert "stopped during step 2, its rollout abandoned while still running; resume from step 1" in (
+            output
+        )
+    else:
+        bad = f"the vLLM server at {url} answered /v1/completions badly: choice 0 has log-prob nan"
+        assert proc.returncode == 2, output
+        assert output.strip().splitlines()[-1].startswith(f"error: stopped at step 2: {bad}, not a finite"), (
+            output
+        )
+
+
+# ------------------------------------------------------------------------------ the server's side
+
+
+def test_the_server_listens_on_localhost_by_default():
+    from leangrpo.engines.vllm_server import serve
+
+    assert inspect.signature(serve).parameters["host"].default == "127.0.0.1"
+    host = next(p for p in main.commands["vllm-serve"].params if p.name == "host")
+    assert host.default == "127.0.0.1"
+
+
+def test_vllm_serve_without_its_extra_names_it_in_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # `import fastapi` fails, whether installed or not
+    result = CliRunner().invoke(main, ["vllm-serve", "--model", "m"])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        "error: leangrpo vllm-serve needs vLLM and its server packages (fastapi is missing): "
+        "pip install 'leangrpo[vllm]'"
+    ]
+
+
+def test_load_weights_reads_only_the_servers_own_files(tmp_path):
+    from leangrpo.engines.vllm_server import own_weights_dir, owned_file
+
+    owned = own_weights_dir(str(tmp_path / "w"))
+    assert owned.is_dir()
+    good = owned / "weights-1.safetensors"
+    good.write_bytes(b"x")
+    assert owned_file(str(good), owned) == str(good)
+    outside = tmp_path / "secret.safetensors"
+    outside.write_bytes(b"x")
+    (owned / "link.safetensors").symlink_to(outside)
+    (owned / "sub").mkdir()
+    for path in (outside, owned / "link.safetensors", owned / "sub", owned / ".." / "secret.safetensors",
+                 owned / "missing.safetensors", "weights-1.safetensors"):  # fmt: skip
+        with pytest.raises(VLLMError) as caught:
+            owned_file(str(path), owned)
+        assert str(caught.value).startswith(
+            f"/load_weights reads only a file in the server's weights directory {owned}"
+        )
+        assert "\n" not in str(caught.value)
+
+
+def test_the_key_is_compared_whole():
+    from leangrpo.engines.vllm_server import key_accepted
+
+    assert key_accepted("Bearer k3y", "k3y")
+    assert not any(
+        key_accepted(h, "k3y") for h in (None, "", "k3y", "Bearer k3", "Bearer k3y ", "bearer k3y")
+    )
+
+
+def test_every_route_needs_the_key_and_load_weights_refuses_other_paths(tmp_path):
+    """Through the app itself (fastapi: vLLM's dependency, so in .venv-vllm)."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from leangrpo.engines.vllm_server import Served, build_app
+
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(model_config=SimpleNamespace(max_model_len=64, hf_config=None))
+    )
+    client = TestClient(build_app(Served("m", llm, 1, tmp_path), api_key="k3y"))
+    for method, route in [("GET", "/health"), ("GET", "/model_info"), ("POST", "/load_weights"),
+                          ("POST", "/v1/completions"), ("GET", "/docs")]:  # fmt: skip
+        assert client.request(method, route).status_code == 401, route
+    keyed = {"Authorization": "Bearer k3y"}
+    assert client.get("/health", headers=keyed).json() == {"status": "ok"}
+    assert client.get("/model_info", headers=keyed).json()["weights_dir"] == str(tmp_path)
+    refused = client.post("/load_weights", json={"path": "/etc/passwd"}, headers=keyed)
+    assert refused.status_code == 500 and refused.json()["detail"].startswith("/load_weights reads only")

@@ -416,8 +416,19 @@ def accelerate_config(kind: str) -> None:
 @click.option("--model", required=True, help="Model directory or hub id: the trainer's model.name_or_path.")
 @click.option("--tensor-parallel-size", default=1, show_default=True, type=_POSITIVE)
 @click.option("--data-parallel-size", default=1, show_default=True, type=_POSITIVE, help="Only 1 for now.")
-@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface)."
+)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option(
+    "--api-key", envvar="LEANGRPO_VLLM_API_KEY", show_envvar=True,
+    help="A shared key every request must carry (the trainer sends LEANGRPO_VLLM_API_KEY).",
+)  # fmt: skip
+@click.option(
+    "--weights-dir", type=click.Path(file_okay=False),
+    help="The only directory /load_weights reads from (default: a new private one); on a filesystem the "
+    "trainer shares when it runs on another machine.",
+)  # fmt: skip
 @click.option("--dtype", default="auto", show_default=True, help="vLLM's dtype (auto: the model's).")
 @click.option("--max-model-len", type=_POSITIVE, help="Context window (default: the model's).")
 @click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=click.FloatRange(0, 1))

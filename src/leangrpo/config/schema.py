@@ -342,6 +342,12 @@ class GRPOSection(Section):
     vllm_server_timeout: float = Field(
         240.0, gt=0, description="server mode: seconds to wait for the server's /health before failing"
     )
+    vllm_server_read_timeout: float = Field(
+        1800.0,
+        gt=0,
+        description="server mode: seconds one answer of the server may take before the run stops "
+        "(a checkpoint of the step before and one line); connecting: 10 s",
+    )
     vllm_group_port: int = Field(
         51216, ge=1, le=65535, description="server mode on CUDA: port of the NCCL group weights go through"
     )

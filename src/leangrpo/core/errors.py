@@ -33,3 +33,21 @@ class Stopped(Exception):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+_stop_asked: list[int] = []  # the signal a run was asked to stop by (run/signals.py's StopSignals)
+
+
+def ask_stop(signum: int | None) -> None:
+    """Record (a signal number) or forget (None) that the run was asked to stop: what waits below the run
+    layer on something outside the process (a vLLM server's answer) gives up when it sees it. A plain
+    list append, safe inside a signal handler."""
+    if signum is None:
+        _stop_asked.clear()
+    else:
+        _stop_asked.append(signum)
+
+
+def stop_asked() -> bool:
+    """Whether the run was asked to stop (SIGINT or SIGTERM while StopSignals is active)."""
+    return bool(_stop_asked)

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -50,6 +51,9 @@ CHATML_RESPONSE_TEMPLATE: dict[str, Any] = {
     },
 }
 TOOL_CALL_OPENER = "<tool_call>"
+MAX_CALL_DEPTH = 64
+"""How deep a turn's brackets may nest before it is parsed: deeper is a malformed call (JSON this deep
+would raise RecursionError in the parser; no tool takes arguments nested past a few levels)."""
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
@@ -111,8 +115,9 @@ class Toolbox:
 
     async def call(self, tool_call: Any) -> tuple[str, str, bool]:
         """Run one parsed tool call: (tool name, the tool message's text, whether it failed). A tool that
-        raises, runs past `timeout_s` or returns what is not text (a number or JSON-able value is written
-        as text, as TRL does) fails, and its result is the error, as TRL writes one."""
+        raises (SystemExit and KeyboardInterrupt too: the run's own signals reach StopSignals), runs past
+        `timeout_s` or returns what is not text (a number or JSON-able value is written as text, as TRL
+        does) fails, and its result is the error, as TRL writes one."""
         name = "unknown"
         try:
             called = called_function(tool_call)
@@ -129,8 +134,8 @@ class Toolbox:
             return name, as_text(result), False
         except asyncio.TimeoutError:
             return name, str({"error": f"did not return within tools.timeout_s={self.timeout_s:g}s"}), True
-        except Exception as e:
-            return name, str({"error": str(e)}), True
+        except (Exception, SystemExit, KeyboardInterrupt) as e:  # a tool's own exit: its failed result
+            return name, str({"error": str(e) or type(e).__name__}), True
 
 
 def called_function(tool_call: Any) -> tuple[str, Any] | None:
@@ -369,13 +374,15 @@ def parse_turn(
     """One assistant turn as a message (transformers' parse_response, TRL's fallback to the decoded text)
     and its tool calls. A call that does not parse in a finished turn counts as a call and a failure of
     tool "malformed" (TRL counts neither)."""
+    text = str(tokenizer.decode(ids, skip_special_tokens=True))
     try:
+        if nesting_depth(text) > MAX_CALL_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_CALL_DEPTH}")
         tools: list[Any] = list(toolbox.schemas)
         message = tokenizer.parse_response(ids, prefix=prefix, tools=tools)
         if message is None:
             raise ValueError("nothing parsed")
-    except (ValueError, TypeError):
-        text = str(tokenizer.decode(ids, skip_special_tokens=True))
+    except (ValueError, TypeError, RecursionError):
         if TOOL_CALL_OPENER in text and ids and ids[-1] == tokenizer.eos_token_id:  # not cut at the budget
             use.calls[row]["malformed"] += 1
             use.failures[row]["malformed"] += 1
@@ -387,6 +394,15 @@ def parse_turn(
     )
     calls = message.get("tool_calls") or []
     return message, list(calls)
+
+
+def nesting_depth(text: str) -> int:
+    """How deep the brackets of `text` nest ({ and [, strings not told apart: an upper bound)."""
+    depth = deepest = 0
+    for c in re.sub(r"[^\[\]{}]", "", text):
+        depth = depth + 1 if c in "[{" else max(depth - 1, 0)
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def tool_suffix_ids(tokenizer: PreTrainedTokenizerBase, tool_messages: list[Message]) -> list[int]:

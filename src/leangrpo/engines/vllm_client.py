@@ -7,17 +7,22 @@ and per-completion seeds from torch's RNG) and pushes the policy's weights after
 safetensors file in a directory the server can read (CPU, or any machine sharing it), or NCCL on CUDA.
 It needs neither vLLM nor a GPU on the trainer's side for the file transport, and it may be called from
 a background thread (its HTTP client is thread-safe; one weight update at a time).
+
+Every answer is untrusted: it is checked (a JSON object of the expected shape, token ids inside the
+vocabulary, one finite log-prob per token) and a bad one is one VLLMError line, as is an answer slower
+than `grpo.vllm_server_read_timeout`. A stop asked for (SIGTERM, SIGINT) ends a wait for an answer at
+once. The key in LEANGRPO_VLLM_API_KEY, when set, goes with every request (`vllm-serve --api-key`).
 """
 
 from __future__ import annotations
 
-import shutil
+import math
+import os
 import socket
-import tempfile
 import threading
 import time
-import weakref
-from collections.abc import Iterable
+import uuid
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import torch
 
+from leangrpo.core.errors import stop_asked
 from leangrpo.engines.tools import Toolbox
 from leangrpo.engines.types import RolloutBatch, Sampling
 from leangrpo.engines.vllm import VLLMError, applied_weights, import_vllm, sampled_batch, sampling_fields
@@ -41,6 +47,10 @@ SHAPE_FIELDS = (
     "num_key_value_heads", "intermediate_size",
 )  # fmt: skip
 """The model config fields `leangrpo vllm-serve` reports (/model_info), which must equal the trainer's."""
+API_KEY_ENV = "LEANGRPO_VLLM_API_KEY"
+"""The shared key `leangrpo vllm-serve --api-key` requires, sent by the client as `Authorization: Bearer`."""
+CONNECT_TIMEOUT = 10.0
+"""Seconds to open a connection to the server."""
 
 
 def server_url(base_url: str | None, host: str, port: int) -> str:
@@ -74,20 +84,28 @@ class VLLMServerEngine:
         eos: list[int],
         *,
         timeout: float = 240.0,
+        read_timeout: float = 1800.0,
         max_model_len: int = 0,
         group_port: int = 51216,
+        stop: Callable[[], bool] = stop_asked,
     ):
         """Wait up to `timeout` seconds for the server's /health, then refuse, in one line, a server that
-        serves another model than `name_or_path` (`model`'s config) or a context below `max_model_len`."""
-        self.url, self.tokenizer, self.eos = url, tokenizer, eos
-        self.http = httpx.Client(base_url=url, timeout=httpx.Timeout(None, connect=10.0))
+        serves another model than `name_or_path` (`model`'s config) or a context below `max_model_len`.
+        Each request waits `read_timeout` seconds at most for its answer, or until `stop()` is true."""
+        self.url, self.tokenizer, self.eos, self.stop = url, tokenizer, eos, stop
+        key = os.environ.get(API_KEY_ENV)
+        self.http = httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {key}"} if key else None,
+            timeout=httpx.Timeout(read_timeout, connect=CONNECT_TIMEOUT),
+        )  # fmt: skip
+        self.read_timeout, self.vocab_size = read_timeout, int(model.config.vocab_size)
         wait_for_health(self.http, url, timeout, name_or_path)
         info = self._info()
         self.leangrpo = "architectures" in info  # leangrpo's own server: seed lists, weight updates
         self.served, self.max_model_len = info["model"], int(info["max_model_len"] or 0)
         check_model(info, model.config, name_or_path, max_model_len, url)
-        self.sync_dir = Path(tempfile.mkdtemp(prefix="leangrpo-vllm-sync-"))
-        weakref.finalize(self, shutil.rmtree, self.sync_dir, True)
+        # leangrpo's server loads weights only from its own directory (the same path on both sides)
+        self.weights_dir = info.get("weights_dir")
         self.sync_lock, self.group_port = threading.Lock(), group_port
         self.communicator: Any = None  # the NCCL group (CUDA), opened at the first sync
 
@@ -101,7 +119,8 @@ class VLLMServerEngine:
         eval_length = g.max_prompt_length + (ev.max_new_tokens or 0) if ev.enabled else 0
         return cls(
             url, model, cfg.model.name_or_path, tokenizer, eos, timeout=g.vllm_server_timeout,
-            max_model_len=max(g.max_model_length, eval_length), group_port=g.vllm_group_port,
+            read_timeout=g.vllm_server_read_timeout, max_model_len=max(g.max_model_length, eval_length),
+            group_port=g.vllm_group_port,
         )  # fmt: skip
 
     def generate(
@@ -128,8 +147,11 @@ class VLLMServerEngine:
 
     def _complete(self, body: dict[str, Any]) -> tuple[list[list[int]], list[list[float]]]:
         body = {**body, "return_token_ids": True, "return_tokens_as_token_ids": True}
-        choices = self._call("POST", "/v1/completions", json=body)["choices"]
-        return [c["token_ids"] for c in choices], [c["logprobs"]["token_logprobs"] for c in choices]
+        answer = self._call("POST", "/v1/completions", json=body)
+        try:
+            return checked_choices(answer, len(body["prompt"]), self.vocab_size, body["max_tokens"])
+        except ValueError as e:
+            raise VLLMError(f"the vLLM server at {self.url} answered /v1/completions badly: {e}") from None
 
     def sync_weights(
         self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
@@ -155,8 +177,9 @@ class VLLMServerEngine:
         self.http.close()
 
     def _send_file(self, model: PreTrainedModel) -> None:
-        """One safetensors file in `sync_dir` (which the server must see at the same path), loaded by the
-        server through vLLM's in-place reload, then deleted."""
+        """One safetensors file, new, in the server's weights directory (which this side must see at the
+        same path: the same machine or a shared filesystem), loaded by the server through vLLM's in-place
+        reload, then deleted."""
         from safetensors.torch import save_file
 
         if not self.leangrpo:
@@ -165,7 +188,7 @@ class VLLMServerEngine:
                 "leangrpo (generation only); start it with: leangrpo vllm-serve"
             )
         partial = is_peft(model)
-        path = self.sync_dir / "weights.safetensors"
+        path = self.new_weights_file()
         save_file(weights_to_send(model, partial), str(path))
         try:
             self._call("POST", "/load_weights", json={"path": str(path), "partial": partial})
@@ -193,29 +216,150 @@ class VLLMServerEngine:
                 self.communicator.broadcast(tensor.contiguous(), src=0)
             loaded.result()
 
+    def new_weights_file(self) -> Path:
+        """A new, empty file of a name of its own in the server's weights directory (never a link)."""
+        where = Path(str(self.weights_dir or ""))
+        if not self.weights_dir or not where.is_absolute() or not where.is_dir() or where.is_symlink():
+            raise VLLMError(
+                f"the vLLM server at {self.url} loads weights from {self.weights_dir!r}, which is not a "
+                "directory on this machine: run the trainer beside it, or start it with --weights-dir "
+                "on a filesystem both machines share"
+            )
+        path = where / f"weights-{uuid.uuid4().hex}.safetensors"
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        return path
+
     def _info(self) -> dict[str, Any]:
         """leangrpo's /model_info; from another vLLM server, what /v1/models says (name and context)."""
-        response = self._send("GET", "/model_info")
-        if response.status_code == 200:
-            return dict(response.json())
-        served = self._call("GET", "/v1/models")["data"][0]
-        return {"model": served["id"], "max_model_len": served.get("max_model_len")}
+        route, response = "/model_info", self._send("GET", "/model_info")
+        if response.status_code != 200:
+            route, response = "/v1/models", self._send("GET", "/v1/models")
+            self._ok(response, route)
+        try:
+            answer = json_object(response)
+            return checked_info(answer) if route == "/model_info" else checked_models(answer)
+        except ValueError as e:
+            raise VLLMError(f"the vLLM server at {self.url} answered {route} badly: {e}") from None
 
     def _call(self, method: str, route: str, **kwargs: Any) -> dict[str, Any]:
-        """The route's JSON answer; any failure is one VLLMError line (the trainer checkpoints and stops)."""
+        """The route's JSON answer, an object; any failure is one VLLMError line (the trainer checkpoints
+        and stops)."""
         response = self._send(method, route, **kwargs)
+        self._ok(response, route)
+        try:
+            return json_object(response)
+        except ValueError as e:
+            raise VLLMError(f"the vLLM server at {self.url} answered {route} badly: {e}") from None
+
+    def _ok(self, response: httpx.Response, route: str) -> None:
+        """Nothing for a 200; else the server's last line of complaint, as one VLLMError line."""
+        if response.status_code == 401:
+            raise VLLMError(
+                f"the vLLM server at {self.url} refused {route} (401): set {API_KEY_ENV} to the key it was "
+                "started with (vllm-serve --api-key)"
+            )
         if response.status_code != 200:
             detail = response.text.strip().splitlines()[-1:] or [f"HTTP {response.status_code}"]
             raise VLLMError(f"the vLLM server at {self.url} failed {route}: {detail[0][:300]}")
-        return dict(response.json())
 
     def _send(self, method: str, route: str, **kwargs: Any) -> httpx.Response:
-        try:
-            return self.http.request(method, route, **kwargs)
-        except httpx.HTTPError as e:
+        """The request, sent from a thread of its own, waited for until it answers (read_timeout at most)
+        or a stop is asked for: then the wait ends at once, the request left behind."""
+        done, outcome = threading.Event(), list[httpx.Response | BaseException]()
+
+        def request() -> None:
+            try:
+                outcome.append(self.http.request(method, route, **kwargs))
+            except BaseException as e:  # handed to the waiting caller
+                outcome.append(e)
+            done.set()
+
+        threading.Thread(target=request, daemon=True, name="leangrpo-vllm-request").start()
+        while not done.wait(0.2):
+            if self.stop():
+                raise VLLMError(f"stopped while waiting for the vLLM server at {self.url} to answer {route}")
+        if isinstance(outcome[0], httpx.TimeoutException):
+            raise VLLMError(
+                f"the vLLM server at {self.url} did not answer {route} within {self.read_timeout:g} s "
+                "(grpo.vllm_server_read_timeout)"
+            ) from outcome[0]
+        if isinstance(outcome[0], httpx.HTTPError):
+            e = outcome[0]
             raise VLLMError(
                 f"the vLLM server at {self.url} stopped answering ({type(e).__name__}: {e})"
             ) from e
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
+
+
+def json_object(response: httpx.Response) -> dict[str, Any]:
+    """The answer's JSON object; ValueError for anything else (not JSON, a list, nested past the parser)."""
+    try:
+        answer = response.json()
+    except (ValueError, RecursionError):
+        raise ValueError(f"not JSON ({response.text[:60]!r})") from None
+    if not isinstance(answer, dict):
+        raise ValueError(f"a JSON {type(answer).__name__}, not an object")
+    return answer
+
+
+def checked_info(info: dict[str, Any]) -> dict[str, Any]:
+    """leangrpo's /model_info: the model's name, context, shape fields and weights directory, each of its
+    type."""
+    missing = [key for key in ("model", "max_model_len", *SHAPE_FIELDS) if key not in info]
+    if missing:
+        raise ValueError(f"no {', '.join(missing)}")
+    if not isinstance(info["model"], str) or not _count(info["max_model_len"], none=True):
+        raise ValueError(f"model {info['model']!r:.60}, max_model_len {info['max_model_len']!r:.60}")
+    if not isinstance(info.get("weights_dir"), (str, type(None))):
+        raise ValueError(f"weights_dir {info['weights_dir']!r:.60}")
+    return info
+
+
+def checked_models(models: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's /v1/models: the served model's name and context."""
+    data = models.get("data")
+    if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+        raise ValueError("no data list of models")
+    name, max_len = data[0].get("id"), data[0].get("max_model_len")
+    if not isinstance(name, str) or not _count(max_len, none=True):
+        raise ValueError(f"model {name!r:.60}, max_model_len {max_len!r:.60}")
+    return {"model": name, "max_model_len": max_len}
+
+
+def _count(value: Any, none: bool = False) -> bool:
+    """A non-negative int (not a bool), or None where `none`."""
+    return (none and value is None) or (type(value) is int and value >= 0)
+
+
+def checked_choices(
+    answer: dict[str, Any], prompts: int, vocab_size: int, max_tokens: int
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Each choice's token ids and log-probs from a /v1/completions answer: one choice a prompt, at most
+    `max_tokens` ids each inside the vocabulary, one finite log-prob each; ValueError naming what is not."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or len(choices) != prompts:
+        found = f"{len(choices)} choices" if isinstance(choices, list) else "no choices list"
+        raise ValueError(f"{found} for {prompts} prompts")
+    ids, logprobs = [], []
+    for i, choice in enumerate(choices):
+        tokens = choice.get("token_ids") if isinstance(choice, dict) else None
+        logps = choice.get("logprobs") if isinstance(choice, dict) else None
+        logps = logps.get("token_logprobs") if isinstance(logps, dict) else None
+        if not isinstance(tokens, list) or not isinstance(logps, list):
+            raise ValueError(f"choice {i} has no token_ids or logprobs.token_logprobs list")
+        if len(tokens) > max_tokens or len(logps) != len(tokens):
+            raise ValueError(
+                f"choice {i} has {len(tokens)} tokens (max_tokens {max_tokens}), {len(logps)} log-probs"
+            )
+        if bad := [t for t in tokens if not _count(t) or t >= vocab_size][:1]:
+            raise ValueError(f"choice {i} has token {bad[0]!r:.60}, not an id in [0, {vocab_size})")
+        if bad_lp := [x for x in logps if type(x) not in (int, float) or not math.isfinite(x)][:1]:
+            raise ValueError(f"choice {i} has log-prob {bad_lp[0]!r:.60}, not a finite number")
+        ids.append(tokens)
+        logprobs.append([float(x) for x in logps])
+    return ids, logprobs
 
 
 def weights_to_send(model: torch.nn.Module, adapted_only: bool) -> dict[str, torch.Tensor]:
@@ -229,10 +373,16 @@ def wait_for_health(http: httpx.Client, url: str, timeout: float, name_or_path: 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if http.get("/health", timeout=5.0).status_code == 200:
-                return
+            status = http.get("/health", timeout=5.0).status_code
         except httpx.HTTPError:
-            pass
+            status = 0
+        if status == 200:
+            return
+        if status == 401:
+            raise VLLMError(
+                f"the vLLM server at {url} refused /health (401): set {API_KEY_ENV} to the key it was "
+                "started with (vllm-serve --api-key)"
+            )
         left = deadline - time.monotonic()
         if left <= 0:
             raise VLLMError(

@@ -11,24 +11,36 @@ The routes speak vLLM's own (OpenAI-compatible) names and payloads where vLLM ha
 - `GET /model_info`: what the trainer checks before training (architecture, vocabulary, shapes);
 - weight updates: `POST /load_weights` (a safetensors file on a shared filesystem, CPU or GPU), or NCCL
   (`/init_communicator`, `/update_named_params`, `/close_communicator`; CUDA only, not tested here).
+
+On a shared network: it listens on 127.0.0.1 unless `--host` says otherwise; with a key (`--api-key` or
+LEANGRPO_VLLM_API_KEY) every route answers 401 to a request without it; `/load_weights` reads only regular
+files directly inside its own weights directory (`--weights-dir`, or one it creates), which /model_info
+names for the client. fastapi and uvicorn (vLLM's dependencies) are imported only to serve.
 """
 
 from __future__ import annotations
 
+import atexit
+import hmac
+import os
+import shutil
+import stat
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
 from leangrpo.engines.vllm import VLLMError, build_llm, reload_weights, sample_tokens
-from leangrpo.engines.vllm_client import SHAPE_FIELDS
+from leangrpo.engines.vllm_client import API_KEY_ENV, SHAPE_FIELDS
 from leangrpo.models.load import resolve_model_path
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 class Completion(BaseModel):
@@ -71,8 +83,10 @@ class NamedParams(BaseModel):
 class Served:
     """The engine and what each route does with it; one request at a time uses it (`lock`)."""
 
-    def __init__(self, model: str, llm: Any, tensor_parallel_size: int):
+    def __init__(self, model: str, llm: Any, tensor_parallel_size: int, weights_dir: Path):
+        """`weights_dir`: the only directory /load_weights reads from."""
         self.model, self.llm, self.world_size = model, llm, tensor_parallel_size
+        self.weights_dir = weights_dir
         self.lock = threading.Lock()
         self.communicator: Any = None
 
@@ -86,7 +100,10 @@ class Served:
     def model_info(self) -> dict[str, Any]:
         config = self.llm.llm_engine.model_config
         shape = {key: getattr(config.hf_config, key, None) for key in SHAPE_FIELDS}
-        return {"model": self.model, "max_model_len": config.max_model_len, **shape}
+        return {
+            "model": self.model, "max_model_len": config.max_model_len, **shape,
+            "weights_dir": str(self.weights_dir),
+        }  # fmt: skip
 
     def get_world_size(self) -> dict[str, int]:
         return {"world_size": self.world_size}
@@ -111,10 +128,12 @@ class Served:
         ]}  # fmt: skip
 
     def load_weights(self, body: WeightsFile) -> dict[str, str]:
-        """Reload every weight from the trainer's file (and, when partial, the served checkpoint)."""
+        """Reload every weight from the trainer's file (and, when partial, the served checkpoint): a file in
+        the server's weights directory, nothing else."""
+        path = owned_file(body.path, self.weights_dir)
         base = checkpoint_files(self.model) if body.partial else []
         with self.lock:
-            reload_weights(self.llm, _reload_from_file, path=body.path, base=base)
+            reload_weights(self.llm, _reload_from_file, path=path, base=base)
         return {"status": "ok"}
 
     def reset_prefix_cache(self) -> dict[str, str]:
@@ -153,6 +172,40 @@ class Served:
         return {"status": "ok"}
 
 
+def owned_file(path: str, weights_dir: Path) -> str:
+    """`path` when it names a regular file (not a link) directly inside `weights_dir`; else one VLLMError
+    line: /load_weights reads nothing else."""
+    given = Path(path)
+    inside = given.is_absolute() and os.path.realpath(given.parent) == os.path.realpath(weights_dir)
+    try:
+        regular = inside and stat.S_ISREG(os.lstat(given).st_mode)
+    except OSError:
+        regular = False
+    if not regular:
+        raise VLLMError(
+            f"/load_weights reads only a file in the server's weights directory {weights_dir}, "
+            f"not {path[:200]!r}"
+        )
+    return str(given)
+
+
+def key_accepted(authorization: str | None, key: str) -> bool:
+    """Whether an Authorization header carries the server's key (`Bearer KEY`, compared in constant time)."""
+    return hmac.compare_digest((authorization or "").encode(), f"Bearer {key}".encode())
+
+
+def own_weights_dir(weights_dir: str | None) -> Path:
+    """The directory /load_weights reads from: `weights_dir` (made if missing), or a new private one
+    (mode 700) removed when the server stops."""
+    if weights_dir is None:
+        made = Path(tempfile.mkdtemp(prefix="leangrpo-vllm-weights-"))
+        atexit.register(shutil.rmtree, made, True)
+        return made
+    path = Path(weights_dir).absolute()
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return Path(os.path.realpath(path))
+
+
 def _reload_from_file(worker: Any, path: str, base: list[str], is_checkpoint_format: bool) -> None:
     """Run by each vLLM worker (so tensor-parallel ranks read the file themselves): reload in place."""
     weights = file_weights(path, base)
@@ -189,9 +242,13 @@ def checkpoint_files(model: str) -> list[str]:
     return files
 
 
-def build_app(served: Served) -> FastAPI:
-    """The HTTP API on `served`; a VLLMError is answered 500 with its one line as `detail`."""
-    app = FastAPI(title="leangrpo vllm-serve")
+def build_app(served: Served, api_key: str | None = None) -> FastAPI:
+    """The HTTP API on `served`; a VLLMError is answered 500 with its one line as `detail`. With
+    `api_key`, every request without it is answered 401."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI(title="leangrpo vllm-serve", docs_url=None, redoc_url=None, openapi_url=None)
     routes: list[tuple[str, str, Callable[..., dict[str, Any]]]] = [
         ("GET", "/health", served.health), ("GET", "/v1/models", served.models),
         ("GET", "/model_info", served.model_info), ("GET", "/get_world_size", served.get_world_size),
@@ -208,13 +265,34 @@ def build_app(served: Served) -> FastAPI:
     async def one_line(request: Request, e: VLLMError) -> JSONResponse:
         return JSONResponse(status_code=500, content={"detail": str(e)})
 
+    if api_key:
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next: Callable[..., Any]) -> Any:
+            if not key_accepted(request.headers.get("authorization"), api_key):
+                detail = f"this server needs its key: Authorization: Bearer KEY ({API_KEY_ENV})"
+                return JSONResponse(status_code=401, content={"detail": detail})
+            return await call_next(request)
+
     return app
+
+
+def require_server_packages() -> None:
+    """One line naming the extra to install when fastapi or uvicorn (vLLM's own dependencies) is missing."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise VLLMError(
+            f"leangrpo vllm-serve needs vLLM and its server packages ({e.name} is missing): "
+            "pip install 'leangrpo[vllm]'"
+        ) from None
 
 
 def serve(
     model: str,
     *,
-    host: str = "0.0.0.0",
+    host: str = "127.0.0.1",
     port: int = 8000,
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
@@ -223,8 +301,12 @@ def serve(
     gpu_memory_utilization: float = 0.9,
     seed: int = 0,
     trust_remote_code: bool = False,
+    api_key: str | None = None,
+    weights_dir: str | None = None,
 ) -> None:
-    """Load `model` into vLLM and answer HTTP requests on host:port until stopped."""
+    """Load `model` into vLLM and answer HTTP requests on host:port until stopped (with `api_key`: only
+    requests carrying it); weight files are read from `weights_dir` only (default: a new private one)."""
+    require_server_packages()
     if data_parallel_size != 1:
         raise VLLMError(
             "--data-parallel-size > 1 is not supported: start one server per GPU group instead "
@@ -237,6 +319,8 @@ def serve(
         gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
         tensor_parallel_size=tensor_parallel_size,
     )  # fmt: skip
-    print(f"leangrpo vllm-serve: {model} on http://{host}:{port}", flush=True)
-    app = build_app(Served(model, llm, tensor_parallel_size))
+    owned = own_weights_dir(weights_dir)
+    keyed = "with a key" if api_key else "without a key"
+    print(f"leangrpo vllm-serve: {model} on http://{host}:{port} ({keyed}; weights from {owned})", flush=True)
+    app = build_app(Served(model, llm, tensor_parallel_size, owned), api_key)
     uvicorn.run(app, host=host, port=port, log_level="warning")

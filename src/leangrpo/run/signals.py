@@ -11,7 +11,7 @@ from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
-from leangrpo.core.errors import Stopped
+from leangrpo.core.errors import Stopped, ask_stop
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # What signal.signal returns and accepts: a function, SIG_DFL/SIG_IGN, or None (set outside Python).
@@ -42,6 +42,7 @@ class StopSignals:
         return Stopped(message, 128 + self.signum)
 
     def __enter__(self) -> StopSignals:
+        ask_stop(None)
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in _SIGNALS}
         return self
@@ -51,6 +52,7 @@ class StopSignals:
     ) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        ask_stop(None)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
@@ -61,6 +63,7 @@ class StopSignals:
                 sys.stderr.flush()
             os._exit(128 + signum)
         self.signum = signum
+        ask_stop(signum)  # a wait on a server's answer gives up (core.errors.stop_asked)
         os.write(
             2, f"\n{name}: finishing this step, then saving a checkpoint (Ctrl-C again aborts)\n".encode()
         )

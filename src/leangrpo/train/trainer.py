@@ -275,11 +275,11 @@ class Trainer:
                 rng = rng_state()  # what a checkpoint of the step before holds, should this one be dropped
                 try:
                     metrics = self.step(step)
-                except EngineError as e:  # the engine fails before the step's update: keep the last one's
+                except (EngineError, RewardsAbandoned) as e:  # before the step's update: keep the last one's
+                    if self.signals.requested or isinstance(e, RewardsAbandoned):  # a stop ended a wait
+                        raise self._abandoned(step, rng, e) from None
                     self._keep_step_before(step)
                     raise TrainingError(f"stopped at step {step}: {e}; {what_holds(self.run_dir)}") from e
-                except RewardsAbandoned:
-                    raise self._abandoned(step, rng) from None
                 if self.is_main and step == self.start_step + 1:
                     drop_replaced(self.run_dir)  # the run this one replaced: it has now started
                 bar.update(1)
@@ -313,15 +313,15 @@ class Trainer:
             state["async_discarded_step"] = in_flight
         return self.checkpoints.save(step, state, rng)
 
-    def _abandoned(self, step: int, rng: dict[str, Any]) -> Stopped:
-        """A stop asked for while `step`'s rewards still ran: the step is dropped, and the one before it
-        checkpointed with the RNG state it ended with (an exact resume), unless a checkpoint holds it."""
+    def _abandoned(self, step: int, rng: dict[str, Any], cause: Exception) -> Stopped:
+        """A stop while `step`'s rewards ran or its rollout waited: the step before is checkpointed."""
         if not (done := self._keep_step_before(step, rng)):
             return self.signals.stopped(
                 "stopped during step 1, before any step had finished: nothing to resume"
             )
+        what = "rewards" if isinstance(cause, RewardsAbandoned) else "rollout"
         return self.signals.stopped(
-            f"stopped during step {step}, its rewards abandoned while still running; resume from step {done} "
+            f"stopped during step {step}, its {what} abandoned while still running; resume from step {done} "
             f"with: leangrpo train --resume {self.run_dir}"
         )
 
