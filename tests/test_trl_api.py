@@ -141,3 +141,32 @@ def test_image_prompts_are_refused_in_one_line(tmp_path, tiny_model_dir):
     trainer = GRPOTrainer(str(tiny_model_dir), "strict_format", GRPOConfig(output_dir=str(tmp_path)), [row])
     with pytest.raises(UserError, match="^image prompts .* not supported yet$"):
         trainer.train()
+
+
+def _field(cfg, path: str):
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+# TRL fields whose GRPOConfig value is read another way: output_dir (GRPOTrainer's "trainer_output"),
+# max_steps (-1: num_train_epochs), report_to ("none" is no tracker), the older name of a clip and
+# num_generations_eval (evaluation: part of issue 49's Trainer API).
+_READ_OTHERWISE = {"output_dir", "max_steps", "report_to", "vllm_importance_sampling_cap", "num_generations_eval"}
+
+
+def test_grpo_config_reads_what_the_run_uses(tmp_path, tiny_model_dir):
+    """`GRPOConfig()` says TRL's defaults (max_completion_length 512, ...): the run uses exactly those."""
+    from leangrpo import GRPOConfig, GRPOTrainer
+    from leangrpo.config.trl import _mapped
+    from leangrpo.config.trl_fields import TRL_DEFAULTS
+
+    args = GRPOConfig()
+    trainer = GRPOTrainer(str(tiny_model_dir), "strict_format", args, [{"prompt": "x"}])
+    assert trainer.cfg.grpo.max_completion_length == args.max_completion_length == 512
+    for name in TRL_DEFAULTS.keys() - _READ_OTHERWISE:
+        if (target := _mapped(name)) is not None:
+            assert _field(trainer.cfg, target) == getattr(args, name), name
+    assert trainer.cfg.output_dir == "trainer_output"
+    given = GRPOTrainer(str(tiny_model_dir), "strict_format", GRPOConfig(max_completion_length=8), [{"prompt": "x"}])
+    assert given.cfg.grpo.max_completion_length == 8

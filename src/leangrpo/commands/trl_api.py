@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 class GRPOConfig:
     """TRL 1.16's `GRPOConfig` by name: any of its fields (and leangrpo's own grpo/optim/... field names)
-    as keyword arguments; an unset field reads as TRL's default. Only the fields given are translated, so
-    unset ones take leangrpo's defaults, as in a flat TRL YAML (docs/trl.md)."""
+    as keyword arguments; an unset field reads as TRL's default, and the run uses it (`from_trl` fills in
+    TRL's defaults where leangrpo's differ, as for a flat TRL YAML; docs/trl.md)."""
 
     def __init__(self, **fields: Any) -> None:
         unknown = sorted(fields.keys() - accepted_fields())

@@ -205,6 +205,13 @@ _QUIET: dict[str, tuple[Any, ...]] = {
 }  # fmt: skip
 """Values other than TRL's default that ask for what leangrpo does anyway: no notice."""
 
+_TRL_DEFAULTS_APPLIED = (
+    "max_completion_length", "adam_beta2", "logging_steps", "save_steps", "save_total_limit",
+    "per_device_eval_batch_size", "project",
+)  # fmt: skip
+"""Fields whose leangrpo default differs from TRL's: a TRL config (flat YAML or `GRPOConfig`) that leaves
+them unset gets TRL's default, so that `GRPOConfig().max_completion_length` reads what the run uses."""
+
 _OPTIMIZERS = {
     "adamw_torch": "adamw", "adamw_torch_fused": "adamw",
     "adamw_bnb_8bit": "adamw_8bit", "adamw_8bit": "adamw_8bit",
@@ -297,7 +304,7 @@ def from_trl(
     that cannot be honoured raise one TRLConfigError listing them all, one line each. `reward_specs`:
     `rewards.functions` entries standing in for `reward_funcs` (the Python API's), weighted by
     `reward_weights`."""
-    flat = dict(flat)
+    flat = {**{name: TRL_DEFAULTS[name] for name in _TRL_DEFAULTS_APPLIED}, **flat}
     out: dict[str, Any] = {"task": "dataset", "data": {"system_prompt": None}}
     refused: list[str] = []
 
