@@ -170,3 +170,27 @@ def test_grpo_config_reads_what_the_run_uses(tmp_path, tiny_model_dir):
     assert trainer.cfg.output_dir == "trainer_output"
     given = GRPOTrainer(str(tiny_model_dir), "strict_format", GRPOConfig(max_completion_length=8), [{"prompt": "x"}])
     assert given.cfg.grpo.max_completion_length == 8
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")
+def test_lora_config_without_targets_gets_peft_defaults(tmp_path, tiny_model_dir):
+    """TRL hands the LoraConfig to peft, which adapts its per-architecture default (q_proj and v_proj for
+    Llama), not every Linear."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo import GRPOConfig, GRPOTrainer
+    from leangrpo.config.trl import from_trl
+    from leangrpo.models.load import apply_lora
+
+    trainer = GRPOTrainer(
+        str(tiny_model_dir), "strict_format", GRPOConfig(output_dir=str(tmp_path)), [{"prompt": "x"}],
+        peft_config=LoraConfig(r=8, lora_alpha=16, task_type="CAUSAL_LM"),
+    )  # fmt: skip
+    lora = trainer.cfg.model.lora
+    assert lora.target_modules is None
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
+    adapted = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    assert adapted == {"q_proj", "v_proj"}
+    flat = {"model_name_or_path": "m", "dataset_name": "d", "use_peft": True}  # `trl grpo`'s default too
+    assert from_trl(flat, "t")["model"]["lora"]["target_modules"] is None

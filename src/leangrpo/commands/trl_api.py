@@ -246,7 +246,8 @@ _LORA_DEFAULTS = {
 
 
 def _peft_fields(peft_config: Any, problems: list[str]) -> dict[str, Any]:
-    """A peft `LoraConfig` as the flat TRL script keys (`use_peft`, `lora_r`, ...)."""
+    """A peft `LoraConfig` as the flat TRL script keys (`use_peft`, `lora_r`, ...); without target_modules,
+    peft's default for the architecture, as in TRL."""
     if peft_config is None:
         return {}
     if type(peft_config).__name__ != "LoraConfig":
@@ -256,13 +257,12 @@ def _peft_fields(peft_config: Any, problems: list[str]) -> dict[str, Any]:
         value = getattr(peft_config, name, default)
         if value != default:
             problems.append(f"peft_config.{name}={value!r}: not supported (leangrpo's LoRA has {default!r})")
-    targets = peft_config.target_modules
     return {
         "use_peft": True,
         "lora_r": peft_config.r,
         "lora_alpha": peft_config.lora_alpha,
         "lora_dropout": peft_config.lora_dropout,
-        "lora_target_modules": "all-linear" if targets is None else targets,
+        "lora_target_modules": peft_config.target_modules,
     }
 
 

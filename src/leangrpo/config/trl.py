@@ -349,6 +349,8 @@ def _translate_special(flat: dict[str, Any], put: Any, refused: list[str]) -> No
             put("optim.optimizer", _OPTIMIZERS[name])
         else:
             refused.append(f"optim={name!r}: leangrpo has {', '.join(_OPTIMIZERS)}")
+    if flat.get("use_peft") and "lora_target_modules" not in flat:
+        put("model.lora.target_modules", None)  # `trl grpo`'s default: peft's targets for the architecture
     if flat.pop("log_completions", None) is False:
         put("logging.log_completions_steps", 0)
     if "disable_tqdm" in flat:
