@@ -93,9 +93,9 @@ def test_async_tools_run_concurrently():
 
 
 def test_tool_faults_become_error_messages():
-    """A tool that raises, runs too long or returns what is not text, an unknown tool, bad arguments, calls
-    of other shapes (sampled text parses into anything): the model gets the error as the result, and each
-    is a failure; nothing raises."""
+    """A tool that raises or runs too long, an unknown tool, bad arguments, calls of other shapes (sampled
+    text parses into anything): the model gets the error as the result, and each is a failure; nothing
+    raises. A result that is not text is written with str(), as TRL does."""
 
     def hang(x: int) -> str:
         """Hangs.
@@ -125,10 +125,51 @@ def test_tool_faults_become_error_messages():
     )  # fmt: skip
     assert time.perf_counter() - start < 2
     assert results[0] == ("add", "3", False)
-    assert [failed for _, _, failed in results[1:]] == [True] * 8
+    assert [failed for _, _, failed in results[1:]] == [True, True, False] + [True] * 5
     assert [name for name, _, _ in results[-3:]] == ["unknown"] * 3
     assert "out of order" in results[1][1] and "timeout_s=0.3" in results[2][1]
-    assert "not text" in results[3][1] and "not found" in results[4][1]
+    assert results[3][1].startswith("<object object") and "not found" in results[4][1]  # str(), as TRL
+
+
+def test_results_are_written_as_trl_writes_them():
+    """TRL sends `str(result)`: a tool returning None sends "None" (not a failure), a dict its repr."""
+
+    def nothing(x: int) -> None:
+        """Returns nothing.
+
+        Args:
+            x: ignored
+        """
+
+    def record(x: int) -> dict:
+        """Returns a dict.
+
+        Args:
+            x: ignored
+        """
+        return {"x": x, "ok": True, "note": None}
+
+    box = Toolbox([nothing, record])
+    results = run_tool_calls([(box, call("nothing", x=1)), (box, call("record", x=2))])
+    assert results == [("nothing", "None", False), ("record", "{'x': 2, 'ok': True, 'note': None}", False)]
+
+
+@pytest.mark.parametrize("body", ['{"arguments": {"a": 1, "b": 2}}', '{"name": 7, "arguments": {}}'])
+def test_a_call_without_a_string_name_ends_the_rollout(tool_tokenizer, body):
+    """TRL's parse_response refuses a call whose name is missing or not a string: the turn is plain text,
+    so the rollout ends; no error message and no further turn."""
+    tok = tool_tokenizer
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "q"}], tools=[add], add_generation_prompt=True, tokenize=True,
+        return_dict=False,
+    )  # fmt: skip
+    turn = tok(f"<tool_call>\n{body}\n</tool_call><|im_end|>", add_special_tokens=False).input_ids
+    out = tool_loop(
+        tok, [prompt], [turn], None, [Toolbox([add])], lambda s, n: pytest.fail("resumed"), 64, None
+    )
+    assert out.completion_ids == [turn] and out.use.turns == [1]
+    assert [m["role"] for m in out.use.messages[0]] == ["assistant"]
+    assert "tool_calls" not in out.use.messages[0][0]
 
 
 def test_a_malformed_call_is_a_failure_and_ends_the_rollout(tool_tokenizer):
