@@ -152,7 +152,9 @@ def _field(cfg, path: str):
 # TRL fields whose GRPOConfig value is read another way: output_dir (GRPOTrainer's "trainer_output"),
 # max_steps (-1: num_train_epochs), report_to ("none" is no tracker), the older name of a clip and
 # num_generations_eval (evaluation: part of issue 49's Trainer API).
-_READ_OTHERWISE = {"output_dir", "max_steps", "report_to", "vllm_importance_sampling_cap", "num_generations_eval"}
+_READ_OTHERWISE = {
+    "output_dir", "max_steps", "report_to", "vllm_importance_sampling_cap", "num_generations_eval"
+}  # fmt: skip
 
 
 def test_grpo_config_reads_what_the_run_uses(tmp_path, tiny_model_dir):
@@ -168,7 +170,8 @@ def test_grpo_config_reads_what_the_run_uses(tmp_path, tiny_model_dir):
         if (target := _mapped(name)) is not None:
             assert _field(trainer.cfg, target) == getattr(args, name), name
     assert trainer.cfg.output_dir == "trainer_output"
-    given = GRPOTrainer(str(tiny_model_dir), "strict_format", GRPOConfig(max_completion_length=8), [{"prompt": "x"}])
+    args = GRPOConfig(max_completion_length=8)
+    given = GRPOTrainer(str(tiny_model_dir), "strict_format", args, [{"prompt": "x"}])
     assert given.cfg.grpo.max_completion_length == 8
 
 
@@ -194,3 +197,25 @@ def test_lora_config_without_targets_gets_peft_defaults(tmp_path, tiny_model_dir
     assert adapted == {"q_proj", "v_proj"}
     flat = {"model_name_or_path": "m", "dataset_name": "d", "use_peft": True}  # `trl grpo`'s default too
     assert from_trl(flat, "t")["model"]["lora"]["target_modules"] is None
+
+
+def test_tool_timeout_has_its_own_field(tmp_path, tiny_model_dir, caplog):
+    """TRL 1.16 has no `timeout_s`: leangrpo's two limits are named, and the tool one reaches the tools."""
+    from leangrpo import GRPOConfig, GRPOTrainer
+
+    def lookup(x: int) -> str:
+        """Looks up x.
+
+        Args:
+            x: the key
+        """
+        return str(x)
+
+    with pytest.raises(TypeError, match="tool_timeout_s"):
+        GRPOConfig(timeout_s=60)
+    args = GRPOConfig(output_dir=str(tmp_path), tool_timeout_s=60, reward_timeout_s=9)
+    with caplog.at_level("WARNING"):
+        trainer = GRPOTrainer(str(tiny_model_dir), "strict_format", args, [{"prompt": "x"}], tools=[lookup])
+    assert (trainer.cfg.tools.timeout_s, trainer.cfg.rewards.timeout_s) == (60, 9)
+    assert trainer._agent.timeout_s == 60
+    assert "tool_timeout_s=60" in caplog.text

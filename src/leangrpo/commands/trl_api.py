@@ -8,6 +8,7 @@ callables, datasets in memory, a loaded model, callbacks) reaches the trainer as
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from leangrpo.commands.report import write_report_after_training
 from leangrpo.config.schema import Config, ConfigError
-from leangrpo.config.trl import accepted_fields, from_trl
+from leangrpo.config.trl import accepted_fields, from_trl, unknown_field_hint
 from leangrpo.config.trl_fields import TRL_DEFAULTS
 from leangrpo.core.errors import UserError
 from leangrpo.run.resolve import validate_config
@@ -25,6 +26,8 @@ from leangrpo.train.extras import RuntimeExtras
 
 if TYPE_CHECKING:
     from leangrpo.engines.agents import AgentSpec
+
+logger = logging.getLogger("leangrpo.commands.trl_api")
 
 
 class GRPOConfig:
@@ -35,7 +38,8 @@ class GRPOConfig:
     def __init__(self, **fields: Any) -> None:
         unknown = sorted(fields.keys() - accepted_fields())
         if unknown:
-            raise TypeError(f"GRPOConfig got unexpected keyword arguments: {', '.join(unknown)}")
+            hints = "".join(f"\n{hint}" for name in unknown if (hint := unknown_field_hint(name)))
+            raise TypeError(f"GRPOConfig got unexpected keyword arguments: {', '.join(unknown)}{hints}")
         object.__setattr__(self, "_given", dict(fields))
 
     def __getattr__(self, name: str) -> Any:
@@ -149,6 +153,7 @@ class GRPOTrainer:
         if problems:
             raise UserError("GRPOTrainer: " + "\n".join(problems))
         self.cfg: Config = validate_config(nested or {}, "GRPOConfig")
+        _bound_tools(self._agent, self.cfg, bool(tools) or environment_factory is not None)
         self.callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks or []]
         self.state = TrainerState(max_steps=self.cfg.optim.max_steps * self.cfg.grpo.num_iterations)
         self._final: Path | None = None
@@ -196,6 +201,17 @@ class GRPOTrainer:
         out = Path(output_dir or self.cfg.output_dir)
         if out.resolve() != self._final.resolve():
             shutil.copytree(self._final, out, dirs_exist_ok=True)
+
+
+def _bound_tools(agent: AgentSpec | None, cfg: Config, calls_tools: bool) -> None:
+    """The agent's tool calls bounded by `tools.timeout_s` (`tool_timeout_s`), said in one line: TRL has no
+    limit."""
+    if agent is None:
+        return
+    agent.timeout_s = cfg.tools.timeout_s
+    if calls_tools:
+        limit = cfg.tools.timeout_s
+        logger.warning(f"tools: a call past tool_timeout_s={limit}s gets an error result (TRL: no limit)")
 
 
 def _model_name(model: Any) -> str:

@@ -45,7 +45,15 @@ _RENAMED = {
     "per_device_eval_batch_size": "eval.batch_size",
     "num_generations_eval": "eval.num_samples",
     "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max",  # TRL's older name
+    "tool_timeout_s": "tools.timeout_s",  # leangrpo's: TRL bounds neither tools nor rewards
+    "reward_timeout_s": "rewards.timeout_s",
 }
+
+_AMBIGUOUS = {
+    "timeout_s": "not a TRL GRPOConfig field; say reward_timeout_s (rewards.timeout_s, a reward call's "
+    "limit) or tool_timeout_s (tools.timeout_s, a tool call's)",
+}
+"""leangrpo field names that more than one section has: refused in a TRL config, with the names to use."""
 
 _TOP_LEVEL = ("output_dir", "seed")
 
@@ -250,6 +258,8 @@ def _mapped(name: str) -> str | None:
     """The leangrpo field a flat key goes to unchanged (or renamed), if any."""
     if name in _RENAMED:
         return _RENAMED[name]
+    if name in _AMBIGUOUS:
+        return None
     if name in _TOP_LEVEL:
         return name
     return next((f"{s}.{name}" for s in _SECTIONS_SEARCHED if name in _section_fields(s)), None)
@@ -278,7 +288,12 @@ def accepted_fields() -> set[str]:
     keys = {*TRL_DEFAULTS, *_RENAMED, *_TOP_LEVEL, *_SCRIPT_KEYS, "reward_funcs", "reward_model_name_or_path"}
     for section in _SECTIONS_SEARCHED:
         keys |= _section_fields(section).keys()
-    return keys
+    return keys - _AMBIGUOUS.keys()
+
+
+def unknown_field_hint(name: str) -> str:
+    """Why a key is not a TRL config field, when leangrpo has something to say about it."""
+    return f"{name}: {_AMBIGUOUS[name]}" if name in _AMBIGUOUS else ""
 
 
 def is_trl_config(data: dict[str, Any]) -> bool:
@@ -329,6 +344,8 @@ def from_trl(
             refused.append(f"{key}={value!r}: {_REFUSED[key]}")
         elif key in _SCRIPT_KEYS:
             refused.append(f"{key}={value!r}: not supported")
+        elif key in _AMBIGUOUS:
+            refused.append(unknown_field_hint(key))
         else:
             refused.append(f"{key}: not a TRL 1.16 GRPOConfig field (docs/trl.md lists them all)")
     if refused:
