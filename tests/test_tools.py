@@ -633,3 +633,27 @@ def test_a_rollout_func_run_is_evaluated_through_its_rollout_func(tmp_path, tiny
     ]
     assert len(records) == 2 and all("<answer>72</answer>" in r["completion"] for r in records)
     assert SEEN["judge_note"] == ["seen"] * 2 and "tool_calls" not in records[0]
+
+
+def test_tool_metrics_are_global_over_processes(monkeypatch):
+    """With 2 processes, tools/* count every process's rollouts, as TRL's gathered counts do, not rank 0's."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from leangrpo.engines.tools import ToolUse
+    from leangrpo.train import metrics
+
+    mine = ToolUse([[], []], [2, 1], [Counter(add=2), Counter()], [Counter(add=1), Counter()])
+    other = ToolUse([[], []], [3, 3], [Counter(add=1, look=3), Counter(look=2)], [Counter(), Counter(look=2)])
+    monkeypatch.setattr(
+        metrics,
+        "gather_objects",
+        lambda acc, items: [*items, ToolUse([[], []], other.turns, other.calls, other.failures)],
+    )
+    recorder = metrics.StepRecorder.__new__(metrics.StepRecorder)
+    recorder.uses_tools, recorder.acc = True, SimpleNamespace(num_processes=2)
+    rollout = SimpleNamespace(batch=SimpleNamespace(tool_use=mine))
+    got = recorder._tool_metrics(rollout)  # type: ignore[arg-type]
+    assert got == ToolUse.cat([mine, other]).metrics()
+    assert got["tools/call_frequency"] == 8 / 4 and got["tools/failure_frequency"] == 3 / 8
+    assert got["tools/turns"] == 9 / 4 and got["tools/look/calls"] == 5.0

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from leangrpo.config.schema import step_interval
 from leangrpo.core import grpo
+from leangrpo.engines.tools import ToolUse
 from leangrpo.run.tracking import peak_memory_mb
 
 if TYPE_CHECKING:
@@ -132,9 +133,21 @@ class StepRecorder:
         }
 
     def _tool_metrics(self, rollout: Rollout) -> dict[str, float]:
-        """tools/*, this process's (the rollouts it generated), when rollouts call tools."""
+        """tools/*, over every process's rollouts (TRL gathers its counts), when rollouts call tools."""
         use = rollout.batch.tool_use
-        return use.metrics() if self.uses_tools and use is not None else {}
+        if not self.uses_tools or use is None:
+            return {}
+        counts = ToolUse([[] for _ in use.turns], use.turns, use.calls, use.failures)  # no messages
+        return ToolUse.cat(gather_objects(self.acc, [counts])).metrics()
+
+
+def gather_objects(acc: Accelerator, items: list[Any]) -> list[Any]:
+    """Every process's `items`, in process order (picklable objects; on one process, `items`)."""
+    if acc.num_processes == 1:
+        return items
+    from accelerate.utils import gather_object
+
+    return list(gather_object(items))
 
 
 def reward_metrics(names: list[str], per_func: Tensor) -> dict[str, float]:
