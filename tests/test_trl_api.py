@@ -49,7 +49,7 @@ def test_trl_quickstart_trains_with_only_the_import_changed(tmp_path, tiny_model
     )
     assert done.returncode == 0, done.stderr[-3000:]
     log = json.loads(done.stdout.split("LOG ", 1)[1])
-    assert [row["step"] for row in log] == [1, 2]
+    assert [row["step"] for row in log] == [1]  # logging_steps 10, TRL's default; leangrpo logs step 1
     assert {"rewards/reward_len/mean", "rewards/reward_len/std", "completions/mean_length"} <= log[0].keys()
     assert (out / "model" / "config.json").is_file()
 
@@ -219,3 +219,36 @@ def test_tool_timeout_has_its_own_field(tmp_path, tiny_model_dir, caplog):
     assert (trainer.cfg.tools.timeout_s, trainer.cfg.rewards.timeout_s) == (60, 9)
     assert trainer._agent.timeout_s == 60
     assert "tool_timeout_s=60" in caplog.text
+
+
+def test_logging_steps_governs_log_history_and_it_survives_a_resume(tmp_path, tiny_model_dir):
+    """on_log and log_history follow logging_steps (leangrpo logs step 1 too, TRL's logging_first_step);
+    a resumed run's log_history starts with the earlier steps, read back from its metrics.jsonl."""
+    from leangrpo import GRPOConfig, GRPOTrainer
+
+    def short(completions, **kwargs):
+        return [-float(len(c)) for c in completions]
+
+    common = dict(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=4, report_to="none", save_steps=1,
+    )  # fmt: skip
+    recorder = Recorder()
+    rows = [{"prompt": "Hi"}, {"prompt": "Yo"}]
+    args = GRPOConfig(max_steps=3, logging_steps=2, **common)
+    trainer = GRPOTrainer(str(tiny_model_dir), short, args, rows, callbacks=[recorder])
+    trainer.train()
+    assert [row["step"] for row in trainer.state.log_history] == [1, 2]
+    assert [e for e in recorder.events if e[0] == "log"] == [("log", 1), ("log", 2)]
+    assert [e for e in recorder.events if e[0] == "step_end"] == [
+        ("step_end", 1),
+        ("step_end", 2),
+        ("step_end", 3),
+    ]
+
+    resumed = GRPOTrainer(
+        str(tiny_model_dir), short, GRPOConfig(max_steps=4, logging_steps=1, **common), rows
+    )
+    resumed.train(resume_from_checkpoint=True)
+    assert [row["step"] for row in resumed.state.log_history] == [1, 2, 4]
+    assert "rewards/short/mean" in resumed.state.log_history[0]

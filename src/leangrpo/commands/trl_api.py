@@ -157,14 +157,22 @@ class GRPOTrainer:
         self.callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks or []]
         self.state = TrainerState(max_steps=self.cfg.optim.max_steps * self.cfg.grpo.num_iterations)
         self._final: Path | None = None
+        self._earlier: list[dict[str, Any]] | None = None  # a resumed run's rows, until its first step
         self._extras = RuntimeExtras(reward_funcs=functions, step_hooks=(self._on_step,), **extras)
 
-    def _on_step(self, step: int, metrics: dict[str, Any]) -> None:
-        """After each step: the state a TRL callback expects, then its on_log and on_step_end."""
-        self.state.global_step = step * self.cfg.grpo.num_iterations
-        logs = {k: v for k, v in metrics.items() if k != "step"}
-        self.state.log_history.append({**logs, "step": self.state.global_step})
-        self._call("on_log", logs=logs)
+    def _on_step(self, step: int, metrics: dict[str, Any], logged: bool) -> None:
+        """After each step: the state a TRL callback expects, then, when the step's row was logged
+        (`logging_steps`), its log_history row and on_log; then on_step_end. A resumed run's first step
+        puts the earlier steps' rows (its metrics.jsonl) first."""
+        iterations = self.cfg.grpo.num_iterations
+        self.state.global_step = step * iterations
+        if self._earlier is not None:
+            self.state.log_history = [r for r in self._earlier if r["step"] < self.state.global_step]
+            self._earlier = None
+        if logged:
+            logs = {k: v for k, v in metrics.items() if k != "step"}
+            self.state.log_history.append({**logs, "step": self.state.global_step})
+            self._call("on_log", logs=logs)
         self._call("on_step_end")
 
     def _call(self, event: str, **kwargs: Any) -> None:
@@ -184,6 +192,8 @@ class GRPOTrainer:
             run_dir = path.parent if path.name.startswith("checkpoint-") else path
             cfg = cfg.model_copy(update={"output_dir": str(run_dir)})
         resume = bool(resume_from_checkpoint)
+        if resume:
+            self._earlier = _logged_rows(Path(cfg.output_dir), cfg.grpo.num_iterations)
         trainer = Trainer(cfg, overwrite=not resume, resume=resume, agent=self._agent, extras=self._extras)
         self._call("on_train_begin")
         self._final = run(trainer)  # the CLI's run and teardown
@@ -201,6 +211,19 @@ class GRPOTrainer:
         out = Path(output_dir or self.cfg.output_dir)
         if out.resolve() != self._final.resolve():
             shutil.copytree(self._final, out, dirs_exist_ok=True)
+
+
+def _logged_rows(run_dir: Path, iterations: int) -> list[dict[str, Any]]:
+    """The training rows a run logged in its metrics.jsonl, as log_history rows (optimizer steps)."""
+    from leangrpo.run.rundir import read_jsonl, with_trl_names
+
+    path = run_dir / "metrics.jsonl"
+    rows = read_jsonl(path).rows if path.is_file() else []
+    return [
+        {**with_trl_names(row), "step": row["step"] * iterations}
+        for row in rows
+        if isinstance(row.get("step"), int) and not any(key.startswith("eval/") for key in row)
+    ]
 
 
 def _bound_tools(agent: AgentSpec | None, cfg: Config, calls_tools: bool) -> None:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from leangrpo.train.rollouts import Rollout
     from leangrpo.train.update import Reference, Update
 
-StepHook = Callable[[int, dict[str, Any]], None]
+StepHook = Callable[[int, dict[str, Any], bool], None]
 
 
 class PhaseTimer:
@@ -115,10 +115,11 @@ class StepRecorder:
             rewards = {n: float(scores.per_func[0, i]) for i, n in enumerate(scores.names)}
             extra = {column: values[0] for column, values in scores.extra.items() if values}
             self.logger.log_sample({"step": step, **sample, "rewards": rewards, **extra})
-        if due(step, step_interval(cfg.logging.logging_steps, cfg.optim.max_steps)):
+        logged = due(step, step_interval(cfg.logging.logging_steps, cfg.optim.max_steps))
+        if logged:
             self.logger.log(metrics)
         for hook in self.hooks:
-            hook(step, metrics)
+            hook(step, metrics, logged)
 
     def _mismatch_metrics(self, mismatch: grpo.SamplerMismatch | None) -> dict[str, float]:
         """vllm/*, over every process's engine (the largest gap, the mean of the rest): a process whose
