@@ -657,3 +657,21 @@ def test_tool_metrics_are_global_over_processes(monkeypatch):
     assert got == ToolUse.cat([mine, other]).metrics()
     assert got["tools/call_frequency"] == 8 / 4 and got["tools/failure_frequency"] == 3 / 8
     assert got["tools/turns"] == 9 / 4 and got["tools/look/calls"] == 5.0
+
+
+def test_the_long_prompt_warning_counts_the_tool_schemas(tool_tokenizer):
+    """Rollouts render each prompt with its tools' schemas: the warning measures that text, so a short
+    question whose tool block passes max_prompt_length is counted."""
+    from leangrpo.engines.agents import AgentSpec
+    from leangrpo.run.resolve import validate_config
+    from leangrpo.train.rollout_source import long_prompts
+
+    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 3?"}]}]
+    text = tool_tokenizer.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=False)
+    bare = len(tool_tokenizer(text, add_special_tokens=False).input_ids)
+    cfg = validate_config(
+        {"model": {"name_or_path": "m"}, "data": {"path": "d"}, "grpo": {"max_prompt_length": bare + 8}}, "t"
+    )
+    assert long_prompts(tool_tokenizer, rows, cfg) is None
+    warning = long_prompts(tool_tokenizer, rows, cfg, AgentSpec([add, broken]))
+    assert warning is not None and "1 of 1 prompts" in warning
