@@ -93,9 +93,9 @@ def test_async_tools_run_concurrently():
 
 
 def test_tool_faults_become_error_messages():
-    """A tool that raises, runs too long or returns what is not text, an unknown tool, bad arguments, calls
-    of other shapes (sampled text parses into anything): the model gets the error as the result, and each
-    is a failure; nothing raises."""
+    """A tool that raises or runs too long, an unknown tool, bad arguments, calls of other shapes (sampled
+    text parses into anything): the model gets the error as the result, and each is a failure; nothing
+    raises. A result that is not text is written with str(), as TRL does."""
 
     def hang(x: int) -> str:
         """Hangs.
@@ -125,10 +125,51 @@ def test_tool_faults_become_error_messages():
     )  # fmt: skip
     assert time.perf_counter() - start < 2
     assert results[0] == ("add", "3", False)
-    assert [failed for _, _, failed in results[1:]] == [True] * 8
+    assert [failed for _, _, failed in results[1:]] == [True, True, False] + [True] * 5
     assert [name for name, _, _ in results[-3:]] == ["unknown"] * 3
     assert "out of order" in results[1][1] and "timeout_s=0.3" in results[2][1]
-    assert "not text" in results[3][1] and "not found" in results[4][1]
+    assert results[3][1].startswith("<object object") and "not found" in results[4][1]  # str(), as TRL
+
+
+def test_results_are_written_as_trl_writes_them():
+    """TRL sends `str(result)`: a tool returning None sends "None" (not a failure), a dict its repr."""
+
+    def nothing(x: int) -> None:
+        """Returns nothing.
+
+        Args:
+            x: ignored
+        """
+
+    def record(x: int) -> dict:
+        """Returns a dict.
+
+        Args:
+            x: ignored
+        """
+        return {"x": x, "ok": True, "note": None}
+
+    box = Toolbox([nothing, record])
+    results = run_tool_calls([(box, call("nothing", x=1)), (box, call("record", x=2))])
+    assert results == [("nothing", "None", False), ("record", "{'x': 2, 'ok': True, 'note': None}", False)]
+
+
+@pytest.mark.parametrize("body", ['{"arguments": {"a": 1, "b": 2}}', '{"name": 7, "arguments": {}}'])
+def test_a_call_without_a_string_name_ends_the_rollout(tool_tokenizer, body):
+    """TRL's parse_response refuses a call whose name is missing or not a string: the turn is plain text,
+    so the rollout ends; no error message and no further turn."""
+    tok = tool_tokenizer
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "q"}], tools=[add], add_generation_prompt=True, tokenize=True,
+        return_dict=False,
+    )  # fmt: skip
+    turn = tok(f"<tool_call>\n{body}\n</tool_call><|im_end|>", add_special_tokens=False).input_ids
+    out = tool_loop(
+        tok, [prompt], [turn], None, [Toolbox([add])], lambda s, n: pytest.fail("resumed"), 64, None
+    )
+    assert out.completion_ids == [turn] and out.use.turns == [1]
+    assert [m["role"] for m in out.use.messages[0]] == ["assistant"]
+    assert "tool_calls" not in out.use.messages[0][0]
 
 
 def test_a_malformed_call_is_a_failure_and_ends_the_rollout(tool_tokenizer):
@@ -668,3 +709,45 @@ def test_the_runs_own_signal_still_stops_it_while_a_tool_runs():
         results = run_tool_calls([(Toolbox([signalled]), call("signalled", x=1))])
         time.sleep(0.1)
     assert results[0][0] == "signalled" and results[0][2] and signals.requested
+
+
+def test_tool_metrics_are_global_over_processes(monkeypatch):
+    """With 2 processes, tools/* count every process's rollouts, as TRL's gathered counts do, not rank 0's."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from leangrpo.engines.tools import ToolUse
+    from leangrpo.train import metrics
+
+    mine = ToolUse([[], []], [2, 1], [Counter(add=2), Counter()], [Counter(add=1), Counter()])
+    other = ToolUse([[], []], [3, 3], [Counter(add=1, look=3), Counter(look=2)], [Counter(), Counter(look=2)])
+    monkeypatch.setattr(
+        metrics,
+        "gather_objects",
+        lambda acc, items: [*items, ToolUse([[], []], other.turns, other.calls, other.failures)],
+    )
+    recorder = metrics.StepRecorder.__new__(metrics.StepRecorder)
+    recorder.uses_tools, recorder.acc = True, SimpleNamespace(num_processes=2)
+    rollout = SimpleNamespace(batch=SimpleNamespace(tool_use=mine))
+    got = recorder._tool_metrics(rollout)  # type: ignore[arg-type]
+    assert got == ToolUse.cat([mine, other]).metrics()
+    assert got["tools/call_frequency"] == 8 / 4 and got["tools/failure_frequency"] == 3 / 8
+    assert got["tools/turns"] == 9 / 4 and got["tools/look/calls"] == 5.0
+
+
+def test_the_long_prompt_warning_counts_the_tool_schemas(tool_tokenizer):
+    """Rollouts render each prompt with its tools' schemas: the warning measures that text, so a short
+    question whose tool block passes max_prompt_length is counted."""
+    from leangrpo.engines.agents import AgentSpec
+    from leangrpo.run.resolve import validate_config
+    from leangrpo.train.rollout_source import long_prompts
+
+    rows = [{"prompt": [{"role": "user", "content": "What is 2 + 3?"}]}]
+    text = tool_tokenizer.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=False)
+    bare = len(tool_tokenizer(text, add_special_tokens=False).input_ids)
+    cfg = validate_config(
+        {"model": {"name_or_path": "m"}, "data": {"path": "d"}, "grpo": {"max_prompt_length": bare + 8}}, "t"
+    )
+    assert long_prompts(tool_tokenizer, rows, cfg) is None
+    warning = long_prompts(tool_tokenizer, rows, cfg, AgentSpec([add, broken]))
+    assert warning is not None and "1 of 1 prompts" in warning

@@ -222,8 +222,11 @@ def _knob(key: str, default: Any = MISSING) -> Any:
     return field(default=config_default(key) if default is MISSING else default, metadata={"config": key})
 
 
-def parse_targets(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """peft's target_modules as plan understands it: 'all-linear' or a list/comma string of names."""
+def parse_targets(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """peft's target_modules as plan understands it: 'all-linear' or a list/comma string of names; None
+    (peft's default for the architecture) as q_proj and v_proj, peft's for Llama, Qwen and Mistral."""
+    if value is None:
+        return ("q_proj", "v_proj")
     items = value.split(",") if isinstance(value, str) else list(value)
     items = [t.strip() for t in items if t.strip()]
     if items in (["all-linear"], []):

@@ -8,6 +8,7 @@ callables, datasets in memory, a loaded model, callbacks) reaches the trainer as
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from leangrpo.commands.report import write_report_after_training
 from leangrpo.config.schema import Config, ConfigError
-from leangrpo.config.trl import accepted_fields, from_trl
+from leangrpo.config.trl import accepted_fields, from_trl, unknown_field_hint
 from leangrpo.config.trl_fields import TRL_DEFAULTS
 from leangrpo.core.errors import UserError
 from leangrpo.run.resolve import validate_config
@@ -26,16 +27,19 @@ from leangrpo.train.extras import RuntimeExtras
 if TYPE_CHECKING:
     from leangrpo.engines.agents import AgentSpec
 
+logger = logging.getLogger("leangrpo.commands.trl_api")
+
 
 class GRPOConfig:
     """TRL 1.16's `GRPOConfig` by name: any of its fields (and leangrpo's own grpo/optim/... field names)
-    as keyword arguments; an unset field reads as TRL's default. Only the fields given are translated, so
-    unset ones take leangrpo's defaults, as in a flat TRL YAML (docs/trl.md)."""
+    as keyword arguments; an unset field reads as TRL's default, and the run uses it (`from_trl` fills in
+    TRL's defaults where leangrpo's differ, as for a flat TRL YAML; docs/trl.md)."""
 
     def __init__(self, **fields: Any) -> None:
         unknown = sorted(fields.keys() - accepted_fields())
         if unknown:
-            raise TypeError(f"GRPOConfig got unexpected keyword arguments: {', '.join(unknown)}")
+            hints = "".join(f"\n{hint}" for name in unknown if (hint := unknown_field_hint(name)))
+            raise TypeError(f"GRPOConfig got unexpected keyword arguments: {', '.join(unknown)}{hints}")
         object.__setattr__(self, "_given", dict(fields))
 
     def __getattr__(self, name: str) -> Any:
@@ -149,17 +153,26 @@ class GRPOTrainer:
         if problems:
             raise UserError("GRPOTrainer: " + "\n".join(problems))
         self.cfg: Config = validate_config(nested or {}, "GRPOConfig")
+        _bound_tools(self._agent, self.cfg, bool(tools) or environment_factory is not None)
         self.callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks or []]
         self.state = TrainerState(max_steps=self.cfg.optim.max_steps * self.cfg.grpo.num_iterations)
         self._final: Path | None = None
+        self._earlier: list[dict[str, Any]] | None = None  # a resumed run's rows, until its first step
         self._extras = RuntimeExtras(reward_funcs=functions, step_hooks=(self._on_step,), **extras)
 
-    def _on_step(self, step: int, metrics: dict[str, Any]) -> None:
-        """After each step: the state a TRL callback expects, then its on_log and on_step_end."""
-        self.state.global_step = step * self.cfg.grpo.num_iterations
-        logs = {k: v for k, v in metrics.items() if k != "step"}
-        self.state.log_history.append({**logs, "step": self.state.global_step})
-        self._call("on_log", logs=logs)
+    def _on_step(self, step: int, metrics: dict[str, Any], logged: bool) -> None:
+        """After each step: the state a TRL callback expects, then, when the step's row was logged
+        (`logging_steps`), its log_history row and on_log; then on_step_end. A resumed run's first step
+        puts the earlier steps' rows (its metrics.jsonl) first."""
+        iterations = self.cfg.grpo.num_iterations
+        self.state.global_step = step * iterations
+        if self._earlier is not None:
+            self.state.log_history = [r for r in self._earlier if r["step"] < self.state.global_step]
+            self._earlier = None
+        if logged:
+            logs = {k: v for k, v in metrics.items() if k != "step"}
+            self.state.log_history.append({**logs, "step": self.state.global_step})
+            self._call("on_log", logs=logs)
         self._call("on_step_end")
 
     def _call(self, event: str, **kwargs: Any) -> None:
@@ -179,6 +192,8 @@ class GRPOTrainer:
             run_dir = path.parent if path.name.startswith("checkpoint-") else path
             cfg = cfg.model_copy(update={"output_dir": str(run_dir)})
         resume = bool(resume_from_checkpoint)
+        if resume:
+            self._earlier = _logged_rows(Path(cfg.output_dir), cfg.grpo.num_iterations)
         trainer = Trainer(cfg, overwrite=not resume, resume=resume, agent=self._agent, extras=self._extras)
         self._call("on_train_begin")
         self._final = run(trainer)  # the CLI's run and teardown
@@ -196,6 +211,30 @@ class GRPOTrainer:
         out = Path(output_dir or self.cfg.output_dir)
         if out.resolve() != self._final.resolve():
             shutil.copytree(self._final, out, dirs_exist_ok=True)
+
+
+def _logged_rows(run_dir: Path, iterations: int) -> list[dict[str, Any]]:
+    """The training rows a run logged in its metrics.jsonl, as log_history rows (optimizer steps)."""
+    from leangrpo.run.rundir import read_jsonl, with_trl_names
+
+    path = run_dir / "metrics.jsonl"
+    rows = read_jsonl(path).rows if path.is_file() else []
+    return [
+        {**with_trl_names(row), "step": row["step"] * iterations}
+        for row in rows
+        if isinstance(row.get("step"), int) and not any(key.startswith("eval/") for key in row)
+    ]
+
+
+def _bound_tools(agent: AgentSpec | None, cfg: Config, calls_tools: bool) -> None:
+    """The agent's tool calls bounded by `tools.timeout_s` (`tool_timeout_s`), said in one line: TRL has no
+    limit."""
+    if agent is None:
+        return
+    agent.timeout_s = cfg.tools.timeout_s
+    if calls_tools:
+        limit = cfg.tools.timeout_s
+        logger.warning(f"tools: a call past tool_timeout_s={limit}s gets an error result (TRL: no limit)")
 
 
 def _model_name(model: Any) -> str:
@@ -246,7 +285,8 @@ _LORA_DEFAULTS = {
 
 
 def _peft_fields(peft_config: Any, problems: list[str]) -> dict[str, Any]:
-    """A peft `LoraConfig` as the flat TRL script keys (`use_peft`, `lora_r`, ...)."""
+    """A peft `LoraConfig` as the flat TRL script keys (`use_peft`, `lora_r`, ...); without target_modules,
+    peft's default for the architecture, as in TRL."""
     if peft_config is None:
         return {}
     if type(peft_config).__name__ != "LoraConfig":
@@ -256,13 +296,12 @@ def _peft_fields(peft_config: Any, problems: list[str]) -> dict[str, Any]:
         value = getattr(peft_config, name, default)
         if value != default:
             problems.append(f"peft_config.{name}={value!r}: not supported (leangrpo's LoRA has {default!r})")
-    targets = peft_config.target_modules
     return {
         "use_peft": True,
         "lora_r": peft_config.r,
         "lora_alpha": peft_config.lora_alpha,
         "lora_dropout": peft_config.lora_dropout,
-        "lora_target_modules": "all-linear" if targets is None else targets,
+        "lora_target_modules": peft_config.target_modules,
     }
 
 

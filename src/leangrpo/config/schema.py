@@ -71,9 +71,11 @@ class LoraConfig(Section):
     r: int = Field(16, ge=1, description="adapter rank")
     alpha: float = Field(32, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r)")
     dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapter's input")
-    target_modules: list[str] | str = Field(
+    target_modules: list[str] | str | None = Field(
         "all-linear",
-        description='"all-linear" or a list of module names (q_proj, v_proj, ...); never lm_head',
+        description='"all-linear" or a list of module names (q_proj, v_proj, ...); never lm_head. null: '
+        "peft's default for the architecture (q_proj and v_proj for Llama and Qwen), as a TRL LoraConfig "
+        "without target_modules",
     )
 
 

@@ -45,7 +45,15 @@ _RENAMED = {
     "per_device_eval_batch_size": "eval.batch_size",
     "num_generations_eval": "eval.num_samples",
     "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max",  # TRL's older name
+    "tool_timeout_s": "tools.timeout_s",  # leangrpo's: TRL bounds neither tools nor rewards
+    "reward_timeout_s": "rewards.timeout_s",
 }
+
+_AMBIGUOUS = {
+    "timeout_s": "not a TRL GRPOConfig field; say reward_timeout_s (rewards.timeout_s, a reward call's "
+    "limit) or tool_timeout_s (tools.timeout_s, a tool call's)",
+}
+"""leangrpo field names that more than one section has: refused in a TRL config, with the names to use."""
 
 _TOP_LEVEL = ("output_dir", "seed")
 
@@ -205,6 +213,13 @@ _QUIET: dict[str, tuple[Any, ...]] = {
 }  # fmt: skip
 """Values other than TRL's default that ask for what leangrpo does anyway: no notice."""
 
+_TRL_DEFAULTS_APPLIED = (
+    "max_completion_length", "adam_beta2", "logging_steps", "save_steps", "save_total_limit",
+    "per_device_eval_batch_size", "project",
+)  # fmt: skip
+"""Fields whose leangrpo default differs from TRL's: a TRL config (flat YAML or `GRPOConfig`) that leaves
+them unset gets TRL's default, so that `GRPOConfig().max_completion_length` reads what the run uses."""
+
 _OPTIMIZERS = {
     "adamw_torch": "adamw", "adamw_torch_fused": "adamw",
     "adamw_bnb_8bit": "adamw_8bit", "adamw_8bit": "adamw_8bit",
@@ -243,6 +258,8 @@ def _mapped(name: str) -> str | None:
     """The leangrpo field a flat key goes to unchanged (or renamed), if any."""
     if name in _RENAMED:
         return _RENAMED[name]
+    if name in _AMBIGUOUS:
+        return None
     if name in _TOP_LEVEL:
         return name
     return next((f"{s}.{name}" for s in _SECTIONS_SEARCHED if name in _section_fields(s)), None)
@@ -271,7 +288,12 @@ def accepted_fields() -> set[str]:
     keys = {*TRL_DEFAULTS, *_RENAMED, *_TOP_LEVEL, *_SCRIPT_KEYS, "reward_funcs", "reward_model_name_or_path"}
     for section in _SECTIONS_SEARCHED:
         keys |= _section_fields(section).keys()
-    return keys
+    return keys - _AMBIGUOUS.keys()
+
+
+def unknown_field_hint(name: str) -> str:
+    """Why a key is not a TRL config field, when leangrpo has something to say about it."""
+    return f"{name}: {_AMBIGUOUS[name]}" if name in _AMBIGUOUS else ""
 
 
 def is_trl_config(data: dict[str, Any]) -> bool:
@@ -297,7 +319,7 @@ def from_trl(
     that cannot be honoured raise one TRLConfigError listing them all, one line each. `reward_specs`:
     `rewards.functions` entries standing in for `reward_funcs` (the Python API's), weighted by
     `reward_weights`."""
-    flat = dict(flat)
+    flat = {**{name: TRL_DEFAULTS[name] for name in _TRL_DEFAULTS_APPLIED}, **flat}
     out: dict[str, Any] = {"task": "dataset", "data": {"system_prompt": None}}
     refused: list[str] = []
 
@@ -322,6 +344,8 @@ def from_trl(
             refused.append(f"{key}={value!r}: {_REFUSED[key]}")
         elif key in _SCRIPT_KEYS:
             refused.append(f"{key}={value!r}: not supported")
+        elif key in _AMBIGUOUS:
+            refused.append(unknown_field_hint(key))
         else:
             refused.append(f"{key}: not a TRL 1.16 GRPOConfig field (docs/trl.md lists them all)")
     if refused:
@@ -342,6 +366,8 @@ def _translate_special(flat: dict[str, Any], put: Any, refused: list[str]) -> No
             put("optim.optimizer", _OPTIMIZERS[name])
         else:
             refused.append(f"optim={name!r}: leangrpo has {', '.join(_OPTIMIZERS)}")
+    if flat.get("use_peft") and "lora_target_modules" not in flat:
+        put("model.lora.target_modules", None)  # `trl grpo`'s default: peft's targets for the architecture
     if flat.pop("log_completions", None) is False:
         put("logging.log_completions_steps", 0)
     if "disable_tqdm" in flat:

@@ -57,6 +57,15 @@ class AgentSpec:
     def uses_tools(self) -> bool:
         return bool(self.tools or self.factories)
 
+    def schemas(self, row: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The tool schemas a row's rollouts are shown (the run's tools and its environment's), as
+        `start` gives them; None without tools."""
+        if not self.uses_tools:
+            return None
+        name = row.get("environment") if self.factories is not None and self.multi_environment else None
+        pool = self.pool.get(name) if self.factories is not None else None
+        return Toolbox(self.tools + (environment_tools(pool[0]) if pool else [])).schemas
+
     def environment_rewards(self) -> list[tuple[str, Callable[..., Any], float]]:
         """Each environment class's `get_reward` as a reward named after the class, weight 1, as TRL adds
         it: a rollout is scored by its own environment when that is of exactly this class, else None."""

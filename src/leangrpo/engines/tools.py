@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import re
 import threading
 from collections import Counter
@@ -115,9 +114,9 @@ class Toolbox:
 
     async def call(self, tool_call: Any) -> tuple[str, str, bool]:
         """Run one parsed tool call: (tool name, the tool message's text, whether it failed). A tool that
-        raises (SystemExit and KeyboardInterrupt too: the run's own signals reach StopSignals), runs past
-        `timeout_s` or returns what is not text (a number or JSON-able value is written as text, as TRL
-        does) fails, and its result is the error, as TRL writes one."""
+        raises (SystemExit and KeyboardInterrupt too: the run's own signals reach StopSignals) or runs past
+        `timeout_s` fails, and its result is the error, as TRL writes one; what it returns is written as
+        `str()` does, as TRL does."""
         name = "unknown"
         try:
             called = called_function(tool_call)
@@ -149,15 +148,29 @@ def called_function(tool_call: Any) -> tuple[str, Any] | None:
     return function["name"], function.get("arguments", {})
 
 
+def check_tool_calls(calls: Any) -> None:
+    """TRL's `_validate_tool_calls`: a ValueError unless every parsed call is a dict whose name (in its
+    `function`, or flat) is a string; missing or null arguments become `{}`. A turn that fails it is read
+    as plain text, so its rollout ends (TRL's `parse_response`)."""
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise ValueError("tool_calls must be a list")
+    for tool_call in calls:
+        if not isinstance(tool_call, dict):
+            raise ValueError("a tool call must be a dict")
+        function = tool_call.get("function", tool_call)
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError("a tool call's name must be a string")
+        if function.get("arguments") is None:
+            function["arguments"] = {}
+
+
 def as_text(result: Any) -> str:
-    """A tool's result as the tool message's text: text as is, numbers and JSON-able values written out."""
-    if isinstance(result, str):
-        return result
-    if isinstance(result, (bool, int, float)):
-        return str(result)
-    if isinstance(result, (dict, list)):
-        return json.dumps(result)  # raises TypeError for what JSON cannot hold
-    raise TypeError(f"returned a {type(result).__name__}, not text")
+    """A tool's result as the tool message's text, as TRL writes it: `str(result)` (a `None` is "None", a
+    dict its Python repr). TRL passes a list on as content parts (images); leangrpo, without images, writes
+    it as text too, which a template that prints the content renders the same."""
+    return result if isinstance(result, str) else str(result)
 
 
 async def _in_thread(tool: Callable[..., Any], arguments: dict[str, Any]) -> Any:
@@ -382,6 +395,7 @@ def parse_turn(
         message = tokenizer.parse_response(ids, prefix=prefix, tools=tools)
         if message is None:
             raise ValueError("nothing parsed")
+        check_tool_calls(message.get("tool_calls"))  # a call without a name: plain text, as TRL
     except (ValueError, TypeError, RecursionError):
         if TOOL_CALL_OPENER in text and ids and ids[-1] == tokenizer.eos_token_id:  # not cut at the budget
             use.calls[row]["malformed"] += 1

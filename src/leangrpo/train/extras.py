@@ -13,8 +13,9 @@ if TYPE_CHECKING:
 
     from leangrpo.data.rewards import RewardFunc
 
-StepHook = Callable[[int, dict[str, Any]], None]
-"""Called on the main process after each step with the step number and its metrics."""
+StepHook = Callable[[int, dict[str, Any], bool], None]
+"""Called on the main process after each step with the step number, its metrics and whether they were
+logged (`logging.logging_steps`)."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from leangrpo.config.schema import step_interval
 from leangrpo.core import grpo
+from leangrpo.engines.tools import ToolUse
 from leangrpo.run.tracking import peak_memory_mb
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from leangrpo.train.rollouts import Rollout
     from leangrpo.train.update import Reference, Update
 
-StepHook = Callable[[int, dict[str, Any]], None]
+StepHook = Callable[[int, dict[str, Any], bool], None]
 
 
 class PhaseTimer:
@@ -114,10 +115,11 @@ class StepRecorder:
             rewards = {n: float(scores.per_func[0, i]) for i, n in enumerate(scores.names)}
             extra = {column: values[0] for column, values in scores.extra.items() if values}
             self.logger.log_sample({"step": step, **sample, "rewards": rewards, **extra})
-        if due(step, step_interval(cfg.logging.logging_steps, cfg.optim.max_steps)):
+        logged = due(step, step_interval(cfg.logging.logging_steps, cfg.optim.max_steps))
+        if logged:
             self.logger.log(metrics)
         for hook in self.hooks:
-            hook(step, metrics)
+            hook(step, metrics, logged)
 
     def _mismatch_metrics(self, mismatch: grpo.SamplerMismatch | None) -> dict[str, float]:
         """vllm/*, over every process's engine (the largest gap, the mean of the rest): a process whose
@@ -132,9 +134,21 @@ class StepRecorder:
         }
 
     def _tool_metrics(self, rollout: Rollout) -> dict[str, float]:
-        """tools/*, this process's (the rollouts it generated), when rollouts call tools."""
+        """tools/*, over every process's rollouts (TRL gathers its counts), when rollouts call tools."""
         use = rollout.batch.tool_use
-        return use.metrics() if self.uses_tools and use is not None else {}
+        if not self.uses_tools or use is None:
+            return {}
+        counts = ToolUse([[] for _ in use.turns], use.turns, use.calls, use.failures)  # no messages
+        return ToolUse.cat(gather_objects(self.acc, [counts])).metrics()
+
+
+def gather_objects(acc: Accelerator, items: list[Any]) -> list[Any]:
+    """Every process's `items`, in process order (picklable objects; on one process, `items`)."""
+    if acc.num_processes == 1:
+        return items
+    from accelerate.utils import gather_object
+
+    return list(gather_object(items))
 
 
 def reward_metrics(names: list[str], per_func: Tensor) -> dict[str, float]:

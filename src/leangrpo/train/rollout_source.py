@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from leangrpo.config.schema import Config
-    from leangrpo.engines.agents import RolloutFunc
+    from leangrpo.engines.agents import AgentSpec, RolloutFunc
     from leangrpo.engines.tools import Toolbox
     from leangrpo.train.logprobs import Policy
     from leangrpo.train.scoring import Scorer
@@ -61,10 +61,24 @@ class RolloutFuncEngine(PolicyEngine):
         return rollout_func_batch(output, self.tokenizer, self.eos, self.device, keep_logprobs=False)
 
 
-def long_prompts(tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]], cfg: Config) -> str | None:
+def long_prompts(
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
+    cfg: Config,
+    agent: AgentSpec | None = None,
+) -> str | None:
     """A warning of how many prompts are longer than grpo.max_prompt_length (rollouts keep only their
-    end), rendered as rollouts render them; None when none is."""
+    end), rendered as rollouts render them, with the `agent`'s tool schemas; None when none is."""
     limit, fmt = cfg.grpo.max_prompt_length, PromptFormat.from_config(cfg.data)
+    schemas: dict[Any, list[dict[str, Any]] | None] = {}  # by environment name: one render of the tools each
+
+    def tools(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+        if agent is None:
+            return None
+        name = row.get("environment")
+        if name not in schemas:
+            schemas[name] = agent.schemas(row)
+        return schemas[name]
 
     def too_long(text: str) -> bool:  # too many characters for `limit` tokens: no need to tokenize it
         return (
@@ -72,7 +86,7 @@ def long_prompts(tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]],
             or len(tokenizer(text, add_special_tokens=False).input_ids) > limit
         )
 
-    long = sum(too_long(fmt.render(tokenizer, r["prompt"])) for r in rows)
+    long = sum(too_long(fmt.render(tokenizer, r["prompt"], tools(r))) for r in rows)
     if not long:
         return None
     return (

@@ -162,7 +162,7 @@ class Trainer:
         self.conversational = has_chat_template(self.tokenizer)
         if self.agent is not None and self.agent.uses_tools:
             prepare_tokenizer(self.tokenizer)
-        if self.is_main and (warning := long_prompts(self.tokenizer, self.rows, self.cfg)):
+        if self.is_main and (warning := long_prompts(self.tokenizer, self.rows, self.cfg, self.agent)):
             self._write(warning)
         self.group, why_not = (
             shared_prompt_group(model, micro, g.num_generations) if g.share_prompt else (1, None)
