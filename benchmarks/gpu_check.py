@@ -60,7 +60,7 @@ from leangrpo.core.logprobs import token_logprobs  # noqa: E402
 from leangrpo.engines.hf import generate  # noqa: E402
 from leangrpo.engines.types import Sampling, encode_prompts  # noqa: E402
 from leangrpo.train.levers import cpu_levers  # noqa: E402
-from leangrpo.train.logprobs import Policy  # noqa: E402
+from leangrpo.train.policy import Policy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO / "tests" / "data" / "gsm8k" / "train.jsonl"

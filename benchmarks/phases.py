@@ -37,7 +37,7 @@ from leangrpo.engines.hf import generate
 from leangrpo.engines.types import RolloutBatch, Sampling
 from leangrpo.models.load import apply_lora, cache_root, load_tokenizer
 from leangrpo.run.resolve import validate_config
-from leangrpo.train.logprobs import Policy, micro_batch_logprobs
+from leangrpo.train.policy import Policy, micro_batch_logprobs
 
 G = 8
 

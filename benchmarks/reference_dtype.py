@@ -22,7 +22,7 @@ import torch
 from leangrpo.core.grpo import kl_k3
 from leangrpo.models.load import frozen_copy
 from leangrpo.run.resolve import load_config
-from leangrpo.train.logprobs import Policy, batch_logprobs
+from leangrpo.train.policy import Policy, batch_logprobs
 from leangrpo.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

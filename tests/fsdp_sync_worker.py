@@ -18,7 +18,7 @@ from leangrpo.config.schema import LoraConfig
 from leangrpo.engines.vllm import applied_weights
 from leangrpo.models.load import apply_lora
 from leangrpo.train.distributed import Sharded
-from leangrpo.train.logprobs import Policy
+from leangrpo.train.policy import Policy
 
 
 def gathered_groups(policy: torch.nn.Module) -> list[int]:

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from leangrpo.cli import _leave_if_one_of_many
 from leangrpo.train.distributed import Sharded
-from leangrpo.train.logprobs import Policy
+from leangrpo.train.policy import Policy
 
 
 def local_bytes(tensors) -> int:

@@ -20,7 +20,7 @@ from leangrpo.engines.hf import SnapshotEngine
 from leangrpo.engines.types import Sampling
 from leangrpo.run.checkpoint import checkpoint_dirs, read_state
 from leangrpo.run.resolve import load_config
-from leangrpo.train.logprobs import Policy, batch_logprobs
+from leangrpo.train.policy import Policy, batch_logprobs
 from leangrpo.train.preflight import World, check_async_agent, preflight
 from leangrpo.train.trainer import Trainer
 

@@ -251,7 +251,7 @@ def test_policy_logprobs_equal_the_models_own_logits(name):
     the distribution generate() samples, with the lm_head bias, logit scale and soft cap applied."""
     from transformers import AutoModelForCausalLM
 
-    from leangrpo.train.logprobs import Policy
+    from leangrpo.train.policy import Policy
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_tiny_config(name)).float()
@@ -276,7 +276,7 @@ def test_policy_refuses_a_model_whose_logits_it_cannot_reproduce():
     when the Policy is built, not trained on silently."""
     from transformers import AutoModelForCausalLM
 
-    from leangrpo.train.logprobs import HeadError, Policy
+    from leangrpo.train.policy import HeadError, Policy
 
     model = AutoModelForCausalLM.from_config(_tiny_config("llama"))
     model.get_output_embeddings().register_forward_hook(lambda _m, _i, out: out * 2)

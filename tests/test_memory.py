@@ -199,7 +199,7 @@ def test_adamw_8bit_steps_with_8bit_state(tmp_path):
 def test_activation_offload_gives_the_same_gradients_on_gpu(tiny_model_dir):
     from leangrpo.config.schema import ModelConfig
     from leangrpo.models.load import load_model_and_tokenizer
-    from leangrpo.train.logprobs import Policy
+    from leangrpo.train.policy import Policy
 
     model, _ = load_model_and_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
     policy = Policy(model.cuda().train())
@@ -366,7 +366,7 @@ def test_bf16_reference_copy_keeps_fp32_logprobs_and_a_small_kl(tmp_path, tiny_m
     reference, so the per-token k3 KL against the bf16 copy is the error it introduces."""
     import leangrpo.train.trainer as trainer_mod
     from leangrpo.core.grpo import kl_k3
-    from leangrpo.train.logprobs import batch_logprobs
+    from leangrpo.train.policy import batch_logprobs
 
     cfg = make_cfg(
         model={"name_or_path": str(tiny_model_dir)},
@@ -579,7 +579,7 @@ def test_optimizer_in_backward_leaves_the_cold_start_alone(tmp_path, tiny_model_
     params = [p for p in trainer.unwrapped.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     rollout = trainer.source.rollout(1).batch
-    from leangrpo.train.logprobs import micro_batch_logprobs
+    from leangrpo.train.policy import micro_batch_logprobs
 
     logp, _ = micro_batch_logprobs(trainer.policy, rollout, slice(None), group=trainer.group)
     logp.sum().backward()

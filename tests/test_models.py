@@ -28,7 +28,7 @@ from leangrpo.models.load import (
     resolve_model_path,
     save_model,
 )
-from leangrpo.train.logprobs import Policy
+from leangrpo.train.policy import Policy
 
 PROMPTS = ["x y", "the quick brown fox jumps over the lazy dog"]
 LORA = LoraConfig(enabled=True, r=4, alpha=8, dropout=0.0, target_modules="all-linear")

@@ -17,7 +17,7 @@ from leangrpo.core.logprobs import head_product
 from leangrpo.cpu import onednn
 from leangrpo.cpu.levers import CPULevers
 from leangrpo.models.load import ModelError, apply_lora, enable_checkpointing, load_model_and_tokenizer
-from leangrpo.train.logprobs import Policy
+from leangrpo.train.policy import Policy
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
 

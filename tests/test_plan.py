@@ -19,7 +19,7 @@ from leangrpo.engines.hf import CACHE_KWARG, kv_cache, prefill_once_per_group
 from leangrpo.engines.types import RolloutBatch
 from leangrpo.models.load import apply_lora
 from leangrpo.run.resolve import validate_config
-from leangrpo.train.logprobs import Policy, micro_batch_logprobs, shared_prompt_group
+from leangrpo.train.policy import Policy, micro_batch_logprobs, shared_prompt_group
 
 KNOWN_TOTALS = {
     "Qwen/Qwen2.5-0.5B": 494_032_768,

@@ -16,7 +16,7 @@ from leangrpo.config.schema import ConfigError, ModelConfig
 from leangrpo.core.logprobs import token_logprobs
 from leangrpo.models.load import ModelError, load_base, load_model_and_tokenizer, load_tokenizer, merge_lora
 from leangrpo.run.resolve import load_config, validate_config
-from leangrpo.train.logprobs import Policy
+from leangrpo.train.policy import Policy
 
 bnb = pytest.importorskip("bitsandbytes")
 

@@ -75,7 +75,7 @@ def test_nll_loss_is_the_mean_over_real_tokens():
 
 def test_cold_start_raises_the_likelihood_of_tagged_solutions(tmp_path, tiny_model_dir, gsm8k_dir):
     from leangrpo.run.resolve import validate_config
-    from leangrpo.train.logprobs import micro_batch_logprobs
+    from leangrpo.train.policy import micro_batch_logprobs
     from leangrpo.train.trainer import Trainer
 
     cfg = validate_config(

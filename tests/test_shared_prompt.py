@@ -10,7 +10,7 @@ from test_models import LORA, assert_grads_close, load_tiny, randomize_lora_b
 from leangrpo.core import shared_prompt
 from leangrpo.engines.types import RolloutBatch
 from leangrpo.models.load import apply_lora, enable_checkpointing
-from leangrpo.train.logprobs import LayoutError, Policy, micro_batch_logprobs
+from leangrpo.train.policy import LayoutError, Policy, micro_batch_logprobs
 
 
 def test_positions_and_predictors_by_hand():

@@ -342,7 +342,7 @@ def test_environment_tokens_get_no_gradient(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from leangrpo.core.grpo import BatchTotals, LossSpec, grpo_loss
-    from leangrpo.train.logprobs import Policy, micro_batch_logprobs
+    from leangrpo.train.policy import Policy, micro_batch_logprobs
 
     torch.manual_seed(0)
     policy = Policy(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 1.0, 256, 1)

@@ -19,7 +19,7 @@ from leangrpo.engines.types import Sampling, eos_token_ids
 from leangrpo.engines.vllm import VLLMEngine, VLLMError
 from leangrpo.models.load import apply_lora, load_tokenizer
 from leangrpo.run.resolve import validate_config
-from leangrpo.train.logprobs import Policy, batch_logprobs
+from leangrpo.train.policy import Policy, batch_logprobs
 from leangrpo.train.preflight import World, preflight
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: plenty for a 2-layer model, kind to the machine

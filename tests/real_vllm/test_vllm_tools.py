@@ -19,7 +19,7 @@ from leangrpo.engines.tools import Toolbox, prepare_tokenizer
 from leangrpo.engines.types import Sampling, eos_token_ids
 from leangrpo.engines.vllm import VLLMEngine
 from leangrpo.models.load import load_tokenizer
-from leangrpo.train.logprobs import Policy, batch_logprobs
+from leangrpo.train.policy import Policy, batch_logprobs
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
 QUESTIONS = list(TOOL_TRACES)

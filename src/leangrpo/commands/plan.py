@@ -1,9 +1,9 @@
 """The memory model behind `leangrpo plan`: peak GPU (or CPU) memory of OUR GRPO step, from the model's
 shape alone (config.json, never the weights), and a search for the largest configuration that fits.
 
-Every term follows the code path it models, and says which: trainer.py (phases, micro-batches,
-reference), logprobs.Policy + logprobs._ChunkedTokenLogprobs (the log-prob workspace), rollout.generate
-(a preallocated KV cache, the prefill once per group), cpu/decode.py (the packed generation copy), peft
+Every term follows the code path it models, and says which: train/trainer.py and train/update.py
+(phases, micro-batches, reference), train/policy.py's Policy + core/logprobs.py's chunked log-softmax (the
+log-prob workspace), engines/hf.py's generate (a preallocated KV cache, the prefill once per group), cpu/decode.py (the packed generation copy), peft
 (fp32 adapters) and the optimizers (torch AdamW, bitsandbytes 8-bit AdamW). The settings default to the
 config schema's defaults and are read from a config by the same keys; tests/test_plan.py and
 tests/test_live_peak.py check the terms against the step's own code. The formulas are plain arithmetic:
@@ -274,7 +274,7 @@ class Knobs:
 
     @property
     def generation_batch(self) -> int:
-        """Completions generated at once (rollout.generate gets the whole generation batch)."""
+        """Completions generated at once (hf.generate gets the whole generation batch)."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
     @property
@@ -601,7 +601,7 @@ def resident(shape: ModelShape, k: Knobs) -> Resident:
 
 
 def shared_group(k: Knobs) -> int:
-    """Completions per decoder row sharing one prompt copy, as train/logprobs.shared_prompt_group decides
+    """Completions per decoder row sharing one prompt copy, as train/policy.shared_prompt_group decides
     for a model that runs the layout: as many of a group as every micro-batch holds; 1 with it off."""
     return math.gcd(k.per_device_train_batch_size, k.num_generations) if k.share_prompt else 1
 
@@ -635,14 +635,14 @@ def update_peak(shape: ModelShape, k: Knobs, r: Resident, rows: UpdateLayout) ->
 
 
 def kv_capacity(k: Knobs) -> int:
-    """Positions of each row's KV cache: rollout.generate preallocates the prompt's tokens plus every
-    completion token (rollout.kv_cache, PreallocatedLayer), written in place."""
+    """Positions of each row's KV cache: hf.generate preallocates the prompt's tokens plus every
+    completion token (hf.kv_cache, PreallocatedLayer), written in place."""
     return k.max_prompt_length + k.max_completion_length
 
 
 def generation_workspace(shape: ModelShape, k: Knobs) -> int:
     """Generation's temporaries beside the full KV cache, at the larger of its two peaks. The prefill runs
-    once per group (rollout.prefill_once_per_group: a prompt's rows, all but its last token, with the
+    once per group (hf.prefill_once_per_group: a prompt's rows, all but its last token, with the
     logits of every position) into a cache of those rows, then repeats it for the group; decoding holds
     the whole batch's cache, one position's logits and their sampling copies, and one token's forward."""
     e, n, capacity = k.e, k.generation_batch, kv_capacity(k)

@@ -85,7 +85,7 @@ class TrainOutput:
 def _agent(
     tools: list[Callable[..., Any]] | None, environment_factory: Any, rollout_func: Any, problems: list[str]
 ) -> AgentSpec | None:
-    """The tools, environments or rollout_func as the Trainer takes them (engines/tools.py); None without
+    """The tools, environments or rollout_func as the Trainer takes them (engines/agents.py); None without
     any. A problem with them joins `problems`."""
     if not tools and rollout_func is None and environment_factory is None:
         return None

@@ -2,7 +2,7 @@
 
 A chunked log-softmax computes each row's log-prob (and, when asked, its entropy) a chunk of rows at a
 time, forward and backward alike, with the architecture's logit scale and soft cap applied as its model
-does. Tensors in, tensors out: the model-level code (Policy, micro-batches) is train/logprobs.py.
+does. Tensors in, tensors out: the model-level code (Policy, micro-batches) is train/policy.py.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import PreTrainedModel
 
-    from leangrpo.train.logprobs import Policy
+    from leangrpo.train.policy import Policy
 
 
 def fsdp_requested() -> bool:
@@ -264,7 +264,7 @@ def _shard(policy: nn.Module) -> nn.Module:
 
 def _as_policy(module: nn.Module) -> Policy:
     """The Policy that `wrap` sharded in place (FSDP2 makes its class a subclass)."""
-    from leangrpo.train.logprobs import Policy
+    from leangrpo.train.policy import Policy
 
     assert isinstance(module, Policy)
     return module

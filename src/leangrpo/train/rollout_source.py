@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from leangrpo.config.schema import Config
     from leangrpo.engines.agents import AgentSpec, RolloutFunc
     from leangrpo.engines.tools import Toolbox
-    from leangrpo.train.logprobs import Policy
+    from leangrpo.train.policy import Policy
     from leangrpo.train.scoring import Scorer
 
 

@@ -19,7 +19,7 @@ from leangrpo.config.schema import step_interval
 from leangrpo.data.rows import Message, PromptFormat
 from leangrpo.data.sources import PromptSampler
 from leangrpo.engines.types import RolloutBatch
-from leangrpo.train.logprobs import micro_batch_logprobs
+from leangrpo.train.policy import micro_batch_logprobs
 from leangrpo.train.optim import build_optimizer
 
 if TYPE_CHECKING:

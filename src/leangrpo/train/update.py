@@ -19,7 +19,7 @@ from leangrpo.core.errors import DeviceOptionError
 from leangrpo.models.load import TensorStore, frozen_copy, is_peft
 from leangrpo.train.checkpoints import TrainingError
 from leangrpo.train.distributed import Sharded
-from leangrpo.train.logprobs import Policy, batch_logprobs, micro_batch_logprobs
+from leangrpo.train.policy import Policy, batch_logprobs, micro_batch_logprobs
 from leangrpo.train.loss import loss_spec
 from leangrpo.train.optim import Optimization, activation_offload
 
