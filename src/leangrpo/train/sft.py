@@ -19,8 +19,8 @@ from leangrpo.config.schema import step_interval
 from leangrpo.data.rows import Message, PromptFormat
 from leangrpo.data.sources import PromptSampler
 from leangrpo.engines.types import RolloutBatch
-from leangrpo.train.policy import micro_batch_logprobs
 from leangrpo.train.optim import build_optimizer
+from leangrpo.train.policy import micro_batch_logprobs
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

@@ -37,9 +37,9 @@ from leangrpo.train.checkpoints import Checkpoints, TrainingError, check_steps_l
 from leangrpo.train.evaluation import TrainingEvaluator
 from leangrpo.train.extras import RuntimeExtras
 from leangrpo.train.levers import cpu_levers, release_memory
-from leangrpo.train.policy import Policy, shared_prompt_group
 from leangrpo.train.metrics import PhaseTimer, StepRecorder
 from leangrpo.train.optim import Optimization, StepInBackward, build_optimizer, build_scheduler
+from leangrpo.train.policy import Policy, shared_prompt_group
 from leangrpo.train.preflight import World, check_async_agent, preflight
 from leangrpo.train.rollout_source import RolloutSource, long_prompts
 from leangrpo.train.rollouts import Generation

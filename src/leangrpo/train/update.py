@@ -19,9 +19,9 @@ from leangrpo.core.errors import DeviceOptionError
 from leangrpo.models.load import TensorStore, frozen_copy, is_peft
 from leangrpo.train.checkpoints import TrainingError
 from leangrpo.train.distributed import Sharded
-from leangrpo.train.policy import Policy, batch_logprobs, micro_batch_logprobs
 from leangrpo.train.loss import loss_spec
 from leangrpo.train.optim import Optimization, activation_offload
+from leangrpo.train.policy import Policy, batch_logprobs, micro_batch_logprobs
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
