@@ -3,9 +3,10 @@ shape alone (config.json, never the weights), and a search for the largest confi
 
 Every term follows the code path it models, and says which: train/trainer.py and train/update.py
 (phases, micro-batches, reference), train/policy.py's Policy + core/logprobs.py's chunked log-softmax (the
-log-prob workspace), engines/hf.py's generate (a preallocated KV cache, the prefill once per group), cpu/decode.py (the packed generation copy), peft
-(fp32 adapters) and the optimizers (torch AdamW, bitsandbytes 8-bit AdamW). The settings default to the
-config schema's defaults and are read from a config by the same keys; tests/test_plan.py and
+log-prob workspace), engines/hf.py's generate (a preallocated KV cache, the prefill once per group),
+cpu/decode.py (the packed generation copy), peft (fp32 adapters) and the optimizers (torch AdamW,
+bitsandbytes 8-bit AdamW). The settings default to the config schema's defaults and are read from a
+config by the same keys; tests/test_plan.py and
 tests/test_live_peak.py check the terms against the step's own code. The formulas are plain arithmetic:
 no torch import, so `leangrpo plan` answers at once.
 """
