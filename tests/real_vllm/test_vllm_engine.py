@@ -254,9 +254,12 @@ def test_sleep_mode_frees_the_engine_between_rollouts_and_the_sync_wakes_it(mode
     model = load(model_dir).cuda()
     engine.sync_weights(model)
     first = engine.generate(PROMPTS, Sampling(num_generations=1, do_sample=False, **LENGTHS))
-    assert engine.weights_asleep  # level 2 after the rollout: KV cache and weights released
+    assert engine.sleeping == {"weights", "kv_cache"}  # level 1 after the rollout: both off the GPU
+    # a second rollout before any sync (evaluation, dynamic sampling): the same weights
+    second = engine.generate(PROMPTS, Sampling(num_generations=1, do_sample=False, **LENGTHS))
+    torch.testing.assert_close(second.completion_ids, first.completion_ids)
     engine.sync_weights(model)
-    assert not engine.weights_asleep
+    assert engine.sleeping == {"kv_cache"}
     again = engine.generate(PROMPTS, Sampling(num_generations=1, do_sample=False, **LENGTHS))
     torch.testing.assert_close(again.completion_ids, first.completion_ids)
 

@@ -209,7 +209,7 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
             trust_remote_code=trust_remote_code,
         )  # fmt: skip
-        self.weights_asleep = False
+        self.sleeping: set[str] = set()  # what vLLM holds asleep now: "weights", "kv_cache"
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: PreTrainedTokenizerBase, eos: list[int]) -> VLLMEngine:
@@ -231,16 +231,24 @@ class VLLMEngine:
         log-prob of each sampled token. Each completion is its own request seeded from torch's RNG (or
         from the rollout's own, `sampling.seed`), so that a resumed run draws the same samples. `toolboxes`
         (one per completion): rollouts go on after each turn that calls tools (`with_tools`), each later
-        turn a request of its own; the log-probs cover the model's tokens, 0 on the tools'."""
-        if self.sleep_mode:
-            self.llm.wake_up(tags=["kv_cache"])
+        turn a request of its own; the log-probs cover the model's tokens, 0 on the tools'.
+
+        Sleep mode: wakes whatever sleeps first, and sleeps at level 1 after, which frees the same GPU
+        memory as level 2 (the KV cache discarded, the weights moved to CPU memory) but keeps the weights:
+        the next call may come before any `sync_weights` (dynamic sampling's extra rounds, evaluation's
+        batches, pass@k) and must sample from the last synced weights. Level 2 would discard them, and
+        vLLM would then sample from uninitialised memory. The cost: a host copy of the weights, and their
+        transfer each way per call."""
+        if self.sleeping:
+            self.llm.wake_up(tags=sorted(self.sleeping))
+            self.sleeping.clear()
         max_model_len = self.llm.llm_engine.model_config.max_model_len
         batch = sampled_batch(
             self.tokenizer, self.eos, prompt_texts, sampling, toolboxes, self._sample, max_model_len
         )
-        if self.sleep_mode:  # level 2 also drops the weights: the update then has the GPU to itself
-            self.llm.sleep(level=2)
-            self.weights_asleep = True
+        if self.sleep_mode:  # the update then has the GPU to itself
+            self.llm.sleep(level=1)
+            self.sleeping = {"weights", "kv_cache"}
         return batch
 
     def _sample(
@@ -256,10 +264,11 @@ class VLLMEngine:
     ) -> None:
         """Load `model`'s current weights into vLLM's copy, one tensor at a time (`reload_weights`).
         `weights`: those weights as the caller streams them (FSDP2 gathers them one shard group at a
-        time); default `applied_weights(model)`, every weight, LoRA ones merged."""
-        if self.weights_asleep:
+        time); default `applied_weights(model)`, every weight, LoRA ones merged. Asleep (sleep mode), the
+        weights wake for it and the KV cache sleeps on until the next `generate`."""
+        if "weights" in self.sleeping:
             self.llm.wake_up(tags=["weights"])
-            self.weights_asleep = False
+            self.sleeping.discard("weights")
         with torch.no_grad():
             reload_weights(self.llm, weights_iterator=applied_weights(model) if weights is None else weights)
 
