@@ -146,6 +146,55 @@ def test_rng_state_round_trip():
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
 
 
+class FakeCuda:
+    """`visible` CUDA devices, each with its own generator state, this process on `current`; restoring
+    a state on a device that is not visible fails, as CUDA's invalid device ordinal does."""
+
+    def __init__(self, monkeypatch, visible: int, current: int):
+        self.states = [torch.full((4,), 10 + i, dtype=torch.uint8) for i in range(visible)]
+        for name, value in {
+            "is_available": lambda: True,
+            "device_count": lambda: visible,
+            "current_device": lambda: current,
+            "get_rng_state": lambda device="cuda": self.states[self.index(device, current)].clone(),
+            "get_rng_state_all": lambda: [s.clone() for s in self.states],
+            "set_rng_state": self.set,
+            "set_rng_state_all": lambda states: [self.set(s, i) for i, s in enumerate(states)],
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+        self.current = current
+
+    def index(self, device, current: int) -> int:
+        index = current if device == "cuda" else int(device)
+        if index >= len(self.states):
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        return index
+
+    def set(self, state, device="cuda") -> None:
+        self.states[self.index(device, self.current)] = state.clone()
+
+
+def test_rng_state_resumes_where_fewer_gpus_are_visible(monkeypatch):
+    """Saved by the process on device 2 of a 4-GPU machine, restored by the process on the only GPU of
+    another: that process's CUDA generator continues from the saving process's own device's state."""
+    FakeCuda(monkeypatch, visible=4, current=2)
+    state = rng_state()
+    resumed = FakeCuda(monkeypatch, visible=1, current=0)
+    set_rng_state(state)
+    assert resumed.states[0].tolist() == [12] * 4
+
+
+@pytest.mark.parametrize(("visible", "current", "restored"), [(1, 0, 10), (2, 1, 11)])
+def test_rng_state_of_older_checkpoints_restores_this_devices_entry(monkeypatch, visible, current, restored):
+    """Older checkpoints hold every visible device's state, by index: this process's device's is
+    restored (the first when that index is gone), never the others'."""
+    FakeCuda(monkeypatch, visible=4, current=0)
+    state = {**rng_state(), "cuda": torch.cuda.get_rng_state_all()}
+    resumed = FakeCuda(monkeypatch, visible=visible, current=current)
+    set_rng_state(state)
+    assert resumed.states[current].tolist() == [restored] * 4
+
+
 def test_check_resumable_names_the_differing_keys(tmp_path):
     ckpt = save(tmp_path, 2, make_cfg(tmp_path, learning_rate=1e-3))
     check_resumable(ckpt, make_cfg(tmp_path / "elsewhere", learning_rate=1e-3, max_steps=500), 1)

@@ -254,7 +254,9 @@ def rotate(run_dir: Path, keep: int | None) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every random generator a step draws from: python, numpy, torch (and CUDA when present)."""
+    """Every random generator a step draws from: python, numpy, torch and, when present, the CUDA
+    generator of this process's own device (not every visible device's: a run resumed where fewer
+    devices are visible could not restore those)."""
     import numpy as np
     import torch
 
@@ -265,7 +267,7 @@ def rng_state() -> dict[str, Any]:
     numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
     state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -277,8 +279,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or not torch.cuda.is_available():
+        return
+    device = torch.cuda.current_device()
+    if isinstance(cuda, list | tuple):  # older checkpoints: every visible device's, by index
+        if not cuda:
+            return
+        cuda = cuda[device] if device < len(cuda) else cuda[0]
+    torch.cuda.set_rng_state(cuda, device)
 
 
 def load_rank_state(ckpt: Path, rank: int) -> dict[str, Any]:
