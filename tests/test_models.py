@@ -365,12 +365,18 @@ def test_groups_prefill_their_prompt_once(tiny_model_dir, tokenizer, monkeypatch
     ids, mask = encode_prompts(tokenizer, PROMPTS, 64, 3)
     ours = kv_cache(model, 64)
     rows_seen: list[int] = []
-    hook = model.register_forward_pre_hook(
+    hook = model.get_decoder().register_forward_pre_hook(
         lambda m, a, k: rows_seen.append(k["input_ids"].shape[0]), with_kwargs=True
+    )
+    head_positions: list[int] = []  # the lm_head's input: [rows, positions, hidden]
+    head_hook = model.get_output_embeddings().register_forward_hook(
+        lambda m, args, out: head_positions.append(args[0].shape[1])
     )
     prefill_once_per_group(model, ids, mask, 3, ours)
     hook.remove()
+    head_hook.remove()
     assert rows_seen == [len(PROMPTS)]
+    assert sum(head_positions) <= 1  # the prefill fills the cache, it builds no logits of the prompt
     theirs = kv_cache(model, 64)
     model.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False, **{CACHE_KWARG: theirs}

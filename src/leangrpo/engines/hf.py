@@ -461,13 +461,15 @@ def prefill_once_per_group(
     `group` times, then repeat its entries for the group's rows; generate() then starts from the last
     prompt token. The rows of a group hold the same prompt (encode_prompts repeats them), so this is the
     same cache for 1/`group` of the prefill's work (benchmarks/RESULTS.md, "CPU speed-ups, on and off").
-    A cache that holds the first tokens already (a resumed turn, `group` 1) gets the rest only."""
+    A cache that holds the first tokens already (a resumed turn, `group` 1) gets the rest only.
+    Only the decoder runs (the cache is all this pass is for): the lm_head would build [rows, P - 1, V]
+    logits that nobody reads."""
     start = cache.get_seq_length()
     if prompt_ids.shape[1] - 1 <= start:
         return
     ids, mask = prompt_ids[::group, :-1], prompt_mask[::group, :-1]
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
-    model(
+    model.get_decoder()(
         input_ids=ids[:, start:], attention_mask=mask, position_ids=positions[:, start:], use_cache=True,
         **{CACHE_KWARG: cache},
     )  # fmt: skip
