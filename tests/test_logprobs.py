@@ -283,3 +283,28 @@ def test_policy_refuses_a_model_whose_logits_it_cannot_reproduce():
     with pytest.raises(HeadError) as info:
         Policy(model)
     assert "LlamaForCausalLM" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_head_check_runs_where_the_model_will_run(monkeypatch, tmp_path):
+    """The trainer's policy and full fine-tuning's reference are checked on the device their wrapper
+    places them on (here "meta" stands in for a GPU), not on the CPU they were loaded on: the check's
+    forward must run the kernels (and attention) that training runs."""
+    from types import SimpleNamespace
+
+    from test_memory import make_cfg
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.train import policy as policy_module
+    from leangrpo.train.distributed import Replicated
+    from leangrpo.train.update import build_policy, build_reference
+
+    checked_on: list[str] = []
+    monkeypatch.setattr(policy_module, "check_head", lambda m, _h: checked_on.append(m.device.type))
+    device = torch.device("meta")
+    dist = Replicated(SimpleNamespace(device=device, prepare_model=lambda m: m.to(device)))
+    cfg = make_cfg(grpo={"beta": 0.04})
+    model = AutoModelForCausalLM.from_config(_tiny_config("llama"))
+    build_reference(cfg, model, dist, None, 1, tmp_path, print)  # the reference copy
+    assert checked_on == ["meta"]
+    build_policy(cfg, model, dist, 1)
+    assert checked_on == ["meta", "meta"]

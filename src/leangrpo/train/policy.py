@@ -81,6 +81,9 @@ class Policy(nn.Module):
     Wrapping (rather than calling the decoder from outside) keeps the forward inside accelerate/DDP, so
     gradients synchronise across processes. `share_prompt`: the model's attention is switched to the
     function that also runs the shared-prompt layout (`shared_prompt.use`), so forward takes group > 1.
+    `device`: where the model will run, moved there first so that `check_head`'s forward runs there too
+    (the kernels training uses, an attention such as flash-attention that has no CPU version), not on
+    the CPU the model was loaded on.
     """
 
     def __init__(
@@ -89,9 +92,12 @@ class Policy(nn.Module):
         temperature: float = 1.0,
         chunk_size: int = LOGPROB_CHUNK_SIZE,
         share_prompt: bool = False,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         self.lm, self.temperature, self.chunk_size = lm, temperature, chunk_size
+        if device is not None:
+            self.to(device)
         self.head = logit_transform(self.base.config)
         check_head(self.base, self.head)
         if share_prompt:

@@ -44,7 +44,7 @@ from leangrpo.train.preflight import World, check_async_agent, preflight
 from leangrpo.train.rollout_source import RolloutSource, long_prompts
 from leangrpo.train.rollouts import Generation
 from leangrpo.train.scoring import Scorer
-from leangrpo.train.update import Updater, build_reference
+from leangrpo.train.update import Updater, build_policy, build_reference
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -107,8 +107,7 @@ class Trainer:
         if self.resume_from:  # into the whole model, before sharding (the reference keeps the start)
             check_steps_left(self.resume_from, self.cfg.optim.max_steps, self.run_dir, self._write)
             load_trainable(model, self.resume_from)
-        g = cfg.grpo
-        self.policy = self.dist.wrap(Policy(model, g.temperature, g.logprob_chunk_size, self.group > 1))
+        self.policy = build_policy(cfg, model, self.dist, self.group)
         opt = self._build_optimizer()
         self.optimizer, self.scheduler = opt.optimizer, opt.scheduler
         set_seed(cfg.seed, device_specific=True)  # different samples on each rank

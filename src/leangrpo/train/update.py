@@ -56,6 +56,13 @@ class Update:
     stats: list[grpo.LossStats]
 
 
+def build_policy(cfg: Config, model: PreTrainedModel, dist: Replicated, group: int) -> torch.nn.Module:
+    """The trained policy, wrapped for the job (`dist.wrap`), placed on this process's device before
+    its head is checked (`Policy`'s `device`)."""
+    g = cfg.grpo
+    return dist.wrap(Policy(model, g.temperature, g.logprob_chunk_size, group > 1, dist.acc.device))
+
+
 def build_reference(
     cfg: Config,
     model: PreTrainedModel,
@@ -92,7 +99,9 @@ def build_reference(
             raise
         write(f"{e}; the reference copy stays in memory")
         pages, copy = None, frozen_copy(model, dtype)
-    ref_policy = dist.place_frozen(Policy(copy, g.temperature, g.logprob_chunk_size, group > 1))
+    ref_policy = dist.place_frozen(
+        Policy(copy, g.temperature, g.logprob_chunk_size, group > 1, dist.acc.device)
+    )
     if pages is not None:
         pages.drop_pages()  # written: out of memory until the first reference pass
     return ref_policy, pages
