@@ -26,6 +26,11 @@ def error_reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 
 
+class TrainingError(UserError, RuntimeError):
+    """The run cannot go on as configured or trained: too many non-finite steps in a row, weights that are
+    not finite, an engine that failed, an option this run cannot honour."""
+
+
 class Stopped(Exception):
     """The run stopped because a signal asked it to, after saving what could be saved and saying how to
     resume; the CLI prints `message` and exits with `exit_code` (128 + the signal: 130, 143)."""

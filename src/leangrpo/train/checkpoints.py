@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from leangrpo.config.schema import step_interval
-from leangrpo.core.errors import UserError
+from leangrpo.core.errors import TrainingError
 from leangrpo.run.checkpoint import (
     load_rank_state,
     read_state,
@@ -32,10 +32,6 @@ if TYPE_CHECKING:
     from leangrpo.run.tracking import MetricsLogger
     from leangrpo.train.distributed import Replicated
     from leangrpo.train.optim import Optimization
-
-
-class TrainingError(UserError, RuntimeError):
-    """The run cannot go on (too many non-finite steps in a row, weights that are not finite)."""
 
 
 def check_steps_left(ckpt: Path, max_steps: int, run_dir: Path, write: Callable[[str], None]) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from leangrpo.config.schema import Config
-from leangrpo.core.errors import Stopped, error_reason
+from leangrpo.core.errors import Stopped, TrainingError, error_reason
 from leangrpo.data.rewards import RewardsAbandoned, load_rewards
 from leangrpo.data.rows import PromptFormat, has_chat_template
 from leangrpo.data.sources import load_rows
@@ -33,7 +33,7 @@ from leangrpo.run.session import RunSession
 from leangrpo.run.signals import StopSignals
 from leangrpo.run.tracking import eval_line
 from leangrpo.train import distributed, sft
-from leangrpo.train.checkpoints import Checkpoints, TrainingError, check_steps_left
+from leangrpo.train.checkpoints import Checkpoints, check_steps_left
 from leangrpo.train.evaluation import TrainingEvaluator
 from leangrpo.train.extras import RuntimeExtras
 from leangrpo.train.levers import cpu_levers, release_memory

@@ -15,9 +15,8 @@ import torch
 from torch import Tensor
 
 from leangrpo.core import grpo
-from leangrpo.core.errors import DeviceOptionError
+from leangrpo.core.errors import DeviceOptionError, TrainingError
 from leangrpo.models.load import TensorStore, frozen_copy, is_peft
-from leangrpo.train.checkpoints import TrainingError
 from leangrpo.train.distributed import Sharded
 from leangrpo.train.loss import loss_spec
 from leangrpo.train.optim import Optimization, activation_offload
