@@ -203,3 +203,27 @@ def test_two_processes_each_generate_ahead_and_stay_in_sync(tmp_path, tiny_model
     p0, p1 = (set((tmp_path / f"prompts-rank{r}.txt").read_text().splitlines()) for r in (0, 1))
     assert len(p0) == len(p1) == 3 and not p0 & p1  # each rank its own prompt per step
     assert [r["async/staleness_max"] for r in read_metrics(tmp_path / "run")] == [0.0, 1.0, 1.0]
+
+
+def test_the_background_thread_uses_the_process_device(monkeypatch):
+    """A new thread starts on CUDA device 0: the rollout thread sets the process's own device first."""
+    from leangrpo.train.rollouts import AsyncRollouts
+
+    calls: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: calls.append((threading.current_thread().name, d))
+    )
+    rollouts = AsyncRollouts(object(), max_staleness=1, updates_per_step=1, device=torch.device("cuda", 1))  # type: ignore[arg-type]
+    rollouts.version = 0
+    rollouts.submit(1, lambda engine: "batch")  # type: ignore[arg-type,return-value]
+    assert rollouts.take(1).rollout == "batch"
+    rollouts.close()
+    assert [d for name, d in calls if name.startswith("leangrpo-rollouts")] == [torch.device("cuda", 1)]
+
+    calls.clear()  # on the CPU, no CUDA call at all
+    cpu = AsyncRollouts(object(), max_staleness=1, updates_per_step=1, device=torch.device("cpu"))  # type: ignore[arg-type]
+    cpu.version = 0
+    cpu.submit(1, lambda engine: "batch")  # type: ignore[arg-type,return-value]
+    cpu.take(1)
+    cpu.close()
+    assert calls == []

@@ -242,7 +242,7 @@ class RolloutSource:
         if self._rollouts is None:
             g, gen = self.cfg.grpo, self.gen
             engine = async_engine(self.engine, self.unwrapped.lm, gen.tokenizer, gen.levers)
-            self._rollouts = AsyncRollouts(engine, g.max_staleness, g.num_iterations)
+            self._rollouts = AsyncRollouts(engine, g.max_staleness, g.num_iterations, self.acc.device)
         return self._rollouts
 
     @property

@@ -87,17 +87,34 @@ def _timed(job: Job, engine: RolloutEngine) -> tuple[Rollout, float]:
     return out, time.perf_counter() - start
 
 
+def _use_device(device: torch.device) -> None:
+    """The background thread's CUDA device: the process's own (a new thread starts on device 0, which on
+    ranks above 0 is another process's GPU)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class AsyncRollouts:
     """One background thread generating with `engine` (which must hold weights of its own: see
-    `engines.registry.async_engine`), the batch in flight, and the weights' version the engine holds."""
+    `engines.registry.async_engine`) on the process's `device`, the batch in flight, and the weights'
+    version the engine holds."""
 
-    def __init__(self, engine: RolloutEngine, max_staleness: int, updates_per_step: int):
+    def __init__(
+        self, engine: RolloutEngine, max_staleness: int, updates_per_step: int, device: torch.device
+    ):
         self.engine = engine
         # a batch generated during an update is `updates_per_step` optimizer steps stale when used
         self.ahead = max_staleness >= updates_per_step
         self.version: int | None = None  # the optimizer step of the engine's weights; None: never synced
         self.in_flight: _InFlight | None = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leangrpo-rollouts")
+        self._thread = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="leangrpo-rollouts",
+            initializer=_use_device,
+            initargs=(device,),
+        )
 
     def sync(self, model: PreTrainedModel, version: int) -> None:
         """Give the engine `model`'s weights, those after optimizer step `version`, once the batch in
