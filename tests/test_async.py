@@ -227,3 +227,23 @@ def test_the_background_thread_uses_the_process_device(monkeypatch):
     cpu.take(1)
     cpu.close()
     assert calls == []
+
+
+def test_phase_timer_waits_for_its_own_stream_only(monkeypatch):
+    """`torch.cuda.synchronize()` waits for the whole device, background generation included: the timer
+    waits for the current stream's kernels only, so the overlap stays and time/* is the phase's own."""
+    from leangrpo.train.metrics import PhaseTimer
+
+    waited: list[str] = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            waited.append("stream")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: waited.append("device"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    timer = PhaseTimer()
+    with timer("update"):
+        pass
+    assert waited == ["stream"] and timer.seconds["update"] >= 0
