@@ -247,3 +247,33 @@ def test_phase_timer_waits_for_its_own_stream_only(monkeypatch):
     with timer("update"):
         pass
     assert waited == ["stream"] and timer.seconds["update"] >= 0
+
+
+def test_an_engine_failure_on_one_process_is_raised_on_all():
+    """Every process agrees, right after an engine call, whether it failed anywhere: all take the failure
+    path (checkpoint the step before, through collectives) together, none waits in the step's collectives."""
+    from leangrpo.engines.types import EngineError
+    from leangrpo.train.rollouts import agreed
+
+    asked: list[bool] = []
+
+    def world(other_failed: bool):
+        def any_process(flag: bool) -> bool:
+            asked.append(flag)
+            return flag or other_failed
+
+        return any_process
+
+    assert agreed(world(False), lambda: "batch") == "batch" and asked == [False]
+
+    def failing() -> str:
+        raise EngineError("vLLM died")
+
+    with pytest.raises(EngineError, match="vLLM died"):  # this process failed: the others are told
+        agreed(world(False), failing)
+    assert asked[-1] is True
+    with pytest.raises(EngineError, match="another process"):  # another one failed: this one stops too
+        agreed(world(True), lambda: "batch")
+    assert asked[-1] is False
+    with pytest.raises(ValueError):  # not an engine's failure: raised as before
+        agreed(world(False), lambda: int("x"))

@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from leangrpo.engines.types import RolloutBatch, RolloutEngine
+from leangrpo.engines.types import EngineError, RolloutBatch, RolloutEngine
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +54,23 @@ class Generation:
 
 Job = Callable[[RolloutEngine], Rollout]
 """Generating one batch with a given engine: what may run in the background thread."""
+
+
+T = TypeVar("T")
+
+
+def agreed(any_process: Callable[[bool], bool], engine_call: Callable[[], T]) -> T:
+    """`engine_call()`, with every process agreeing, before its next collective, whether it failed on
+    any: an `EngineError` on one process is raised on all, so that all take the failure path together
+    (checkpointing the step before, itself through collectives) instead of the others waiting forever in
+    the step's collectives."""
+    try:
+        out, failed = engine_call(), None
+    except EngineError as e:
+        out, failed = None, e
+    if any_process(failed is not None):
+        raise failed or EngineError("the rollout engine of another process failed (its error is in its log)")
+    return out  # type: ignore[return-value]  # None only when failed, which raised
 
 
 def rollout_seed(seed: int, step: int, round_: int, rank: int) -> int:
