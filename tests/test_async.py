@@ -203,3 +203,77 @@ def test_two_processes_each_generate_ahead_and_stay_in_sync(tmp_path, tiny_model
     p0, p1 = (set((tmp_path / f"prompts-rank{r}.txt").read_text().splitlines()) for r in (0, 1))
     assert len(p0) == len(p1) == 3 and not p0 & p1  # each rank its own prompt per step
     assert [r["async/staleness_max"] for r in read_metrics(tmp_path / "run")] == [0.0, 1.0, 1.0]
+
+
+def test_the_background_thread_uses_the_process_device(monkeypatch):
+    """A new thread starts on CUDA device 0: the rollout thread sets the process's own device first."""
+    from leangrpo.train.rollouts import AsyncRollouts
+
+    calls: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda d: calls.append((threading.current_thread().name, d))
+    )
+    rollouts = AsyncRollouts(object(), max_staleness=1, updates_per_step=1, device=torch.device("cuda", 1))  # type: ignore[arg-type]
+    rollouts.version = 0
+    rollouts.submit(1, lambda engine: "batch")  # type: ignore[arg-type,return-value]
+    assert rollouts.take(1).rollout == "batch"
+    rollouts.close()
+    assert [d for name, d in calls if name.startswith("leangrpo-rollouts")] == [torch.device("cuda", 1)]
+
+    calls.clear()  # on the CPU, no CUDA call at all
+    cpu = AsyncRollouts(object(), max_staleness=1, updates_per_step=1, device=torch.device("cpu"))  # type: ignore[arg-type]
+    cpu.version = 0
+    cpu.submit(1, lambda engine: "batch")  # type: ignore[arg-type,return-value]
+    cpu.take(1)
+    cpu.close()
+    assert calls == []
+
+
+def test_phase_timer_waits_for_its_own_stream_only(monkeypatch):
+    """`torch.cuda.synchronize()` waits for the whole device, background generation included: the timer
+    waits for the current stream's kernels only, so the overlap stays and time/* is the phase's own."""
+    from leangrpo.train.metrics import PhaseTimer
+
+    waited: list[str] = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            waited.append("stream")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: waited.append("device"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    timer = PhaseTimer()
+    with timer("update"):
+        pass
+    assert waited == ["stream"] and timer.seconds["update"] >= 0
+
+
+def test_an_engine_failure_on_one_process_is_raised_on_all():
+    """Every process agrees, right after an engine call, whether it failed anywhere: all take the failure
+    path (checkpoint the step before, through collectives) together, none waits in the step's collectives."""
+    from leangrpo.engines.types import EngineError
+    from leangrpo.train.rollouts import agreed
+
+    asked: list[bool] = []
+
+    def world(other_failed: bool):
+        def any_process(flag: bool) -> bool:
+            asked.append(flag)
+            return flag or other_failed
+
+        return any_process
+
+    assert agreed(world(False), lambda: "batch") == "batch" and asked == [False]
+
+    def failing() -> str:
+        raise EngineError("vLLM died")
+
+    with pytest.raises(EngineError, match="vLLM died"):  # this process failed: the others are told
+        agreed(world(False), failing)
+    assert asked[-1] is True
+    with pytest.raises(EngineError, match="another process"):  # another one failed: this one stops too
+        agreed(world(True), lambda: "batch")
+    assert asked[-1] is False
+    with pytest.raises(ValueError):  # not an engine's failure: raised as before
+        agreed(world(False), lambda: int("x"))

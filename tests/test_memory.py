@@ -113,6 +113,36 @@ def test_activation_offload_disabled_is_a_no_op():
     assert torch.equal(x.grad, 2 * torch.ones(3))
 
 
+def test_activation_offload_keeps_the_weights_and_copies_the_activations():
+    """The LM head's weight, saved by its matmul for the backward, stays where it is (no [V, H] host copy
+    per micro-batch); the hidden states it multiplies are copied off; the gradients are unchanged."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 6, bias=False)
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for offload in (False, True):
+        head.zero_grad(set_to_none=True)
+        x.grad = None
+        with activation_offload(offload, head.parameters()):
+            hidden = torch.tanh(x)
+            y = head(hidden)
+        if offload:
+            fn = y.grad_fn
+            saved = {n: getattr(fn, n) for n in dir(fn) if n.startswith("_saved_")}
+            tensors = {n: t for n, t in saved.items() if isinstance(t, torch.Tensor)}
+            ptr = head.weight.untyped_storage().data_ptr()
+            kept = [n for n, t in tensors.items() if t.untyped_storage().data_ptr() == ptr]
+            copied = [n for n, t in tensors.items() if torch.equal(t, hidden.detach())]
+            assert kept and copied, tensors
+            assert all(
+                tensors[n].untyped_storage().data_ptr() != hidden.untyped_storage().data_ptr() for n in copied
+            )
+        y.square().sum().backward()
+        grads.append((head.weight.grad.clone(), x.grad.clone()))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_release_memory_empties_the_cuda_cache_or_asks_the_cpu_levers(monkeypatch):
     """After a phase: on CUDA the allocator's cached blocks go back; on CPU the levers trim glibc's heap."""
     from types import SimpleNamespace

@@ -3,6 +3,7 @@ path against the naive full-logits path, LoRA, loading, saving/merging, and the 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -662,6 +663,36 @@ def test_save_model_merge_lora(tmp_path, tiny_model_dir, tokenizer):
     assert torch.equal(merged_out, adapter_out)
     assert merged_out.shape[1] > enc.input_ids.shape[1]
     assert load_tokenizer(str(tmp_path / "out")).padding_side == "left"
+
+
+def test_the_merged_save_merges_a_copy_on_the_cpu(tmp_path, tiny_model_dir, tokenizer, monkeypatch):
+    """The final merged save never holds a second copy where the model lives (a GPU, with the optimizer
+    state and a colocated vLLM's share): the copy is made on the CPU, parameter by parameter. `meta`
+    stands in for the other device."""
+    import leangrpo.models.load as load_mod
+
+    model = apply_lora(load_tiny(tiny_model_dir), LORA)
+    moved = load_mod.copy_to(model, "meta")
+    assert is_peft(moved)
+    assert all(t.device.type == "meta" for t in [*moved.parameters(), *moved.buffers()])
+    assert all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
+    trainable = [n for n, p in moved.named_parameters() if p.requires_grad]
+    assert trainable == [n for n, p in model.named_parameters() if p.requires_grad] and trainable
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert (moved.get_input_embeddings().weight is moved.get_output_embeddings().weight) == tied
+
+    copies: list[str] = []
+    copy_to = load_mod.copy_to
+    monkeypatch.setattr(
+        load_mod, "copy_to", lambda m, device: copies.append(str(device)) or copy_to(m, device)
+    )
+    save_model(model, tokenizer, tmp_path / "out", merge=True, base_name="my-org/base")
+    assert copies == ["cpu"]
+    monkeypatch.setattr(load_mod, "copy_to", lambda m, device: copy.deepcopy(m))  # the copy where it lives
+    save_model(model, tokenizer, tmp_path / "before", merge=True, base_name="my-org/base")
+    files = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in (tmp_path / "before").glob("*.safetensors"))
+    assert all((tmp_path / "out" / f).read_bytes() == (tmp_path / "before" / f).read_bytes() for f in files)
 
 
 def test_save_model_lora_without_merge_writes_adapter_only(tmp_path, tiny_model_dir, tokenizer):

@@ -347,6 +347,17 @@ def frozen_copy(
     return ref
 
 
+def copy_to(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """A deep copy of `model` on `device`, each parameter and buffer copied straight there (never a whole
+    second copy where the model lives); ties between parameters and requires_grad are kept."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to(device, copy=True), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to(device, copy=True)
+    return copy.deepcopy(model, memo)
+
+
 def save_model(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -358,7 +369,8 @@ def save_model(
     `name_adapter_base`) and, with `merge`, a standalone full model.
 
     The merged model (adapter folded into a copy of the weights) loads with plain
-    `AutoModelForCausalLM.from_pretrained` and with vLLM.
+    `AutoModelForCausalLM.from_pretrained` and with vLLM. Unless the base is quantized, the copy is merged
+    on the CPU: on a GPU it would compete with the optimizer state and a colocated vLLM's share.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -368,7 +380,9 @@ def save_model(
         tokenizer.save_pretrained(out / "adapter")
         if not merge:
             return
-        model = merge_lora(copy.deepcopy(model))
+        quantized = getattr(peft_base(model), "hf_quantizer", None) is not None
+        # a 4-bit base's packed weights and quantization state are bitsandbytes' own: copied where they are
+        model = merge_lora(copy.deepcopy(model) if quantized else cast("PeftModel", copy_to(model, "cpu")))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 

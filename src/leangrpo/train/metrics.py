@@ -31,7 +31,8 @@ StepHook = Callable[[int, dict[str, Any], bool], None]
 
 
 class PhaseTimer:
-    """Seconds spent in each named phase of a step (on a GPU, each phase waits for its own kernels)."""
+    """Seconds spent in each named phase of a step (on a GPU, each phase waits for its own kernels: those
+    of the current stream only, not the whole device, where async rollouts generate meanwhile)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -41,7 +42,7 @@ class PhaseTimer:
         start = time.perf_counter()
         yield
         if torch.cuda.is_available():
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
         self.seconds[phase] = time.perf_counter() - start
 
 

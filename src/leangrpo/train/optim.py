@@ -4,7 +4,7 @@ the backward, and (CUDA only) activation offload. The CPU-only ones live in lean
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -124,9 +124,11 @@ class Optimization:
     scheduler: LambdaLR
 
 
-def activation_offload(enabled: bool) -> AbstractContextManager:
+def activation_offload(enabled: bool, params: Iterable[torch.Tensor] = ()) -> AbstractContextManager:
     """Around a training forward + backward: tensors saved for the backward go to pinned CPU memory and
-    come back asynchronously when the backward needs them.
+    come back asynchronously when the backward needs them, except the weights among `params` (and views
+    of them), which stay where they are: the LM head's weight, saved by the chunked log-probs, would
+    otherwise be copied to the host, [V, H] per micro-batch, for nothing.
 
     With (non-reentrant) gradient checkpointing on, each layer keeps only its input for the backward, so
     what moves to the CPU are those layer inputs and the hidden states of the log-prob head; the layer
@@ -134,4 +136,31 @@ def activation_offload(enabled: bool) -> AbstractContextManager:
     """
     if not enabled:
         return nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    return torch.autograd.graph.saved_tensors_hooks(*offload_hooks(params))
+
+
+def _storage(t: torch.Tensor) -> int:
+    return getattr(t, "_local_tensor", t).untyped_storage().data_ptr()  # an FSDP2 DTensor: its shard
+
+
+def offload_hooks(
+    params: Iterable[torch.Tensor],
+) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+    """`activation_offload`'s pack and unpack hooks: a saved tensor sharing storage with one of `params`
+    is kept as it is (no copy); any other is copied to (pinned, where CUDA is) CPU memory."""
+    keep = {_storage(p) for p in params}
+    pinnable = torch.cuda.is_available()
+
+    def pack(t: torch.Tensor) -> tuple[torch.device | None, torch.Tensor]:
+        if isinstance(t, torch.nn.Parameter) or _storage(t) in keep:
+            return None, t
+        pin = pinnable and not t.is_sparse
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
+        host.copy_(t, non_blocking=pin)
+        return t.device, host
+
+    def unpack(packed: tuple[torch.device | None, torch.Tensor]) -> torch.Tensor:
+        device, t = packed
+        return t if device is None else t.to(device, non_blocking=pinnable)
+
+    return pack, unpack

@@ -26,7 +26,7 @@ from leangrpo.engines.types import (
     eos_token_ids,
     rollout_func_batch,
 )
-from leangrpo.train.rollouts import AsyncRollouts, Generation, Job, Rollout, rollout_seed
+from leangrpo.train.rollouts import AsyncRollouts, Generation, Job, Rollout, Taken, agreed, rollout_seed
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -147,7 +147,8 @@ class RolloutSource:
         itself). Every process syncs its own engine; under FSDP2 they gather the weights together, a shard
         group at a time (`Sharded.engine_weights`)."""
         if self.engine.holds_weights:
-            self.engine.sync_weights(self.unwrapped.lm, self.gen.dist.engine_weights(self.gen.policy))
+            lm, weights = self.unwrapped.lm, self.gen.dist.engine_weights(self.gen.policy)
+            agreed(self.gen.dist.any_process, lambda: self.engine.sync_weights(lm, weights))
 
     def sync_for_eval(self, step: int) -> None:
         """The engine given the weights of the step just trained, before evaluating with it (async: after
@@ -180,10 +181,10 @@ class RolloutSource:
             return self._take(step)
         agent = self.gen.agent
         if agent is not None and agent.rollout_func is not None:
-            return self._rollout_func(self.step_rows(step, round_))
+            return agreed(self.gen.dist.any_process, lambda: self._rollout_func(self.step_rows(step, round_)))
         job = self.job(step, round_)
         with self.generating():
-            rollout = job(self.engine)
+            rollout = agreed(self.gen.dist.any_process, lambda: job(self.engine))
         self.release_memory()
         return rollout
 
@@ -242,7 +243,7 @@ class RolloutSource:
         if self._rollouts is None:
             g, gen = self.cfg.grpo, self.gen
             engine = async_engine(self.engine, self.unwrapped.lm, gen.tokenizer, gen.levers)
-            self._rollouts = AsyncRollouts(engine, g.max_staleness, g.num_iterations)
+            self._rollouts = AsyncRollouts(engine, g.max_staleness, g.num_iterations, self.acc.device)
         return self._rollouts
 
     @property
@@ -260,14 +261,12 @@ class RolloutSource:
     def prefetch_next(self, step: int) -> None:
         """While `step` trains, generate the next step's batch, if the staleness bound allows it."""
         if self.rollouts.ahead and step < self.cfg.optim.max_steps:
-            self.prefetch(step + 1, trained=step - 1)
+            agreed(self.gen.dist.any_process, lambda: self.prefetch(step + 1, trained=step - 1))
 
     def _take(self, step: int) -> Rollout:
         """`step`'s batch from the background thread (generated now if none was ahead: the first step, a
         resumed run's, or a staleness bound below num_iterations), with its async/* metrics."""
-        if self.rollouts.in_flight is None:
-            self.prefetch(step, trained=step - 1)
-        taken = self.rollouts.take(step)
+        taken = agreed(self.gen.dist.any_process, lambda: self._prefetched(step))
         staleness = float((step - 1) * self.cfg.grpo.num_iterations - taken.version)
         assert staleness <= self.cfg.grpo.max_staleness, f"a batch {staleness} optimizer steps stale"
         rollout = taken.rollout
@@ -281,6 +280,11 @@ class RolloutSource:
         })  # fmt: skip
         self.release_memory()
         return rollout
+
+    def _prefetched(self, step: int) -> Taken:
+        if self.rollouts.in_flight is None:
+            self.prefetch(step, trained=step - 1)
+        return self.rollouts.take(step)
 
     # ------------------------------------------------------------------------------ dynamic sampling
 

@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from leangrpo.engines.types import RolloutBatch, RolloutEngine
+from leangrpo.engines.types import EngineError, RolloutBatch, RolloutEngine
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +56,23 @@ Job = Callable[[RolloutEngine], Rollout]
 """Generating one batch with a given engine: what may run in the background thread."""
 
 
+T = TypeVar("T")
+
+
+def agreed(any_process: Callable[[bool], bool], engine_call: Callable[[], T]) -> T:
+    """`engine_call()`, with every process agreeing, before its next collective, whether it failed on
+    any: an `EngineError` on one process is raised on all, so that all take the failure path together
+    (checkpointing the step before, itself through collectives) instead of the others waiting forever in
+    the step's collectives."""
+    try:
+        out, failed = engine_call(), None
+    except EngineError as e:
+        out, failed = None, e
+    if any_process(failed is not None):
+        raise failed or EngineError("the rollout engine of another process failed (its error is in its log)")
+    return out  # type: ignore[return-value]  # None only when failed, which raised
+
+
 def rollout_seed(seed: int, step: int, round_: int, rank: int) -> int:
     """The seed of one rollout's samples: a pure function of the run's seed, the step, dynamic sampling's
     round and the process, like the prompts, so that a batch is the same whichever thread generates it
@@ -87,17 +104,34 @@ def _timed(job: Job, engine: RolloutEngine) -> tuple[Rollout, float]:
     return out, time.perf_counter() - start
 
 
+def _use_device(device: torch.device) -> None:
+    """The background thread's CUDA device: the process's own (a new thread starts on device 0, which on
+    ranks above 0 is another process's GPU)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class AsyncRollouts:
     """One background thread generating with `engine` (which must hold weights of its own: see
-    `engines.registry.async_engine`), the batch in flight, and the weights' version the engine holds."""
+    `engines.registry.async_engine`) on the process's `device`, the batch in flight, and the weights'
+    version the engine holds."""
 
-    def __init__(self, engine: RolloutEngine, max_staleness: int, updates_per_step: int):
+    def __init__(
+        self, engine: RolloutEngine, max_staleness: int, updates_per_step: int, device: torch.device
+    ):
         self.engine = engine
         # a batch generated during an update is `updates_per_step` optimizer steps stale when used
         self.ahead = max_staleness >= updates_per_step
         self.version: int | None = None  # the optimizer step of the engine's weights; None: never synced
         self.in_flight: _InFlight | None = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="leangrpo-rollouts")
+        self._thread = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="leangrpo-rollouts",
+            initializer=_use_device,
+            initargs=(device,),
+        )
 
     def sync(self, model: PreTrainedModel, version: int) -> None:
         """Give the engine `model`'s weights, those after optimizer step `version`, once the batch in

@@ -206,7 +206,7 @@ class Updater:
             last = start + micro >= len(rollout)
             with (
                 self.dist.sync_gradients(policy, sync=last),
-                activation_offload(cfg.model.activation_offload),
+                activation_offload(cfg.model.activation_offload, policy.parameters()),
                 nullcontext() if in_backward is None else in_backward.stepping(),
             ):
                 logp, _, entropy = micro_batch_logprobs(
