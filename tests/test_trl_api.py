@@ -84,7 +84,7 @@ def test_callbacks_state_and_save_model(tmp_path, tiny_model_dir):
         callbacks=[recorder],
     )  # fmt: skip
     output = trainer.train()
-    assert recorder.events == [("log", 2), ("step_end", 2)]  # one generation, two optimizer steps
+    assert recorder.events == [("step_end", 2), ("log", 2)]  # one generation, two optimizer steps
     assert output.global_step == trainer.state.global_step == 2
     assert trainer.state.log_history[0]["rewards/short/mean"] <= 0
     assert "rewards/strict_format_reward/mean" in trainer.state.log_history[0]
@@ -252,3 +252,129 @@ def test_logging_steps_governs_log_history_and_it_survives_a_resume(tmp_path, ti
     resumed.train(resume_from_checkpoint=True)
     assert [row["step"] for row in resumed.state.log_history] == [1, 2, 4]
     assert "rewards/short/mean" in resumed.state.log_history[0]
+
+
+class Order:
+    """A TRL callback that writes the events it sees, with its name, into a shared list."""
+
+    def __init__(self, name: str, seen: list) -> None:
+        self.name, self.seen = name, seen
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append((self.name, "step_end", state.global_step))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.seen.append((self.name, "log", state.global_step))
+
+
+class StopAtTwo:
+    """Asks the run to stop, as a TRL callback does (early stopping)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= 2:
+            control.should_training_stop = True
+
+
+def test_trainer_attributes_and_callback_list(tmp_path, tiny_model_dir):
+    """args, processing_class, model (loaded on first access, then the one trained), accelerator,
+    is_world_process_zero; add/pop/remove_callback with a class or an instance, as transformers."""
+    from transformers import AutoTokenizer, PrinterCallback, ProgressCallback
+
+    from leangrpo import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), report_to="none")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    seen: list = []
+    first = Order("a", seen)
+    trainer = GRPOTrainer(
+        str(tiny_model_dir), "strict_format", args, [{"prompt": "x"}], processing_class=tokenizer,
+        callbacks=[first, Recorder],
+    )  # fmt: skip
+    assert trainer.args is args and trainer.processing_class is tokenizer
+    assert trainer.is_world_process_zero() and trainer.accelerator.is_main_process
+    model = trainer.model
+    assert model is trainer.model and model is trainer._extras.model  # the object train() will train
+    assert model.config.num_hidden_layers >= 1
+    assert trainer.callbacks[0] is first and isinstance(trainer.callbacks[1], Recorder)
+    trainer.add_callback(PrinterCallback)
+    assert isinstance(trainer.callbacks[-1], PrinterCallback)
+    assert isinstance(trainer.pop_callback(PrinterCallback), PrinterCallback)
+    assert trainer.pop_callback(PrinterCallback) is None
+    trainer.remove_callback(Order)
+    trainer.remove_callback(ProgressCallback)  # a class not there: nothing
+    assert [type(cb) for cb in trainer.callbacks] == [Recorder]
+    with pytest.raises(ValueError):
+        trainer.remove_callback(first)
+    assert trainer.pop_callback(trainer.callbacks[0]) is not None and trainer.callbacks == []
+
+
+def short(completions, **kwargs):
+    return [-float(len(c)) for c in completions]
+
+
+def _two_step_trainer(run: Path, tiny_model_dir: Path, **kwargs):
+    from leangrpo import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=str(run), max_steps=kwargs.pop("max_steps", 2), logging_steps=1,
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=4, report_to="none",
+        save_steps=100,
+    )  # fmt: skip
+    return GRPOTrainer(str(tiny_model_dir), short, args, [{"prompt": "Hi"}, {"prompt": "Yo"}], **kwargs)
+
+
+def test_callbacks_in_order_and_should_training_stop(tmp_path, tiny_model_dir):
+    """Callbacks in the order given, on_step_end before on_log (transformers); should_training_stop ends
+    the run after its step as a normal end: its checkpoint and the final model."""
+    run, seen = tmp_path / "run", []
+    callbacks = [Order("a", seen), StopAtTwo, Order("b", seen)]
+    trainer = _two_step_trainer(run, tiny_model_dir, max_steps=4, callbacks=callbacks)
+    output = trainer.train()
+    assert output.global_step == trainer.state.global_step == 2
+    assert seen == [
+        (name, event, step) for step in (1, 2) for event in ("step_end", "log") for name in ("a", "b")
+    ]
+    assert (run / "checkpoint-2").is_dir() and (run / "model" / "config.json").is_file()
+    assert not (run / "checkpoint-3").exists()
+
+
+def test_train_output_metrics_log_save_metrics_and_state(tmp_path, tiny_model_dir, capsys):
+    """TrainOutput.metrics as transformers fills them; log_metrics, save_metrics and save_state write
+    what transformers writes."""
+    run = tmp_path / "run"
+    trainer = _two_step_trainer(run, tiny_model_dir)
+    output = trainer.train()
+    metrics = output.metrics
+    assert set(metrics) == {
+        "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss",
+        "epoch",
+    }  # fmt: skip
+    assert metrics["train_loss"] == output.training_loss and metrics["epoch"] == pytest.approx(1.0)
+    assert metrics["train_steps_per_second"] > 0 and metrics["total_flos"] == 0
+    trainer.log_metrics("train", metrics)
+    assert "***** train metrics *****" in capsys.readouterr().out
+    trainer.save_metrics("train", metrics)
+    trainer.save_metrics("eval", {"eval_reward": 1.0})
+    assert json.loads((run / "train_results.json").read_text()) == metrics
+    assert json.loads((run / "all_results.json").read_text()) == {**metrics, "eval_reward": 1.0}
+    trainer.save_state()
+    state = json.loads((run / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and [row["step"] for row in state["log_history"]] == [1, 2]
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")
+def test_save_model_puts_a_lora_adapter_at_the_top_level(tmp_path, tiny_model_dir):
+    """As TRL: `PeftModel.from_pretrained(base, out)` loads what save_model(out) wrote; the merged model
+    is in out/merged/; trainer.model is the trained peft model."""
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    trainer = _two_step_trainer(tmp_path / "run", tiny_model_dir, peft_config=lora)
+    trainer.train()
+    assert isinstance(trainer.model, PeftModel)
+    out = tmp_path / "saved"
+    trainer.save_model(str(out))
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(out))
+    assert (out / "merged" / "config.json").is_file() and not (out / "config.json").exists()

@@ -8,12 +8,13 @@ callables, datasets in memory, a loaded model, callbacks) reaches the trainer as
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.commands.report import write_report_after_training
@@ -26,6 +27,7 @@ from leangrpo.train.extras import RuntimeExtras
 
 if TYPE_CHECKING:
     from leangrpo.engines.agents import AgentSpec
+    from leangrpo.train.trainer import Trainer
 
 logger = logging.getLogger("leangrpo.commands.trl_api")
 
@@ -71,6 +73,26 @@ class TrainerState:
     max_steps: int = 0
     epoch: float = 0.0
     log_history: list[dict[str, Any]] = field(default_factory=list)
+    total_flos: float = 0.0
+    is_world_process_zero: bool = True
+
+    def save_to_json(self, json_path: str | Path) -> None:
+        """As transformers' `TrainerState.save_to_json`."""
+        text = json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        Path(json_path).write_text(text, encoding="utf-8")
+
+
+@dataclass
+class TrainerControl:
+    """transformers' `TrainerControl`: what a callback asks of the loop. `should_training_stop` ends the
+    run after the step (its checkpoint and final model saved, as a normal end); the rest are read as
+    leangrpo's own schedules say."""
+
+    should_training_stop: bool = False
+    should_epoch_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+    should_log: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,36 +176,150 @@ class GRPOTrainer:
             raise UserError("GRPOTrainer: " + "\n".join(problems))
         self.cfg: Config = validate_config(nested or {}, "GRPOConfig")
         _bound_tools(self._agent, self.cfg, bool(tools) or environment_factory is not None)
-        self.callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks or []]
-        self.state = TrainerState(max_steps=self.cfg.optim.max_steps * self.cfg.grpo.num_iterations)
-        self._final: Path | None = None
-        self._earlier: list[dict[str, Any]] | None = None  # a resumed run's rows, until its first step
         self._extras = RuntimeExtras(reward_funcs=functions, step_hooks=(self._on_step,), **extras)
+        self._init_state(callbacks or [])
 
-    def _on_step(self, step: int, metrics: dict[str, Any], logged: bool) -> None:
-        """After each step: the state a TRL callback expects, then, when the step's row was logged
-        (`logging_steps`), its log_history row and on_log; then on_step_end. A resumed run's first step
-        puts the earlier steps' rows (its metrics.jsonl) first."""
+    def _init_state(self, callbacks: list[Any]) -> None:
+        """The callbacks, state and control a transformers Trainer holds, and what train() keeps."""
+        self.callbacks: list[Any] = []
+        for callback in callbacks:
+            self.add_callback(callback)
+        self.state = TrainerState(max_steps=self.cfg.optim.max_steps * self.cfg.grpo.num_iterations)
+        self.control = TrainerControl()
+        self._final: Path | None = None
+        self._run: Trainer | None = None  # the last train()'s trainer: its policy, tokenizer, accelerator
+        self._accelerator: Any = None
+        self._earlier: list[dict[str, Any]] | None = None  # a resumed run's rows, until its first step
+        self._losses: list[float] = []  # each step's loss in this train(), for train_loss
+
+    # ------------------------------------------------------------------ what TRL's GRPOTrainer exposes
+
+    @property
+    def model(self) -> Any:
+        """The policy model: after train(), the trained one (a peft model with LoRA, as TRL's); before, the
+        model given, or the base model loaded from its name on first access (then trained in place)."""
+        if self._run is not None:
+            return self._run.unwrapped.lm
+        if self._extras.model is None:
+            from leangrpo.models.load import load_base, resolve_model_path
+
+            base = load_base(resolve_model_path(self.cfg.model.name_or_path), self.cfg.model)
+            self._extras = replace(self._extras, model=base)
+        return self._extras.model
+
+    @property
+    def processing_class(self) -> Any:
+        """The tokenizer: the one given, or the model's own (loaded on first access, then used by the run)."""
+        if self._run is not None:
+            return self._run.tokenizer
+        if self._extras.tokenizer is None:
+            from leangrpo.models.load import load_tokenizer, resolve_model_path
+
+            path = resolve_model_path(self.cfg.model.name_or_path)
+            self._extras = replace(
+                self._extras, tokenizer=load_tokenizer(path, self.cfg.model.trust_remote_code)
+            )
+        return self._extras.tokenizer
+
+    @property
+    def accelerator(self) -> Any:
+        """The run's `accelerate.Accelerator` (before train(), one made as the run makes it)."""
+        if self._run is not None:
+            return self._run.acc
+        if self._accelerator is None:
+            import torch
+            from accelerate import Accelerator
+
+            self._accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
+        return self._accelerator
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this is the main process of the (multi-machine) run."""
+        from accelerate import PartialState
+
+        return PartialState().is_main_process
+
+    def is_local_process_zero(self) -> bool:
+        from accelerate import PartialState
+
+        return PartialState().is_local_main_process
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a callback (a class is instantiated), called after those already there."""
+        instance = callback() if isinstance(callback, type) else callback
+        if type(instance) in [type(cb) for cb in self.callbacks]:
+            logger.warning(f"a {type(instance).__name__} callback is already there; adding another")
+        self.callbacks.append(instance)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove and return the first callback of a class, or the instance given (None when absent)."""
+        for cb in self.callbacks:
+            if isinstance(cb, callback) if isinstance(callback, type) else cb == callback:
+                self.callbacks.remove(cb)
+                return cb
+        return None
+
+    def remove_callback(self, callback: Any) -> None:
+        """Remove the first callback of a class (none there: nothing), or the instance given (ValueError
+        when absent), as transformers."""
+        if isinstance(callback, type):
+            self.pop_callback(callback)
+        else:
+            self.callbacks.remove(callback)
+
+    # ------------------------------------------------------------------------------------ callbacks
+
+    def _on_step(self, step: int, metrics: dict[str, Any], logged: bool) -> bool:
+        """After each step: the state a TRL callback expects, then on_step_end and, when the step's row
+        was logged (`logging_steps`), its log_history row and on_log, in transformers' order. A resumed
+        run's first step puts the earlier steps' rows (its metrics.jsonl) first. Returns
+        `control.should_training_stop`: True ends the run after this step."""
         iterations = self.cfg.grpo.num_iterations
         self.state.global_step = step * iterations
+        self.state.epoch = self._epoch(self.state.global_step)
+        if isinstance(loss := metrics.get("loss"), int | float):
+            self._losses.append(float(loss))
         if self._earlier is not None:
             self.state.log_history = [r for r in self._earlier if r["step"] < self.state.global_step]
             self._earlier = None
+        self.control.should_log = self.control.should_save = self.control.should_evaluate = False
+        self._call("on_step_end")
         if logged:
             logs = {k: v for k, v in metrics.items() if k != "step"}
             self.state.log_history.append({**logs, "step": self.state.global_step})
             self._call("on_log", logs=logs)
-        self._call("on_step_end")
+        return self.control.should_training_stop
 
     def _call(self, event: str, **kwargs: Any) -> None:
-        control = SimpleNamespace(should_training_stop=False, should_log=False, should_save=False)
+        """`event` on every callback, in order; one returning a control replaces it (transformers)."""
         for callback in self.callbacks:
             if hasattr(callback, event):
-                getattr(callback, event)(self.args, self.state, control, **kwargs)
+                done = getattr(callback, event)(self.args, self.state, self.control, **kwargs)
+                self.control = self.control if done is None else done
+
+    def _epoch(self, global_step: int) -> float:
+        """Epochs done after `global_step` optimizer steps: each prompt seen once by its num_generations
+        completions and their num_iterations updates, as TRL's repeat sampler counts them."""
+        rows = self._extras.train_rows
+        per_epoch = len(rows) if isinstance(rows, list) else 0
+        per_epoch *= self.cfg.grpo.num_generations * self.cfg.grpo.num_iterations
+        return global_step * self._total_batch() / per_epoch if per_epoch else 0.0
+
+    def _total_batch(self) -> int:
+        """Completions per optimizer step over every process (transformers' total_train_batch_size)."""
+        optim = self.cfg.optim
+        return (
+            optim.per_device_train_batch_size
+            * optim.gradient_accumulation_steps
+            * self.accelerator.num_processes
+        )
+
+    # ---------------------------------------------------------------------------------------- train
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **_: Any) -> TrainOutput:
         """Train (or with `resume_from_checkpoint` True or a path, continue the run from its last complete
-        checkpoint); an earlier run in output_dir is replaced, as TRL writes over it."""
+        checkpoint); an earlier run in output_dir is replaced, as TRL writes over it. `metrics` as
+        transformers fills them (total_flos: 0, not counted)."""
         from leangrpo.train.trainer import Trainer, run
 
         cfg = self.cfg
@@ -194,23 +330,83 @@ class GRPOTrainer:
         resume = bool(resume_from_checkpoint)
         if resume:
             self._earlier = _logged_rows(Path(cfg.output_dir), cfg.grpo.num_iterations)
+        start, self._losses = time.time(), []
         trainer = Trainer(cfg, overwrite=not resume, resume=resume, agent=self._agent, extras=self._extras)
+        self._run, self.control = trainer, TrainerControl()
+        first = trainer.start_step * cfg.grpo.num_iterations
+        self.state.is_world_process_zero = trainer.is_main
         self._call("on_train_begin")
         self._final = run(trainer)  # the CLI's run and teardown
         if trainer.is_main:  # a signal stops train() with Stopped
             write_report_after_training(Path(cfg.output_dir), print)
         self._call("on_train_end")
-        losses = [row["loss"] for row in self.state.log_history if "loss" in row]
-        return TrainOutput(self.state.global_step, sum(losses) / max(len(losses), 1), {})
+        steps = self.state.global_step - first
+        train_loss = sum(self._losses) / max(len(self._losses), 1)
+        metrics = _speed_metrics(start, steps * self._total_batch(), steps)
+        metrics.update(total_flos=self.state.total_flos, train_loss=train_loss, epoch=self.state.epoch)
+        return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    # ---------------------------------------------------------------------------------- saving
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """Copy the trained model (the run's `model/`: merged weights, and `adapter/` for LoRA) to
-        `output_dir` (default: args.output_dir)."""
+        """The trained model in `output_dir` (default: args.output_dir), in TRL's layout: the weights and
+        tokenizer at the top level; for LoRA the adapter there (`PeftModel.from_pretrained(base, dir)`), and
+        the merged model in `merged/` (at the top level, transformers would load the adapter's base)."""
         if self._final is None:
             raise UserError("save_model: nothing trained yet (call train() first)")
         out = Path(output_dir or self.cfg.output_dir)
-        if out.resolve() != self._final.resolve():
+        if out.resolve() == self._final.resolve():
+            return
+        adapter = self._final / "adapter"
+        if not adapter.is_dir():
             shutil.copytree(self._final, out, dirs_exist_ok=True)
+            return
+        shutil.copytree(adapter, out, dirs_exist_ok=True)
+        ignore = shutil.ignore_patterns("adapter")
+        shutil.copytree(self._final, out / "merged", ignore=ignore, dirs_exist_ok=True)
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Print `metrics` as transformers does (main process only)."""
+        if not self.is_world_process_zero():
+            return
+        from transformers.trainer_pt_utils import metrics_format
+
+        shown = metrics_format(metrics)
+        print(f"***** {split} metrics *****")
+        width = max((len(key) for key in shown), default=0)
+        value_width = max((len(str(v)) for v in shown.values()), default=0)
+        for key in sorted(shown):
+            print(f"  {key: <{width}} = {shown[key]:>{value_width}}")
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """`{split}_results.json` in args.output_dir and, with `combined`, `metrics` merged into its
+        `all_results.json` (main process only), as transformers."""
+        if not self.is_world_process_zero():
+            return
+        out = Path(self.cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{split}_results.json").write_text(json.dumps(metrics, indent=4, sort_keys=True))
+        if combined:
+            path = out / "all_results.json"
+            everything = json.loads(path.read_text()) if path.is_file() else {}
+            everything.update(metrics)
+            path.write_text(json.dumps(everything, indent=4, sort_keys=True))
+
+    def save_state(self) -> None:
+        """`trainer_state.json` (global_step, log_history, ...) in args.output_dir (main process only)."""
+        if self.is_world_process_zero():
+            Path(self.cfg.output_dir).mkdir(parents=True, exist_ok=True)
+            self.state.save_to_json(Path(self.cfg.output_dir) / "trainer_state.json")
+
+
+def _speed_metrics(start: float, samples: int, steps: int) -> dict[str, Any]:
+    """transformers' `speed_metrics("train", ...)`: the run's seconds, samples and steps per second."""
+    runtime = time.time() - start
+    out: dict[str, Any] = {"train_runtime": round(runtime, 4)}
+    if runtime:
+        out["train_samples_per_second"] = round(samples / runtime, 3)
+        out["train_steps_per_second"] = round(steps / runtime, 3)
+    return out
 
 
 def _logged_rows(run_dir: Path, iterations: int) -> list[dict[str, Any]]:

@@ -13,9 +13,10 @@ if TYPE_CHECKING:
 
     from leangrpo.data.rewards import RewardFunc
 
-StepHook = Callable[[int, dict[str, Any], bool], None]
+StepHook = Callable[[int, dict[str, Any], bool], "bool | None"]
 """Called on the main process after each step with the step number, its metrics and whether they were
-logged (`logging.logging_steps`)."""
+logged (`logging.logging_steps`); returning True ends the run after this step, as a normal end (its
+checkpoint, then the final model: TRL's `control.should_training_stop`)."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from leangrpo.train.rollouts import Rollout
     from leangrpo.train.update import Reference, Update
 
-StepHook = Callable[[int, dict[str, Any], bool], None]
+StepHook = Callable[[int, dict[str, Any], bool], "bool | None"]
 
 
 class PhaseTimer:
@@ -60,6 +60,7 @@ class StepRecorder:
     ):
         self.cfg, self.acc, self.logger, self.task = cfg, acc, logger, task
         self.uses_tools, self.hooks = uses_tools, hooks
+        self.ends_run = False  # a step hook asked to end the run after its step (main process)
 
     def record(
         self,
@@ -107,7 +108,8 @@ class StepRecorder:
         return metrics
 
     def _log(self, step: int, rollout: Rollout, scores: RewardScores, metrics: dict[str, Any]) -> None:
-        """On the main process: a sample completion and the metrics row when due, then the step hooks."""
+        """On the main process: a sample completion and the metrics row when due, then the step hooks
+        (every one, in order; any returning True ends the run after this step: `ends_run`)."""
         if not self.acc.is_main_process:
             return
         cfg = self.cfg
@@ -119,8 +121,8 @@ class StepRecorder:
         logged = due(step, step_interval(cfg.logging.logging_steps, cfg.optim.max_steps))
         if logged:
             self.logger.log(metrics)
-        for hook in self.hooks:
-            hook(step, metrics, logged)
+        ends = [hook(step, metrics, logged) for hook in self.hooks]
+        self.ends_run = any(ends)
 
     def _mismatch_metrics(self, mismatch: grpo.SamplerMismatch | None) -> dict[str, float]:
         """vllm/*, over every process's engine (the largest gap, the mean of the rest): a process whose

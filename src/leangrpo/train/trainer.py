@@ -167,9 +167,7 @@ class Trainer:
             shared_prompt_group(model, micro, g.num_generations) if g.share_prompt else (1, None)
         )
         if why_not:
-            self._write(
-                f"grpo.share_prompt: off, {why_not}; each completion reads its own copy of the prompt"
-            )
+            self._write(f"grpo.share_prompt: off, {why_not}; each completion reads its own prompt copy")
         return model
 
     def _build_optimizer(self) -> Optimization:
@@ -261,7 +259,7 @@ class Trainer:
 
     def _steps(self) -> None:
         """Every step left, each followed by its evaluation and checkpoint when due; a stop asked for, or
-        too many non-finite steps in a row, ends the run after a checkpoint."""
+        too many non-finite steps in a row, ends the run after a checkpoint (a step hook's end: normally)."""
         from tqdm import tqdm
 
         cfg, max_steps = self.cfg, self.cfg.optim.max_steps
@@ -284,10 +282,10 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
                 self.maybe_evaluate(step)
-                stop = self.dist.any_process(self.signals.requested)
+                stop, ends = map(self.dist.any_process, (self.signals.requested, self.recorder.ends_run))
                 in_a_row = self.updater.nonfinite_in_a_row
                 diverged = in_a_row >= cfg.optim.max_nonfinite_steps
-                if stop or diverged or self.checkpoints.due(step):
+                if stop or ends or diverged or self.checkpoints.due(step):
                     ckpt = self.save_checkpoint(step)
                 if diverged:
                     raise TrainingError(
@@ -299,6 +297,8 @@ class Trainer:
                     raise self.signals.stopped(
                         f"stopped at step {step}; resume with: leangrpo train --resume {self.run_dir}"
                     )
+                if ends:
+                    break
 
     def save_checkpoint(self, step: int, rng: dict[str, Any] | None = None) -> Path:
         """`checkpoint-{step}` of the weights, states and counters now (`rng`: the RNG state to record
