@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -24,10 +24,9 @@ if TYPE_CHECKING:
     from leangrpo.data.rewards import RewardScores
     from leangrpo.data.tasks import Task
     from leangrpo.run.tracking import MetricsLogger
+    from leangrpo.train.extras import StepHook
     from leangrpo.train.rollouts import Rollout
     from leangrpo.train.update import Reference, Update
-
-StepHook = Callable[[int, dict[str, Any], bool], "bool | None"]
 
 
 class PhaseTimer:
