@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -167,3 +168,23 @@ def test_train_through_the_server_then_it_dies(server, tmp_path, model_dir, gsm8
     for r in rows:
         assert r["time/sync"] > 0 and r["vllm/logprob_diff_max"] < 1e-3, r
     assert rows[0]["grad_norm"] > 0
+
+
+def test_every_route_needs_the_key_and_load_weights_refuses_other_paths(tmp_path):
+    """Through the app itself (fastapi: vLLM's dependency, so here in .venv-vllm)."""
+    from fastapi.testclient import TestClient
+
+    from leangrpo.engines.vllm_server import Served, build_app
+
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(model_config=SimpleNamespace(max_model_len=64, hf_config=None))
+    )
+    client = TestClient(build_app(Served("m", llm, 1, tmp_path), api_key="k3y"))
+    for method, route in [("GET", "/health"), ("GET", "/model_info"), ("POST", "/load_weights"),
+                          ("POST", "/v1/completions"), ("GET", "/docs")]:  # fmt: skip
+        assert client.request(method, route).status_code == 401, route
+    keyed = {"Authorization": "Bearer k3y"}
+    assert client.get("/health", headers=keyed).json() == {"status": "ok"}
+    assert client.get("/model_info", headers=keyed).json()["weights_dir"] == str(tmp_path)
+    refused = client.post("/load_weights", json={"path": "/etc/passwd"}, headers=keyed)
+    assert refused.status_code == 500 and refused.json()["detail"].startswith("/load_weights reads only")
