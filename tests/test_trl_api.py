@@ -378,3 +378,19 @@ def test_save_model_puts_a_lora_adapter_at_the_top_level(tmp_path, tiny_model_di
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(out))
     assert (out / "merged" / "config.json").is_file() and not (out / "config.json").exists()
+
+
+def test_save_state_leaves_the_run_readable_as_a_run(tmp_path, tiny_model_dir):
+    """`save_state()` writes trainer_state.json at the run's top, where a checkpoint keeps its own: the run
+    is still a run (eval, chat and export find its final model), and the file is the run's (claimed)."""
+    from leangrpo.run.rundir import MANIFEST
+    from leangrpo.run.trained import locate
+
+    run = tmp_path / "run"
+    trainer = _two_step_trainer(run, tiny_model_dir)
+    trainer.train()
+    trainer.save_state()
+    trainer.save_metrics("train", {"train_loss": 1.0})
+    found = locate(run)
+    assert found is not None and found.full == run / "model" and found.run_dir == run
+    assert {"trainer_state.json", "train_results.json"} <= set((run / MANIFEST).read_text().splitlines())

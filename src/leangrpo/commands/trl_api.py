@@ -78,8 +78,9 @@ class TrainerState:
 
     def save_to_json(self, json_path: str | Path) -> None:
         """As transformers' `TrainerState.save_to_json`."""
-        text = json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
-        Path(json_path).write_text(text, encoding="utf-8")
+        from leangrpo.run.rundir import write_text_atomic
+
+        write_text_atomic(Path(json_path), json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
 
 
 @dataclass
@@ -380,23 +381,33 @@ class GRPOTrainer:
 
     def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
         """`{split}_results.json` in args.output_dir and, with `combined`, `metrics` merged into its
-        `all_results.json` (main process only), as transformers."""
+        `all_results.json` (main process only), as transformers; the run's own files from then on."""
         if not self.is_world_process_zero():
             return
         out = Path(self.cfg.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{split}_results.json").write_text(json.dumps(metrics, indent=4, sort_keys=True))
+        self._write(out, f"{split}_results.json", metrics)
         if combined:
-            path = out / "all_results.json"
-            everything = json.loads(path.read_text()) if path.is_file() else {}
-            everything.update(metrics)
-            path.write_text(json.dumps(everything, indent=4, sort_keys=True))
+            try:
+                everything = json.loads((out / "all_results.json").read_text())
+            except (OSError, ValueError):
+                everything = None
+            earlier = everything if isinstance(everything, dict) else {}
+            self._write(out, "all_results.json", {**earlier, **metrics})
 
     def save_state(self) -> None:
         """`trainer_state.json` (global_step, log_history, ...) in args.output_dir (main process only)."""
         if self.is_world_process_zero():
-            Path(self.cfg.output_dir).mkdir(parents=True, exist_ok=True)
-            self.state.save_to_json(Path(self.cfg.output_dir) / "trainer_state.json")
+            self._write(Path(self.cfg.output_dir), "trainer_state.json", asdict(self.state), indent=2)
+
+    @staticmethod
+    def _write(out: Path, name: str, data: dict[str, Any], indent: int = 4) -> None:
+        """One JSON file of the run's, written whole (never half) and claimed in its manifest, so that
+        `--overwrite` moves it with the run."""
+        from leangrpo.run.rundir import claim, write_text_atomic
+
+        out.mkdir(parents=True, exist_ok=True)
+        claim(out, name)
+        write_text_atomic(out / name, json.dumps(data, indent=indent, sort_keys=True) + "\n")
 
 
 def _speed_metrics(start: float, samples: int, steps: int) -> dict[str, Any]:

@@ -48,7 +48,7 @@ def locate(source: str | Path) -> Trained | None:
     a run directory means its final `model/`, else its last complete checkpoint; a checkpoint or a
     leangrpo export means itself. None for anything else (a model directory, hub id or .gguf)."""
     from .checkpoint import STATE_FILE, corruption, last_good_checkpoint, read_state
-    from .rundir import is_run_dir
+    from .rundir import MANIFEST, is_run_dir
 
     path = Path(source).expanduser()
     if (path / EXPORT_INFO).is_file():
@@ -56,7 +56,7 @@ def locate(source: str | Path) -> Trained | None:
         adapter = info["format"] == "peft adapter"
         return Trained(path, None if adapter else path, path if adapter else None, info["config"],
                        info["step"], None)  # fmt: skip
-    if (path / STATE_FILE).is_file():
+    if (path / STATE_FILE).is_file() and not (path / MANIFEST).is_file():  # a run's own: save_state()'s
         ckpt, run_dir = path, path.parent
         if problem := corruption(ckpt):
             raise ModelError(problem)
