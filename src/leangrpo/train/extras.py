@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Flag, auto
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -13,10 +14,21 @@ if TYPE_CHECKING:
 
     from leangrpo.data.rewards import RewardFunc
 
-StepHook = Callable[[int, dict[str, Any], bool], "bool | None"]
+
+class StepAsk(Flag):
+    """What a step hook asks of the run after its step: END it, as a normal end (its checkpoint, then the
+    final model: TRL's `control.should_training_stop`), or save a CHECKPOINT of it now (`should_save`)."""
+
+    END = auto()
+    CHECKPOINT = auto()
+
+
+StepHook = Callable[[int, dict[str, Any], bool], "StepAsk | bool | None"]
 """Called on the main process after each step with the step number, its metrics and whether they were
-logged (`logging.logging_steps`); returning True ends the run after this step, as a normal end (its
-checkpoint, then the final model: TRL's `control.should_training_stop`)."""
+logged (`logging.logging_steps`); returns what it asks of the run (True: `StepAsk.END`)."""
+
+StepBeginHook = Callable[[int], None]
+"""Called on the main process before each step with its number (TRL's `on_step_begin`)."""
 
 
 @dataclass(frozen=True)
@@ -32,3 +44,4 @@ class RuntimeExtras:
     tokenizer: PreTrainedTokenizerBase | None = None
     """Its tokenizer, used instead of loading the model's own."""
     step_hooks: Sequence[StepHook] = ()
+    step_begin_hooks: Sequence[StepBeginHook] = ()

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +16,7 @@ from leangrpo.config.schema import step_interval
 from leangrpo.core import grpo
 from leangrpo.engines.tools import ToolUse
 from leangrpo.run.tracking import peak_memory_mb
+from leangrpo.train.extras import StepAsk
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from leangrpo.data.rewards import RewardScores
     from leangrpo.data.tasks import Task
     from leangrpo.run.tracking import MetricsLogger
-    from leangrpo.train.extras import StepHook
+    from leangrpo.train.extras import RuntimeExtras
     from leangrpo.train.rollouts import Rollout
     from leangrpo.train.update import Reference, Update
 
@@ -55,11 +56,28 @@ class StepRecorder:
         logger: MetricsLogger,
         task: Task,
         uses_tools: bool,
-        hooks: Sequence[StepHook],
+        extras: RuntimeExtras,
     ):
+        """`extras`: the Python caller's step hooks (before and after each step)."""
         self.cfg, self.acc, self.logger, self.task = cfg, acc, logger, task
-        self.uses_tools, self.hooks = uses_tools, hooks
-        self.ends_run = False  # a step hook asked to end the run after its step (main process)
+        self.uses_tools, self.hooks, self.begin_hooks = uses_tools, extras.step_hooks, extras.step_begin_hooks
+        self.asks = StepAsk(0)  # what the step hooks asked of the run after their step (main process)
+
+    @property
+    def ends_run(self) -> bool:
+        """A step hook asked to end the run after its step."""
+        return StepAsk.END in self.asks
+
+    @property
+    def asked(self) -> tuple[bool, bool]:
+        """Whether a step hook asked to end the run, and to checkpoint the step (main process)."""
+        return self.ends_run, StepAsk.CHECKPOINT in self.asks
+
+    def begin(self, step: int) -> None:
+        """Before `step`: the step-begin hooks, on the main process."""
+        if self.acc.is_main_process:
+            for hook in self.begin_hooks:
+                hook(step)
 
     def record(
         self,
@@ -108,7 +126,7 @@ class StepRecorder:
 
     def _log(self, step: int, rollout: Rollout, scores: RewardScores, metrics: dict[str, Any]) -> None:
         """On the main process: a sample completion and the metrics row when due, then the step hooks
-        (every one, in order; any returning True ends the run after this step: `ends_run`)."""
+        (every one, in order; what any asks is `asks`: True ends the run after this step)."""
         if not self.acc.is_main_process:
             return
         cfg = self.cfg
@@ -120,8 +138,10 @@ class StepRecorder:
         logged = due(step, step_interval(cfg.logging.logging_steps, cfg.optim.max_steps))
         if logged:
             self.logger.log(metrics)
-        ends = [hook(step, metrics, logged) for hook in self.hooks]
-        self.ends_run = any(ends)
+        self.asks = StepAsk(0)
+        for hook in self.hooks:
+            asked = hook(step, metrics, logged)
+            self.asks |= StepAsk.END if asked is True else asked or StepAsk(0)
 
     def _mismatch_metrics(self, mismatch: grpo.SamplerMismatch | None) -> dict[str, float]:
         """vllm/*, over every process's engine (the largest gap, the mean of the rest): a process whose

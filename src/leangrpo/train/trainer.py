@@ -128,8 +128,7 @@ class Trainer:
             skipped=(state.get("skipped_steps", 0), state.get("nonfinite_in_a_row", 0)),
         )  # fmt: skip
         uses_tools = self.agent is not None and self.agent.uses_tools
-        hooks = self.extras.step_hooks
-        self.recorder = StepRecorder(self.cfg, self.acc, self.logger, self.task, uses_tools, hooks)
+        self.recorder = StepRecorder(self.cfg, self.acc, self.logger, self.task, uses_tools, self.extras)
 
     def _load_data(self, cfg: Config) -> Config:
         """The task, its reward functions and the training rows (and the cold start's); returns `cfg`
@@ -270,6 +269,7 @@ class Trainer:
         with bar, self.signals:
             for step in range(self.start_step + 1, max_steps + 1):
                 rng = rng_state()  # what a checkpoint of the step before holds, should this one be dropped
+                self.recorder.begin(step)
                 try:
                     metrics = self.step(step)
                 except (EngineError, RewardsAbandoned) as e:  # before the step's update: keep the last one's
@@ -282,10 +282,10 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", loss=f"{metrics['loss']:.4f}")
                 self.maybe_evaluate(step)
-                stop, ends = map(self.dist.any_process, (self.signals.requested, self.recorder.ends_run))
+                stop, ends, asked = map(self.dist.any_process, (self.signals.requested, *self.recorder.asked))
                 in_a_row = self.updater.nonfinite_in_a_row
                 diverged = in_a_row >= cfg.optim.max_nonfinite_steps
-                if stop or ends or diverged or self.checkpoints.due(step):
+                if stop or ends or asked or diverged or self.checkpoints.due(step):
                     ckpt = self.save_checkpoint(step)
                 if diverged:
                     raise TrainingError(
