@@ -49,7 +49,7 @@ def test_trl_quickstart_trains_with_only_the_import_changed(tmp_path, tiny_model
     )
     assert done.returncode == 0, done.stderr[-3000:]
     log = json.loads(done.stdout.split("LOG ", 1)[1])
-    assert [row["step"] for row in log] == [1]  # logging_steps 10, TRL's default; leangrpo logs step 1
+    assert [row["step"] for row in log] == [1, 2]  # logging_steps 10 (TRL's): step 1, then the summary
     assert {"rewards/reward_len/mean", "rewards/reward_len/std", "completions/mean_length"} <= log[0].keys()
     assert (out / "model" / "config.json").is_file()
 
@@ -61,8 +61,7 @@ class Recorder:
         self.events: list[tuple[str, int]] = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self.events.append(("log", state.global_step))
-        assert "reward" in logs
+        self.events.append(("log" if "reward" in logs else "summary", state.global_step))
 
     def on_step_end(self, args, state, control, **kwargs):
         self.events.append(("step_end", state.global_step))
@@ -84,7 +83,7 @@ def test_callbacks_state_and_save_model(tmp_path, tiny_model_dir):
         callbacks=[recorder],
     )  # fmt: skip
     output = trainer.train()
-    assert recorder.events == [("step_end", 2), ("log", 2)]  # one generation, two optimizer steps
+    assert recorder.events == [("step_end", 2), ("log", 2), ("summary", 2)]  # one generation, 2 updates
     assert output.global_step == trainer.state.global_step == 2
     assert trainer.state.log_history[0]["rewards/short/mean"] <= 0
     assert "rewards/strict_format_reward/mean" in trainer.state.log_history[0]
@@ -238,7 +237,7 @@ def test_logging_steps_governs_log_history_and_it_survives_a_resume(tmp_path, ti
     args = GRPOConfig(max_steps=3, logging_steps=2, **common)
     trainer = GRPOTrainer(str(tiny_model_dir), short, args, rows, callbacks=[recorder])
     trainer.train()
-    assert [row["step"] for row in trainer.state.log_history] == [1, 2]
+    assert [row["step"] for row in trainer.state.log_history] == [1, 2, 3]  # 3: the summary row
     assert [e for e in recorder.events if e[0] == "log"] == [("log", 1), ("log", 2)]
     assert [e for e in recorder.events if e[0] == "step_end"] == [
         ("step_end", 1),
@@ -250,7 +249,7 @@ def test_logging_steps_governs_log_history_and_it_survives_a_resume(tmp_path, ti
         str(tiny_model_dir), short, GRPOConfig(max_steps=4, logging_steps=1, **common), rows
     )
     resumed.train(resume_from_checkpoint=True)
-    assert [row["step"] for row in resumed.state.log_history] == [1, 2, 4]
+    assert [row["step"] for row in resumed.state.log_history] == [1, 2, 4, 4]
     assert "rewards/short/mean" in resumed.state.log_history[0]
 
 
@@ -331,9 +330,8 @@ def test_callbacks_in_order_and_should_training_stop(tmp_path, tiny_model_dir):
     trainer = _two_step_trainer(run, tiny_model_dir, max_steps=4, callbacks=callbacks)
     output = trainer.train()
     assert output.global_step == trainer.state.global_step == 2
-    assert seen == [
-        (name, event, step) for step in (1, 2) for event in ("step_end", "log") for name in ("a", "b")
-    ]
+    steps = [(name, event, step) for step in (1, 2) for event in ("step_end", "log") for name in ("a", "b")]
+    assert seen == steps + [("a", "log", 2), ("b", "log", 2)]  # then the summary row's on_log
     assert (run / "checkpoint-2").is_dir() and (run / "model" / "config.json").is_file()
     assert not (run / "checkpoint-3").exists()
 
@@ -359,7 +357,7 @@ def test_train_output_metrics_log_save_metrics_and_state(tmp_path, tiny_model_di
     assert json.loads((run / "all_results.json").read_text()) == {**metrics, "eval_reward": 1.0}
     trainer.save_state()
     state = json.loads((run / "trainer_state.json").read_text())
-    assert state["global_step"] == 2 and [row["step"] for row in state["log_history"]] == [1, 2]
+    assert state["global_step"] == 2 and [row["step"] for row in state["log_history"]] == [1, 2, 2]
 
 
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.commands.report import write_report_after_training
+from leangrpo.commands.trl_events import Events, TrainerControl
 from leangrpo.config.schema import Config, ConfigError
 from leangrpo.config.trl import accepted_fields, from_trl, unknown_field_hint
 from leangrpo.config.trl_fields import TRL_DEFAULTS
@@ -63,37 +65,6 @@ class GRPOConfig:
 
     def __repr__(self) -> str:
         return f"GRPOConfig({', '.join(f'{k}={v!r}' for k, v in self._given.items())})"
-
-
-@dataclass
-class TrainerState:
-    """What TRL scripts read of `trainer.state`: optimizer steps done, the run's, and every logged row."""
-
-    global_step: int = 0
-    max_steps: int = 0
-    epoch: float = 0.0
-    log_history: list[dict[str, Any]] = field(default_factory=list)
-    total_flos: float = 0.0
-    is_world_process_zero: bool = True
-
-    def save_to_json(self, json_path: str | Path) -> None:
-        """As transformers' `TrainerState.save_to_json`."""
-        from leangrpo.run.rundir import write_text_atomic
-
-        write_text_atomic(Path(json_path), json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
-
-
-@dataclass
-class TrainerControl:
-    """transformers' `TrainerControl`: what a callback asks of the loop. `should_training_stop` ends the
-    run after the step (its checkpoint and final model saved, as a normal end); the rest are read as
-    leangrpo's own schedules say."""
-
-    should_training_stop: bool = False
-    should_epoch_stop: bool = False
-    should_save: bool = False
-    should_evaluate: bool = False
-    should_log: bool = False
 
 
 @dataclass(frozen=True)
@@ -166,8 +137,7 @@ class GRPOTrainer:
         else:
             extras["train_rows"] = _rows(train_dataset, "train_dataset", problems)
             flat["dataset_name"] = "train_dataset"
-        if eval_dataset is not None and flat.get("eval_strategy", "no") != "no":
-            problems.append("eval_dataset: evaluation on an in-memory dataset is not supported yet")
+        self._eval_rows = _eval_rows(eval_dataset, flat, problems)
         try:
             nested = from_trl(flat, "GRPOConfig", reward_specs=specs)
         except ConfigError as e:
@@ -177,21 +147,24 @@ class GRPOTrainer:
             raise UserError("GRPOTrainer: " + "\n".join(problems))
         self.cfg: Config = validate_config(nested or {}, "GRPOConfig")
         _bound_tools(self._agent, self.cfg, bool(tools) or environment_factory is not None)
-        self._extras = RuntimeExtras(reward_funcs=functions, step_hooks=(self._on_step,), **extras)
-        self._init_state(callbacks or [])
+        self._init_state(callbacks or [], functions, extras)
 
-    def _init_state(self, callbacks: list[Any]) -> None:
-        """The callbacks, state and control a transformers Trainer holds, and what train() keeps."""
-        self.callbacks: list[Any] = []
+    def _init_state(self, callbacks: list[Any], functions: dict[str, Any], extras: dict[str, Any]) -> None:
+        """The callbacks, state and control a transformers Trainer holds (on_init_end once they are
+        there), and what train() keeps."""
+        evaluate = None if self._eval_rows is None else self.evaluate
+        self._events = Events(self.args, self.cfg, self._epoch, evaluate)
+        self.callbacks, self.state = self._events.callbacks, self._events.state
+        self._extras = RuntimeExtras(
+            reward_funcs=functions, step_hooks=(self._events.step_end,),
+            step_begin_hooks=(self._events.step_begin,), **extras,
+        )  # fmt: skip
         for callback in callbacks:
             self.add_callback(callback)
-        self.state = TrainerState(max_steps=self.cfg.optim.max_steps * self.cfg.grpo.num_iterations)
-        self.control = TrainerControl()
         self._final: Path | None = None
         self._run: Trainer | None = None  # the last train()'s trainer: its policy, tokenizer, accelerator
         self._accelerator: Any = None
-        self._earlier: list[dict[str, Any]] | None = None  # a resumed run's rows, until its first step
-        self._losses: list[float] = []  # each step's loss in this train(), for train_loss
+        self._events.call("on_init_end")
 
     # ------------------------------------------------------------------ what TRL's GRPOTrainer exposes
 
@@ -270,33 +243,10 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------ callbacks
 
-    def _on_step(self, step: int, metrics: dict[str, Any], logged: bool) -> bool:
-        """After each step: the state a TRL callback expects, then on_step_end and, when the step's row
-        was logged (`logging_steps`), its log_history row and on_log, in transformers' order. A resumed
-        run's first step puts the earlier steps' rows (its metrics.jsonl) first. Returns
-        `control.should_training_stop`: True ends the run after this step."""
-        iterations = self.cfg.grpo.num_iterations
-        self.state.global_step = step * iterations
-        self.state.epoch = self._epoch(self.state.global_step)
-        if isinstance(loss := metrics.get("loss"), int | float):
-            self._losses.append(float(loss))
-        if self._earlier is not None:
-            self.state.log_history = [r for r in self._earlier if r["step"] < self.state.global_step]
-            self._earlier = None
-        self.control.should_log = self.control.should_save = self.control.should_evaluate = False
-        self._call("on_step_end")
-        if logged:
-            logs = {k: v for k, v in metrics.items() if k != "step"}
-            self.state.log_history.append({**logs, "step": self.state.global_step})
-            self._call("on_log", logs=logs)
-        return self.control.should_training_stop
-
-    def _call(self, event: str, **kwargs: Any) -> None:
-        """`event` on every callback, in order; one returning a control replaces it (transformers)."""
-        for callback in self.callbacks:
-            if hasattr(callback, event):
-                done = getattr(callback, event)(self.args, self.state, self.control, **kwargs)
-                self.control = self.control if done is None else done
+    @property
+    def control(self) -> TrainerControl:
+        """The `TrainerControl` the callbacks share (a callback returning one replaces it)."""
+        return self._events.control
 
     def _epoch(self, global_step: int) -> float:
         """Epochs done after `global_step` optimizer steps: each prompt seen once by its num_generations
@@ -329,25 +279,133 @@ class GRPOTrainer:
             run_dir = path.parent if path.name.startswith("checkpoint-") else path
             cfg = cfg.model_copy(update={"output_dir": str(run_dir)})
         resume = bool(resume_from_checkpoint)
-        if resume:
-            self._earlier = _logged_rows(Path(cfg.output_dir), cfg.grpo.num_iterations)
-        start, self._losses = time.time(), []
+        earlier = _logged_rows(Path(cfg.output_dir), cfg.grpo.num_iterations) if resume else None
+        start = time.time()
         trainer = Trainer(cfg, overwrite=not resume, resume=resume, agent=self._agent, extras=self._extras)
-        self._run, self.control = trainer, TrainerControl()
+        self._run = trainer
         first = trainer.start_step * cfg.grpo.num_iterations
         self.state.is_world_process_zero = trainer.is_main
-        self._call("on_train_begin")
+        self._events.train_begin(first, earlier, Path(cfg.output_dir))
         self._final = run(trainer)  # the CLI's run and teardown
         if trainer.is_main:  # a signal stops train() with Stopped
             write_report_after_training(Path(cfg.output_dir), print)
-        self._call("on_train_end")
         steps = self.state.global_step - first
-        train_loss = sum(self._losses) / max(len(self._losses), 1)
         metrics = _speed_metrics(start, steps * self._total_batch(), steps)
-        metrics.update(total_flos=self.state.total_flos, train_loss=train_loss, epoch=self.state.epoch)
-        return TrainOutput(self.state.global_step, train_loss, metrics)
+        train_loss = self._events.train_loss
+        metrics.update(total_flos=self.state.total_flos, train_loss=train_loss)
+        self._events.train_end(metrics)  # the summary row of log_history, as transformers logs it
+        return TrainOutput(self.state.global_step, train_loss, {**metrics, "epoch": self.state.epoch})
+
+    # ----------------------------------------------------------------------------------- evaluation
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """TRL's GRPO evaluation with the policy as it is now: num_generations_eval (default
+        num_generations) sampled completions of each eval_dataset prompt (or of `eval_dataset`, or of
+        `self.eval_dataset[name]` for a name), scored by the rewards; the `{metric_key_prefix}_*` metrics
+        are logged (on_log) and given to on_evaluate, as TRL's. A dict of eval datasets is evaluated set by
+        set, each under `{metric_key_prefix}_{name}_*`."""
+        if eval_dataset is None and isinstance(self._eval_rows, dict):
+            out: dict[str, float] = {}
+            for name in self._eval_rows:
+                out.update(self.evaluate(name, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return out
+        from leangrpo.data.rows import PromptFormat
+        from leangrpo.train.evaluation import eval_sampling, sampled_rewards
+
+        cfg, rows = self.cfg, self._eval_set(eval_dataset)
+        k = getattr(self.args, "num_generations_eval", None) or cfg.grpo.num_generations
+        batch = getattr(self.args, "per_device_eval_batch_size", 8)
+        funcs, rows = self._eval_inputs(rows)
+        start = time.time()
+        metrics = sampled_rewards(
+            self.model, self.processing_class, rows, funcs,
+            replace(eval_sampling(cfg.grpo, cfg.data), num_generations=k),
+            prompt_format=PromptFormat.from_config(cfg.data), prompts_per_call=max(1, batch // k),
+            on_call=lambda: self._events.call("on_prediction_step"),
+        )  # fmt: skip
+        out = _speed_metrics(start, len(rows), math.ceil(len(rows) / batch), metric_key_prefix)
+        out.update({f"{metric_key_prefix}_{key}": value for key, value in metrics.items()})
+        logged = self._events.log(out)
+        self._events.call("on_evaluate", metrics=logged)
+        return logged
+
+    def _eval_set(self, eval_dataset: Any) -> list[dict[str, Any]]:
+        """The raw rows `evaluate(eval_dataset)` evaluates: the given dataset, a named one of the
+        eval_dataset dict, or the eval_dataset."""
+        if isinstance(eval_dataset, str):
+            if not isinstance(self._eval_rows, dict) or eval_dataset not in self._eval_rows:
+                raise UserError(f"evaluate: no eval dataset named {eval_dataset!r}")
+            return self._eval_rows[eval_dataset]
+        if eval_dataset is None:
+            if not isinstance(self._eval_rows, list):
+                raise UserError("evaluate: no eval_dataset (pass one to GRPOTrainer or to evaluate())")
+            return self._eval_rows
+        problems: list[str] = []
+        rows = _rows(eval_dataset, "eval_dataset", problems)
+        if problems:
+            raise UserError("evaluate: " + "; ".join(problems))
+        return rows
+
+    def _eval_inputs(self, raw: list[dict[str, Any]]) -> tuple[Any, list[dict[str, Any]]]:
+        """The run's reward functions (loaded, before train()) and `raw` rows read as training rows are."""
+        from leangrpo.data.rewards import load_rewards
+        from leangrpo.data.sources import load_rows
+        from leangrpo.data.tasks import load_task
+
+        if self._run is not None:
+            funcs, task = self._run.reward_funcs, self._run.task
+        else:
+            task = load_task(self.cfg.task)
+            funcs = load_rewards(self.cfg.rewards.functions, task, self._extras.reward_funcs)
+        data = self.cfg.data.model_copy(update={"path": "eval_dataset", "limit": None})
+        return funcs, load_rows(data, task, raw).rows
 
     # ---------------------------------------------------------------------------------- saving
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **_: Any,
+    ) -> str | None:
+        """Upload the trained model, in save_model's layout, to the hub repo args.hub_model_id (default:
+        output_dir's name), created if needed, from the main process (huggingface_hub's create_repo and
+        upload_folder); returns the commit's URL. A hub that cannot be reached or refuses is a UserError
+        in one line. The upload always finishes before returning (`blocking=False` too)."""
+        if self._final is None:
+            raise UserError("push_to_hub: nothing trained yet (call train() first)")
+        if not self.is_world_process_zero():
+            return None
+        if not blocking:
+            logger.warning(
+                "push_to_hub(blocking=False): pushing now, before returning (TRL: in the background)"
+            )
+        import tempfile
+
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import HfHubHTTPError
+
+        from leangrpo.core.errors import error_reason
+
+        repo = getattr(self.args, "hub_model_id", None) or Path(self.cfg.output_dir).name
+        private = getattr(self.args, "hub_private_repo", None) if private is None else private
+        api = HfApi(token=token or getattr(self.args, "hub_token", None))
+        hub_errors: tuple[type[BaseException], ...] = (ValueError, *HfHubHTTPError.__bases__)  # HTTP, OS
+        try:
+            repo_id = api.create_repo(repo, private=private, exist_ok=True).repo_id
+            with tempfile.TemporaryDirectory() as staging:
+                self.save_model(staging)
+                info = api.upload_folder(
+                    repo_id=repo_id, folder_path=staging, commit_message=commit_message, revision=revision
+                )
+        except hub_errors as e:
+            raise UserError(f"push_to_hub: cannot push to {api.endpoint} ({repo}): {error_reason(e)}") from e
+        return str(info.commit_url)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The trained model in `output_dir` (default: args.output_dir), in TRL's layout: the weights and
@@ -410,14 +468,42 @@ class GRPOTrainer:
         write_text_atomic(out / name, json.dumps(data, indent=indent, sort_keys=True) + "\n")
 
 
-def _speed_metrics(start: float, samples: int, steps: int) -> dict[str, Any]:
-    """transformers' `speed_metrics("train", ...)`: the run's seconds, samples and steps per second."""
+def _speed_metrics(start: float, samples: int, steps: int, split: str = "train") -> dict[str, Any]:
+    """transformers' `speed_metrics(split, ...)`: the seconds, samples and steps per second since `start`."""
     runtime = time.time() - start
-    out: dict[str, Any] = {"train_runtime": round(runtime, 4)}
+    out: dict[str, Any] = {f"{split}_runtime": round(runtime, 4)}
     if runtime:
-        out["train_samples_per_second"] = round(samples / runtime, 3)
-        out["train_steps_per_second"] = round(steps / runtime, 3)
+        out[f"{split}_samples_per_second"] = round(samples / runtime, 3)
+        out[f"{split}_steps_per_second"] = round(steps / runtime, 3)
     return out
+
+
+def _eval_rows(
+    eval_dataset: Any, flat: dict[str, Any], problems: list[str]
+) -> list[dict[str, Any]] | dict[str, list[dict[str, Any]]] | None:
+    """The eval_dataset's rows (a dict of datasets: each one's, by name). Its evaluation follows
+    eval_strategy/eval_steps in the GRPOTrainer (taken out of `flat`: the `eval:` section's held-out split
+    stays off); eval_strategy without an eval_dataset is refused, as TRL."""
+    strategy = flat.pop("eval_strategy", "no")
+    strategy = str(getattr(strategy, "value", strategy))
+    flat.pop("eval_steps", None)
+    if eval_dataset is None:
+        if strategy != "no":
+            problems.append(
+                f"eval_strategy={strategy!r} needs an eval_dataset: pass eval_dataset= or set "
+                "eval_strategy='no'"
+            )
+        return None
+    logger.warning(
+        "eval_dataset: evaluated with HF generate on the main process; logs TRL's reward and length "
+        "metrics, all under metric_key_prefix, without eval_loss, eval_entropy, eval_clip_ratio/* or "
+        "eval_num_tokens (docs/trl.md)"
+    )
+    if isinstance(eval_dataset, dict):
+        return {
+            str(name): _rows(data, f"eval_dataset[{name!r}]", problems) for name, data in eval_dataset.items()
+        }
+    return _rows(eval_dataset, "eval_dataset", problems)
 
 
 def _logged_rows(run_dir: Path, iterations: int) -> list[dict[str, Any]]:

@@ -125,6 +125,63 @@ def evaluate(
     return EvalResult(metrics | (tools.metrics() if tools is not None else {}), records)
 
 
+def sampled_rewards(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
+    reward_funcs: RewardFuncs,
+    sampling: Sampling,
+    *,
+    prompt_format: PromptFormat,
+    prompts_per_call: int,
+    on_call: Callable[[], None] = lambda: None,
+) -> dict[str, float]:
+    """TRL's GRPO evaluation: `sampling.num_generations` sampled completions of each row (HF generate on
+    `model`), scored by the rewards and summarized as a training step's reward and length metrics (reward,
+    reward_std, rewards/<name>/mean|std, completions/*, frac_reward_zero_std). No loss, entropy or clip
+    ratios: those need a forward pass over the completions (docs/trl.md). `on_call` after each generate
+    call (TRL's `on_prediction_step` per eval batch)."""
+    import torch
+
+    from leangrpo.data.rewards import RewardContext, reward_inputs, score_completions
+    from leangrpo.data.rows import has_chat_template
+    from leangrpo.engines.hf import HFEngine
+    from leangrpo.train.metrics import length_metrics, reward_metrics
+
+    if not rows:
+        raise EvalError("no rows to evaluate")
+    k, engine = sampling.num_generations, HFEngine(model, tokenizer)
+    calls = _Calls(on_call)
+    with _left_padded(tokenizer), torch.inference_mode():
+        done, _ = _generate_all(
+            engine, tokenizer, rows, None, prompt_format, sampling, prompts_per_call, calls
+        )
+    flat = [c for group in done for c in group]
+    texts, ids = [c[0] for c in flat], [c[3] for c in flat]
+    prompts, comps, columns = reward_inputs(rows, texts, has_chat_template(tokenizer))
+    scores = score_completions(reward_funcs, prompts, comps, columns, "missing", RewardContext(ids))
+    total = scores.total
+    group_std = total.view(-1, k).std(dim=1) if k > 1 else torch.zeros(len(rows))
+    lengths = torch.tensor([float(c[1]) for c in flat])
+    return {
+        **length_metrics(lengths, torch.tensor([c[2] for c in flat])),
+        **reward_metrics(scores.names, scores.per_func),
+        "reward": float(total.nanmean()),
+        "reward_std": float(total[~total.isnan()].std()),
+        "frac_reward_zero_std": float(group_std.isclose(torch.zeros_like(group_std)).float().mean()),
+    }
+
+
+class _Calls:
+    """A progress bar's `update` that only tells `on_call` each generate call has returned."""
+
+    def __init__(self, on_call: Callable[[], None]) -> None:
+        self.on_call = on_call
+
+    def update(self, _: int) -> None:
+        self.on_call()
+
+
 def eval_sampling(grpo: GRPOSection | None, data: DataConfig, max_new_tokens: int | None = None) -> Sampling:
     """How an evaluation samples: as the training run's rollouts (`grpo`; without one, its defaults), with
     `data`'s assistant prefix, up to `max_new_tokens` (default: grpo.max_completion_length, else 256) and
