@@ -58,7 +58,7 @@ import trl
 from test_trl_api_events import ROWS, AllEvents, _args, short
 
 recorder = AllEvents()
-args = _args(trl, sys.argv[2], eval_strategy="steps", eval_steps=1, use_cpu=True)
+args = _args(trl, sys.argv[2], use_cpu=True, **json.loads(sys.argv[3]))
 trainer = trl.GRPOTrainer(
     sys.argv[1], short, args, Dataset.from_list(ROWS), eval_dataset=Dataset.from_list(ROWS),
     callbacks=[recorder],
@@ -68,14 +68,14 @@ print("RUN " + json.dumps([recorder.seen, trainer.state.log_history]))
 """
 
 
-def _trl_run(tmp_path, model_dir):
-    """TRL 1.16's GRPOTrainer on the tiny model for 2 steps, evaluating every step: its events and rows (in
-    a process of its own: TRL's accelerate state is not leangrpo's)."""
+def _trl_run(tmp_path, model_dir, **fields):
+    """TRL 1.16's GRPOTrainer on the tiny model with the eval_dataset, GRPOConfig(**fields) over `_args`:
+    its events and rows (in a process of its own: TRL's accelerate state is not leangrpo's)."""
     pytest.importorskip("trl")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])}
     done = subprocess.run(
-        [sys.executable, "-c", TRL_RUN, str(model_dir), str(tmp_path / "trl")], env=env, capture_output=True,
-        text=True, timeout=600,
+        [sys.executable, "-c", TRL_RUN, str(model_dir), str(tmp_path / "trl"), json.dumps(fields)], env=env,
+        capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     seen, rows = json.loads(done.stdout.split("RUN ", 1)[1])
@@ -88,7 +88,7 @@ def test_events_eval_rows_and_summary_row_as_trl(tmp_path, tiny_model_dir, caplo
     has TRL's eval_* keys but those said at start-up; the last row is transformers' summary row)."""
     import leangrpo
 
-    trl_events, trl_rows = _trl_run(tmp_path, tiny_model_dir)
+    trl_events, trl_rows = _trl_run(tmp_path, tiny_model_dir, eval_strategy="steps", eval_steps=1)
     recorder = AllEvents()
     args = _args(leangrpo, tmp_path / "lean", eval_strategy="steps", eval_steps=1)
     with caplog.at_level(logging.WARNING):
@@ -118,6 +118,24 @@ def test_events_eval_rows_and_summary_row_as_trl(tmp_path, tiny_model_dir, caplo
     assert "test_reward" in trainer.evaluate(ROWS[:1], metric_key_prefix="test")
 
 
+def test_epoch_events_and_evaluation_as_trl(tmp_path, tiny_model_dir):
+    """eval_strategy='epoch' over 3 steps of 2-step epochs: on_epoch_end, then the evaluation, then the next
+    epoch's on_epoch_begin, as TRL fires them."""
+    import leangrpo
+
+    trl_events, _ = _trl_run(tmp_path, tiny_model_dir, eval_strategy="epoch", max_steps=3)
+    recorder = AllEvents()
+    args = _args(leangrpo, tmp_path / "lean", eval_strategy="epoch", max_steps=3)
+    trainer = leangrpo.GRPOTrainer(
+        str(tiny_model_dir), short, args, ROWS, eval_dataset=ROWS, callbacks=[recorder]
+    )
+    trainer.train()
+    assert recorder.seen == trl_events
+    assert [e for e in recorder.seen if e[0] in ("on_epoch_end", "on_evaluate")] == [
+        ("on_epoch_end", 2), ("on_evaluate", 2), ("on_epoch_end", 3), ("on_evaluate", 3)
+    ]  # fmt: skip
+
+
 def test_eval_strategy_without_eval_dataset_is_refused_at_init(tmp_path, tiny_model_dir):
     import leangrpo
     from leangrpo.core.errors import UserError
@@ -129,6 +147,20 @@ def test_eval_strategy_without_eval_dataset_is_refused_at_init(tmp_path, tiny_mo
         "GRPOTrainer: eval_strategy='steps' needs an eval_dataset: pass eval_dataset= or set "
         "eval_strategy='no'"
     )
+
+    def lookup(x: int) -> str:
+        """Looks up x.
+
+        Args:
+            x: the key
+        """
+        return str(x)
+
+    args = _args(leangrpo, tmp_path)
+    with pytest.raises(
+        UserError, match="^GRPOTrainer: eval_dataset: evaluation with tools, environments or "
+    ):
+        leangrpo.GRPOTrainer(str(tiny_model_dir), short, args, ROWS, eval_dataset=ROWS, tools=[lookup])
 
 
 def test_evaluate_before_training_on_a_dict_of_eval_datasets(tmp_path, tiny_model_dir):

@@ -138,6 +138,10 @@ class GRPOTrainer:
             extras["train_rows"] = _rows(train_dataset, "train_dataset", problems)
             flat["dataset_name"] = "train_dataset"
         self._eval_rows = _eval_rows(eval_dataset, flat, problems)
+        if self._eval_rows is not None and self._agent is not None:
+            problems.append(
+                "eval_dataset: evaluation with tools, environments or rollout_func is not supported yet"
+            )
         try:
             nested = from_trl(flat, "GRPOConfig", reward_specs=specs)
         except ConfigError as e:
