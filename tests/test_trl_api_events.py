@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from datasets import Dataset
@@ -119,18 +120,24 @@ def test_events_eval_rows_and_summary_row_as_trl(tmp_path, tiny_model_dir, caplo
 
 
 def test_epoch_events_and_evaluation_as_trl(tmp_path, tiny_model_dir):
-    """eval_strategy='epoch' over 3 steps of 2-step epochs: on_epoch_end, then the evaluation, then the next
-    epoch's on_epoch_begin, as TRL fires them."""
+    """eval_strategy='epoch' over 3 steps of 2-step epochs, 2 micro-batches a step: on_substep_end before
+    each step's last; on_epoch_end, then the evaluation, then the next epoch's on_epoch_begin, as TRL."""
     import leangrpo
 
-    trl_events, _ = _trl_run(tmp_path, tiny_model_dir, eval_strategy="epoch", max_steps=3)
+    fields = dict(
+        eval_strategy="epoch", max_steps=3, gradient_accumulation_steps=2, per_device_train_batch_size=2
+    )
+    trl_events, _ = _trl_run(tmp_path, tiny_model_dir, **fields)
     recorder = AllEvents()
-    args = _args(leangrpo, tmp_path / "lean", eval_strategy="epoch", max_steps=3)
+    args = _args(leangrpo, tmp_path / "lean", **fields)
     trainer = leangrpo.GRPOTrainer(
         str(tiny_model_dir), short, args, ROWS, eval_dataset=ROWS, callbacks=[recorder]
     )
     trainer.train()
     assert recorder.seen == trl_events
+    assert [e for e in recorder.seen if e[0] == "on_substep_end"] == [
+        ("on_substep_end", s) for s in (0, 1, 2)
+    ]
     assert [e for e in recorder.seen if e[0] in ("on_epoch_end", "on_evaluate")] == [
         ("on_epoch_end", 2), ("on_evaluate", 2), ("on_epoch_end", 3), ("on_evaluate", 3)
     ]  # fmt: skip
@@ -220,3 +227,19 @@ def test_control_should_save_log_and_evaluate(tmp_path, tiny_model_dir, monkeypa
     assert "pushing now, before returning (TRL: in the background)" in caplog.text
     assert str(e.value).startswith("push_to_hub: cannot push to http://127.0.0.1:9 (run): ")
     assert len(str(e.value).splitlines()) == 1
+
+    uploads = []  # a hub that answers: what push_to_hub asks of it
+
+    def create_repo(self, repo_id, **kwargs):
+        return SimpleNamespace(repo_id=f"me/{repo_id}")
+
+    def upload_folder(self, repo_id, folder_path, commit_message, revision):
+        uploads.append((repo_id, sorted(p.name for p in Path(folder_path).iterdir()), commit_message))
+        return SimpleNamespace(commit_url="https://hub.test/me/run/commit/1")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    assert trainer.push_to_hub("done") == "https://hub.test/me/run/commit/1"
+    [(repo_id, files, message)] = uploads
+    assert (repo_id, message) == ("me/run", "done")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)  # save_model's layout
