@@ -209,7 +209,7 @@ _QUIET: dict[str, tuple[Any, ...]] = {
     "log_on_each_node": (False,), "logging_first_step": (True,), "logging_strategy": ("steps",),
     "gradient_checkpointing_kwargs": ({"use_reentrant": False},), "do_train": (True,), "tf32": (False,),
     "overwrite_output_dir": (True, False), "use_cache": (True,), "save_only_model": (False,),
-    "remove_unused_columns": (False, True),
+    "remove_unused_columns": (False, True), "debug": (None, []), "pad_to_multiple_of": (None,),
 }  # fmt: skip
 """Values other than TRL's default that ask for what leangrpo does anyway: no notice."""
 
@@ -373,6 +373,8 @@ def _translate_special(flat: dict[str, Any], put: Any, refused: list[str]) -> No
     if "disable_tqdm" in flat:
         put("logging.progress_bar", not flat.pop("disable_tqdm"))
     for key, value in (flat.pop("model_init_kwargs", None) or {}).items():
+        if value is None or (key, value) == ("revision", "main"):  # `trl grpo`'s: the defaults
+            continue
         if key in _MODEL_INIT_KWARGS:
             put(f"model.{_MODEL_INIT_KWARGS[key]}", value)
         else:

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from leangrpo.config.schema import Config, ConfigError, RewardSpec, TaskConfig
 from leangrpo.config.trl import from_trl, is_trl_config
+from leangrpo.config.trl_flags import split_flags, with_flags
 from leangrpo.data.tasks import Task, TaskError, TaskOptions, task_class
 from leangrpo.data.tasks.reasoning_gym import ReasoningGym
 from leangrpo.run.rundir import write_text_atomic
@@ -75,9 +76,10 @@ Vet = Callable[[Config], None]
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, vet: Vet | None = None
 ) -> Config:
-    """Read YAML (optional), apply overrides, validate. Raises ConfigError with one line. `vet`: see
-    `validate_config`."""
+    """Read YAML (optional), apply overrides (TRL's `--flag value` ones too: config/trl_flags.py), validate.
+    Raises ConfigError with one line. `vet`: see `validate_config`."""
     data: dict[str, Any] = {}
+    flags, overrides = split_flags(overrides or [])
     source = str(path) if path else "overrides"
     if path is not None:
         p = Path(path)
@@ -93,9 +95,12 @@ def load_config(
             raise ConfigError(f"config file {p}{where} is not valid YAML: {_yaml_problem(e)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(data)}")
-        if is_trl_config(data):
-            data = from_trl(data, source)
-    apply_overrides(data, overrides or [])
+    data = with_flags(data, flags, source)
+    if flags:
+        source = f"{path} and the command line" if path else "the command line"
+    if is_trl_config(data):
+        data = from_trl(data, source)
+    apply_overrides(data, overrides)
     return validate_config(data, source, vet)
 
 
