@@ -164,3 +164,41 @@ def test_a_bad_flag_is_one_line_naming_the_command_line(tmp_path, gsm8k_dir):
     assert len(lines) == 1 and "trl.yaml and the command line: optim.learning_rate" in lines[0], proc.stderr
     proc = run_cli("train", "-c", str(path), "--not_a_field", "1", timeout=120)
     assert "not_a_field: not a TRL 1.16 GRPOConfig field" in proc.stderr and proc.returncode != 0
+
+
+def test_a_rollout_func_is_given_the_grpo_trainer_with_trls_attributes(tmp_path, tiny_model_dir):
+    """As TRL calls `rollout_func(prompts, self)`: leangrpo's GRPOTrainer itself, with what TRL's examples
+    read of it (the args, tokenizer, model, accelerator, state and the sampling settings copied from args)."""
+    from leangrpo import GRPOConfig, GRPOTrainer
+
+    seen = []
+
+    def rollout_func(prompts, trainer):
+        tok = trainer.processing_class
+        seen.append({
+            "trainer": trainer, "device": trainer.accelerator.device, "step": trainer.state.global_step,
+            "trained": trainer.model is trainer._run.unwrapped.lm, "lr": trainer.args.learning_rate,
+            "sampling": (trainer.num_generations, trainer.max_completion_length, trainer.temperature,
+                         trainer.top_p, trainer.top_k, trainer.min_p, trainer.repetition_penalty),
+            "vllm": (trainer.use_vllm, trainer.vllm_mode), "kwargs": trainer.chat_template_kwargs,
+        })  # fmt: skip
+        ids = tok("sunny<|im_end|>", add_special_tokens=False).input_ids
+        n = len(prompts)
+        return {
+            "prompt_ids": [[10, 11]] * n,
+            "completion_ids": [ids] * n,
+            "logprobs": [[-1.0] * len(ids)] * n,
+        }
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=8, temperature=0.9, top_k=5, learning_rate=2e-6, logging_steps=1,
+    )  # fmt: skip
+    rows = [{"prompt": f"The sky is {i}"} for i in range(4)]
+    trainer = GRPOTrainer(str(tiny_model_dir), "strict_format", args, rows, rollout_func=rollout_func)
+    trainer.train()
+    first, second = seen
+    assert first["trainer"] is trainer and first["trained"] and first["lr"] == 2e-6
+    assert (first["step"], second["step"]) == (0, 1)
+    assert first["sampling"] == (2, 8, 0.9, 1.0, 5, None, 1.0) and first["vllm"] == (False, "colocate")
+    assert first["kwargs"] == {} and str(first["device"]) == "cpu"

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from leangrpo.commands.report import write_report_after_training
 from leangrpo.config.schema import Config, ConfigError
-from leangrpo.config.trl import accepted_fields, from_trl, unknown_field_hint
+from leangrpo.config.trl import accepted_fields, from_trl, trainer_attributes, unknown_field_hint
 from leangrpo.config.trl_fields import TRL_DEFAULTS, TRL_DICT_FIELDS, TRL_TYPES
 from leangrpo.core.errors import UserError
 from leangrpo.run.resolve import validate_config
@@ -242,7 +242,10 @@ class GRPOTrainer:
             raise UserError("GRPOTrainer: " + "\n".join(problems))
         self.cfg: Config = validate_config(nested or {}, "GRPOConfig")
         _bound_tools(self._agent, self.cfg, bool(tools) or environment_factory is not None)
-        self._extras = RuntimeExtras(reward_funcs=functions, step_hooks=(self._on_step,), **extras)
+        self._extras = RuntimeExtras(
+            reward_funcs=functions, step_hooks=(self._on_step,), rollout_trainer=self, **extras
+        )
+        vars(self).update(trainer_attributes(self.cfg))  # TRL's copies of args: what a rollout_func reads
         self._init_state(callbacks or [])
 
     def _init_state(self, callbacks: list[Any]) -> None:

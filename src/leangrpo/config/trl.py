@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from leangrpo.config.schema import ConfigError
+from leangrpo.config.schema import Config, ConfigError
 from leangrpo.config.trl_fields import TRL_DEFAULTS
 from leangrpo.core.loss_types import LOSS_TYPES
 
@@ -276,6 +276,24 @@ def handling(name: str) -> tuple[Handling, str]:
     if name in _REFUSED:
         return "refused", _REFUSED[name]
     raise KeyError(name)
+
+
+def trainer_attributes(cfg: Config) -> dict[str, Any]:
+    """The attributes TRL's GRPOTrainer copies from its args, as the run has them: what a rollout_func
+    reads of its `trainer` (`trainer.num_generations`, `.max_completion_length`, `.temperature`, ...)."""
+    grpo = cfg.grpo
+    return {
+        "num_generations": grpo.num_generations, "max_completion_length": grpo.max_completion_length,
+        "temperature": grpo.temperature, "top_p": grpo.top_p, "top_k": grpo.top_k, "min_p": grpo.min_p,
+        "repetition_penalty": grpo.repetition_penalty,
+        "chat_template_kwargs": cfg.data.chat_template_kwargs or {},
+        "max_tool_calling_iterations": grpo.max_tool_calling_iterations, "use_vllm": grpo.use_vllm,
+        "vllm_mode": grpo.vllm_mode, "beta": grpo.beta, "num_iterations": grpo.num_iterations,
+        "loss_type": grpo.loss_type, "scale_rewards": grpo.scale_rewards, "epsilon_low": grpo.epsilon,
+        "epsilon_high": grpo.epsilon if grpo.epsilon_high is None else grpo.epsilon_high,
+        "importance_sampling_level": grpo.importance_sampling_level,
+        "mask_truncated_completions": grpo.mask_truncated_completions,
+    }  # fmt: skip
 
 
 def field_table() -> list[tuple[str, Handling, str]]:
