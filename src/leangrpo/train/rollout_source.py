@@ -113,7 +113,7 @@ class RolloutSource:
         self.cfg, self.acc, self.gen, self.rows = cfg, acc, gen, rows
         self.trainer = trainer.extras.rollout_trainer or trainer
         self.prompt_format, self.release_memory = prompt_format, release_memory
-        self.sampling = Sampling.from_config(cfg.grpo, cfg.data.assistant_prefix)
+        self.sampling = Sampling.from_config(cfg.grpo, cfg.data)
         # each step's prompts, and dynamic sampling's extra prompts in their own seeded order
         self.sampler, self.resampler = (
             PromptSampler(len(rows), cfg.prompts_per_step, seed, acc.process_index, acc.num_processes)
