@@ -225,12 +225,13 @@ class GRPOTrainer:
             flat.setdefault("dtype", str(getattr(model, "dtype", "float32")).removeprefix("torch."))
         flat.update(_peft_fields(peft_config, problems))
         flat.update(_quantization_fields(quantization_config, problems))
-        specs, functions = _reward_specs(reward_funcs, problems)
-        if train_dataset is None:
-            problems.append("train_dataset: required")
-        else:
+        owned = self._agent is not None and bool(self._agent.environment_rewards())
+        specs, functions = _reward_specs(reward_funcs, problems, owned)
+        flat["dataset_name"] = "train_dataset"
+        if train_dataset is not None:
             extras["train_rows"] = _rows(train_dataset, "train_dataset", problems)
-            flat["dataset_name"] = "train_dataset"
+        else:
+            _check_environment_owns_the_data(environment_factory, flat, problems)
         if eval_dataset is not None and flat.get("eval_strategy", "no") != "no":
             problems.append("eval_dataset: evaluation on an in-memory dataset is not supported yet")
         try:
@@ -240,7 +241,9 @@ class GRPOTrainer:
             nested = None
         if problems:
             raise UserError("GRPOTrainer: " + "\n".join(problems))
-        self.cfg: Config = validate_config(nested or {}, "GRPOConfig")
+        self.cfg: Config = validate_config(nested or {}, "GRPOConfig", environment_rewards=owned)
+        empty = [{"prompt": [{"role": "user", "content": ""}]} for _ in range(self.cfg.prompts_per_step)]
+        extras.setdefault("train_rows", empty)  # TRL's rows without a train_dataset: the environment prompts
         _bound_tools(self._agent, self.cfg, bool(tools) or environment_factory is not None)
         self._extras = RuntimeExtras(
             reward_funcs=functions, step_hooks=(self._on_step,), rollout_trainer=self, **extras
@@ -539,9 +542,25 @@ def _rows(dataset: Any, what: str, problems: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def _reward_specs(reward_funcs: Any, problems: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _check_environment_owns_the_data(
+    environment_factory: Any, flat: dict[str, Any], problems: list[str]
+) -> None:
+    """Without a train_dataset, as TRL 1.16: one environment_factory owns the data (its `reset` returns each
+    prompt, appended to an empty user message) and max_steps sets the run's length."""
+    if environment_factory is None:
+        problems.append("train_dataset: required unless an environment_factory gives the prompts")
+    elif isinstance(environment_factory, dict):
+        problems.append("train_dataset: required with a dict environment_factory (its environment column)")
+    elif int(flat.get("max_steps", TRL_DEFAULTS["max_steps"])) <= 0:
+        problems.append("max_steps: must be set without a train_dataset (the environment gives the prompts)")
+
+
+def _reward_specs(
+    reward_funcs: Any, problems: list[str], environment_rewards: bool = False
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """`rewards.functions` entries in TRL's order, and the callables among them by their spec name.
-    A string is a reward (model id or path, built-in name, `module:function`) loaded by name."""
+    A string is a reward (model id or path, built-in name, `module:function`) loaded by name. None are
+    needed where the environments score the rollouts (`environment_rewards`: a `get_reward`)."""
     items = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
     specs: list[dict[str, Any]] = []
     functions: dict[str, Any] = {}
@@ -555,8 +574,11 @@ def _reward_specs(reward_funcs: Any, problems: list[str]) -> tuple[list[dict[str
             specs.append({"name": key})
         else:
             problems.append(f"reward_funcs[{index}]: a loaded reward model; pass its path or hub id instead")
-    if not specs:
-        problems.append("reward_funcs: required (a callable, a reward model id, or a list of them)")
+    if not specs and not environment_rewards:
+        problems.append(
+            "reward_funcs: required (a callable, a reward model id, or a list of them), unless the "
+            "environment_factory's environment defines get_reward"
+        )
     return specs, functions
 
 

@@ -104,20 +104,23 @@ def load_config(
     return validate_config(data, source, vet)
 
 
-def validate_config(data: dict[str, Any], source: str = "config", vet: Vet | None = None) -> Config:
+def validate_config(
+    data: dict[str, Any], source: str = "config", vet: Vet | None = None, environment_rewards: bool = False
+) -> Config:
     """The whole config from nested data: the schema's checks, then the task's (`resolve`). `vet` sees
     the config between the two, before anything it names is imported (a task named by import path is
-    imported by `resolve`): where the config comes from a run, `run.trust`'s check goes there."""
+    imported by `resolve`): where the config comes from a run, `run.trust`'s check goes there.
+    `environment_rewards`: the run's environments score it (`get_reward`), so no reward function is needed."""
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_problem_lines(e, source)) from None
     if vet is not None:
         vet(cfg)
-    return resolve(cfg, source)
+    return resolve(cfg, source, environment_rewards)
 
 
-def resolve(cfg: Config, source: str = "config") -> Config:
+def resolve(cfg: Config, source: str = "config", environment_rewards: bool = False) -> Config:
     """`cfg` with everything its task decides filled in (the task's option defaults, system prompt and
     rewards) and checked against the task (its data, its worked solutions for a cold start)."""
 
@@ -137,7 +140,7 @@ def resolve(cfg: Config, source: str = "config") -> Config:
         task(options).check_data(cfg.data.path)
     except TaskError as e:
         raise error(str(e)) from None
-    if not cfg.rewards.functions and not task.default_rewards:
+    if not cfg.rewards.functions and not task.default_rewards and not environment_rewards:
         raise error(f"rewards.functions: required (task {task.name} has no default rewards)")
     if cfg.sft.steps and not task.has_solutions:
         raise error(f"sft.steps needs worked solutions, which task {task.name} does not have")
