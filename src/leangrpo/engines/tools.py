@@ -340,10 +340,9 @@ def tool_loop(
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Trajectories:
     """TRL 1.16's `_tool_call_loop` on first turns already sampled: while some rollouts called tools (at
-    most `max_iterations` rounds), run the calls, append the tool messages' tokens and generate the next
-    turn. The tool results count toward `max_completion_length`, as in TRL: a result that would pass it
-    (or `max_model_len` in all) is dropped and its rollout ends there; a later turn is cut at the budget.
-    `chat_template_kwargs` render the tool results as they rendered the prompt (Qwen3's `enable_thinking`)."""
+    most `max_iterations` rounds), run the calls, append the tool messages' tokens (`tool_suffix_ids`) and
+    generate the next turn. The tool results count toward `max_completion_length`, as in TRL: a result that
+    would pass it (or `max_model_len` in all) is dropped, ending its rollout; a later turn is cut to fit."""
     completion_ids, logprobs = [list(c) for c in completion_ids], logprobs and [list(lp) for lp in logprobs]
     model_mask = [[1] * len(ids) for ids in completion_ids]
     n = len(completion_ids)
