@@ -42,7 +42,7 @@ def test_qwen3s_template_gets_trls_training_template(qwen3_tokenizer, caplog):
     with caplog.at_level(logging.WARNING, logger="leangrpo.engines.tools"):
         prepare_tokenizer(qwen3_tokenizer)
     assert qwen3_tokenizer.chat_template == (TEMPLATES / "qwen3_training.jinja").read_text()
-    assert "not prefix-preserving; rollouts use TRL's training one" in caplog.text
+    assert "rollouts use TRL's training one, which the run's checkpoints and final model keep" in caplog.text
     assert prefix_preserving(qwen3_tokenizer)
     suffix = tool_suffix_ids(qwen3_tokenizer, [{"role": "tool", "name": "add", "content": "5"}])
     assert qwen3_tokenizer.decode(suffix).endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")

@@ -74,7 +74,10 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
         tokenizer.chat_template = CHATML_TOOL_TEMPLATE
     if not prefix_preserving(tokenizer):
         tokenizer.chat_template = _training_template(tokenizer)
-        logger.warning("tools: the chat template is not prefix-preserving; rollouts use TRL's training one")
+        logger.warning(
+            "tools: the chat template is not prefix-preserving; rollouts use TRL's training one, which the "
+            "run's checkpoints and final model keep (TRL saves the original)"
+        )
     if getattr(tokenizer, "response_template", None) is None:
         if not chatml:
             raise ToolError(
