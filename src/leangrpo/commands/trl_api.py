@@ -8,21 +8,24 @@ callables, datasets in memory, a loaded model, callbacks) reaches the trainer as
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import shutil
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.commands.report import write_report_after_training
 from leangrpo.commands.trl_events import Events, TrainerControl
 from leangrpo.config.schema import Config, ConfigError
-from leangrpo.config.trl import accepted_fields, from_trl, unknown_field_hint
-from leangrpo.config.trl_fields import TRL_DEFAULTS
+from leangrpo.config.trl import accepted_fields, from_trl, trainer_attributes, unknown_field_hint
+from leangrpo.config.trl_fields import TRL_DEFAULTS, TRL_DICT_FIELDS, TRL_TYPES
 from leangrpo.core.errors import UserError
 from leangrpo.run.resolve import validate_config
 from leangrpo.train.extras import RuntimeExtras
@@ -35,36 +38,87 @@ logger = logging.getLogger("leangrpo.commands.trl_api")
 
 
 class GRPOConfig:
-    """TRL 1.16's `GRPOConfig` by name: any of its fields (and leangrpo's own grpo/optim/... field names)
-    as keyword arguments; an unset field reads as TRL's default, and the run uses it (`from_trl` fills in
-    TRL's defaults where leangrpo's differ, as for a flat TRL YAML; docs/trl.md)."""
+    """TRL 1.16's `GRPOConfig`: a dataclass of its fields, with TRL's types and defaults, so that
+    `TrlParser`/`HfArgumentParser` build it as TRL's (`trl/scripts/grpo.py` runs with its import changed);
+    leangrpo's own field names (grpo/optim/... and `tool_timeout_s`, `reward_timeout_s`) are keywords too.
+    A field reads what the run uses: one at TRL's default is trained as TRL would (`from_trl` fills in TRL's
+    defaults where leangrpo's differ, as for a flat TRL YAML; docs/trl.md)."""
 
     def __init__(self, **fields: Any) -> None:
         unknown = sorted(fields.keys() - accepted_fields())
         if unknown:
             hints = "".join(f"\n{hint}" for name in unknown if (hint := unknown_field_hint(name)))
             raise TypeError(f"GRPOConfig got unexpected keyword arguments: {', '.join(unknown)}{hints}")
-        object.__setattr__(self, "_given", dict(fields))
+        object.__setattr__(self, "_extra", {})
+        for name, default in TRL_DEFAULTS.items():
+            object.__setattr__(self, name, copy.deepcopy(default))
+        for name, value in fields.items():
+            setattr(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
-        given = self.__dict__["_given"]
-        if name in given:
-            return given[name]
-        if name in TRL_DEFAULTS:
-            return TRL_DEFAULTS[name]
+        """A leangrpo field given by keyword (the TRL fields are plain attributes)."""
+        extra = self.__dict__.get("_extra", {})
+        if name in extra:
+            return extra[name]
         raise AttributeError(f"GRPOConfig has no field {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in accepted_fields():
             raise AttributeError(f"GRPOConfig has no field {name!r}")
-        self._given[name] = value
+        if name not in TRL_DEFAULTS:
+            self._extra[name] = value
+        elif name in TRL_DICT_FIELDS and isinstance(value, str) and value.startswith("{"):
+            object.__setattr__(self, name, json.loads(value))  # a command line's JSON, as TRL reads it
+        elif name == "include_num_input_tokens_seen" and isinstance(value, bool):
+            object.__setattr__(self, name, "all" if value else "no")  # transformers' reading of a bool
+        else:
+            object.__setattr__(self, name, value)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields that were set, as a flat TRL config."""
-        return dict(self._given)
+        """Every field, and the leangrpo fields given (transformers' `TrainingArguments.to_dict`)."""
+        return {**{name: getattr(self, name) for name in TRL_DEFAULTS}, **self._extra}
+
+    def trl_config(self) -> dict[str, Any]:
+        """The flat TRL config the run is translated from: the fields away from TRL's default (one at its
+        default asks for what an unset one does) and the leangrpo fields given."""
+        return {name: v for name, v in self.to_dict().items() if TRL_DEFAULTS.get(name, _UNSET) != v}
+
+    @classmethod
+    def from_trl_args(cls, args: Any) -> GRPOConfig:
+        """A `trl.GRPOConfig` field by field, with the values its `__post_init__` resolved (TRL's defaults
+        included: they are what its user expects). Values TRL derives from others (its enums, the
+        `activation_checkpointing` mirror of `gradient_checkpointing`, a default `accelerator_config`)
+        are read as what they stand for."""
+        values: dict[str, Any] = {}
+        for name in TRL_DEFAULTS:
+            value = getattr(args, name)
+            if isinstance(value, Enum):
+                value = value.value
+            elif name == "accelerator_config" and value is not None:
+                value = None if value == type(value)() else value.to_dict()
+            values[name] = value
+        if values["activation_checkpointing"] == values["gradient_checkpointing"]:
+            values["activation_checkpointing"] = TRL_DEFAULTS["activation_checkpointing"]
+        return cls(**values)
 
     def __repr__(self) -> str:
-        return f"GRPOConfig({', '.join(f'{k}={v!r}' for k, v in self._given.items())})"
+        return f"GRPOConfig({', '.join(f'{k}={v!r}' for k, v in self.trl_config().items())})"
+
+
+def _grpo_config_dataclass() -> None:
+    """Make `GRPOConfig` a dataclass of TRL's fields (types and defaults from config/trl_fields.py), keeping
+    its own `__init__`, which takes leangrpo's field names too."""
+    GRPOConfig.__annotations__ = dict(TRL_TYPES)
+    for name, default in TRL_DEFAULTS.items():
+        factory = partial(copy.deepcopy, default)
+        setattr(
+            GRPOConfig, name, field(default_factory=factory) if isinstance(default, list | dict) else default
+        )
+    dataclass(init=False, repr=False, eq=False)(GRPOConfig)
+
+
+_UNSET = object()
+_grpo_config_dataclass()
 
 
 @dataclass(frozen=True)
@@ -74,6 +128,17 @@ class TrainOutput:
     global_step: int
     training_loss: float
     metrics: dict[str, Any]
+
+
+def _grpo_config(args: Any) -> GRPOConfig:
+    """`args` as leangrpo's GRPOConfig: TRL's defaults for None, a `trl.GRPOConfig` field by field."""
+    if args is None:
+        return GRPOConfig()
+    if isinstance(args, GRPOConfig):
+        return args
+    if type(args).__name__ == "GRPOConfig" and type(args).__module__.startswith("trl."):
+        return GRPOConfig.from_trl_args(args)
+    raise UserError(f"GRPOTrainer: args must be leangrpo's or TRL's GRPOConfig, not {type(args).__name__}")
 
 
 def _agent(
@@ -100,7 +165,7 @@ class GRPOTrainer:
         self,
         model: Any,
         reward_funcs: Any = None,
-        args: GRPOConfig | None = None,
+        args: Any = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
         processing_class: Any = None,
@@ -113,14 +178,14 @@ class GRPOTrainer:
         rollout_func: Callable[..., Any] | None = None,
         environment_factory: Any = None,
     ) -> None:
-        self.args = args or GRPOConfig()
+        self.args = _grpo_config(args)
         problems: list[str] = []
         self._agent = _agent(tools, environment_factory, rollout_func, problems)
         if any(o is not None for o in optimizers):
             problems.append("optimizers: leangrpo builds its optimizer and schedule from args (optim, ...)")
         if reward_processing_classes is not None:
             problems.append("reward_processing_classes: a reward model is scored with its own tokenizer")
-        flat = self.args.to_dict()
+        flat = self.args.trl_config()
         flat.setdefault("output_dir", "trainer_output")  # TRL's default
         extras: dict[str, Any] = {"tokenizer": processing_class}
         if isinstance(model, str | Path):
@@ -131,12 +196,13 @@ class GRPOTrainer:
             flat.setdefault("dtype", str(getattr(model, "dtype", "float32")).removeprefix("torch."))
         flat.update(_peft_fields(peft_config, problems))
         flat.update(_quantization_fields(quantization_config, problems))
-        specs, functions = _reward_specs(reward_funcs, problems)
-        if train_dataset is None:
-            problems.append("train_dataset: required")
-        else:
+        owned = self._agent is not None and bool(self._agent.environment_rewards())
+        specs, functions = _reward_specs(reward_funcs, problems, owned)
+        flat["dataset_name"] = "train_dataset"
+        if train_dataset is not None:
             extras["train_rows"] = _rows(train_dataset, "train_dataset", problems)
-            flat["dataset_name"] = "train_dataset"
+        else:
+            _check_environment_owns_the_data(environment_factory, flat, problems)
         self._eval_rows = _eval_rows(eval_dataset, flat, problems)
         if self._eval_rows is not None and self._agent is not None:
             problems.append(
@@ -149,8 +215,11 @@ class GRPOTrainer:
             nested = None
         if problems:
             raise UserError("GRPOTrainer: " + "\n".join(problems))
-        self.cfg: Config = validate_config(nested or {}, "GRPOConfig")
+        self.cfg: Config = validate_config(nested or {}, "GRPOConfig", environment_rewards=owned)
+        empty = [{"prompt": [{"role": "user", "content": ""}]} for _ in range(self.cfg.prompts_per_step)]
+        extras.setdefault("train_rows", empty)  # TRL's rows without a train_dataset: the environment prompts
         _bound_tools(self._agent, self.cfg, bool(tools) or environment_factory is not None)
+        vars(self).update(trainer_attributes(self.cfg))  # TRL's copies of args: what a rollout_func reads
         self._init_state(callbacks or [], functions, extras)
 
     def _init_state(self, callbacks: list[Any], functions: dict[str, Any], extras: dict[str, Any]) -> None:
@@ -161,7 +230,7 @@ class GRPOTrainer:
         self.callbacks, self.state = self._events.callbacks, self._events.state
         self._extras = RuntimeExtras(
             reward_funcs=functions, step_hooks=(self._events.step_end,),
-            step_begin_hooks=(self._events.step_begin,), **extras,
+            step_begin_hooks=(self._events.step_begin,), rollout_trainer=self, **extras,
         )  # fmt: skip
         for callback in callbacks:
             self.add_callback(callback)
@@ -221,6 +290,14 @@ class GRPOTrainer:
         from accelerate import PartialState
 
         return PartialState().is_local_main_process
+
+    def end(self) -> None:
+        """transformers' `Trainer.end` (`trl grpo` calls it last): train() already finished the trackers and
+        left the process group; one still there (set up by the script) is destroyed."""
+        import torch.distributed
+
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
     def add_callback(self, callback: Any) -> None:
         """Add a callback (a class is instantiated), called after those already there."""
@@ -553,9 +630,25 @@ def _rows(dataset: Any, what: str, problems: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def _reward_specs(reward_funcs: Any, problems: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _check_environment_owns_the_data(
+    environment_factory: Any, flat: dict[str, Any], problems: list[str]
+) -> None:
+    """Without a train_dataset, as TRL 1.16: one environment_factory owns the data (its `reset` returns each
+    prompt, appended to an empty user message) and max_steps sets the run's length."""
+    if environment_factory is None:
+        problems.append("train_dataset: required unless an environment_factory gives the prompts")
+    elif isinstance(environment_factory, dict):
+        problems.append("train_dataset: required with a dict environment_factory (its environment column)")
+    elif int(flat.get("max_steps", TRL_DEFAULTS["max_steps"])) <= 0:
+        problems.append("max_steps: must be set without a train_dataset (the environment gives the prompts)")
+
+
+def _reward_specs(
+    reward_funcs: Any, problems: list[str], environment_rewards: bool = False
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """`rewards.functions` entries in TRL's order, and the callables among them by their spec name.
-    A string is a reward (model id or path, built-in name, `module:function`) loaded by name."""
+    A string is a reward (model id or path, built-in name, `module:function`) loaded by name. None are
+    needed where the environments score the rollouts (`environment_rewards`: a `get_reward`)."""
     items = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
     specs: list[dict[str, Any]] = []
     functions: dict[str, Any] = {}
@@ -569,8 +662,11 @@ def _reward_specs(reward_funcs: Any, problems: list[str]) -> tuple[list[dict[str
             specs.append({"name": key})
         else:
             problems.append(f"reward_funcs[{index}]: a loaded reward model; pass its path or hub id instead")
-    if not specs:
-        problems.append("reward_funcs: required (a callable, a reward model id, or a list of them)")
+    if not specs and not environment_rewards:
+        problems.append(
+            "reward_funcs: required (a callable, a reward model id, or a list of them), unless the "
+            "environment_factory's environment defines get_reward"
+        )
     return specs, functions
 
 

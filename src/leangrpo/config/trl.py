@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from leangrpo.config.schema import ConfigError
+from leangrpo.config.schema import Config, ConfigError
 from leangrpo.config.trl_fields import TRL_DEFAULTS
 from leangrpo.core.loss_types import LOSS_TYPES
 
@@ -209,7 +209,7 @@ _QUIET: dict[str, tuple[Any, ...]] = {
     "log_on_each_node": (False,), "logging_first_step": (True,), "logging_strategy": ("steps",),
     "gradient_checkpointing_kwargs": ({"use_reentrant": False},), "do_train": (True,), "tf32": (False,),
     "overwrite_output_dir": (True, False), "use_cache": (True,), "save_only_model": (False,),
-    "remove_unused_columns": (False, True),
+    "remove_unused_columns": (False, True), "debug": (None, []), "pad_to_multiple_of": (None,),
 }  # fmt: skip
 """Values other than TRL's default that ask for what leangrpo does anyway: no notice."""
 
@@ -276,6 +276,24 @@ def handling(name: str) -> tuple[Handling, str]:
     if name in _REFUSED:
         return "refused", _REFUSED[name]
     raise KeyError(name)
+
+
+def trainer_attributes(cfg: Config) -> dict[str, Any]:
+    """The attributes TRL's GRPOTrainer copies from its args, as the run has them: what a rollout_func
+    reads of its `trainer` (`trainer.num_generations`, `.max_completion_length`, `.temperature`, ...)."""
+    grpo = cfg.grpo
+    return {
+        "num_generations": grpo.num_generations, "max_completion_length": grpo.max_completion_length,
+        "temperature": grpo.temperature, "top_p": grpo.top_p, "top_k": grpo.top_k, "min_p": grpo.min_p,
+        "repetition_penalty": grpo.repetition_penalty,
+        "chat_template_kwargs": cfg.data.chat_template_kwargs or {},
+        "max_tool_calling_iterations": grpo.max_tool_calling_iterations, "use_vllm": grpo.use_vllm,
+        "vllm_mode": grpo.vllm_mode, "beta": grpo.beta, "num_iterations": grpo.num_iterations,
+        "loss_type": grpo.loss_type, "scale_rewards": grpo.scale_rewards, "epsilon_low": grpo.epsilon,
+        "epsilon_high": grpo.epsilon if grpo.epsilon_high is None else grpo.epsilon_high,
+        "importance_sampling_level": grpo.importance_sampling_level,
+        "mask_truncated_completions": grpo.mask_truncated_completions,
+    }  # fmt: skip
 
 
 def field_table() -> list[tuple[str, Handling, str]]:
@@ -373,6 +391,8 @@ def _translate_special(flat: dict[str, Any], put: Any, refused: list[str]) -> No
     if "disable_tqdm" in flat:
         put("logging.progress_bar", not flat.pop("disable_tqdm"))
     for key, value in (flat.pop("model_init_kwargs", None) or {}).items():
+        if value is None or (key, value) == ("revision", "main"):  # `trl grpo`'s: the defaults
+            continue
         if key in _MODEL_INIT_KWARGS:
             put(f"model.{_MODEL_INIT_KWARGS[key]}", value)
         else:

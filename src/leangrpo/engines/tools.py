@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import re
 import threading
 from collections import Counter
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.core.errors import UserError
+
+logger = logging.getLogger("leangrpo.engines.tools")
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -57,7 +60,9 @@ would raise RecursionError in the parser; no tool takes arguments nested past a 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
     """Make `tokenizer` render tools and tool messages and parse tool calls: its own template and response
-    template where it has them; a ChatML model without them (SmolLM2) gets TRL's ChatML tool format."""
+    template where it has them; a ChatML model without them (SmolLM2) gets TRL's ChatML tool format. A
+    template that is not prefix-preserving (Qwen3's drops the think block of a turn once a tool result
+    follows) is swapped for TRL's training version of it, as TRL does for multi-turn rollouts."""
     template = str(getattr(tokenizer, "chat_template", None) or "")
     chatml = "<|im_start|>" in template
     if not renders_tool_calls(tokenizer):
@@ -67,6 +72,12 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
                 "not, and it is not ChatML (set one with tokenizer.chat_template)"
             )
         tokenizer.chat_template = CHATML_TOOL_TEMPLATE
+    if not prefix_preserving(tokenizer):
+        tokenizer.chat_template = _training_template(tokenizer)
+        logger.warning(
+            "tools: the chat template is not prefix-preserving; rollouts use TRL's training one, which the "
+            "run's checkpoints and final model keep (TRL saves the original)"
+        )
     if getattr(tokenizer, "response_template", None) is None:
         if not chatml:
             raise ToolError(
@@ -74,6 +85,39 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
                 "parse_response); this tokenizer has none and is not ChatML"
             )
         tokenizer.response_template = CHATML_RESPONSE_TEMPLATE
+
+
+def prefix_preserving(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether a conversation's start renders the same when a tool result follows, which `tool_suffix_ids`
+    relies on (TRL's `is_chat_template_prefix_preserving`, on the same messages)."""
+    call = {"type": "function", "function": {"name": "dummy", "arguments": {}}}
+    start: list[Any] = [
+        {"role": "user", "content": "dummy"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
+    first = list(tokenizer.apply_chat_template(start, tokenize=True, return_dict=False))
+    result = {"role": "tool", "name": "dummy", "content": "dummy"}
+    ids = tokenizer.apply_chat_template(
+        [*start, result], tokenize=True, return_dict=False, add_generation_prompt=True
+    )
+    return list(ids[: len(first)]) == first
+
+
+def _training_template(tokenizer: PreTrainedTokenizerBase) -> str:
+    """TRL's prefix-preserving training version of the tokenizer's template (`trl.chat_template_utils`,
+    which knows the common templates: Qwen3, Llama 3, Gemma, ...)."""
+    problem = "the chat template renders a conversation's start differently once a tool result follows"
+    try:
+        from trl.chat_template_utils import get_training_chat_template
+    except ImportError:
+        raise ToolError(f"{problem}; TRL's training version of it needs trl installed") from None
+    try:
+        template = get_training_chat_template(tokenizer)
+    except ValueError:
+        template = None
+    if template is None:
+        raise ToolError(f"{problem}, and TRL has no training version of it: set tokenizer.chat_template")
+    return template
 
 
 def renders_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -296,11 +340,12 @@ def tool_loop(
     max_completion_length: int,
     max_iterations: int | None,
     max_model_len: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Trajectories:
     """TRL 1.16's `_tool_call_loop` on first turns already sampled: while some rollouts called tools (at
-    most `max_iterations` rounds), run the calls, append the tool messages' tokens and generate the next
-    turn. The tool results count toward `max_completion_length`, as in TRL: a result that would pass it
-    (or `max_model_len` in all) is dropped and its rollout ends there; a later turn is cut at the budget."""
+    most `max_iterations` rounds), run the calls, append the tool messages' tokens (`tool_suffix_ids`) and
+    generate the next turn. The tool results count toward `max_completion_length`, as in TRL: a result that
+    would pass it (or `max_model_len` in all) is dropped, ending its rollout; a later turn is cut to fit."""
     completion_ids, logprobs = [list(c) for c in completion_ids], logprobs and [list(lp) for lp in logprobs]
     model_mask = [[1] * len(ids) for ids in completion_ids]
     n = len(completion_ids)
@@ -320,7 +365,8 @@ def tool_loop(
         for i, calls in pending.items():
             mine, results = results[: len(calls)], results[len(calls) :]
             tool_messages = [_tool_message(use, i, *result) for result in mine]
-            sequence = prompt_ids[i] + completion_ids[i] + tool_suffix_ids(tokenizer, tool_messages)
+            suffix = tool_suffix_ids(tokenizer, tool_messages, chat_template_kwargs)
+            sequence = prompt_ids[i] + completion_ids[i] + suffix
             used = len(sequence) - len(prompt_ids[i])
             if used > max_completion_length or (max_model_len is not None and len(sequence) >= max_model_len):
                 continue  # TRL drops the results and ends the rollout with its completion as it is
@@ -419,18 +465,24 @@ def nesting_depth(text: str) -> int:
     return deepest
 
 
-def tool_suffix_ids(tokenizer: PreTrainedTokenizerBase, tool_messages: list[Message]) -> list[int]:
+def tool_suffix_ids(
+    tokenizer: PreTrainedTokenizerBase,
+    tool_messages: list[Message],
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """The tokens that follow an assistant's tool-calling turn (ended at its EOS): the tool messages and the
-    next assistant header, from the chat template (TRL's `_get_tool_suffix_ids`)."""
+    next assistant header, from the chat template with the run's `chat_template_kwargs`, as every render
+    (TRL's `_get_tool_suffix_ids`)."""
     call = {"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}
     dummy: list[Any] = [
         {"role": "user", "content": "dummy"},
         {"role": "assistant", "content": "", "tool_calls": [call]},
     ]
-    prefix = list(tokenizer.apply_chat_template(dummy, tokenize=True, return_dict=False))
+    kwargs = chat_template_kwargs or {}
+    prefix = list(tokenizer.apply_chat_template(dummy, tokenize=True, return_dict=False, **kwargs))
     full = list(
         tokenizer.apply_chat_template(
-            dummy + tool_messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            dummy + tool_messages, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
         )
     )
     ends = [k for k, token in enumerate(prefix) if token == tokenizer.eos_token_id]

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
         PreTrainedTokenizerBase,
     )
 
-    from leangrpo.config.schema import GRPOSection
+    from leangrpo.config.schema import DataConfig, GRPOSection
 
 
 @dataclass
@@ -124,7 +124,8 @@ class Sampling:
     max_completion_length tokens (for benchmarks that must compare equal work).
     `max_tool_calling_iterations`: rounds of tool calls a rollout makes at most (None: no limit).
     `seed`: the rollout draws from its own generator seeded with it, not torch's global RNG, so that a
-    rollout is the same whichever thread runs it and whatever else draws meanwhile (None: the global RNG)."""
+    rollout is the same whichever thread runs it and whatever else draws meanwhile (None: the global RNG).
+    `chat_template_kwargs`: the data's, for the tool results rendered between turns, as for the prompts."""
 
     num_generations: int
     max_prompt_length: int
@@ -140,21 +141,23 @@ class Sampling:
     ignore_eos: bool = False
     max_tool_calling_iterations: int | None = None
     seed: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """The rollout's own random stream on `device` (None without a seed: torch's global RNG)."""
         return None if self.seed is None else torch.Generator(device).manual_seed(self.seed)
 
     @classmethod
-    def from_config(cls, g: GRPOSection, assistant_prefix: str) -> Sampling:
+    def from_config(cls, g: GRPOSection, data: DataConfig) -> Sampling:
         """The training rollout's: `grpo`'s sampling settings, each completion opened by the data's
-        `assistant_prefix`."""
+        `assistant_prefix`, tool results rendered with its `chat_template_kwargs`."""
         return cls(
             num_generations=g.num_generations, max_prompt_length=g.max_prompt_length,
             max_completion_length=g.max_completion_length, temperature=g.temperature, top_p=g.top_p,
             top_k=g.top_k, min_p=g.min_p, repetition_penalty=g.repetition_penalty,
-            generation_kwargs=g.generation_kwargs, assistant_prefix=assistant_prefix,
+            generation_kwargs=g.generation_kwargs, assistant_prefix=data.assistant_prefix,
             ignore_eos=g.ignore_eos, max_tool_calling_iterations=g.max_tool_calling_iterations,
+            chat_template_kwargs=data.chat_template_kwargs,
         )  # fmt: skip
 
 
@@ -314,7 +317,7 @@ def with_tools(
         [ids[:n].tolist() for ids, n in zip(first.completion_ids, lengths, strict=True)],
         None if logprobs is None else [lp[:n].tolist() for lp, n in zip(logprobs, lengths, strict=True)],
         toolboxes, next_turns, sampling.max_completion_length, sampling.max_tool_calling_iterations,
-        max_model_len,
+        max_model_len, sampling.chat_template_kwargs,
     )  # fmt: skip
     return batch_of_lists(
         tokenizer, first.prompt_ids, first.prompt_mask, trajectories.completion_ids, trajectories.model_mask,

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from leangrpo.config.schema import Config, ConfigError, RewardSpec, TaskConfig
 from leangrpo.config.trl import from_trl, is_trl_config
+from leangrpo.config.trl_flags import split_flags, with_flags
 from leangrpo.data.tasks import Task, TaskError, TaskOptions, task_class
 from leangrpo.data.tasks.reasoning_gym import ReasoningGym
 from leangrpo.run.rundir import write_text_atomic
@@ -75,9 +76,10 @@ Vet = Callable[[Config], None]
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, vet: Vet | None = None
 ) -> Config:
-    """Read YAML (optional), apply overrides, validate. Raises ConfigError with one line. `vet`: see
-    `validate_config`."""
+    """Read YAML (optional), apply overrides (TRL's `--flag value` ones too: config/trl_flags.py), validate.
+    Raises ConfigError with one line. `vet`: see `validate_config`."""
     data: dict[str, Any] = {}
+    flags, overrides = split_flags(overrides or [])
     source = str(path) if path else "overrides"
     if path is not None:
         p = Path(path)
@@ -93,26 +95,32 @@ def load_config(
             raise ConfigError(f"config file {p}{where} is not valid YAML: {_yaml_problem(e)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(data)}")
-        if is_trl_config(data):
-            data = from_trl(data, source)
-    apply_overrides(data, overrides or [])
+    data = with_flags(data, flags, source)
+    if flags:
+        source = f"{path} and the command line" if path else "the command line"
+    if is_trl_config(data):
+        data = from_trl(data, source)
+    apply_overrides(data, overrides)
     return validate_config(data, source, vet)
 
 
-def validate_config(data: dict[str, Any], source: str = "config", vet: Vet | None = None) -> Config:
+def validate_config(
+    data: dict[str, Any], source: str = "config", vet: Vet | None = None, environment_rewards: bool = False
+) -> Config:
     """The whole config from nested data: the schema's checks, then the task's (`resolve`). `vet` sees
     the config between the two, before anything it names is imported (a task named by import path is
-    imported by `resolve`): where the config comes from a run, `run.trust`'s check goes there."""
+    imported by `resolve`): where the config comes from a run, `run.trust`'s check goes there.
+    `environment_rewards`: the run's environments score it (`get_reward`), so no reward function is needed."""
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_problem_lines(e, source)) from None
     if vet is not None:
         vet(cfg)
-    return resolve(cfg, source)
+    return resolve(cfg, source, environment_rewards)
 
 
-def resolve(cfg: Config, source: str = "config") -> Config:
+def resolve(cfg: Config, source: str = "config", environment_rewards: bool = False) -> Config:
     """`cfg` with everything its task decides filled in (the task's option defaults, system prompt and
     rewards) and checked against the task (its data, its worked solutions for a cold start)."""
 
@@ -132,7 +140,7 @@ def resolve(cfg: Config, source: str = "config") -> Config:
         task(options).check_data(cfg.data.path)
     except TaskError as e:
         raise error(str(e)) from None
-    if not cfg.rewards.functions and not task.default_rewards:
+    if not cfg.rewards.functions and not task.default_rewards and not environment_rewards:
         raise error(f"rewards.functions: required (task {task.name} has no default rewards)")
     if cfg.sft.steps and not task.has_solutions:
         raise error(f"sft.steps needs worked solutions, which task {task.name} does not have")

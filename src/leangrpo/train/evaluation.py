@@ -191,9 +191,9 @@ def eval_sampling(grpo: GRPOSection | None, data: DataConfig, max_new_tokens: in
     if grpo is None:
         return Sampling(
             num_generations=1, max_prompt_length=512, max_completion_length=max_new_tokens or 256,
-            assistant_prefix=data.assistant_prefix,
+            assistant_prefix=data.assistant_prefix, chat_template_kwargs=data.chat_template_kwargs,
         )  # fmt: skip
-    training = Sampling.from_config(grpo, data.assistant_prefix)
+    training = Sampling.from_config(grpo, data)
     length = max_new_tokens or grpo.max_completion_length
     return replace(training, max_completion_length=length, ignore_eos=False)
 

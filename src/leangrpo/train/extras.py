@@ -45,3 +45,6 @@ class RuntimeExtras:
     """Its tokenizer, used instead of loading the model's own."""
     step_hooks: Sequence[StepHook] = ()
     step_begin_hooks: Sequence[StepBeginHook] = ()
+    rollout_trainer: Any = None
+    """What a rollout_func is given as its `trainer`: TRL passes its GRPOTrainer, and so does leangrpo's
+    (commands/trl_api.py); by default, the Trainer itself."""

@@ -108,10 +108,12 @@ class RolloutSource:
         trainer: Any,
         release_memory: Callable[[], None],
     ):
-        """`trainer`: what a rollout_func is given (TRL passes its trainer)."""
+        """`trainer`: the Trainer; a rollout_func is given its `extras.rollout_trainer` (TRL passes its
+        GRPOTrainer), or the Trainer itself."""
         self.cfg, self.acc, self.gen, self.rows = cfg, acc, gen, rows
-        self.prompt_format, self.trainer, self.release_memory = prompt_format, trainer, release_memory
-        self.sampling = Sampling.from_config(cfg.grpo, cfg.data.assistant_prefix)
+        self.trainer = trainer.extras.rollout_trainer or trainer
+        self.prompt_format, self.release_memory = prompt_format, release_memory
+        self.sampling = Sampling.from_config(cfg.grpo, cfg.data)
         # each step's prompts, and dynamic sampling's extra prompts in their own seeded order
         self.sampler, self.resampler = (
             PromptSampler(len(rows), cfg.prompts_per_step, seed, acc.process_index, acc.num_processes)
