@@ -471,6 +471,50 @@ class GRPOSection(Section):
         return v
 
 
+ScheduleName = Literal[
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "reduce_lr_on_plateau",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+    "greedy",
+]  # transformers' SchedulerType (tests/test_memory.py checks it), here without importing transformers
+METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")  # stepped on an evaluation metric: refused
+# What each schedule's function in transformers.optimization reads from lr_scheduler_kwargs (its signature
+# less the optimizer, the step counts and last_epoch; tests/test_memory.py checks them against it), and
+# the keys of which it needs exactly one.
+SCHEDULER_KWARGS: dict[str, tuple[str, ...]] = {
+    "linear": (),
+    "cosine": ("num_cycles",),
+    "cosine_with_restarts": ("num_cycles",),
+    "polynomial": ("lr_end", "power"),
+    "constant": (),
+    "constant_with_warmup": (),
+    "inverse_sqrt": ("timescale",),
+    "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"),
+    "cosine_warmup_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"),
+    "warmup_stable_decay": (
+        "num_decay_steps",
+        "num_stable_steps",
+        "warmup_type",
+        "decay_type",
+        "min_lr_ratio",
+        "num_cycles",
+    ),
+}
+SCHEDULER_NEEDS = {
+    "cosine_with_min_lr": ("min_lr", "min_lr_rate"),
+    "cosine_warmup_with_min_lr": ("min_lr", "min_lr_rate"),
+    "warmup_stable_decay": ("num_decay_steps",),
+}
+
+
 class OptimConfig(Section):
     """The optimizer, its schedule and the batch sizes."""
 
@@ -501,13 +545,16 @@ class OptimConfig(Section):
         description="TRL 1.16's: optimizer steps spent warming up; below 1, a ratio of all of them "
         "(instead of warmup_ratio)",
     )
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "cosine_with_min_lr"] = Field(
-        "linear", description="learning-rate schedule (after warm-up)"
+    lr_scheduler_type: ScheduleName = Field(
+        "linear",
+        description="learning-rate schedule (after warm-up): any of transformers' SchedulerType but the two "
+        "that step on an evaluation metric (reduce_lr_on_plateau, greedy)",
     )
-    lr_scheduler_kwargs: dict[str, float] | None = Field(
+    lr_scheduler_kwargs: dict[str, int | float | str] | None = Field(
         None,
-        description="cosine_with_min_lr: min_lr (absolute) or min_lr_rate (a share of learning_rate); "
-        "cosine: num_cycles (default 0.5)",
+        description="the schedule's own arguments, as transformers' get_scheduler takes them: "
+        "cosine_with_min_lr: min_lr (absolute) or min_lr_rate (a share of learning_rate); cosine: "
+        "num_cycles (default 0.5); polynomial: lr_end, power; warmup_stable_decay: num_decay_steps...",
     )
     max_steps: int = Field(
         100,
@@ -551,12 +598,19 @@ class OptimConfig(Section):
 
     @model_validator(mode="after")
     def _scheduler_kwargs(self) -> OptimConfig:
-        allowed = {"cosine_with_min_lr": {"min_lr", "min_lr_rate"}, "cosine": {"num_cycles"}}
-        given = set(self.lr_scheduler_kwargs or {})
-        if extra := sorted(given - allowed.get(self.lr_scheduler_type, set())):
-            raise ValueError(f"lr_scheduler_kwargs {', '.join(extra)}: not read by {self.lr_scheduler_type}")
-        if self.lr_scheduler_type == "cosine_with_min_lr" and len(given) != 1:
-            raise ValueError("cosine_with_min_lr needs lr_scheduler_kwargs with min_lr or min_lr_rate")
+        kind, given = self.lr_scheduler_type, set(self.lr_scheduler_kwargs or {})
+        if kind in METRIC_SCHEDULERS:
+            raise ValueError(
+                f"lr_scheduler_type {kind} steps on an evaluation metric (transformers' "
+                "metric_for_best_model), which leangrpo's evaluation does not give it: pick a schedule by "
+                "step (docs/trl.md)"
+            )
+        takes = SCHEDULER_KWARGS[kind]
+        if extra := sorted(given - set(takes)):
+            reads = f"it reads {', '.join(takes)}" if takes else "it reads none"
+            raise ValueError(f"lr_scheduler_kwargs {', '.join(extra)}: not read by {kind} ({reads})")
+        if (one_of := SCHEDULER_NEEDS.get(kind)) and len(given & set(one_of)) != 1:
+            raise ValueError(f"{kind} needs lr_scheduler_kwargs with one of: {', '.join(one_of)}")
         return self
 
     def num_warmup_steps(self, num_updates: int) -> int:
