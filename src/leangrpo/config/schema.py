@@ -138,7 +138,9 @@ class TaskConfig(Section):
         "gsm8k",
         min_length=1,
         description="task module: gsm8k (the R1 recipe), reasoning_gym (generated problems) "
-        "or dataset (your rewards); or your own Task subclass as package.module:MyTask",
+        "or dataset (your rewards); or your own Task subclass as package.module:MyTask. Without task: the "
+        "data's first row decides: gsm8k for GSM8K's question and answer with '####' (or data not there "
+        "yet), dataset for any other (TRL's prompt column)",
     )
 
     @model_validator(mode="before")

@@ -7,6 +7,7 @@ processes) and where the model now lives (`with_model_path`). The result is the 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -17,9 +18,12 @@ from pydantic import ValidationError
 
 from leangrpo.config.schema import Config, ConfigError, RewardSpec, TaskConfig
 from leangrpo.config.trl import from_trl, is_trl_config
+from leangrpo.data.sources import default_task
 from leangrpo.data.tasks import Task, TaskError, TaskOptions, task_class
 from leangrpo.data.tasks.reasoning_gym import ReasoningGym
 from leangrpo.run.rundir import write_text_atomic
+
+logger = logging.getLogger("leangrpo.run.resolve")
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -119,6 +123,9 @@ def resolve(cfg: Config, source: str = "config") -> Config:
     def error(msg: str) -> ConfigError:
         return ConfigError(f"config error in {source}: {msg}")
 
+    if "task" not in cfg.model_fields_set:
+        cfg = cfg.model_copy(update={"task": TaskConfig(name=default_task(cfg.data))})
+        logger.info("task: %s, from the data's columns (set task: to choose)", cfg.task.name)
     try:
         task = task_class(cfg.task.name)
     except TaskError as e:
