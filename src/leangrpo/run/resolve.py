@@ -7,7 +7,6 @@ processes) and where the model now lives (`with_model_path`). The result is the 
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -22,8 +21,6 @@ from leangrpo.data.sources import default_task
 from leangrpo.data.tasks import Task, TaskError, TaskOptions, task_class
 from leangrpo.data.tasks.reasoning_gym import ReasoningGym
 from leangrpo.run.rundir import write_text_atomic
-
-logger = logging.getLogger("leangrpo.run.resolve")
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -124,8 +121,7 @@ def resolve(cfg: Config, source: str = "config") -> Config:
         return ConfigError(f"config error in {source}: {msg}")
 
     if "task" not in cfg.model_fields_set:
-        cfg = cfg.model_copy(update={"task": TaskConfig(name=default_task(cfg.data))})
-        logger.info("task: %s, from the data's columns (set task: to choose)", cfg.task.name)
+        cfg = cfg.model_copy(update={"task": TaskConfig(name=default_task(cfg.data))})  # in config.yaml
     try:
         task = task_class(cfg.task.name)
     except TaskError as e:
