@@ -255,7 +255,13 @@ class GRPOSection(Section):
     """Sampling and the GRPO objective."""
 
     num_generations: int = Field(8, ge=2, description="completions sampled per prompt (the group size G)")
-    max_prompt_length: int = Field(512, ge=1, description="prompt tokens kept (left-truncated)")
+    max_prompt_length: int | None = Field(
+        None,
+        ge=1,
+        description="prompt tokens at most, counted on the rendered prompt (system prompt and tool schemas "
+        "included); a longer one keeps its last user message and generation header whole and loses the "
+        "middle of what comes before, said at start-up (docs/training.md). null: no limit, as in TRL",
+    )
     max_completion_length: int = Field(256, ge=1, description="completion tokens generated at most")
     temperature: float = Field(1.0, gt=0, description="sampling temperature, also used for the log-probs")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
@@ -362,7 +368,10 @@ class GRPOSection(Section):
         False, description="CUDA only: vLLM frees its KV cache and weights during the update"
     )
     vllm_max_model_length: int | None = Field(
-        None, ge=1, description="vLLM's context window; default: max_prompt_length + max_completion_length"
+        None,
+        ge=1,
+        description="vLLM's context window; default: max_prompt_length + max_completion_length, or the "
+        "model's own without max_prompt_length",
     )
     vllm_importance_sampling_correction: bool = Field(
         True, description="weight each token's loss by the trainer/vLLM probability ratio (TIS)"
@@ -390,7 +399,7 @@ class GRPOSection(Section):
 
     @model_validator(mode="after")
     def _context_fits(self) -> GRPOSection:
-        needed = self.max_prompt_length + self.max_completion_length
+        needed = (self.max_prompt_length or 1) + self.max_completion_length
         if self.vllm_max_model_length is not None and self.vllm_max_model_length < needed:
             raise ValueError(
                 f"vllm_max_model_length={self.vllm_max_model_length} is below max_prompt_length + "
@@ -399,9 +408,12 @@ class GRPOSection(Section):
         return self
 
     @property
-    def max_model_length(self) -> int:
-        """vLLM's context window: the configured one, or the longest prompt plus the longest completion."""
-        return self.vllm_max_model_length or self.max_prompt_length + self.max_completion_length
+    def max_model_length(self) -> int | None:
+        """vLLM's context window: the configured one, or the longest prompt plus the longest completion;
+        None without a prompt limit (vLLM then takes the model's own)."""
+        if self.vllm_max_model_length or self.max_prompt_length is None:
+            return self.vllm_max_model_length
+        return self.max_prompt_length + self.max_completion_length
 
     min_p: float | None = Field(
         None, ge=0, le=1, description="drop tokens below min_p × the likeliest one's probability"
