@@ -431,3 +431,41 @@ def test_eval_split_of_a_saved_dataset_dict(tmp_path):
     data = DataConfig(path=str(tmp_path / "dd"), system_prompt=None)
     rows = load_eval_rows(data, load_task(TaskConfig(name="dataset")), str(tmp_path / "dd"), "test", None)
     assert [r["solution"] for r in rows] == ["2"]
+
+
+@pytest.mark.parametrize(
+    "first_row, task",
+    [
+        ({"prompt": [{"role": "user", "content": "What is 2+2?"}], "answer": "4"}, "dataset"),
+        ({"prompt": "What is 2+2?", "solution": "4"}, "dataset"),
+        ({"question": "What is 2+2?", "answer": "4"}, "dataset"),
+        ({"question": "What is 2+2?", "answer": "2+2=4\n#### 4"}, "gsm8k"),
+    ],
+)
+def test_config_without_task_takes_it_from_the_data(tmp_path, first_row, task):
+    """Without `task:`, TRL-formatted data (a prompt column) and other data train as task dataset, with
+    the config's rewards and no system prompt added; only GSM8K's own layout (question, answer with
+    '####') picks gsm8k. The rows then load under that task (before: 'no '####' in the answer')."""
+    from leangrpo.run.resolve import validate_config
+
+    path = write_jsonl(tmp_path / "d.jsonl", [first_row, first_row])
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": "m"},
+            "data": {"path": str(path)},
+            "rewards": {"functions": [{"name": "trl.rewards:accuracy_reward"}]},
+        }
+    )
+    assert cfg.task.name == task
+    assert (cfg.data.system_prompt is None) == (task == "dataset")
+    assert len(load_rows(cfg.data, load_task(cfg.task)).rows) == 2
+
+
+def test_config_without_task_keeps_gsm8k_for_the_gsm8k_sample_and_unread_data():
+    """The shipped GSM8K sample still trains as gsm8k, and so does data not there yet (its loading
+    reports it), so a config's default rewards stay the GSM8K recipe's."""
+    from leangrpo.run.resolve import validate_config
+
+    for path in (GSM8K_DIR / "train.jsonl", "not-there.jsonl"):
+        cfg = validate_config({"model": {"name_or_path": "m"}, "data": {"path": str(path)}})
+        assert cfg.task.name == "gsm8k" and cfg.rewards.functions

@@ -31,7 +31,7 @@ def write_config(path: Path, model_dir: Path, data: Path, out: Path, **sections)
         "model": {"name_or_path": str(model_dir), "gradient_checkpointing": False},
         "data": {"path": str(data), "limit": 64},
         "rewards": {"functions": [{"name": "toy_rewards:vowel_share"}]},
-        "grpo": {"num_generations": 8, "max_completion_length": 8, "max_prompt_length": 96},
+        "grpo": {"num_generations": 8, "max_completion_length": 8, "max_prompt_length": 128},
         "optim": {
             "learning_rate": 1e-3,
             "per_device_train_batch_size": 16,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import torch
@@ -645,6 +647,12 @@ def test_max_grad_norm_zero_turns_clipping_off_as_in_trl():
         ("constant", None),
         ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
         ("cosine_with_min_lr", {"min_lr": 0.02}),
+        ("cosine_with_restarts", {"num_cycles": 2}),
+        ("polynomial", {"lr_end": 0.01, "power": 2.0}),
+        ("constant_with_warmup", None),
+        ("inverse_sqrt", {"timescale": 2}),
+        ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.1, "warmup_lr_rate": 0.2}),
+        ("warmup_stable_decay", {"num_decay_steps": 4, "decay_type": "linear"}),
     ],
 )
 @pytest.mark.parametrize("warmup", [0, 3])
@@ -677,7 +685,94 @@ def test_build_scheduler_follows_transformers_get_scheduler(kind, kwargs, warmup
         )
     )
     assert ours == pytest.approx(theirs, abs=1e-12)
-    assert len(set(ours)) > 1 or kind == "constant"
+    assert len(set(ours)) > 1 or kind == "constant" or kind == "constant_with_warmup" and not warmup
+
+
+def test_scheduler_names_and_kwargs_are_transformers():
+    """The config's schedule names are transformers' SchedulerType, and what each reads from
+    lr_scheduler_kwargs is its function's signature (less the optimizer, step counts and last_epoch)."""
+    import inspect
+
+    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, SchedulerType
+
+    from leangrpo.config.schema import METRIC_SCHEDULERS, SCHEDULER_KWARGS, ScheduleName
+
+    assert set(get_args(ScheduleName)) == {t.value for t in SchedulerType}
+    fixed = {"optimizer", "num_warmup_steps", "num_training_steps", "last_epoch"}
+    for kind, takes in SCHEDULER_KWARGS.items():
+        params = inspect.signature(TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(kind)]).parameters
+        assert set(takes) == set(params) - fixed, kind
+    assert set(SCHEDULER_KWARGS) | set(METRIC_SCHEDULERS) == set(get_args(ScheduleName))
+
+
+@pytest.mark.parametrize(
+    "kind, kwargs, message",
+    [
+        (
+            "polynomial",
+            {"num_cycles": 2},
+            "lr_scheduler_kwargs num_cycles: not read by polynomial (it reads lr_end, power)",
+        ),
+        (
+            "constant_with_warmup",
+            {"power": 2},
+            "lr_scheduler_kwargs power: not read by constant_with_warmup (it reads none)",
+        ),
+        (
+            "warmup_stable_decay",
+            None,
+            "warmup_stable_decay needs lr_scheduler_kwargs with one of: num_decay_steps",
+        ),
+        (
+            "cosine_with_min_lr",
+            {"min_lr": 0.1, "min_lr_rate": 0.1},
+            "needs lr_scheduler_kwargs with one of: min_lr, min_lr_rate",
+        ),
+        (
+            "reduce_lr_on_plateau",
+            None,
+            "lr_scheduler_type reduce_lr_on_plateau steps on an evaluation metric",
+        ),
+        ("greedy", None, "lr_scheduler_type greedy steps on an evaluation metric"),
+    ],
+)
+def test_scheduler_kwargs_are_refused_in_one_line(kind, kwargs, message):
+    """A schedule's wrong or missing kwargs, and the metric-stepped schedules, are one config error."""
+    from leangrpo.config.schema import OptimConfig
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        OptimConfig(lr_scheduler_type=kind, lr_scheduler_kwargs=kwargs)
+
+
+@pytest.mark.parametrize("kind, kwargs", [("polynomial", {"power": 2.0}), ("cosine", None)])
+def test_scheduler_state_resumes(kind, kwargs):
+    """A schedule's state_dict (what a checkpoint keeps) continues the same learning rates in a new one."""
+    from leangrpo.config.schema import OptimConfig
+    from leangrpo.train.optim import build_scheduler
+
+    cfg = OptimConfig(learning_rate=0.1, lr_scheduler_type=kind, lr_scheduler_kwargs=kwargs, warmup_steps=2)
+
+    def fresh():
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        return optimizer, build_scheduler(optimizer, cfg, 10)
+
+    opt, whole = fresh()
+    rates = []
+    for step in range(8):
+        if step == 4:
+            saved = (opt.state_dict(), whole.state_dict())
+        rates.append(whole.get_last_lr()[0])
+        opt.step()
+        whole.step()
+    opt, resumed = fresh()
+    opt.load_state_dict(saved[0])
+    resumed.load_state_dict(saved[1])
+    later = []
+    for _ in range(4):
+        later.append(resumed.get_last_lr()[0])
+        opt.step()
+        resumed.step()
+    assert later == pytest.approx(rates[4:], abs=1e-12) and len(set(rates)) > 2
 
 
 def test_trainer_does_not_import_peft_for_full_fine_tuning(tmp_path, tiny_model_dir, gsm8k_dir):

@@ -751,3 +751,110 @@ def test_the_long_prompt_warning_counts_the_tool_schemas(tool_tokenizer):
     assert long_prompts(tool_tokenizer, rows, cfg) is None
     warning = long_prompts(tool_tokenizer, rows, cfg, AgentSpec([add, broken]))
     assert warning is not None and "1 of 1 prompts" in warning
+
+
+LONG_SYSTEM = "You answer arithmetic questions carefully, checking every step twice. " * 60
+QUESTION = "What is 2 + 3?"
+
+
+def long_tool_prompt() -> list[dict[str, str]]:
+    """A prompt far past 512 tokens once its tool schemas and long system prompt are rendered."""
+    return [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": QUESTION}]
+
+
+def test_a_cut_prompt_keeps_its_question_and_generation_header(tool_tokenizer):
+    """Past max_prompt_length, the rendered prompt (tools and system prompt included) keeps its last
+    user message and the generation header whole and its first and last tokens before them; a question
+    that cannot fit, or a plain-text prompt (all question), is refused in one line; no limit: whole."""
+    from leangrpo.data.rows import PromptFormat, PromptTooLong
+
+    schemas = AgentSpec([add, broken]).schemas({})
+    full = PromptFormat().render(tool_tokenizer, long_tool_prompt(), schemas)
+    ids = tool_tokenizer(full, add_special_tokens=False).input_ids
+    assert len(ids) > 600 and '"name": "add"' in full
+    cut = PromptFormat(max_tokens=128).render(tool_tokenizer, long_tool_prompt(), schemas)
+    assert len(tool_tokenizer(cut, add_special_tokens=False).input_ids) <= 128
+    tail = f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    assert full.endswith(tail) and cut.endswith(tail)
+    head = full[: -len(tail)]  # the system prompt and the tools: its first and last tokens stay
+    assert cut.startswith(tool_tokenizer.decode(ids[:40])) and cut[: -len(tail)].endswith(head[-30:])
+    with pytest.raises(PromptTooLong, match="take .* tokens, over grpo.max_prompt_length=8"):
+        PromptFormat(max_tokens=8).render(tool_tokenizer, long_tool_prompt(), schemas)
+    with pytest.raises(PromptTooLong):
+        PromptFormat(max_tokens=16).render(tool_tokenizer, LONG_SYSTEM + QUESTION)
+    assert PromptFormat(max_tokens=len(ids)).render(tool_tokenizer, long_tool_prompt(), schemas) == full
+
+
+def spy_on_prompts(monkeypatch) -> list[tuple[list[str], int | None]]:
+    """What the HF engine tokenizes for each rollout batch: its prompt texts and its limit."""
+    import leangrpo.engines.hf as hf
+
+    seen: list[tuple[list[str], int | None]] = []
+    real = hf.encode_prompts
+
+    def spy(tokenizer, texts, limit, repeat):
+        seen.append((list(texts), limit))
+        return real(tokenizer, texts, limit, repeat)
+
+    monkeypatch.setattr(hf, "encode_prompts", spy)
+    return seen
+
+
+def test_a_long_tool_prompt_is_kept_whole_through_the_python_api(tmp_path, tiny_model_dir, monkeypatch):
+    """TRL has no max_prompt_length: through GRPOTrainer, a prompt of 600+ tokens with its tool schemas
+    reaches generation whole (it kept only its first or last 512 tokens before)."""
+    from transformers import AutoTokenizer
+
+    from leangrpo import GRPOConfig, GRPOTrainer
+    from leangrpo.data.rows import PromptFormat
+
+    seen = spy_on_prompts(monkeypatch)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "api"), num_generations=2, max_completion_length=4, max_steps=1,
+        per_device_train_batch_size=2, report_to="none", max_tool_calling_iterations=1,
+    )  # fmt: skip
+    rows = [{"prompt": long_tool_prompt()}]
+    trainer = GRPOTrainer(
+        str(tiny_model_dir), lambda completions, **_: [0.0] * len(completions), args, rows, tools=[add]
+    )
+    trainer.train()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prepare_tokenizer(tok)
+    full = PromptFormat().render(tok, long_tool_prompt(), AgentSpec([add]).schemas({}))
+    texts, limit = seen[0]
+    assert limit is None and texts == [full] and len(tok(full, add_special_tokens=False).input_ids) > 600
+
+
+def test_a_yaml_limit_cuts_long_tool_prompts_and_says_how_much(tmp_path, tiny_model_dir, monkeypatch):
+    """A leangrpo YAML's grpo.max_prompt_length: the start-up warning counts the prompts and tokens cut,
+    measured with the tool schemas, and the rollouts see the cut prompt ending in the question and the
+    generation header; a limit below the question is refused in one line."""
+    from leangrpo.run.resolve import validate_config
+    from leangrpo.train.trainer import Trainer
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": long_tool_prompt()}) + "\n")
+    seen = spy_on_prompts(monkeypatch)
+
+    def config(limit: int, out: str):
+        return validate_config({
+            "model": {"name_or_path": str(tiny_model_dir)}, "data": {"path": str(data)},
+            "rewards": {"functions": [{"name": "int"}]}, "tools": {"functions": ["test_tools:add"]},
+            "grpo": {"num_generations": 2, "max_completion_length": 4, "max_prompt_length": limit,
+                     "max_tool_calling_iterations": 1},
+            "optim": {"max_steps": 1, "per_device_train_batch_size": 2}, "output_dir": str(tmp_path / out),
+        })  # fmt: skip
+
+    written: list[str] = []
+    monkeypatch.setattr(Trainer, "_write", lambda self, text: written.append(text))
+    Trainer(config(128, "cut")).train()
+    (warning,) = [w for w in written if "longer than grpo.max_prompt_length" in w]
+    assert "1 of 1 prompts are longer than grpo.max_prompt_length=128 tokens" in warning
+    cut = int(warning.split("); ")[1].split(" tokens cut")[0])
+    assert cut > 450  # 600+ tokens down to at most 128
+    (text,), limit = seen[0]
+    assert limit == 128 and text.endswith(f"<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n")
+    from leangrpo.data.rows import PromptTooLong
+
+    with pytest.raises(PromptTooLong, match="over grpo.max_prompt_length=8"):
+        Trainer(config(8, "refused"))

@@ -39,7 +39,7 @@ def config(tmp_path: Path, model: Path, gsm8k_dir: Path, **sections: dict) -> di
         "model": {"name_or_path": str(model), "gradient_checkpointing": False},
         "data": {"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
         "rewards": {"functions": [{"name": "toy_rewards:vowel_share"}]},
-        "grpo": {"num_generations": 2, "max_completion_length": 4, "max_prompt_length": 64},
+        "grpo": {"num_generations": 2, "max_completion_length": 4, "max_prompt_length": 160},
         "optim": {"per_device_train_batch_size": 4, "max_steps": 1},
         "logging": {"progress_bar": False, "log_completions_steps": 0},
         "output_dir": str(tmp_path / "run"),

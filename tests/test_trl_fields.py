@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from leangrpo.config.schema import ConfigError
-from leangrpo.config.trl import asks_nothing, field_table, from_trl, handling
+from leangrpo.config.trl import asks_nothing, field_table, from_trl, handling, precision_note
 from leangrpo.config.trl_fields import TRL_DEFAULTS
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "trl.md"
@@ -55,7 +55,30 @@ def test_every_field_is_honoured_noted_or_refused(name, caplog):
             assert f"{name}={other!r} ignored: {why}" in caplog.text
     caplog.clear()
     from_trl({name: TRL_DEFAULTS[name]}, "t.yaml")  # TRL's default passes silently
-    assert caplog.text == ""
+    assert [r.message for r in caplog.records if precision_note("float32") not in r.message] == []
+
+
+@pytest.mark.parametrize(
+    "fields, dtype, noted",
+    [
+        ({}, "float32", True),
+        ({"dtype": "bfloat16"}, "bfloat16", True),
+        ({"bf16": False}, "float32", False),
+        ({"bf16": True}, "bfloat16", False),
+        ({"fp16": True}, "float16", False),
+    ],
+)
+def test_trl_precision_default_is_a_said_difference(fields, dtype, noted, caplog):
+    """TRL 1.16's GRPOConfig leaves bf16 unset, which means bf16 mixed precision (autocast over fp32
+    weights, on a GPU; on a CPU it refuses without use_cpu). leangrpo has no autocast: it computes in
+    model.dtype, float32 by default, and says so in one start-up line; bf16/fp16 true set the dtype."""
+    trl = pytest.importorskip("trl")
+    assert trl.GRPOConfig(output_dir="x", use_cpu=True).bf16 is True  # TRL's effective default
+    with caplog.at_level(logging.WARNING, logger="leangrpo.config.trl"):
+        out = from_trl(fields, "t.yaml")
+    assert out.get("model", {}).get("dtype", "float32") == dtype
+    assert (f"t.yaml: {precision_note(dtype)}" in caplog.text) == noted
+    assert ("bf16 unset" in caplog.text) == noted
 
 
 def test_refusals_come_all_at_once_one_line_each():

@@ -57,7 +57,7 @@ def make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, **sections: dict[str, Any]
         "model": {"name_or_path": str(tiny_model_dir), "gradient_checkpointing": False},
         "data": {"path": str(gsm8k_dir / "train.jsonl"), "limit": 16},
         "rewards": {"functions": [{"name": "toy_rewards:vowel_share"}]},
-        "grpo": {"num_generations": 4, "max_completion_length": 8, "max_prompt_length": 96},
+        "grpo": {"num_generations": 4, "max_completion_length": 8, "max_prompt_length": 128},
         "optim": {"learning_rate": 1e-3, "per_device_train_batch_size": 8, "max_steps": 2},
         "logging": {"progress_bar": False, "log_completions_steps": 0},
         "output_dir": str(tmp_path / "run"),

@@ -79,7 +79,8 @@ def run_eval(
     if inputs.agent is not None:
         prepare_tokenizer(tokenizer)
     sampling = eval_sampling(cfg.grpo if cfg else None, inputs.data, max_new_tokens)
-    max_model_len = sampling.max_prompt_length + sampling.max_completion_length
+    limit = sampling.max_prompt_length  # none: vLLM takes the model's own context
+    max_model_len = None if limit is None else limit + sampling.max_completion_length
     generator = (
         _vllm_engine(lm, tokenizer, cfg, max_model_len, dtype, seed, trust_remote_code)
         if engine == "vllm"
@@ -87,8 +88,8 @@ def run_eval(
     )
     result = evaluate(
         lm, tokenizer, inputs.rows, inputs.reward_funcs, inputs.task, sampling,
-        prompt_format=PromptFormat.from_config(inputs.data), batch_size=batch_size, num_samples=num_samples,
-        seed=seed, engine=generator, agent=inputs.agent,
+        prompt_format=PromptFormat.from_config(inputs.data, limit), batch_size=batch_size,
+        num_samples=num_samples, seed=seed, engine=generator, agent=inputs.agent,
     )  # fmt: skip
     meta = dict(model=model, adapter=adapter, data=inputs.source, split=split, num_samples=num_samples)
     return result, result.save(path, **meta)
@@ -172,7 +173,7 @@ def _vllm_engine(
     lm: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     cfg: Config | None,
-    max_model_len: int,
+    max_model_len: int | None,
     dtype: str | None,
     seed: int,
     trust_remote_code: bool,

@@ -238,6 +238,11 @@ def parse_targets(value: str | list[str] | tuple[str, ...] | None) -> tuple[str,
     return tuple(items)
 
 
+ASSUMED_PROMPT_LENGTH = 512
+"""The prompt length planned for when the config sets no grpo.max_prompt_length (TRL's default: no
+limit) and `--prompt-length` gives none: the run's real prompts may be longer (docs/memory.md)."""
+
+
 @dataclass(frozen=True)
 class Knobs:
     """The training settings that move memory. A field with a config key takes that key's value from a
@@ -252,7 +257,7 @@ class Knobs:
     num_generations: int = _knob("grpo.num_generations")
     per_device_train_batch_size: int = _knob("optim.per_device_train_batch_size")
     gradient_accumulation_steps: int = _knob("optim.gradient_accumulation_steps")
-    max_prompt_length: int = _knob("grpo.max_prompt_length")
+    max_prompt_length: int = _knob("grpo.max_prompt_length", ASSUMED_PROMPT_LENGTH)
     max_completion_length: int = _knob("grpo.max_completion_length")
     gradient_checkpointing: bool = _knob("model.gradient_checkpointing")
     optimizer: Literal["adamw", "adamw_8bit"] = _knob("optim.optimizer")
@@ -821,6 +826,7 @@ def knobs_from_config(cfg: Config, **overrides: Any) -> Knobs:
         f.name: reduce(getattr, f.metadata["config"].split("."), cfg) for f in fields(Knobs) if f.metadata
     }
     values.update(
+        max_prompt_length=cfg.grpo.max_prompt_length or ASSUMED_PROMPT_LENGTH,
         method="qlora-4bit" if m.load_in_4bit else "lora" if m.lora.enabled else "full",
         lora_targets=parse_targets(m.lora.target_modules),
         rollout="hf" if engine_name(cfg.grpo) == "hf" else "vllm",  # a server's memory counts as colocated

@@ -138,7 +138,9 @@ class TaskConfig(Section):
         "gsm8k",
         min_length=1,
         description="task module: gsm8k (the R1 recipe), reasoning_gym (generated problems) "
-        "or dataset (your rewards); or your own Task subclass as package.module:MyTask",
+        "or dataset (your rewards); or your own Task subclass as package.module:MyTask. Without task: the "
+        "data's first row decides: gsm8k for GSM8K's question and answer with '####' (or data not there "
+        "yet), dataset for any other (TRL's prompt column)",
     )
 
     @model_validator(mode="before")
@@ -253,7 +255,13 @@ class GRPOSection(Section):
     """Sampling and the GRPO objective."""
 
     num_generations: int = Field(8, ge=2, description="completions sampled per prompt (the group size G)")
-    max_prompt_length: int = Field(512, ge=1, description="prompt tokens kept (left-truncated)")
+    max_prompt_length: int | None = Field(
+        None,
+        ge=1,
+        description="prompt tokens at most, counted on the rendered prompt (system prompt and tool schemas "
+        "included); a longer one keeps its last user message and generation header whole and loses the "
+        "middle of what comes before, said at start-up (docs/training.md). null: no limit, as in TRL",
+    )
     max_completion_length: int = Field(256, ge=1, description="completion tokens generated at most")
     temperature: float = Field(1.0, gt=0, description="sampling temperature, also used for the log-probs")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
@@ -360,7 +368,10 @@ class GRPOSection(Section):
         False, description="CUDA only: vLLM frees its KV cache and weights during the update"
     )
     vllm_max_model_length: int | None = Field(
-        None, ge=1, description="vLLM's context window; default: max_prompt_length + max_completion_length"
+        None,
+        ge=1,
+        description="vLLM's context window; default: max_prompt_length + max_completion_length, or the "
+        "model's own without max_prompt_length",
     )
     vllm_importance_sampling_correction: bool = Field(
         True, description="weight each token's loss by the trainer/vLLM probability ratio (TIS)"
@@ -388,7 +399,7 @@ class GRPOSection(Section):
 
     @model_validator(mode="after")
     def _context_fits(self) -> GRPOSection:
-        needed = self.max_prompt_length + self.max_completion_length
+        needed = (self.max_prompt_length or 1) + self.max_completion_length
         if self.vllm_max_model_length is not None and self.vllm_max_model_length < needed:
             raise ValueError(
                 f"vllm_max_model_length={self.vllm_max_model_length} is below max_prompt_length + "
@@ -397,9 +408,12 @@ class GRPOSection(Section):
         return self
 
     @property
-    def max_model_length(self) -> int:
-        """vLLM's context window: the configured one, or the longest prompt plus the longest completion."""
-        return self.vllm_max_model_length or self.max_prompt_length + self.max_completion_length
+    def max_model_length(self) -> int | None:
+        """vLLM's context window: the configured one, or the longest prompt plus the longest completion;
+        None without a prompt limit (vLLM then takes the model's own)."""
+        if self.vllm_max_model_length or self.max_prompt_length is None:
+            return self.vllm_max_model_length
+        return self.max_prompt_length + self.max_completion_length
 
     min_p: float | None = Field(
         None, ge=0, le=1, description="drop tokens below min_p × the likeliest one's probability"
@@ -471,6 +485,50 @@ class GRPOSection(Section):
         return v
 
 
+ScheduleName = Literal[
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "reduce_lr_on_plateau",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+    "greedy",
+]  # transformers' SchedulerType (tests/test_memory.py checks it), here without importing transformers
+METRIC_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")  # stepped on an evaluation metric: refused
+# What each schedule's function in transformers.optimization reads from lr_scheduler_kwargs (its signature
+# less the optimizer, the step counts and last_epoch; tests/test_memory.py checks them against it), and
+# the keys of which it needs exactly one.
+SCHEDULER_KWARGS: dict[str, tuple[str, ...]] = {
+    "linear": (),
+    "cosine": ("num_cycles",),
+    "cosine_with_restarts": ("num_cycles",),
+    "polynomial": ("lr_end", "power"),
+    "constant": (),
+    "constant_with_warmup": (),
+    "inverse_sqrt": ("timescale",),
+    "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"),
+    "cosine_warmup_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"),
+    "warmup_stable_decay": (
+        "num_decay_steps",
+        "num_stable_steps",
+        "warmup_type",
+        "decay_type",
+        "min_lr_ratio",
+        "num_cycles",
+    ),
+}
+SCHEDULER_NEEDS = {
+    "cosine_with_min_lr": ("min_lr", "min_lr_rate"),
+    "cosine_warmup_with_min_lr": ("min_lr", "min_lr_rate"),
+    "warmup_stable_decay": ("num_decay_steps",),
+}
+
+
 class OptimConfig(Section):
     """The optimizer, its schedule and the batch sizes."""
 
@@ -501,13 +559,16 @@ class OptimConfig(Section):
         description="TRL 1.16's: optimizer steps spent warming up; below 1, a ratio of all of them "
         "(instead of warmup_ratio)",
     )
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "cosine_with_min_lr"] = Field(
-        "linear", description="learning-rate schedule (after warm-up)"
+    lr_scheduler_type: ScheduleName = Field(
+        "linear",
+        description="learning-rate schedule (after warm-up): any of transformers' SchedulerType but the two "
+        "that step on an evaluation metric (reduce_lr_on_plateau, greedy)",
     )
-    lr_scheduler_kwargs: dict[str, float] | None = Field(
+    lr_scheduler_kwargs: dict[str, int | float | str] | None = Field(
         None,
-        description="cosine_with_min_lr: min_lr (absolute) or min_lr_rate (a share of learning_rate); "
-        "cosine: num_cycles (default 0.5)",
+        description="the schedule's own arguments, as transformers' get_scheduler takes them: "
+        "cosine_with_min_lr: min_lr (absolute) or min_lr_rate (a share of learning_rate); cosine: "
+        "num_cycles (default 0.5); polynomial: lr_end, power; warmup_stable_decay: num_decay_steps...",
     )
     max_steps: int = Field(
         100,
@@ -551,12 +612,19 @@ class OptimConfig(Section):
 
     @model_validator(mode="after")
     def _scheduler_kwargs(self) -> OptimConfig:
-        allowed = {"cosine_with_min_lr": {"min_lr", "min_lr_rate"}, "cosine": {"num_cycles"}}
-        given = set(self.lr_scheduler_kwargs or {})
-        if extra := sorted(given - allowed.get(self.lr_scheduler_type, set())):
-            raise ValueError(f"lr_scheduler_kwargs {', '.join(extra)}: not read by {self.lr_scheduler_type}")
-        if self.lr_scheduler_type == "cosine_with_min_lr" and len(given) != 1:
-            raise ValueError("cosine_with_min_lr needs lr_scheduler_kwargs with min_lr or min_lr_rate")
+        kind, given = self.lr_scheduler_type, set(self.lr_scheduler_kwargs or {})
+        if kind in METRIC_SCHEDULERS:
+            raise ValueError(
+                f"lr_scheduler_type {kind} steps on an evaluation metric (transformers' "
+                "metric_for_best_model), which leangrpo's evaluation does not give it: pick a schedule by "
+                "step (docs/trl.md)"
+            )
+        takes = SCHEDULER_KWARGS[kind]
+        if extra := sorted(given - set(takes)):
+            reads = f"it reads {', '.join(takes)}" if takes else "it reads none"
+            raise ValueError(f"lr_scheduler_kwargs {', '.join(extra)}: not read by {kind} ({reads})")
+        if (one_of := SCHEDULER_NEEDS.get(kind)) and len(given & set(one_of)) != 1:
+            raise ValueError(f"{kind} needs lr_scheduler_kwargs with one of: {', '.join(one_of)}")
         return self
 
     def num_warmup_steps(self, num_updates: int) -> int:

@@ -338,6 +338,7 @@ def from_trl(
     `rewards.functions` entries standing in for `reward_funcs` (the Python API's), weighted by
     `reward_weights`."""
     flat = {**{name: TRL_DEFAULTS[name] for name in _TRL_DEFAULTS_APPLIED}, **flat}
+    mixed_precision = flat.get("bf16") is None and not flat.get("fp16")  # TRL's default: bf16 autocast
     out: dict[str, Any] = {"task": "dataset", "data": {"system_prompt": None}}
     refused: list[str] = []
 
@@ -370,7 +371,19 @@ def from_trl(
         raise TRLConfigError("\n".join(f"{source}: {line}" for line in refused))
     if out.get("model", {}).get("dtype") == "auto":
         del out["model"]["dtype"]
+    if mixed_precision:
+        logger.warning(f"{source}: {precision_note(out.get('model', {}).get('dtype', 'float32'))}")
     return out
+
+
+def precision_note(dtype: str) -> str:
+    """The start-up line for a TRL config that leaves bf16 unset: TRL 1.16 then trains in bf16 mixed
+    precision (autocast over fp32 weights; on a CPU it refuses unless `use_cpu`), leangrpo has no autocast
+    and computes in the model's dtype (docs/trl.md: a deliberate difference)."""
+    return (
+        f"bf16 unset: TRL trains in bf16 mixed precision (autocast over fp32 weights), leangrpo without "
+        f"autocast in model.dtype {dtype}; bf16: true gives bfloat16 weights"
+    )
 
 
 def _translate_special(flat: dict[str, Any], put: Any, refused: list[str]) -> None:

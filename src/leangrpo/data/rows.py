@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from leangrpo.core.errors import UserError
+
 if TYPE_CHECKING:
     from leangrpo.config.schema import DataConfig
 
@@ -15,6 +17,18 @@ Message = dict[str, str]  # one chat message: {"role": ..., "content": ...}
 
 class BadRow(Exception):
     """One row is unusable; ``load_rows`` either skips it or turns it into a ``DataError``."""
+
+
+class PromptTooLong(UserError, ValueError):
+    """A prompt cannot fit grpo.max_prompt_length without losing its question."""
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    return str(tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -40,10 +54,11 @@ class PromptFormat:
 
     assistant_prefix: str = ""
     chat_template_kwargs: Mapping[str, Any] | None = None
+    max_tokens: int | None = None  # grpo.max_prompt_length: longer prompts are cut (`fit`)
 
     @classmethod
-    def from_config(cls, data: DataConfig) -> PromptFormat:
-        return cls(data.assistant_prefix, data.chat_template_kwargs)
+    def from_config(cls, data: DataConfig, max_prompt_length: int | None = None) -> PromptFormat:
+        return cls(data.assistant_prefix, data.chat_template_kwargs, max_prompt_length)
 
     def render(self, tokenizer: Any, prompt: str | list[Message], tools: list[Any] | None = None) -> str:
         """Prompt text for generation, ending where the assistant's answer begins.
@@ -54,16 +69,62 @@ class PromptFormat:
         ``"Question: {user}\\nAnswer:"`` per user turn, with earlier assistant turns as
         ``" {answer}\\n\\n"``, so few-shot messages read naturally. The assistant prefix (e.g.
         ``"<reasoning>\\n"``) prefills the assistant turn; in the plain-text form it is separated from
-        ``"Answer:"`` by one space."""
-        prefix = self.assistant_prefix
+        ``"Answer:"`` by one space. Past `max_tokens`, the text is cut by `fit`."""
+        text = self._render(tokenizer, prompt, tools, opened=True)
+        return text if self.max_tokens is None else self.fit(tokenizer, prompt, tools, text)
+
+    def _render(
+        self, tokenizer: Any, prompt: str | list[Message], tools: list[Any] | None, opened: bool
+    ) -> str:
+        """`render`'s text, uncut; `opened` False: the messages alone, without the generation prompt."""
+        prefix = self.assistant_prefix if opened else ""
         if isinstance(prompt, str):
             return prompt + prefix
         if has_chat_template(tokenizer):
             kwargs = {**(self.chat_template_kwargs or {}), **({} if tools is None else {"tools": tools})}
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kwargs)
-            return text + prefix
+            text = tokenizer.apply_chat_template(
+                prompt, tokenize=False, add_generation_prompt=opened, **kwargs
+            )
+            return str(text) + prefix
         text = "".join(_plain_turn(m) for m in prompt)
         return f"{text} {prefix}" if prefix else text
+
+    def fit(self, tokenizer: Any, prompt: str | list[Message], tools: list[Any] | None, text: str) -> str:
+        """`text` (the prompt rendered) within `max_tokens` tokens. A longer one keeps its tail whole: the
+        last user message and all after it (the generation header, the assistant prefix); what comes
+        before (the system prompt, the tool schemas, earlier turns) loses its middle tokens, keeping its
+        first and last ones, half the room left each. A tail longer than the limit alone raises
+        `PromptTooLong`, as does any text prompt (TRL's standard format: all of it is the question)."""
+        limit = self.max_tokens
+        if limit is None or len(_ids(tokenizer, text)) <= limit:
+            return text
+        tail = self.tail(tokenizer, prompt, tools, text)
+        head, tail_ids = _ids(tokenizer, text[: len(text) - len(tail)]), _ids(tokenizer, tail)
+        for keep in range(limit - len(tail_ids), limit - len(tail_ids) - 8, -1):  # re-tokenizing may merge
+            if keep < 0 or not head:
+                break
+            first, last = head[: keep - keep // 2], head[len(head) - keep // 2 :]
+            cut = _decode(tokenizer, first) + _decode(tokenizer, last) + tail
+            if len(_ids(tokenizer, cut)) <= limit:
+                return cut
+        raise PromptTooLong(
+            f"a prompt's last user message and what follows it take {len(tail_ids)} tokens, over "
+            f"grpo.max_prompt_length={limit}: raise it (or remove it, for no limit) or shorten the question"
+        )
+
+    def tail(self, tokenizer: Any, prompt: str | list[Message], tools: list[Any] | None, text: str) -> str:
+        """The end of `text` (`prompt` rendered) that a cut keeps: from the last user message on."""
+        if isinstance(prompt, str):
+            return text
+        last = max((i for i, m in enumerate(prompt) if m["role"] == "user"), default=None)
+        if last is None:
+            return text
+        if last:
+            before = self._render(tokenizer, prompt[:last], tools, opened=False)
+            if text.startswith(before):
+                return text[len(before) :]
+        at = text.rfind(str(prompt[last]["content"]))  # a template that renders a turn differently alone
+        return text[at:] if at >= 0 else text
 
     def generation_header(self, tokenizer: Any) -> str | None:
         """The text the chat template puts before an assistant's turn (ChatML: "<|im_start|>assistant\n";

@@ -112,6 +112,24 @@ def load_rows(data: DataConfig, task: Task, records: Iterable[dict[str, Any]] | 
     return loaded
 
 
+def default_task(data: DataConfig) -> str:
+    """The task of a config without `task:`, from its data's first row: gsm8k for GSM8K's own layout (a
+    question column, not TRL's prompt, and an answer with '####'), dataset (TRL's: your rewards, the
+    prompt as it is) for any other data. Data that cannot be read yet (a missing file, which loading
+    reports later) keeps gsm8k, the default before TRL-formatted data was recognised."""
+    from leangrpo.data.tasks import Task
+
+    try:
+        _, raw_rows = _open_source(data, Task())
+        record = _as_record(next(iter(raw_rows))[1])
+    except (DataError, BadRow, StopIteration):
+        return "gsm8k"
+    prompt = data.prompt_column or next((c for c in _AUTO_PROMPT_COLUMNS if c in record), None)
+    answer = record.get(data.answer_column or "answer")
+    gsm8k = prompt == "question" and isinstance(answer, str) and "####" in answer
+    return "gsm8k" if gsm8k else "dataset"
+
+
 def _open_source(data: DataConfig, task: Task) -> tuple[str, Iterator[tuple[str, bytes | dict[str, Any]]]]:
     """Pick the reader for ``data.path``; return a name for messages and ``(where, raw row)``s.
 

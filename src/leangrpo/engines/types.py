@@ -128,7 +128,7 @@ class Sampling:
     `chat_template_kwargs`: the data's, for the tool results rendered between turns, as for the prompts."""
 
     num_generations: int
-    max_prompt_length: int
+    max_prompt_length: int | None
     max_completion_length: int
     temperature: float = 1.0
     top_p: float = 1.0
@@ -239,17 +239,18 @@ MAX_CHARS_PER_TOKEN = 64
 
 
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompt_texts: list[str], max_prompt_length: int, repeat: int
+    tokenizer: PreTrainedTokenizerBase, prompt_texts: list[str], max_prompt_length: int | None, repeat: int
 ) -> tuple[Tensor, Tensor]:
-    """Left-padded prompt ids and mask, each prompt repeated `repeat` times (one row per completion).
-    Left truncation keeps the last `max_prompt_length` tokens, so only the text's end is tokenized: a
-    50 MB question costs no more memory than a long one."""
+    """Left-padded prompt ids and mask, each prompt repeated `repeat` times (one row per completion),
+    whole: a prompt longer than `max_prompt_length` was already cut as `PromptFormat.fit` cuts it, which
+    keeps its question and generation header. Left truncation at the limit stays as a guard only."""
+    limit = max_prompt_length
     enc = tokenizer(
-        [text[-MAX_CHARS_PER_TOKEN * max_prompt_length :] for text in prompt_texts],
+        [text if limit is None else text[-MAX_CHARS_PER_TOKEN * limit :] for text in prompt_texts],
         return_tensors="pt",
         padding=True,
-        truncation=True,
-        max_length=max_prompt_length,
+        truncation=limit is not None,
+        max_length=limit,
         add_special_tokens=False,
     )
     return enc.input_ids.repeat_interleave(repeat, dim=0), enc.attention_mask.repeat_interleave(repeat, dim=0)

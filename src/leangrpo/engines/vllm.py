@@ -184,6 +184,15 @@ def reload_weights(llm: Any, method: str | Callable[..., None] = "reload_weights
     llm.reset_prefix_cache()
 
 
+def run_context(cfg: Config) -> int | None:
+    """The context a run's vLLM needs: its rollouts' (grpo.max_model_length) and its evaluation's
+    prompts and answers; None without grpo.max_prompt_length or vllm_max_model_length: the model's own."""
+    g, ev = cfg.grpo, cfg.eval
+    if g.max_model_length is None:
+        return None
+    return max(g.max_model_length, (g.max_prompt_length or 0) + (ev.max_new_tokens or 0) if ev.enabled else 0)
+
+
 class VLLMEngine:
     """A RolloutEngine on one colocated `vllm.LLM`."""
 
@@ -195,7 +204,7 @@ class VLLMEngine:
         tokenizer: PreTrainedTokenizerBase,
         eos: list[int],
         *,
-        max_model_len: int,
+        max_model_len: int | None,
         dtype: str = "float32",
         seed: int = 0,
         gpu_memory_utilization: float = 0.3,
@@ -215,11 +224,9 @@ class VLLMEngine:
     def from_config(cls, cfg: Config, tokenizer: PreTrainedTokenizerBase, eos: list[int]) -> VLLMEngine:
         """The training run's engine: its model, dtype, seed, context window (long enough for the
         evaluation during training too) and vLLM settings."""
-        g, ev = cfg.grpo, cfg.eval
-        eval_length = g.max_prompt_length + (ev.max_new_tokens or 0) if ev.enabled else 0
+        g = cfg.grpo
         return cls(
-            resolve_model_path(cfg.model.name_or_path), tokenizer, eos,
-            max_model_len=max(g.max_model_length, eval_length),
+            resolve_model_path(cfg.model.name_or_path), tokenizer, eos, max_model_len=run_context(cfg),
             dtype=cfg.model.dtype, seed=cfg.seed, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
             sleep_mode=g.vllm_enable_sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
         )  # fmt: skip

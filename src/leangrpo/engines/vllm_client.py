@@ -33,7 +33,14 @@ import torch
 from leangrpo.core.errors import stop_asked
 from leangrpo.engines.tools import Toolbox
 from leangrpo.engines.types import RolloutBatch, Sampling
-from leangrpo.engines.vllm import VLLMError, applied_weights, import_vllm, sampled_batch, sampling_fields
+from leangrpo.engines.vllm import (
+    VLLMError,
+    applied_weights,
+    import_vllm,
+    run_context,
+    sampled_batch,
+    sampling_fields,
+)
 from leangrpo.models.load import is_peft
 
 if TYPE_CHECKING:
@@ -114,12 +121,11 @@ class VLLMServerEngine:
         cls, cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, eos: list[int]
     ) -> VLLMServerEngine:
         """The training run's: the server `grpo.vllm_server_*` names, long enough for the evaluation too."""
-        g, ev = cfg.grpo, cfg.eval
+        g = cfg.grpo
         url = server_url(g.vllm_server_base_url, g.vllm_server_host, g.vllm_server_port)
-        eval_length = g.max_prompt_length + (ev.max_new_tokens or 0) if ev.enabled else 0
         return cls(
             url, model, cfg.model.name_or_path, tokenizer, eos, timeout=g.vllm_server_timeout,
-            read_timeout=g.vllm_server_read_timeout, max_model_len=max(g.max_model_length, eval_length),
+            read_timeout=g.vllm_server_read_timeout, max_model_len=run_context(cfg) or 0,
             group_port=g.vllm_group_port,
         )  # fmt: skip
 

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from leangrpo.config.schema import Config, ConfigError, RewardSpec, TaskConfig
 from leangrpo.config.trl import from_trl, is_trl_config
 from leangrpo.config.trl_flags import split_flags, with_flags
+from leangrpo.data.sources import default_task
 from leangrpo.data.tasks import Task, TaskError, TaskOptions, task_class
 from leangrpo.data.tasks.reasoning_gym import ReasoningGym
 from leangrpo.run.rundir import write_text_atomic
@@ -127,6 +128,8 @@ def resolve(cfg: Config, source: str = "config", environment_rewards: bool = Fal
     def error(msg: str) -> ConfigError:
         return ConfigError(f"config error in {source}: {msg}")
 
+    if "task" not in cfg.model_fields_set:
+        cfg = cfg.model_copy(update={"task": TaskConfig(name=default_task(cfg.data))})  # in config.yaml
     try:
         task = task_class(cfg.task.name)
     except TaskError as e:

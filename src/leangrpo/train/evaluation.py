@@ -190,7 +190,7 @@ def eval_sampling(grpo: GRPOSection | None, data: DataConfig, max_new_tokens: in
 
     if grpo is None:
         return Sampling(
-            num_generations=1, max_prompt_length=512, max_completion_length=max_new_tokens or 256,
+            num_generations=1, max_prompt_length=None, max_completion_length=max_new_tokens or 256,
             assistant_prefix=data.assistant_prefix, chat_template_kwargs=data.chat_template_kwargs,
         )  # fmt: skip
     training = Sampling.from_config(grpo, data)
@@ -445,8 +445,8 @@ class TrainingEvaluator:
         result = evaluate(
             model, tokenizer, self.rows, self.reward_funcs, self.task,
             eval_sampling(cfg.grpo, cfg.data, ev.max_new_tokens),
-            prompt_format=PromptFormat.from_config(cfg.data), batch_size=ev.batch_size,
-            num_samples=ev.num_samples, seed=cfg.seed,
+            prompt_format=PromptFormat.from_config(cfg.data, cfg.grpo.max_prompt_length),
+            batch_size=ev.batch_size, num_samples=ev.num_samples, seed=cfg.seed,
             progress=cfg.logging.progress_bar,  # called on the main process only
             engine=engine, agent=self.agent,
         )  # fmt: skip

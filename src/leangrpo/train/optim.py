@@ -83,19 +83,25 @@ class StepInBackward:
         return math.sqrt(self.squared_norm) if self.finite else math.nan
 
 
+OWN_SCHEDULES = ("linear", "cosine", "constant", "cosine_with_min_lr")
+
+
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: OptimConfig, num_training_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """transformers' `get_scheduler` for the config's schedule types, with the same formulas (checked
-    against it in tests/test_memory.py): linear, cosine (`num_cycles`) or
-    cosine_with_min_lr (down to `min_lr` or `min_lr_rate` × the peak) decay after a linear warm-up, or
-    constant (which ignores warm-up, as transformers' does). transformers' own import pulls in
-    `trainer_utils`, which imports peft and bitsandbytes, memory and start-up time that a full
-    fine-tuning run using neither would pay for nothing (docs/memory.md)."""
-
+    """The config's schedule, as transformers' `get_scheduler` builds it. The four usual ones
+    (`OWN_SCHEDULES`: linear, cosine, constant, cosine_with_min_lr) are its formulas, written here (checked
+    step by step against it in tests/test_memory.py): transformers.optimization imports peft and
+    bitsandbytes (through `trainer_pt_utils`), about 150 MiB of peak RSS and 2 s of start-up that a run
+    using neither would pay for nothing (docs/memory.md). Every other schedule is transformers' own."""
     kind, kwargs = cfg.lr_scheduler_type, cfg.lr_scheduler_kwargs or {}
     num_warmup_steps = cfg.num_warmup_steps(num_training_steps)
-    floor = kwargs.get("min_lr_rate", kwargs.get("min_lr", 0.0) / cfg.learning_rate)
+    if kind not in OWN_SCHEDULES:
+        from transformers.optimization import get_scheduler
+
+        return get_scheduler(kind, optimizer, num_warmup_steps, num_training_steps, dict(kwargs))
+    floor = float(kwargs.get("min_lr_rate", float(kwargs.get("min_lr", 0.0)) / cfg.learning_rate))
+    cycles = float(kwargs.get("num_cycles", 0.5))
 
     def factor(step: int) -> float:
         if kind == "constant":
@@ -105,7 +111,7 @@ def build_scheduler(
         progress = (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps)
         if kind == "linear":
             return max(0.0, 1.0 - progress)
-        cosine = 0.5 * (1.0 + math.cos(math.pi * 2.0 * kwargs.get("num_cycles", 0.5) * progress))
+        cosine = 0.5 * (1.0 + math.cos(math.pi * 2.0 * cycles * progress))
         if kind == "cosine_with_min_lr":
             return floor + (1 - floor) * cosine
         return max(0.0, cosine)

@@ -18,7 +18,6 @@ from leangrpo.data.rows import PromptFormat
 from leangrpo.data.sources import PromptSampler
 from leangrpo.engines.registry import async_engine, build_engine
 from leangrpo.engines.types import (
-    MAX_CHARS_PER_TOKEN,
     PolicyEngine,
     RolloutBatch,
     RolloutEngine,
@@ -67,9 +66,14 @@ def long_prompts(
     cfg: Config,
     agent: AgentSpec | None = None,
 ) -> str | None:
-    """A warning of how many prompts are longer than grpo.max_prompt_length (rollouts keep only their
-    end), rendered as rollouts render them, with the `agent`'s tool schemas; None when none is."""
-    limit, fmt = cfg.grpo.max_prompt_length, PromptFormat.from_config(cfg.data)
+    """A warning of how many prompts are longer than grpo.max_prompt_length and how many tokens their cut
+    (`PromptFormat.fit`) removes, counted on the prompts as rollouts render them (system prompt and the
+    `agent`'s tool schemas included); None when none is, or without a limit. A prompt whose question
+    alone is over the limit raises PromptTooLong (one line), before any rollout."""
+    limit = cfg.grpo.max_prompt_length
+    if limit is None:
+        return None
+    fmt = PromptFormat.from_config(cfg.data)  # uncut
     schemas: dict[Any, list[dict[str, Any]] | None] = {}  # by environment name: one render of the tools each
 
     def tools(row: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -80,18 +84,21 @@ def long_prompts(
             schemas[name] = agent.schemas(row)
         return schemas[name]
 
-    def too_long(text: str) -> bool:  # too many characters for `limit` tokens: no need to tokenize it
-        return (
-            len(text) > MAX_CHARS_PER_TOKEN * limit
-            or len(tokenizer(text, add_special_tokens=False).input_ids) > limit
-        )
+    def length(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False).input_ids)
 
-    long = sum(too_long(fmt.render(tokenizer, r["prompt"], tools(r))) for r in rows)
+    long = cut = 0
+    for row in rows:
+        text = fmt.render(tokenizer, row["prompt"], tools(row))
+        if (before := length(text)) > limit:
+            fitted = replace(fmt, max_tokens=limit).fit(tokenizer, row["prompt"], tools(row), text)
+            long, cut = long + 1, cut + before - length(fitted)
     if not long:
         return None
     return (
-        f"warning: {long} of {len(rows)} prompts are longer than grpo.max_prompt_length={limit} tokens; "
-        "their start is cut off in rollouts"
+        f"warning: {long} of {len(rows)} prompts are longer than grpo.max_prompt_length={limit} tokens "
+        f"(tool schemas and system prompt included); {cut} tokens cut from the middle of what precedes "
+        "their last user message, which is kept with the generation header"
     )
 
 

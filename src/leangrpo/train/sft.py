@@ -48,7 +48,7 @@ def cold_start(
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.optim, learning_rate=s.learning_rate)
     order = PromptSampler(len(rows), s.batch_size, cfg.seed + 1, acc.process_index, acc.num_processes)
-    fmt = PromptFormat.from_config(cfg.data)
+    fmt = PromptFormat.from_config(cfg.data, g.max_prompt_length)
     policy.train()
     show = acc.is_main_process and cfg.logging.progress_bar
     for step in trange(s.steps, desc="SFT cold start", disable=not show, dynamic_ncols=True):
@@ -77,7 +77,7 @@ def sft_batch(
     solutions: list[str],
     *,
     prompt_format: PromptFormat,
-    max_prompt_length: int,
+    max_prompt_length: int | None,
     max_completion_length: int,
     tools: list[list[Any]] | None = None,
 ) -> RolloutBatch:
@@ -93,7 +93,8 @@ def sft_batch(
     assistant_prefix = prompt_format.assistant_prefix
     targets = [s.removeprefix(assistant_prefix) + tokenizer.eos_token for s in solutions]
     prompt = tokenizer(
-        texts, return_tensors="pt", padding=True, truncation=True, max_length=max_prompt_length,
+        texts, return_tensors="pt", padding=True, truncation=max_prompt_length is not None,
+        max_length=max_prompt_length,
         add_special_tokens=False,
     )  # fmt: skip
     header = prompt_format.generation_header(tokenizer)

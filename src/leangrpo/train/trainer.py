@@ -93,7 +93,7 @@ class Trainer:
         self.agent = agent if agent is not None else agent_from_config(cfg.tools)
         check_async_agent(cfg, self.agent)
         self.cfg = self._load_data(cfg)
-        self.prompt_format = PromptFormat.from_config(self.cfg.data)
+        self.prompt_format = PromptFormat.from_config(self.cfg.data, self.cfg.grpo.max_prompt_length)
         self.evaluator = (
             TrainingEvaluator(self.cfg, self.run_dir, self.reward_funcs, self.task, self.agent)
             if cfg.eval.enabled
@@ -160,7 +160,7 @@ class Trainer:
         self.conversational = has_chat_template(self.tokenizer)
         if self.agent is not None and self.agent.uses_tools:
             prepare_tokenizer(self.tokenizer)
-        if self.is_main and (warning := long_prompts(self.tokenizer, self.rows, self.cfg, self.agent)):
+        if (warning := long_prompts(self.tokenizer, self.rows, self.cfg, self.agent)) and self.is_main:
             self._write(warning)
         self.group, why_not = (
             shared_prompt_group(model, micro, g.num_generations) if g.share_prompt else (1, None)
