@@ -159,7 +159,8 @@ def write_report(run_dir: str | Path) -> tuple[Path, list[str]]:
         claim(run_dir, f"{curve.stem}.png")
         png = plot_curve(evals if curve.eval_rows else train, curve, run_dir / f"{curve.stem}.png")
         if png is None:
-            remove(run_dir / f"{curve.stem}.png", run_dir)  # an earlier run's, now stale
+            if kind(stale := run_dir / f"{curve.stem}.png", run_dir) in ("file", "link"):
+                remove(stale, run_dir)  # an earlier run's PNG, or a link (removed, never followed)
             notes.append(f"{curve.title}: not recorded in this run")
             continue
         data = base64.b64encode(read_bytes(png, run_dir)).decode()
