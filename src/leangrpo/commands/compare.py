@@ -4,12 +4,19 @@ directory means its newest evaluation, plus its first and last training reward).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from leangrpo.run.rundir import RunDirError, eval_files, is_run_dir, read_jsonl, with_trl_names
+from leangrpo.run.rundir import (
+    RunDirError,
+    eval_files,
+    is_run_dir,
+    kind,
+    read_json,
+    read_jsonl,
+    with_trl_names,
+)
 
 
 @dataclass
@@ -24,15 +31,15 @@ class Side:
 
 def load_eval_json(path: Path) -> Side:
     """An evaluation written by `EvalResult.save`: its metrics, and its records from the JSONL beside it."""
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise RunDirError(f"cannot read evaluation {path}: {e}") from None
+    doc = read_json(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("metrics"), dict):
         raise RunDirError(f"{path} is not an evaluation written by leangrpo (no 'metrics' object)")
     side = Side(str(path), with_trl_names(doc["metrics"]), None)
-    records_path = path.parent / str(doc.get("records_file", path.with_suffix(".jsonl").name))
-    if records_path.is_file():
+    records = str(doc.get("records_file", path.with_suffix(".jsonl").name))
+    if Path(records).name != records or records in ("", ".", ".."):
+        raise RunDirError(f"{path}: records_file {records!r} is not a file name beside it")
+    records_path = path.parent / records
+    if kind(records_path) is not None:
         loaded = read_jsonl(records_path)
         side.records, side.notes = loaded.rows, loaded.notes
     else:
@@ -43,7 +50,7 @@ def load_eval_json(path: Path) -> Side:
 def load_side(source: str) -> Side:
     """An eval JSON, or a run directory: its newest `eval/*.json` and its training reward."""
     path = Path(source).expanduser()
-    if path.is_file():
+    if path.exists() and not path.is_dir():
         return load_eval_json(path)
     if not is_run_dir(path):
         raise RunDirError(f"{source} is neither an evaluation JSON nor a run directory")

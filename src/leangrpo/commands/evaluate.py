@@ -67,7 +67,7 @@ def run_eval(
     if not re.fullmatch(r"\w[\w.-]*", split):
         raise EvalError(f"--split {split!r} is not a split name (letters, digits, '_', '.', '-')")
     trained = locate(model)
-    path = _output(out, trained, split)
+    path, root = _output(out, trained, split)
     runs = (config is None or is_run_owned(config)) and not trust_run_code  # the config is a run's
     cfg = _config_for(model, config, trained, _refuse_task_code if runs else None)
     untrusted = cfg is not None and runs
@@ -92,16 +92,18 @@ def run_eval(
         num_samples=num_samples, seed=seed, engine=generator, agent=inputs.agent,
     )  # fmt: skip
     meta = dict(model=model, adapter=adapter, data=inputs.source, split=split, num_samples=num_samples)
-    return result, result.save(path, **meta)
+    return result, result.save(path, root, **meta)
 
 
-def _output(out: str | None, trained: Trained | None, split: str) -> Path:
+def _output(out: str | None, trained: Trained | None, split: str) -> tuple[Path, Path]:
     """Where the result goes: `out`, else the run's eval/ folder, else the working directory; checked
-    writable now, before the evaluation rather than after it."""
-    run_dir = trained.run_dir if trained else None
+    writable now, before the evaluation rather than after it. Also the directory below which no link is
+    followed to write it: the run's for its eval/."""
+    run_dir = trained.run_dir if trained and not out else None
     path = Path(out or (run_dir / "eval" / f"eval-{split}.json" if run_dir else f"eval-{split}.json"))
-    check_writable(path)
-    return path
+    root = run_dir or path.parent
+    check_writable(path, root)
+    return path, root
 
 
 def _config_for(model: str, config: str | None, trained: Trained | None, vet: Vet | None) -> Config | None:

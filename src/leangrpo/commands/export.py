@@ -3,6 +3,7 @@ small JSON of the training config and final metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import shutil
@@ -14,6 +15,19 @@ from typing import Any
 from leangrpo.core.errors import UserError, error_reason
 from leangrpo.models.load import load_tokenizer, name_adapter_base
 from leangrpo.run.checkpoint import CheckpointError
+from leangrpo.run.rundir import (
+    MAX_LOG_BYTES,
+    RunDirError,
+    kind,
+    make_temp_dir,
+    move,
+    new_file,
+    open_read,
+    read_text,
+    remove,
+    remove_empty_dir,
+    write_text_atomic,
+)
 from leangrpo.run.trained import EXPORT_INFO, load_trained, locate
 
 
@@ -23,13 +37,12 @@ class ExportError(CheckpointError):
 
 def final_metrics(run_dir: Path | None, step: int) -> dict[str, Any] | None:
     """The last metrics row at or before `step`."""
-    path = (run_dir or Path()) / "metrics.jsonl"
     rows = []
-    if run_dir is not None and path.is_file():
-        for line in path.read_text().splitlines():
+    if run_dir is not None and kind(run_dir / "metrics.jsonl", run_dir) == "file":
+        for line in read_text(run_dir / "metrics.jsonl", run_dir, MAX_LOG_BYTES).splitlines():
             try:
                 rows.append(json.loads(line))
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
     rows = [r for r in rows if isinstance(r, dict) and r.get("step", 0) <= step]
     return rows[-1] if rows else None
@@ -52,18 +65,15 @@ def export(
     trained = locate(source)
     if trained is None:
         raise ExportError(f"{source} is neither a leangrpo run directory, a checkpoint nor an export")
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"--out {out} exists and is not an empty directory")
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    out = _destination(Path(out_dir))
+    tmp = make_temp_dir(out)  # a new name: nothing of the user's beside --out is reused or removed
     as_adapter = trained.adapter is not None and not merge
     try:
-        tmp.mkdir(parents=True)
         if as_adapter:
             assert trained.adapter is not None
             for name in ("adapter_model.safetensors", "adapter_config.json"):
-                shutil.copy2(trained.adapter / name, tmp / name)
+                with open_read(trained.adapter / name, trained.adapter) as src, new_file(tmp / name) as dst:
+                    shutil.copyfileobj(src, dst)
             name_adapter_base(tmp, trained.config["model"]["name_or_path"])
             load_tokenizer(str(trained.adapter)).save_pretrained(tmp)
         else:
@@ -80,17 +90,36 @@ def export(
             "config": trained.config,
             "final_metrics": final_metrics(trained.run_dir, trained.step),
         }
-        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=1))
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except UserError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    except Exception as e:  # noqa: BLE001 - a full disk surfaces as torch's or safetensors' own errors
-        shutil.rmtree(tmp, ignore_errors=True)
+        write_text_atomic(tmp / EXPORT_INFO, json.dumps(info, indent=1))
+        if kind(out) == "dir" and not remove_empty_dir(out, out.parent):
+            raise ExportError(f"--out {out} is no longer empty")
+        move(tmp, out, out.parent)
+    except BaseException as e:  # an interrupt too: the temporary folder is ours, and goes
+        _discard(tmp)
+        if isinstance(e, UserError) or not isinstance(e, Exception):
+            raise
+        # a full disk surfaces as torch's or safetensors' own errors
         raise ExportError(f"cannot export to {out}: {error_reason(e)}") from None
     return out
+
+
+def _destination(out: Path) -> Path:
+    """`--out`, checked: a new or empty directory by a name of its own, not a link, and neither the
+    working directory nor one holding it (its contents are never replaced)."""
+    if out.name in ("", ".", "..") or out.resolve() in (Path.cwd(), *Path.cwd().parents):
+        raise ExportError(f"--out {out} is the working directory or holds it; name a new directory")
+    found = kind(out)
+    if found == "link":
+        raise ExportError(f"--out {out} is a symbolic link; name a new directory")
+    if found is not None and (found != "dir" or any(out.iterdir())):
+        raise ExportError(f"--out {out} exists and is not an empty directory")
+    return out
+
+
+def _discard(tmp: Path) -> None:
+    """Remove the temporary folder an export made (best effort: the disk may be what failed)."""
+    with contextlib.suppress(OSError, RunDirError):
+        remove(tmp)
 
 
 def _convert_to_gguf(model_dir: Path, gguf_path: Path, outtype: str) -> None:

@@ -11,17 +11,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeGuard
 
-import yaml
-
 from leangrpo.commands.compare import fmt_value
 from leangrpo.run.rundir import (
     CURVES,
     Curve,
     RunDirError,
-    atomic_path,
+    atomic_file,
     claim,
     is_run_dir,
+    kind,
+    read_bytes,
     read_jsonl,
+    read_yaml,
+    remove,
     with_trl_names,
     write_text_atomic,
 )
@@ -69,8 +71,8 @@ def plot_curve(rows: list[dict[str, Any]], curve: Curve, out: Path) -> Path | No
     if len(series) > 1:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    with atomic_path(out) as tmp:
-        fig.savefig(tmp, format="png")
+    with atomic_file(out) as f:
+        fig.savefig(f, format="png")
     return out
 
 
@@ -79,7 +81,7 @@ def load_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     for a non-run."""
     if not is_run_dir(run_dir):
         raise RunDirError(f"{run_dir} is not a run directory (no leangrpo config.yaml)")
-    if not (run_dir / "metrics.jsonl").is_file():
+    if kind(run_dir / "metrics.jsonl", run_dir) is None:
         raise RunDirError(f"run directory {run_dir} has no metrics.jsonl yet")
     loaded = read_jsonl(run_dir / "metrics.jsonl")
     rows = [with_trl_names(r) for r in loaded.rows if _numeric(r.get("step"))]
@@ -157,16 +159,17 @@ def write_report(run_dir: str | Path) -> tuple[Path, list[str]]:
         claim(run_dir, f"{curve.stem}.png")
         png = plot_curve(evals if curve.eval_rows else train, curve, run_dir / f"{curve.stem}.png")
         if png is None:
-            (run_dir / f"{curve.stem}.png").unlink(missing_ok=True)  # an earlier run's, now stale
+            if kind(stale := run_dir / f"{curve.stem}.png", run_dir) in ("file", "link"):
+                remove(stale, run_dir)  # an earlier run's PNG, or a link (removed, never followed)
             notes.append(f"{curve.title}: not recorded in this run")
             continue
-        data = base64.b64encode(png.read_bytes()).decode()
+        data = base64.b64encode(read_bytes(png, run_dir)).decode()
         images.append(f"<img alt='{html.escape(curve.title)}' src='data:image/png;base64,{data}'>")
-    samples = read_jsonl(run_dir / "completions.jsonl") if (run_dir / "completions.jsonl").is_file() else None
+    has_samples = kind(run_dir / "completions.jsonl", run_dir) is not None
+    samples = read_jsonl(run_dir / "completions.jsonl") if has_samples else None
     if samples:
         notes += samples.notes
-    cfg_path = run_dir / "config.yaml"
-    config = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else {}
+    config = read_yaml(run_dir / "config.yaml", run_dir)  # is_run_dir read it: a mapping
     last = train[-1] if train else {}
     summary: list[list[Any]] = [
         ["steps logged", len(train)],
@@ -191,7 +194,7 @@ def write_report(run_dir: str | Path) -> tuple[Path, list[str]]:
 """
     out = run_dir / "report.html"
     claim(run_dir, out.name)
-    write_text_atomic(out, page)
+    write_text_atomic(out, page, run_dir)
     return out, notes
 
 

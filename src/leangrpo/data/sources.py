@@ -147,7 +147,8 @@ def _open_source(data: DataConfig, task: Task) -> tuple[str, Iterator[tuple[str,
         return path, _table_rows(path, _load_local_directory(local, data))
     if local.is_file():
         suffix = local.suffix.lower()
-        if suffix in _JSONL_SUFFIXES and not _is_json_array(local):
+        # only a .json file may be one JSON array; a .jsonl is lines, each a row (or a bad row, named)
+        if suffix == ".jsonl" or (suffix in _JSONL_SUFFIXES and not _is_json_array(local)):
             return path, _jsonl_lines(local, path)
         if suffix not in _DATASETS_SUFFIXES:
             known = ", ".join(sorted({*_JSONL_SUFFIXES, *_DATASETS_SUFFIXES}))

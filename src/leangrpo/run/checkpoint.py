@@ -10,16 +10,30 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from leangrpo.core.errors import UserError, error_reason
-from leangrpo.run.rundir import claim, is_run_dir, replaced_note, write_text_atomic
+from leangrpo.run.rundir import (
+    MAX_LOG_BYTES,
+    RunDirError,
+    claim,
+    fsync,
+    is_run_dir,
+    kind,
+    make_dir,
+    move,
+    new_file,
+    open_read,
+    read_json,
+    read_text,
+    remove,
+    replaced_note,
+    write_text_atomic,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -62,9 +76,10 @@ def checkpoint_dirs(run_dir: Path, complete: bool = True) -> list[Path]:
 def is_complete(ckpt: Path) -> bool:
     """True when the checkpoint's state file is readable and every file it lists has its recorded size."""
     try:
-        files = json.loads((ckpt / STATE_FILE).read_text())["files"]
-        return all((ckpt / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        files = read_state(ckpt)["files"]
+        return all(kind(ckpt / name, ckpt) == "file" and (ckpt / name).stat().st_size == size
+                   for name, size in files.items())  # fmt: skip
+    except (UserError, OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
 
@@ -73,10 +88,10 @@ def last_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def sha256(path: Path) -> str:
+def sha256(path: Path, root: Path | None = None) -> str:
     import hashlib
 
-    with path.open("rb") as f:
+    with open_read(path, root) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
@@ -90,14 +105,18 @@ def file_hashes(directory: Path) -> dict[str, str]:
 def corruption(saved: Path) -> str | None:
     """What is wrong with a checkpoint or final model: a file missing or whose sha256 differs from the one
     recorded when it was saved (None: intact, or saved before leangrpo recorded hashes)."""
-    if (saved / STATE_FILE).is_file():
+    if kind(saved / STATE_FILE, saved) is not None:
         recorded = read_state(saved).get("sha256", {})
     else:
-        recorded = json.loads((saved / SHA_FILE).read_text()) if (saved / SHA_FILE).is_file() else {}
+        recorded = read_json(saved / SHA_FILE, saved) if kind(saved / SHA_FILE, saved) is not None else {}
+    if not isinstance(recorded, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and _relative(k) for k, v in recorded.items()
+    ):
+        raise CheckpointError(f"{saved}: its recorded sha256 are not a map of file names inside it to hashes")
     for name, digest in recorded.items():
-        if not (saved / name).is_file():
+        if kind(saved / name, saved) != "file":
             return f"{saved / name} is missing"
-        if sha256(saved / name) != digest:
+        if sha256(saved / name, saved) != digest:
             return f"{saved / name} is corrupt (its sha256 differs from the one recorded when it was saved)"
     return None
 
@@ -114,15 +133,27 @@ def last_good_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
+def _relative(name: str) -> bool:
+    """A recorded file name that stays inside its directory."""
+    return bool(name) and not Path(name).is_absolute() and ".." not in Path(name).parts
+
+
 def remove_partial(run_dir: Path) -> None:
-    """Remove what an interrupted save left behind (`.checkpoint-N.tmp`, `.model.old`...)."""
+    """Remove what an interrupted save left behind (`.checkpoint-N.tmp`, `.model.old`...); a link there
+    is removed, never followed."""
     for path in run_dir.glob(".*"):
         if _PARTIAL.match(path.name):
-            shutil.rmtree(path, ignore_errors=True)
+            remove(path, run_dir)
 
 
 def read_state(ckpt: Path) -> dict[str, Any]:
-    return json.loads((ckpt / STATE_FILE).read_text())
+    """A checkpoint's trainer_state.json: a JSON object with an integer `step` (and the `files` and
+    `sha256` it records), else a one-line CheckpointError."""
+    state = read_json(ckpt / STATE_FILE, ckpt)
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{ckpt / STATE_FILE} is not a leangrpo state (no step number)")
+    return state
 
 
 def save_checkpoint(
@@ -156,8 +187,8 @@ def save_checkpoint(
     tmp = run_dir / f".{target.name}.tmp"
     try:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            remove(tmp, run_dir)
+            make_dir(tmp, run_dir)
         barrier()
         _torch_save(rng or rng_state(), tmp / f"rng_state_{rank}.pt")
         barrier()
@@ -172,11 +203,11 @@ def save_checkpoint(
             save_config(cfg, tmp / "config.yaml")
             files = {str(p.relative_to(tmp)): p.stat().st_size for p in tmp.rglob("*") if p.is_file()}
             info = {**state, "step": step, "files": files, "sha256": file_hashes(tmp)}
-            (tmp / STATE_FILE).write_text(json.dumps(info, indent=1))
+            write_text_atomic(tmp / STATE_FILE, json.dumps(info, indent=1), run_dir)
             claim(run_dir, target.name)
             _commit(tmp, target)
     except Exception as e:  # noqa: BLE001 - torch and safetensors report a full disk as their own errors
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp)
         raise CheckpointError(f"cannot save {target}: {error_reason(e)}; {what_holds(run_dir)}") from None
     if rank == 0:
         rotate(run_dir, cfg.logging.save_total_limit)
@@ -196,29 +227,32 @@ def _torch_save(obj: Any, path: Path) -> None:
     """torch.save through a Python file, so that a failed write keeps its OSError (errno) in the chain."""
     import torch
 
-    with path.open("wb") as f:
+    with new_file(path, path.parent.parent) as f:
         torch.save(obj, f)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _discard(tmp: Path) -> None:
+    """Remove a partial save after a failure (the disk may be what failed: best effort)."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        remove(tmp, tmp.parent)
+    except (OSError, RunDirError):
+        log.warning("could not remove the partial save %s", tmp)
 
 
 def _commit(tmp: Path, target: Path) -> None:
-    """fsync every file and directory under `tmp`, then rename it to `target` (replacing it) durably."""
+    """fsync every file and directory under `tmp`, then rename it to `target` (replacing it) durably;
+    in `target`'s folder, nothing is followed through a link."""
+    root = target.parent
     for path in sorted(tmp.rglob("*"), reverse=True):
-        _fsync(path)
-    _fsync(tmp)
+        fsync(path)
+    fsync(tmp)
     old = target.with_name(f".{target.name}.old")
-    if target.exists():
-        target.rename(old)
-    tmp.rename(target)
-    _fsync(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    remove(old, root)
+    if kind(target, root) is not None:
+        move(target, old, root)
+    move(tmp, target, root)
+    fsync(root)
+    _discard(old)
 
 
 def save_final_model(model: PreTrainedModel, tokenizer: Any, out_dir: Path, base_name: str) -> None:
@@ -228,13 +262,14 @@ def save_final_model(model: PreTrainedModel, tokenizer: Any, out_dir: Path, base
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove(tmp, out_dir.parent)
+        make_dir(tmp, out_dir.parent)
         save_model(model, tokenizer, tmp, merge=True, base_name=base_name)
-        (tmp / SHA_FILE).write_text(json.dumps(file_hashes(tmp), indent=1))
+        write_text_atomic(tmp / SHA_FILE, json.dumps(file_hashes(tmp), indent=1), out_dir.parent)
         claim(out_dir.parent, out_dir.name)
         _commit(tmp, out_dir)
     except Exception as e:  # noqa: BLE001 - as in save_checkpoint
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp)
         holds = what_holds(out_dir.parent)
         raise CheckpointError(
             f"cannot save the final model to {out_dir}: {error_reason(e)}; {holds}"
@@ -247,7 +282,7 @@ def rotate(run_dir: Path, keep: int | None) -> None:
         return
     found = checkpoint_dirs(run_dir)
     for old in found[: max(len(found) - keep, 0)]:
-        shutil.rmtree(old)
+        remove(old, run_dir)
 
 
 # ------------------------------------------------------------------------------------------------ resume
@@ -306,10 +341,20 @@ def _torch_load(path: Path) -> Any:
         raise CheckpointError(f"cannot read {path}: {error_reason(e)}") from None
 
 
-def load_trainable(model: torch.nn.Module, ckpt: Path) -> None:
-    """Load a checkpoint's trainable weights into `model` (the adapter into a peft model)."""
+def _load_weights(path: Path, ckpt: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file of a checkpoint (a regular file); garbage in it is a one-line CheckpointError."""
     from safetensors.torch import load_file
 
+    if kind(path, ckpt) != "file":
+        raise CheckpointError(f"{path} is not a regular file")
+    try:
+        return load_file(path)
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error kinds on garbage
+        raise CheckpointError(f"cannot read {path}: {error_reason(e)}") from None
+
+
+def load_trainable(model: torch.nn.Module, ckpt: Path) -> None:
+    """Load a checkpoint's trainable weights into `model` (the adapter into a peft model)."""
     from leangrpo.models.load import is_peft
 
     weights = [ckpt / "adapter_model.safetensors"] if is_peft(model) else sorted(ckpt.glob("*.safetensors"))
@@ -319,13 +364,13 @@ def load_trainable(model: torch.nn.Module, ckpt: Path) -> None:
     if is_peft(model):
         from peft import set_peft_model_state_dict
 
-        result = set_peft_model_state_dict(model, load_file(weights[0]))
+        result = set_peft_model_state_dict(model, _load_weights(weights[0], ckpt))
         # peft annotates the result as `namedtuple`; it is torch's load_state_dict result
         problems = list(result.unexpected_keys)  # type: ignore[attr-defined]
     else:
         state: dict[str, Any] = {}
         for path in weights:
-            state.update(load_file(path))
+            state.update(_load_weights(path, ckpt))
         result = model.load_state_dict(state, strict=False)
         params = dict(model.named_parameters())  # tied weights appear once, under the name that was saved
         problems = list(result.unexpected_keys) + [k for k in result.missing_keys if k in params]
@@ -390,13 +435,13 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def truncate_log(path: Path, step: int) -> None:
     """Keep the rows of a JSONL log up to `step`: the steps after the checkpoint are run (and logged)
     again. A torn last line, left by a kill mid-write, is dropped too."""
-    if not path.is_file():
+    if kind(path, path.parent) is None:
         return
     kept = []
-    for line in path.read_text().splitlines():
+    for line in read_text(path, path.parent, MAX_LOG_BYTES).splitlines():
         try:
             if json.loads(line)["step"] <= step:
                 kept.append(line + "\n")
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             continue
-    write_text_atomic(path, "".join(kept))
+    write_text_atomic(path, "".join(kept), path.parent)

@@ -21,7 +21,7 @@ from leangrpo.config.trl_flags import split_flags, with_flags
 from leangrpo.data.sources import default_task
 from leangrpo.data.tasks import Task, TaskError, TaskOptions, task_class
 from leangrpo.data.tasks.reasoning_gym import ReasoningGym
-from leangrpo.run.rundir import write_text_atomic
+from leangrpo.run.rundir import RunDirError, kind, read_yaml, write_text_atomic
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -84,16 +84,12 @@ def load_config(
     source = str(path) if path else "overrides"
     if path is not None:
         p = Path(path)
-        if not p.is_file():
+        if kind(p) in (None, "dir"):
             raise ConfigError(f"config file not found: {p}")
         try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {p} is not YAML text (byte {e.start} is not UTF-8)") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f":{mark.line + 1}" if mark else ""
-            raise ConfigError(f"config file {p}{where} is not valid YAML: {_yaml_problem(e)}") from None
+            data = read_yaml(p, what="config file ") or {}
+        except RunDirError as e:
+            raise ConfigError(str(e)) from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(data)}")
     data = with_flags(data, flags, source)

@@ -12,7 +12,15 @@ from leangrpo.config.schema import Config
 from leangrpo.core.errors import error_reason
 from leangrpo.run.checkpoint import what_holds
 from leangrpo.run.resolve import save_config, with_model_path
-from leangrpo.run.rundir import RunDirError, RunLock, claim, replaced_note, restore_replaced, start_run
+from leangrpo.run.rundir import (
+    RunDirError,
+    RunLock,
+    claim,
+    refuse_link,
+    replaced_note,
+    restore_replaced,
+    start_run,
+)
 from leangrpo.run.tracking import MetricsLogger, open_trackers
 
 
@@ -52,6 +60,8 @@ class RunSession:
         if self.is_main:
             tracker_dirs = {"tensorboard", "wandb"} & set(cfg.logging.report_to)
             claim(self.run_dir, "metrics.jsonl", "completions.jsonl", *sorted(tracker_dirs))
+            for folder in tracker_dirs:  # the trackers' libraries write there by name
+                refuse_link(self.run_dir / folder, self.run_dir)
             name = cfg.logging.run_name or self.run_dir.name
             trackers = open_trackers(
                 cfg.logging.report_to, self.run_dir, cfg.model_dump(mode="json"), cfg.logging.project, name

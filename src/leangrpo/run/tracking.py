@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from leangrpo.core.errors import UserError
+from leangrpo.run.rundir import append_text
 
 # Console table columns: (metrics key, header).
 CONSOLE_COLUMNS = (
@@ -163,8 +164,8 @@ class MetricsLogger:
         self.rows_printed = 0
 
     def log(self, metrics: dict[str, Any]) -> None:
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps({k: _clean(v) for k, v in metrics.items()}) + "\n")
+        row = json.dumps({k: _clean(v) for k, v in metrics.items()})
+        append_text(self.metrics_path, row + "\n", self.metrics_path.parent)
         for tracker in self.trackers:
             tracker.log(metrics, metrics["step"])
         if any(k.startswith("eval/") for k in metrics):
@@ -191,8 +192,8 @@ class MetricsLogger:
 
     def log_sample(self, sample: dict[str, Any]) -> None:
         sample = {k: abridge(v) if isinstance(v, str) else v for k, v in sample.items()}
-        with self.samples_path.open("a") as f:
-            f.write(json.dumps(sample, ensure_ascii=False) + "\n")
+        line = json.dumps(sample, ensure_ascii=False) + "\n"
+        append_text(self.samples_path, line, self.samples_path.parent)
         for tracker in self.trackers:
             tracker.log_sample(sample, sample["step"])
         rewards = " ".join(f"{k}={v:.3g}" for k, v in sample["rewards"].items())

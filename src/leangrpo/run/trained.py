@@ -3,13 +3,11 @@ any other model, for inference (`load_trained`): the one loader eval, chat and e
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import yaml
 
 from leangrpo.config.schema import ModelConfig
 from leangrpo.core.errors import UserError
@@ -48,37 +46,80 @@ def locate(source: str | Path) -> Trained | None:
     a run directory means its final `model/`, else its last complete checkpoint; a checkpoint or a
     leangrpo export means itself. None for anything else (a model directory, hub id or .gguf)."""
     from .checkpoint import STATE_FILE, corruption, last_good_checkpoint, read_state
-    from .rundir import MANIFEST, is_run_dir
+    from .rundir import MANIFEST, is_run_dir, kind
 
     path = Path(source).expanduser()
-    if (path / EXPORT_INFO).is_file():
-        info = json.loads((path / EXPORT_INFO).read_text())
-        adapter = info["format"] == "peft adapter"
-        return Trained(path, None if adapter else path, path if adapter else None, info["config"],
-                       info["step"], None)  # fmt: skip
-    if (path / STATE_FILE).is_file() and not (path / MANIFEST).is_file():  # a run's own: save_state()'s
+    if kind(path / EXPORT_INFO, path) is not None:
+        return _export(path)
+    if kind(path / STATE_FILE, path) is not None and kind(path / MANIFEST, path) is None:  # save_state()'s
         ckpt, run_dir = path, path.parent
         if problem := corruption(ckpt):
             raise ModelError(problem)
     elif is_run_dir(path):
         run_dir, final = path, path / "model"
-        config = yaml.safe_load((path / "config.yaml").read_text())
-        if (final / "config.json").is_file():
+        if kind(final / "config.json", path) == "file":
+            config = training_config(path / "config.yaml", path)
             if problem := corruption(final):
                 raise ModelError(f"{problem}; use one of the run's checkpoints instead")
             adapter = final / "adapter"
-            return Trained(path, final, adapter if adapter.is_dir() else None, config,
-                           config["optim"]["max_steps"], path)  # fmt: skip
+            return Trained(path, final, adapter if kind(adapter, path) == "dir" else None, config,
+                           _count(config.get("optim"), "max_steps", path / "config.yaml"), path)  # fmt: skip
         found = last_good_checkpoint(path)
         if found is None:
             raise ModelError(f"{path} has neither a final model nor a complete checkpoint")
         ckpt = found
     else:
         return None
-    config = yaml.safe_load((ckpt / "config.yaml").read_text())
-    is_adapter = (ckpt / "adapter_config.json").is_file()
+    config = training_config(ckpt / "config.yaml", ckpt)
+    is_adapter = kind(ckpt / "adapter_config.json", ckpt) == "file"
     return Trained(path, None if is_adapter else ckpt, ckpt if is_adapter else None, config,
                    read_state(ckpt)["step"], run_dir)  # fmt: skip
+
+
+_FORMATS = {"peft adapter": True, "full model": False}  # an export's format: is it an adapter
+
+
+def _export(path: Path) -> Trained:
+    """A leangrpo export: its leangrpo_export.json validated (format, step, training config)."""
+    from .rundir import read_json
+
+    info_path = path / EXPORT_INFO
+    info = read_json(info_path, path)
+    if not isinstance(info, dict) or info.get("format") not in _FORMATS:
+        raise ModelError(f"{info_path} is not a leangrpo export's (no format 'peft adapter' or 'full model')")
+    config = _checked_config(info.get("config"), f"{info_path}'s config")
+    adapter = _FORMATS[info["format"]]
+    return Trained(path, None if adapter else path, path if adapter else None, config,
+                   _count(info, "step", info_path), None)  # fmt: skip
+
+
+def training_config(path: Path, root: Path) -> dict[str, Any]:
+    """A run's or checkpoint's config.yaml, with what eval, chat and export read from it checked."""
+    from .rundir import kind, read_yaml
+
+    if kind(path, root) is None:
+        raise ModelError(f"{path} is missing: {root} has no training config")
+    return _checked_config(read_yaml(path, root), str(path))
+
+
+def _checked_config(config: Any, where: str) -> dict[str, Any]:
+    """`config` if it holds the sections eval, chat and export read (model name and dtype, data)."""
+    if not isinstance(config, dict) or not isinstance(config.get("data"), dict):
+        raise ModelError(f"{where} is not a leangrpo training config (no data section)")
+    model = config.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("name_or_path"), str):
+        raise ModelError(f"{where} is not a leangrpo training config (no model.name_or_path)")
+    if model.get("dtype") not in DTYPES:
+        raise ModelError(f"{where}: model.dtype {model.get('dtype')!r} is not one of {', '.join(DTYPES)}")
+    return config
+
+
+def _count(section: Any, key: str, where: Path) -> int:
+    """A whole number `section[key]` (a step count) of a file a run wrote."""
+    value = section.get(key) if isinstance(section, dict) else None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ModelError(f"{where} has no step count ({key})")
+    return value
 
 
 def load_trained(

@@ -26,7 +26,7 @@ from leangrpo.config.schema import step_interval
 from leangrpo.core.errors import UserError
 from leangrpo.data.rewards import soft_format_reward, strict_format_reward
 from leangrpo.data.rows import PromptFormat
-from leangrpo.run.rundir import atomic_path, claim, write_text_atomic
+from leangrpo.run.rundir import atomic_file, claim, write_text_atomic
 from leangrpo.train.scoring import RewardFuncs
 
 # (text, token length, truncated, token ids) of each completion of each prompt
@@ -57,18 +57,18 @@ class EvalResult:
     metrics: dict[str, Any]
     records: list[dict[str, Any]]
 
-    def save(self, path: str | Path, **meta: Any) -> Path:
+    def save(self, path: str | Path, root: Path | None = None, **meta: Any) -> Path:
         """Write `path` (JSON: `meta`, the metrics, and the records file's name) and the records as JSON
-        Lines beside it (same name, `.jsonl`). Returns the JSON path."""
+        Lines beside it (same name, `.jsonl`). Returns the JSON path. `root`: the directory no link below
+        is followed in (a run's, for its eval/), by default the file's own."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         records_path = path.with_suffix(".jsonl")
         if path.parent.name == "eval":  # a run's eval/: the run's own, from now on
             claim(path.parent.parent, f"eval/{path.name}", f"eval/{records_path.name}")
-        with atomic_path(records_path) as tmp, tmp.open("w") as f:
+        with atomic_file(records_path, root, text=True) as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records)
         doc = {**meta, "metrics": self.metrics, "records_file": records_path.name}
-        write_text_atomic(path, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+        write_text_atomic(path, json.dumps(doc, indent=2, ensure_ascii=False) + "\n", root)
         return path
 
 
@@ -451,5 +451,6 @@ class TrainingEvaluator:
             engine=engine, agent=self.agent,
         )  # fmt: skip
         stem = name or f"step-{step}"
-        result.save(self.run_dir / "eval" / f"{stem}.json", step=step, data=self.source, split=ev.split)
+        path = self.run_dir / "eval" / f"{stem}.json"
+        result.save(path, self.run_dir, step=step, data=self.source, split=ev.split)
         return {"step": step, **{f"eval/{k}": v for k, v in result.metrics.items()}}

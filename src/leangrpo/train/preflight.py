@@ -10,14 +10,12 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from leangrpo.config.schema import Config
 from leangrpo.core.errors import DeviceOptionError, UserError
 from leangrpo.engines.agents import AgentSpec
 from leangrpo.engines.registry import engine_kind
 from leangrpo.run.checkpoint import RESUMABLE_KEYS, CheckpointError, flatten, read_state
-from leangrpo.run.rundir import check_output_dir
+from leangrpo.run.rundir import check_output_dir, read_yaml
 from leangrpo.run.tracking import TrackerError
 
 
@@ -47,7 +45,10 @@ def preflight(cfg: Config, world: World, *, overwrite: bool = False, resume_from
 
 def check_resumable(ckpt: Path, cfg: Config, world_size: int) -> None:
     """Refuse to resume when the new config (or process count) would change the trajectory."""
-    old = flatten(yaml.safe_load((ckpt / "config.yaml").read_text()))
+    saved = read_yaml(ckpt / "config.yaml", ckpt)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{ckpt / 'config.yaml'} is not a leangrpo config (not a mapping)")
+    old = flatten(saved)
     new = flatten(cfg.model_dump(mode="json"))
     differ = [
         f"{key} ({old.get(key)!r} → {new.get(key)!r})"
