@@ -66,8 +66,8 @@ _SCRIPT_KEYS = {
 GRPOConfig fields, with the value that passes silently."""
 
 _TRANSLATED = {
-    "bf16": "`true`: model.dtype bfloat16 (no fp32 master copy; log-probs stay fp32)",
-    "fp16": "`true`: model.dtype float16",
+    "bf16": "`true`: model.dtype bfloat16 (fp32 master copy: optim.master_weights; log-softmax in fp32)",
+    "fp16": "`true`: model.dtype float16, which training refuses (no loss scaling)",
     "optim": "adamw_torch(_fused) → optim.optimizer adamw, adamw_bnb_8bit / adamw_8bit → adamw_8bit",
     "log_completions": "`false`: logging.log_completions_steps 0",
     "reward_weights": "rewards.functions[].weight",

@@ -241,7 +241,7 @@ class Updater:
             if opt.in_backward is None:
                 opt.optimizer.step()
             opt.scheduler.step()
-        opt.optimizer.zero_grad(set_to_none=True)
+        opt.policy.zero_grad(set_to_none=True)  # the weights' (the optimizer's may be fp32 masters)
         return grad_norm, lr, skipped
 
 
