@@ -113,3 +113,31 @@ def test_master_weights_refused_with_optimizer_in_backward(tmp_path, tiny_model_
     )  # fmt: skip
     with pytest.raises(UserError, match="^optim.master_weights cannot run with optim.optimizer_in_backward"):
         trainer_mod.Trainer(cfg)
+
+
+@pytest.fixture
+def tf32_flags():
+    """torch's TF32 flags, off for the test and restored after it."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_tf32_is_on_for_fp32_weights_on_a_gpu_and_said(tf32_flags):
+    """A deliberate difference from TRL (which leaves torch's TF32 off): on a GPU, fp32 weights' matmuls
+    run in TF32 unless model.tf32 is false, in one start-up line; nothing changes on CPU."""
+    from leangrpo.train.precision import set_tf32
+
+    lines: list[str] = []
+    set_tf32(make_cfg(), torch.device("cpu"), lines.append)
+    assert lines == [] and not torch.backends.cuda.matmul.allow_tf32
+    set_tf32(make_cfg(), torch.device("cuda"), lines.append)
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert lines == ["precision: fp32 matmuls in TF32 on the GPU (model.tf32)"]
+    set_tf32(make_cfg(model={"dtype": "bfloat16"}), torch.device("cuda"), lines.append)
+    assert not torch.backends.cuda.matmul.allow_tf32  # bf16 weights: no fp32 matmul asked for it
+    set_tf32(make_cfg(model={"tf32": False}), torch.device("cuda"), lines.append)
+    assert not torch.backends.cuda.matmul.allow_tf32 and lines[-1].endswith(
+        "in full fp32 on the GPU (model.tf32)"
+    )

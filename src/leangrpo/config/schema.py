@@ -89,8 +89,13 @@ class ModelConfig(Section):
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
-        description="weight dtype (bf16/fp16/fp32 accepted; training refuses fp16); the lm_head product rounds "
-        "each logit to this dtype, then the log-softmax runs in fp32"
+        description="weight dtype (bf16/fp16/fp32 accepted; training refuses fp16); the lm_head product "
+        "rounds each logit to this dtype, then the log-softmax runs in fp32",
+    )
+    tf32: bool | None = Field(
+        None,
+        description="fp32 matmuls in TF32 on a GPU (10-bit mantissa inputs, fp32 accumulation; several "
+        "times faster on Ampere and later); null: on when model.dtype is float32 and CUDA runs it",
     )
     gradient_checkpointing: bool = Field(
         True, description="recompute each layer in the backward instead of keeping its activations"

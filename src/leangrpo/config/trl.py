@@ -88,7 +88,6 @@ _NOTED = {
     "label_smoothing_factor": "GRPO's loss has no labels",
     "bf16_full_eval": "evaluation runs in the model's dtype",
     "fp16_full_eval": "evaluation runs in the model's dtype",
-    "tf32": "torch's TF32 setting is left as it is (speed only)",
     "activation_checkpointing": "model.gradient_checkpointing recomputes activations",
     "activation_checkpointing_kwargs": "leangrpo picks its own checkpointing",
     "gradient_checkpointing_kwargs": "leangrpo always uses non-reentrant checkpointing",
@@ -207,7 +206,7 @@ _REFUSED = {
 
 _QUIET: dict[str, tuple[Any, ...]] = {
     "log_on_each_node": (False,), "logging_first_step": (True,), "logging_strategy": ("steps",),
-    "gradient_checkpointing_kwargs": ({"use_reentrant": False},), "do_train": (True,), "tf32": (False,),
+    "gradient_checkpointing_kwargs": ({"use_reentrant": False},), "do_train": (True,),
     "overwrite_output_dir": (True, False), "use_cache": (True,), "save_only_model": (False,),
     "remove_unused_columns": (False, True),
 }  # fmt: skip

@@ -66,12 +66,26 @@ class MasterWeights:
         return state
 
 
+def set_tf32(cfg: Config, device: torch.device, write: Callable[[str], None]) -> None:
+    """TF32 for the run's fp32 matmuls on a GPU (`model.tf32`; null: on for fp32 weights): the product's
+    inputs keep 10 bits of mantissa, its sum fp32, several times faster than fp32 on Ampere and later.
+    TRL leaves torch's setting (off) as it is: a deliberate difference, said in one line."""
+    if device.type != "cuda":
+        return
+    on = cfg.model.tf32 if cfg.model.tf32 is not None else cfg.model.dtype == "float32"
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+    write(f"precision: fp32 matmuls in {'TF32' if on else 'full fp32'} on the GPU (model.tf32)")
+
+
 def precise_optimizer(
     params: list[torch.nn.Parameter], cfg: Config, dist: Replicated, write: Callable[[str], None]
 ) -> torch.optim.Optimizer:
-    """The optimizer of the trainable `params`: on fp32 masters (`MasterWeights`) where
-    `optim.master_weights` says so (null: for bf16 full fine-tuning on a GPU, without FSDP2 or
-    optimizer_in_backward), else on `params` themselves; says which in one line for bf16 weights."""
+    """The run's precision on its device (`set_tf32`) and the optimizer of the trainable `params`: on
+    fp32 masters (`MasterWeights`) where `optim.master_weights` says so (null: for bf16 full fine-tuning
+    on a GPU, without FSDP2 or optimizer_in_backward), else on `params` themselves; says which in one
+    line for bf16 weights."""
+    set_tf32(cfg, dist.acc.device, write)
     low = sorted({str(p.dtype).removeprefix("torch.") for p in params if p.dtype != torch.float32})
     if not low:
         return build_optimizer(params, cfg.optim)
