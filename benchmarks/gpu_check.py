@@ -16,8 +16,15 @@ package). Sections, each timed, each failure recorded without losing the others:
   peak for the same config (target ±10%), and the step seconds;
 - decode: HF generate and leangrpo's rollout, G=8 × 256 tokens on both shapes, tokens/s against the
   bandwidth-bound limit (weights + KV cache read once per step at the measured device-to-device copy rate);
+  then the memory options: 8-bit AdamW, activation offload (CUDA only) and flash-attention 2 (where
+  flash_attn is installed, LoRA);
 - logprobs: the bf16 log-prob path (Policy, token_logprobs) against an fp32 reference on the same weights;
-- trl: leangrpo vs TRL 1.16's GRPOTrainer (vs_trl.py's row a on the 0.5B shape), where trl is importable.
+- trl: leangrpo vs TRL 1.16's GRPOTrainer (vs_trl.py's row a on the 0.5B shape), where trl is importable;
+- precision: bf16 full fine-tuning at the 0.5B shape, 20 updates of lr 1e-5 (each below half a bf16 step of
+  most weights), with and without fp32 master weights (optim.master_weights): the share of weights that
+  moved, which must be far larger with them;
+- cli: `leangrpo train -c configs/gsm8k_qwen2.5_1.5b_lora.yaml` on the 1.5B shape and local GSM8K rows,
+  2 steps with a checkpoint each, then `--resume` to step 3, then `leangrpo export --merge`, loaded back.
 
 Without CUDA (--device cpu) peak RSS stands in for max_memory_allocated and QLoRA runs bitsandbytes' CPU
 kernels. Writes OUT/gpu_check.json and OUT/gpu_check.md after every section; the models go to --work, since
@@ -65,7 +72,7 @@ from leangrpo.train.policy import Policy  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO / "tests" / "data" / "gsm8k" / "train.jsonl"
 CARRIED_TOKENIZER = REPO / ".whl" / "core" / "tokenizer"  # scripts/gpu-wheels.sh puts it there
-SECTIONS = ("tests", "train", "decode", "logprobs", "trl")
+SECTIONS = ("tests", "train", "decode", "logprobs", "trl", "precision", "cli")
 G = 8  # completions per prompt everywhere
 RUN_TIMEOUT_S = 300  # any one subprocess (pytest, a training point, one side of the TRL pair)
 # The models' dtype: bf16 on the GPU; float32 on a CPU, whose bf16 products are slow (the log-prob
@@ -102,6 +109,9 @@ TRAIN = {
     "lora-no-ckpt": ("lora", False, []),
     "qlora": ("lora", True, ["model.load_in_4bit=true"]),
     "full-oib": ("full", True, ["optim.optimizer_in_backward=true", "optim.max_grad_norm=null"]),
+    "full-adamw8bit": ("full", True, ["optim.optimizer=adamw_8bit"]),
+    "full-offload": ("full", True, ["model.activation_offload=true"]),
+    "lora-flash-attn": ("lora", True, ["model.attn_implementation=flash_attention_2"]),
 }
 # One micro-batch of G (optimizer_in_backward needs it), fixed-length completions (the plan's length).
 TRAIN_OVERRIDES = [
@@ -362,8 +372,14 @@ class Check:
         }
 
     def train_point(self, point: dict, overrides: list[str]) -> dict:
-        if "model.load_in_4bit=true" in overrides and importlib.util.find_spec("bitsandbytes") is None:
+        bnb = "model.load_in_4bit=true" in overrides or "optim.optimizer=adamw_8bit" in overrides
+        if bnb and importlib.util.find_spec("bitsandbytes") is None:
             raise Skipped("bitsandbytes is not importable")
+        if "model.activation_offload=true" in overrides and not self.cuda:
+            raise Skipped("activation offload needs CUDA")
+        flash = "model.attn_implementation=flash_attention_2" in overrides
+        if flash and (not self.cuda or importlib.util.find_spec("flash_attn") is None):
+            raise Skipped("flash-attention 2 needs CUDA and the flash_attn package")
         result = measure(
             point, self.work, self.tokenizer, "default", TRAIN_OVERRIDES + overrides, RUN_TIMEOUT_S
         )
@@ -462,6 +478,104 @@ class Check:
             "pairs": sc.trl_pairs,
             "ours_over_trl": ratios,
             "rows": rows,
+        }
+
+    def section_precision(self) -> dict:
+        """bf16 full fine-tuning's updates below half a bf16 step: lost without fp32 masters, kept with."""
+        from leangrpo.run.resolve import validate_config
+
+        path, rows = self.model_dir(self.scale.small), []
+        if self.dtype != "bfloat16":  # the CPU dry run builds fp32 models: a bf16 copy for this section
+            arch, dims = self.scale.models[self.scale.small]
+            path = build_model(
+                self.work / f"{self.scale.small}-bfloat16", arch, dict(dims), self.tokenizer, "bfloat16"
+            )
+        for masters in (False, True):
+            cfg = validate_config({
+                "model": {"name_or_path": str(path), "dtype": "bfloat16"},
+                "data": {"path": str(GSM8K), "limit": 8}, "rewards": {"functions": [{"name": "int"}]},
+                "grpo": {"num_generations": G, "max_completion_length": self.scale.completion,
+                         "ignore_eos": True},
+                "optim": {"per_device_train_batch_size": G, "learning_rate": 1e-5, "master_weights": masters,
+                          "lr_scheduler_type": "constant"},
+                "logging": {"progress_bar": False, "log_completions_steps": 0},
+                "output_dir": str(self.work / f"precision-{masters}"),
+            })  # fmt: skip
+            rows.append(self.attempt({"master_weights": masters}, partial(self.weights_moved, cfg)))
+        moved = {r["master_weights"]: r.get("moved_fraction") for r in rows}
+        if None not in moved.values() and not moved[True] > 4 * max(moved[False], 1e-9):
+            rows[-1]["error"] = (
+                f"master weights moved {moved[True]:.3g} of the weights, without {moved[False]:.3g}"
+            )
+        return {"model": self.scale.small, "updates": 20, "learning_rate": 1e-5, "rows": rows}
+
+    def weights_moved(self, cfg: Any) -> dict:
+        """20 updates of one rollout with fixed, non-zero advantages; the share of bf16 weights changed."""
+        from leangrpo.train.trainer import Trainer
+
+        trainer = Trainer(cfg, overwrite=True)
+        weights = [p for p in trainer.unwrapped.parameters() if p.requires_grad]
+        before = [p.detach().clone() for p in weights]
+        rollout = trainer.source.rollout(1).batch
+        advantages = torch.linspace(-1, 1, len(rollout), device=rollout.completion_ids.device)
+        start = time.perf_counter()
+        for _ in range(20):
+            trainer.updater.update(rollout, advantages, trainer.updater.reference(rollout))
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        changed = sum(int((p != b).sum()) for p, b in zip(weights, before, strict=True))
+        total = sum(p.numel() for p in weights)
+        del trainer
+        return {"moved_fraction": round(changed / total, 4), "update_seconds": round(seconds / 20, 3)}
+
+    def section_cli(self) -> dict:
+        """The shipped LoRA config from the command line: train with checkpoints, resume, merged export."""
+        model, run, merged = self.model_dir(self.scale.large), self.work / "cli-run", self.work / "cli-merged"
+        overrides = [
+            f"model.name_or_path={model}", f"model.dtype={self.dtype}", f"data.path={GSM8K}",
+            "data.hub_config=null", "data.limit=16", "optim.max_steps=2", "logging.save_steps=1",
+            f"output_dir={run}",
+            f"grpo.max_completion_length={self.scale.completion}", "optim.gradient_accumulation_steps=1",
+        ]  # fmt: skip
+        cli = [sys.executable, "-m", "leangrpo"]
+        steps = {
+            "train 2 steps": [*cli, "train", "-c", str(REPO / "configs" / "gsm8k_qwen2.5_1.5b_lora.yaml"),
+                              "--overwrite", *overrides],
+            "resume to step 3": [*cli, "train", "--resume", str(run), "--trust-run-code",
+                                 "optim.max_steps=3"],
+            "export --merge": [*cli, "export", str(run), "--out", str(merged), "--merge"],
+        }  # fmt: skip
+        if merged.exists():
+            import shutil
+
+            shutil.rmtree(merged)
+        rows = [self.attempt({"step": name}, partial(self.cli_step, cmd)) for name, cmd in steps.items()]
+        if not any("error" in r for r in rows):
+            rows.append(self.attempt({"step": "checks"}, partial(self.cli_checks, run, merged)))
+        return {"config": "configs/gsm8k_qwen2.5_1.5b_lora.yaml", "model": self.scale.large, "rows": rows}
+
+    def cli_step(self, cmd: list[str]) -> dict:
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        if proc.returncode:
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+            raise RuntimeError(f"exit {proc.returncode}: {' | '.join(tail)}")
+        return {"seconds": round(time.perf_counter() - start, 1)}
+
+    def cli_checks(self, run: Path, merged: Path) -> dict:
+        """A checkpoint a step, the resumed step appended once, the merged model loads and is finite."""
+        from transformers import AutoModelForCausalLM
+
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        checkpoints = sorted(p.name for p in run.glob("checkpoint-*"))
+        if [r["step"] for r in rows] != [1, 2, 3]:
+            raise RuntimeError(f"metrics steps {[r['step'] for r in rows]}, not [1, 2, 3]")
+        model = AutoModelForCausalLM.from_pretrained(merged)
+        if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            raise RuntimeError("the merged model holds non-finite weights")
+        return {
+            "checkpoints": checkpoints,
+            "merged_params_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
         }
 
     # ------------------------------------------------------------------------------------ report

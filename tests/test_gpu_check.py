@@ -14,7 +14,7 @@ import pytest
 from test_e2e import PYTHONPATH
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-SECTIONS = ("tests", "train", "decode", "logprobs", "trl")
+SECTIONS = ("tests", "train", "decode", "logprobs", "trl", "precision", "cli")
 
 
 def run_check(*args: str, timeout: int = 60) -> subprocess.CompletedProcess:
@@ -59,10 +59,16 @@ def test_dry_run_runs_every_section_on_cpu(tmp_path, real_tokenizer_dir):
         "lora-no-ckpt",
         "qlora",
         "full-oib",
+        "full-adamw8bit",
+        "full-offload",
+        "lora-flash-attn",
     ]
     for r in train:
-        if "skipped" in r:  # QLoRA without bitsandbytes
-            assert r["config"] == "qlora" and importlib.util.find_spec("bitsandbytes") is None
+        if (
+            "skipped" in r
+        ):  # bitsandbytes' rows without it; activation offload and flash-attention on CUDA only
+            no_bnb = importlib.util.find_spec("bitsandbytes") is None
+            assert r["config"] in ("full-offload", "lora-flash-attn") or no_bnb, r
             continue
         assert positive(r["measured_mib"]) and positive(r["predicted_mib"]) and positive(r["ratio"]), r
         assert r["within_10pct"] is None  # judged on CUDA only: RSS holds more than tensors
@@ -78,6 +84,13 @@ def test_dry_run_runs_every_section_on_cpu(tmp_path, real_tokenizer_dir):
     for r in sections["logprobs"]["rows"]:
         assert 0 <= r["mean_abs_nats"] <= r["max_abs_nats"] < 0.5, r  # finite, and a bf16-sized error
         assert math.isfinite(r["reference_mean_logp"]) and r["reference_mean_logp"] < 0
+
+    precision = {r["master_weights"]: r["moved_fraction"] for r in sections["precision"]["rows"]}
+    assert precision[True] > 4 * precision[False]  # bf16 updates below half a step kept only with masters
+
+    cli = sections["cli"]["rows"]
+    assert [r["step"] for r in cli] == ["train 2 steps", "resume to step 3", "export --merge", "checks"]
+    assert cli[-1]["checkpoints"] and positive(cli[-1]["merged_params_m"])
 
     trl = sections["trl"]
     if trl_missing:

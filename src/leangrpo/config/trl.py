@@ -66,8 +66,8 @@ _SCRIPT_KEYS = {
 GRPOConfig fields, with the value that passes silently."""
 
 _TRANSLATED = {
-    "bf16": "`true`: model.dtype bfloat16 (no fp32 master copy; log-probs stay fp32)",
-    "fp16": "`true`: model.dtype float16",
+    "bf16": "`true`: model.dtype bfloat16 (fp32 master copy: optim.master_weights; log-softmax in fp32)",
+    "fp16": "`true`: model.dtype float16, which training refuses (no loss scaling)",
     "optim": "adamw_torch(_fused) → optim.optimizer adamw, adamw_bnb_8bit / adamw_8bit → adamw_8bit",
     "log_completions": "`false`: logging.log_completions_steps 0",
     "reward_weights": "rewards.functions[].weight",
@@ -88,7 +88,6 @@ _NOTED = {
     "label_smoothing_factor": "GRPO's loss has no labels",
     "bf16_full_eval": "evaluation runs in the model's dtype",
     "fp16_full_eval": "evaluation runs in the model's dtype",
-    "tf32": "torch's TF32 setting is left as it is (speed only)",
     "activation_checkpointing": "model.gradient_checkpointing recomputes activations",
     "activation_checkpointing_kwargs": "leangrpo picks its own checkpointing",
     "gradient_checkpointing_kwargs": "leangrpo always uses non-reentrant checkpointing",
@@ -207,7 +206,7 @@ _REFUSED = {
 
 _QUIET: dict[str, tuple[Any, ...]] = {
     "log_on_each_node": (False,), "logging_first_step": (True,), "logging_strategy": ("steps",),
-    "gradient_checkpointing_kwargs": ({"use_reentrant": False},), "do_train": (True,), "tf32": (False,),
+    "gradient_checkpointing_kwargs": ({"use_reentrant": False},), "do_train": (True,),
     "overwrite_output_dir": (True, False), "use_cache": (True,), "save_only_model": (False,),
     "remove_unused_columns": (False, True), "debug": (None, []), "pad_to_multiple_of": (None,),
 }  # fmt: skip

@@ -169,14 +169,16 @@ def sampler_importance_weights(
 class LossStats:
     """Token sums from one micro-batch of one process, for the kl, clip_ratio and entropy metrics:
     `clipped_tokens` every token a clip zeroed, `low_clipped` / `high_clipped` those below 1 - epsilon
-    (negative advantage) and above 1 + epsilon_high (positive advantage), as TRL splits them."""
+    (negative advantage) and above 1 + epsilon_high (positive advantage), as TRL splits them. Each is a
+    0-dim float32 tensor on the loss's device: reading them is one host sync a step
+    (`micro_batch_means`), not several a micro-batch."""
 
-    kl_sum: float = 0.0
-    clipped_tokens: float = 0.0
-    tokens: float = 0.0
-    entropy_sum: float = 0.0
-    low_clipped: float = 0.0
-    high_clipped: float = 0.0
+    kl_sum: Tensor
+    clipped_tokens: Tensor
+    tokens: Tensor
+    entropy_sum: Tensor
+    low_clipped: Tensor
+    high_clipped: Tensor
 
 
 def micro_batch_means(
@@ -187,10 +189,11 @@ def micro_batch_means(
     token counts)."""
     names = ("kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")
     rows = [
-        [s.kl_sum, s.entropy_sum, s.clipped_tokens, s.low_clipped, s.high_clipped, s.tokens] for s in stats
+        torch.stack([s.kl_sum, s.entropy_sum, s.clipped_tokens, s.low_clipped, s.high_clipped, s.tokens])
+        for s in stats
     ]
-    sums = sum_over_processes(torch.tensor(rows))
-    means = (sums[:, :-1] / sums[:, -1:].clamp(min=1)).mean(dim=0).tolist()
+    sums = sum_over_processes(torch.stack(rows).double())
+    means = (sums[:, :-1] / sums[:, -1:].clamp(min=1)).mean(dim=0).tolist()  # the one host sync
     return dict(zip(names, means, strict=True))
 
 
@@ -364,15 +367,22 @@ def masked_kl(logp: Tensor, ref_logp: Tensor, keep: Tensor, ratio: Tensor, bias_
 
 
 def loss_stats(keep: Tensor, kl: Tensor | None, clipped: Clipped, entropy: Tensor | None) -> LossStats:
-    """The micro-batch's token sums for the metrics."""
+    """The micro-batch's token sums for the metrics, left on the device (masked by `where`, not by
+    boolean indexing, which would wait for the device to count the selected tokens)."""
+
+    def masked_sum(values: Tensor | None) -> Tensor:
+        if values is None:
+            return keep.new_zeros((), dtype=torch.float32)
+        return torch.where(keep, values, 0).sum().float()
+
     with torch.no_grad():
         return LossStats(
-            kl_sum=float(kl[keep].sum()) if kl is not None else 0.0,
-            clipped_tokens=float((clipped.region & keep).sum()),
-            tokens=float(keep.sum()),
-            entropy_sum=float(entropy[keep].sum()) if entropy is not None else 0.0,
-            low_clipped=float((clipped.low & keep).sum()),
-            high_clipped=float((clipped.high & keep).sum()),
+            kl_sum=masked_sum(kl),
+            clipped_tokens=masked_sum(clipped.region),
+            tokens=masked_sum(keep),
+            entropy_sum=masked_sum(entropy),
+            low_clipped=masked_sum(clipped.low),
+            high_clipped=masked_sum(clipped.high),
         )
 
 

@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -203,24 +203,43 @@ class VLLMServerEngine:
 
     def _send_nccl(self, model: PreTrainedModel) -> None:
         """CUDA: every weight broadcast on an NCCL group with the server, as TRL's server takes them.
-        NOT TESTED (no GPU where leangrpo is tested); needs vLLM installed beside the trainer."""
+        NOT TESTED on a GPU (benchmarks/gpu_check.py does not reach it); needs vLLM beside the trainer.
+
+        The group's address is this machine's on the interface that routes to the server
+        (`address_towards`). Forming the group waits read_timeout at most (the store's timeout); the
+        broadcasts run on a stream of their own, and the trainer waits for them as long, or until the
+        server's /update_named_params fails or a stop is asked (`wait_for_broadcast`): a server dying
+        mid-update is one VLLMError line, not a hang. The group is then dropped (the next sync forms a
+        new one); the broadcast left pending on its stream cannot be cancelled (vLLM's NCCL wrapper
+        has no abort), so the run checkpoints and ends."""
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
+        timeout = int(self.read_timeout)
         if self.communicator is None:  # the trainer is rank 0 of {trainer, server}
-            host = socket.gethostbyname(socket.gethostname())
+            host = address_towards(self.url)
             body = {"host": host, "port": self.group_port, "world_size": 2}
             with ThreadPoolExecutor(max_workers=1) as pool:
                 joined = pool.submit(self._call, "POST", "/init_communicator", json=body)
-                group = StatelessProcessGroup.create(host, self.group_port, rank=0, world_size=2)
+                group = StatelessProcessGroup.create(
+                    host, self.group_port, rank=0, world_size=2, store_timeout=timeout
+                )
                 self.communicator = PyNcclCommunicator(group, device=model.device)
                 joined.result()
         params = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in applied_weights(model)]
+        stream, sent = torch.cuda.Stream(device=model.device), torch.cuda.Event()
+        stream.wait_stream(torch.cuda.current_stream(model.device))  # the update's weights are written
         with ThreadPoolExecutor(max_workers=1) as pool:  # the server receives while this side sends
             loaded = pool.submit(self._call, "POST", "/update_named_params", json={"params": params})
-            for _, tensor in applied_weights(model):
-                self.communicator.broadcast(tensor.contiguous(), src=0)
-            loaded.result()
+            with torch.cuda.stream(stream):
+                for _, tensor in applied_weights(model):
+                    self.communicator.broadcast(tensor.contiguous(), src=0, stream=stream)
+                sent.record(stream)
+            try:
+                wait_for_broadcast(sent.query, loaded, timeout, self.stop, self.url)
+            except VLLMError:
+                self.communicator = None
+                raise
 
     def new_weights_file(self) -> Path:
         """A new, empty file of a name of its own in the server's weights directory (never a link)."""
@@ -297,6 +316,43 @@ class VLLMServerEngine:
         if isinstance(outcome[0], BaseException):
             raise outcome[0]
         return outcome[0]
+
+
+def address_towards(url: str) -> str:
+    """This machine's address on the interface that routes to the server at `url`, where the server can
+    reach the trainer's NCCL group. `gethostbyname(gethostname())` is often 127.0.1.1 (Debian's
+    /etc/hosts entry), which a server on another machine cannot join. Connecting a UDP socket sends
+    nothing: it only picks the route. No route is one VLLMError line."""
+    parsed = httpx.URL(url)
+    host, port = parsed.host, parsed.port or 80
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(where)
+            return str(probe.getsockname()[0])
+    except OSError as e:
+        raise VLLMError(f"no route from this machine to the vLLM server's host {host!r}: {e}") from None
+
+
+def wait_for_broadcast(
+    sent: Callable[[], bool], loaded: Future[Any], timeout: float, stop: Callable[[], bool], url: str
+) -> None:
+    """Wait until `sent()` (the broadcast's CUDA event has completed) and the server's answer `loaded`
+    came; the server's failure (`loaded` raising), `timeout` seconds or a stop asked for end the wait
+    with one VLLMError line, where NCCL alone would wait forever."""
+    deadline = time.monotonic() + timeout
+    while not (sent() and loaded.done()):
+        if loaded.done() and loaded.exception() is not None:
+            raise VLLMError(f"the weight update to the vLLM server at {url} failed: {loaded.exception()}")
+        if stop():
+            raise VLLMError(f"stopped while sending weights to the vLLM server at {url}")
+        if time.monotonic() > deadline:
+            raise VLLMError(
+                f"the vLLM server at {url} did not receive the weights within {timeout:g} s "
+                "(grpo.vllm_server_read_timeout)"
+            )
+        time.sleep(0.05)
+    loaded.result()
 
 
 def json_object(response: httpx.Response) -> dict[str, Any]:

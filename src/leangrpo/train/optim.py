@@ -48,12 +48,21 @@ class StepInBackward:
     `max_grad_norm: null` and one micro-batch per optimizer step. The norm is still summed for the
     metrics. A non-finite gradient stops the stepping for the rest of that backward; parameters stepped
     before it keep their step (a non-finite loss makes the first gradient non-finite, so nothing steps).
-    That check reads each gradient's norm on the host: on CUDA one synchronisation per parameter, a few
-    hundred a step."""
+
+    Each step is the optimizer's own `step()` shown one parameter group holding only that parameter, so
+    a step costs one parameter's work, not a scan of them all. The non-finite check stays on the device
+    for torch's fused AdamW (its `found_inf` skips the step in the kernel); 8-bit AdamW has no such
+    input, so there it reads each gradient's norm on the host (on CUDA one synchronisation a parameter)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]):
         self.optimizer, self.active = optimizer, False
-        self.squared_norm, self.finite = 0.0, True
+        self.group = {p: g for g in optimizer.param_groups for p in g["params"]}
+        self.checks_on_device = isinstance(optimizer, torch.optim.AdamW) and bool(
+            optimizer.defaults.get("fused")
+        )
+        device = next(iter(self.group)).device
+        self.found_inf = torch.zeros((), device=device)  # 1 once a gradient of this backward was not finite
+        self.squared_norm = torch.zeros((), device=device)
         for p in params:
             p.register_post_accumulate_grad_hook(self._step)
 
@@ -61,26 +70,39 @@ class StepInBackward:
         if not self.active:
             return
         assert param.grad is not None  # the hook runs right after the gradient was accumulated
-        norm = float(torch.linalg.vector_norm(param.grad, dtype=torch.float32))
-        self.finite = self.finite and math.isfinite(norm)
-        if self.finite:
-            self.squared_norm += norm**2
-            self.optimizer.step()  # steps only `param`: every other gradient is None at this point
+        norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32)
+        self.found_inf.copy_(torch.maximum(self.found_inf, (~norm.isfinite()).float()))
+        self.squared_norm += torch.where(self.found_inf > 0, 0.0, norm.square())
+        if self.checks_on_device or not self.found_inf.item():
+            groups = self.optimizer.param_groups
+            self.optimizer.param_groups = [{**self.group[param], "params": [param]}]
+            try:
+                self.optimizer.step()
+            finally:
+                self.optimizer.param_groups = groups
         param.grad = None
 
     @contextmanager
     def stepping(self) -> Iterator[None]:
         """Around one optimizer step's backward."""
-        self.active, self.squared_norm, self.finite = True, 0.0, True
+        self.active = True
+        self.squared_norm.zero_()
+        self.found_inf.zero_()
+        if self.checks_on_device:
+            self.optimizer.found_inf = self.found_inf  # type: ignore[attr-defined]  # read by AdamW.step
         try:
             yield
         finally:
             self.active = False
+            if self.checks_on_device:
+                del self.optimizer.found_inf  # type: ignore[attr-defined]
 
     @property
     def grad_norm(self) -> float:
-        """The global gradient norm of the last `stepping()` (NaN if a gradient was not finite)."""
-        return math.sqrt(self.squared_norm) if self.finite else math.nan
+        """The global gradient norm of the last `stepping()` (NaN if a gradient was not finite): one host
+        read for the whole backward."""
+        found_inf, squared = torch.stack([self.found_inf, self.squared_norm]).tolist()
+        return math.nan if found_inf else math.sqrt(squared)
 
 
 OWN_SCHEDULES = ("linear", "cosine", "constant", "cosine_with_min_lr")

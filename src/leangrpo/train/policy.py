@@ -176,6 +176,20 @@ def shared_prompt_group(model: nn.Module, micro_batch: int, num_generations: int
     return (1, reason) if reason else (math.gcd(micro_batch, num_generations), None)
 
 
+def micro_batch_extents(rollout: RolloutBatch, micro_batch: int) -> list[tuple[int, int]]:
+    """Each micro-batch's real extent, in one host sync for the whole rollout (one per micro-batch would
+    stall the device as often): its first prompt column holding a token and its longest completion
+    (at least 1)."""
+    n = len(rollout)
+    chunks = math.ceil(n / micro_batch)
+    pad = chunks * micro_batch - n
+    prompt = nn.functional.pad(rollout.prompt_mask.bool(), (0, 0, 0, pad))
+    first = prompt.reshape(chunks, micro_batch, -1).any(dim=1).int().argmax(dim=1)
+    lengths = nn.functional.pad(rollout.completion_mask.sum(dim=1), (0, pad))
+    longest = lengths.reshape(chunks, micro_batch).amax(dim=1).clamp(min=1)
+    return [(int(a), int(b)) for a, b in torch.stack([first, longest.to(first.dtype)], 1).tolist()]
+
+
 def micro_batch_logprobs(
     policy: nn.Module,
     rollout: RolloutBatch,
@@ -183,14 +197,20 @@ def micro_batch_logprobs(
     temperature: float | None = None,
     group: int = 1,
     with_entropy: bool = False,
+    extent: tuple[int, int] | None = None,
 ) -> tuple[Tensor, ...]:
     """Log-probs of one micro-batch, cropped to its own real extent (no all-pad columns), and its mask;
-    `with_entropy`: and the per-token entropy, as a third item.
+    `with_entropy`: and the per-token entropy, as a third item. `extent`: that extent, from
+    `micro_batch_extents` (else read here, which waits for the device).
 
     group > 1: every `group` consecutive rows share a prompt, which the decoder then reads once."""
     prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]
-    first_prompt_col = int(prompt_mask.any(dim=0).int().argmax())
-    num_completion = int(completion_mask.sum(dim=1).max().clamp(min=1))
+    if extent is None:
+        extent = (
+            int(prompt_mask.any(dim=0).int().argmax()),
+            int(completion_mask.sum(dim=1).max().clamp(min=1)),
+        )
+    first_prompt_col, num_completion = extent
     prompt_ids, prompt_mask = rollout.prompt_ids[rows, first_prompt_col:], prompt_mask[:, first_prompt_col:]
     completion_ids = rollout.completion_ids[rows, :num_completion]
     completion_mask = completion_mask[:, :num_completion]
@@ -211,9 +231,10 @@ def micro_batch_logprobs(
 def batch_logprobs(policy: nn.Module, rollout: RolloutBatch, micro_batch: int, group: int = 1) -> Tensor:
     """Log-probs [N, C] for a whole rollout without gradients (reference / old policy), padded with 0."""
     out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
+    extents = micro_batch_extents(rollout, micro_batch)
     with torch.inference_mode():
-        for start in range(0, len(rollout), micro_batch):
+        for start, extent in zip(range(0, len(rollout), micro_batch), extents, strict=True):
             rows = slice(start, start + micro_batch)
-            logp, _ = micro_batch_logprobs(policy, rollout, rows, group=group)
+            logp, _ = micro_batch_logprobs(policy, rollout, rows, group=group, extent=extent)
             out[rows, : logp.shape[1]] = logp
     return out

@@ -65,9 +65,14 @@ def check_resumable(ckpt: Path, cfg: Config, world_size: int) -> None:
 def _device_options(cfg: Config, world: World) -> None:
     """Options this machine cannot provide: bitsandbytes' (8-bit AdamW, a 4-bit base: CPU or CUDA)
     without bitsandbytes, activation offload without CUDA, steps inside the backward on several
-    processes."""
+    processes; fp16 weights, which nothing loss-scales."""
     from leangrpo.models.load import require_bitsandbytes
 
+    if cfg.model.dtype == "float16":
+        raise UserError(
+            "model.dtype float16 cannot train: nothing scales the loss, so small gradients (dapo's "
+            "1/num_tokens) underflow to 0 in fp16; use bfloat16 (or float32)"
+        )
     if cfg.optim.optimizer == "adamw_8bit":
         require_bitsandbytes("optim.optimizer=adamw_8bit")
     if cfg.model.load_in_4bit:

@@ -38,8 +38,9 @@ from leangrpo.train.evaluation import TrainingEvaluator
 from leangrpo.train.extras import RuntimeExtras
 from leangrpo.train.levers import cpu_levers, release_memory
 from leangrpo.train.metrics import PhaseTimer, StepRecorder
-from leangrpo.train.optim import Optimization, StepInBackward, build_optimizer, build_scheduler
+from leangrpo.train.optim import Optimization, StepInBackward, build_scheduler
 from leangrpo.train.policy import Policy, shared_prompt_group
+from leangrpo.train.precision import precise_optimizer
 from leangrpo.train.preflight import World, check_async_agent, preflight
 from leangrpo.train.rollout_source import RolloutSource, long_prompts
 from leangrpo.train.rollouts import Generation
@@ -174,7 +175,7 @@ class Trainer:
         (`optim.optimizer_in_backward`) and its learning-rate schedule over every update of the run."""
         optim = self.cfg.optim
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = build_optimizer(params, optim)
+        optimizer = precise_optimizer(params, self.cfg, self.dist, self._write)
         in_backward = StepInBackward(optimizer, params) if optim.optimizer_in_backward else None
         scheduler = build_scheduler(optimizer, optim, optim.max_steps * self.cfg.grpo.num_iterations)
         return Optimization(self.policy, optimizer, in_backward, scheduler)

@@ -20,7 +20,7 @@ from leangrpo.models.load import TensorStore, frozen_copy, is_peft
 from leangrpo.train.distributed import Sharded
 from leangrpo.train.loss import loss_spec
 from leangrpo.train.optim import Optimization, activation_offload
-from leangrpo.train.policy import Policy, batch_logprobs, micro_batch_logprobs
+from leangrpo.train.policy import Policy, batch_logprobs, micro_batch_extents, micro_batch_logprobs
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -178,7 +178,8 @@ class Updater:
         loss_total, stats, skipped = 0.0, [], False
         grad_norm, lr = math.nan, float(self.opt.scheduler.get_last_lr()[0])
         for _ in range(g.num_iterations):
-            iteration_loss, iteration_stats = self._backward(rollout, advantages, ref, mask, num_tokens)
+            loss_sum, iteration_stats = self._backward(rollout, advantages, ref, mask, num_tokens)
+            iteration_loss = float(loss_sum)  # the iteration's one host sync for its loss
             stats += iteration_stats
             loss_total += iteration_loss / g.num_iterations
             grad_norm, lr, skipped = self._optimizer_step(iteration_loss)
@@ -193,15 +194,16 @@ class Updater:
 
     def _backward(
         self, rollout: RolloutBatch, advantages: Tensor, ref: Reference, mask: Tensor, num_tokens: float
-    ) -> tuple[float, list[grpo.LossStats]]:
+    ) -> tuple[Tensor, list[grpo.LossStats]]:
         """One iteration's loss and gradients, micro-batch by micro-batch (`mask`: the completion tokens
         that count, `num_tokens` of them on an average process); returns the summed loss and each
-        micro-batch's token counts."""
+        micro-batch's token counts, on the device: the loop reads nothing back from it."""
         cfg, policy, in_backward = self.cfg, self.opt.policy, self.opt.in_backward
         micro = cfg.optim.per_device_train_batch_size
         batch = grpo.BatchTotals(len(rollout), num_tokens, math.ceil(len(rollout) / micro))
-        iteration_loss, stats = 0.0, []
-        for start in range(0, len(rollout), micro):
+        iteration_loss, stats = torch.zeros((), dtype=torch.float64, device=mask.device), []
+        extents = micro_batch_extents(rollout, micro)
+        for start, extent in zip(range(0, len(rollout), micro), extents, strict=True):
             rows = slice(start, start + micro)
             last = start + micro >= len(rollout)
             with (
@@ -210,7 +212,7 @@ class Updater:
                 nullcontext() if in_backward is None else in_backward.stepping(),
             ):
                 logp, _, entropy = micro_batch_logprobs(
-                    policy, rollout, rows, group=self.group, with_entropy=True
+                    policy, rollout, rows, group=self.group, with_entropy=True, extent=extent
                 )
                 width = logp.shape[1]
                 old_logp = logp.detach() if ref.old_logp is None else ref.old_logp[rows, :width]
@@ -220,7 +222,7 @@ class Updater:
                     sampler_weights=_cut(ref.sampler_weights, rows, width),
                 )  # fmt: skip
                 self.acc.backward(loss)
-            iteration_loss += loss.item()
+            iteration_loss += loss.detach().double()  # as exact as summing floats
             stats.append(mb_stats)
         return iteration_loss, stats
 
@@ -239,7 +241,7 @@ class Updater:
             if opt.in_backward is None:
                 opt.optimizer.step()
             opt.scheduler.step()
-        opt.optimizer.zero_grad(set_to_none=True)
+        opt.policy.zero_grad(set_to_none=True)  # the weights' (the optimizer's may be fp32 masters)
         return grad_norm, lr, skipped
 
 

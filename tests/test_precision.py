@@ -1,0 +1,143 @@
+"""bf16 full fine-tuning steps fp32 master copies (`optim.master_weights`), and fp16 is refused in one
+line (issue 53, item 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leangrpo.core.errors import UserError
+from leangrpo.run.resolve import validate_config
+from leangrpo.train.optim import build_optimizer
+from leangrpo.train.precision import STATE_KEY, MasterWeights
+from leangrpo.train.preflight import World, preflight
+
+
+def make_cfg(**sections):
+    data = {
+        "model": {"name_or_path": "m"},
+        "data": {"path": "d.jsonl"},
+        "rewards": {"functions": [{"name": "int"}]},
+    }
+    for section, values in sections.items():
+        data[section] = {**data.get(section, {}), **values} if isinstance(values, dict) else values
+    return validate_config(data)
+
+
+def test_bf16_weights_move_by_steps_below_half_their_rounding_step():
+    """100 AdamW steps of lr 1e-4 on bf16 weights of 1.0 (a bf16 step there is 2^-7, about 78 of them):
+    stepped directly each update rounds away and the weights stay 1.0; through fp32 masters they move
+    by the 100 updates' 0.01, to within one bf16 rounding, and the masters survive a state-dict trip."""
+    cfg = make_cfg(optim={"learning_rate": 1e-4, "weight_decay": 0.0}).optim
+
+    def train(masters: bool) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+        weight = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+        if masters:
+            mw = MasterWeights([weight])
+            optimizer = mw.attach(build_optimizer(mw.masters, cfg))
+        else:
+            optimizer = build_optimizer([weight], cfg)
+        for _ in range(100):
+            weight.grad = torch.ones_like(weight)
+            optimizer.step()
+            weight.grad = None
+        return weight, optimizer
+
+    direct, _ = train(False)
+    assert torch.equal(direct, torch.ones_like(direct))  # the problem: every update rounded away
+    weight, optimizer = train(True)
+    assert weight.dtype == torch.bfloat16
+    assert (weight.float() - (1 - 100 * 1e-4)).abs().max() <= 2**-7
+    state = optimizer.state_dict()
+    master = state[STATE_KEY][0]
+    assert master.dtype == torch.float32 and torch.equal(weight, master.to(torch.bfloat16))
+
+    fresh = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    mw = MasterWeights([fresh])
+    mw.attach(build_optimizer(mw.masters, cfg)).load_state_dict(state)
+    assert torch.equal(mw.masters[0], master) and torch.equal(fresh, weight)
+
+
+def test_bf16_full_fine_tuning_steps_fp32_masters_at_lr_1e_6(tmp_path, tiny_model_dir, gsm8k_dir, capsys):
+    """A bf16 full fine-tuning run with optim.master_weights: its optimizer steps fp32 copies, which
+    move at the default lr 1e-6, and the bf16 weights are those copies rounded; the start-up line says
+    so. Without it (the CPU default) a line says what is lost."""
+    import leangrpo.train.trainer as trainer_mod
+
+    def trainer(name, master_weights):
+        return trainer_mod.Trainer(make_cfg(
+            model={"name_or_path": str(tiny_model_dir), "dtype": "bfloat16"},
+            data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
+            grpo={"num_generations": 4, "max_completion_length": 8, "ignore_eos": True},
+            optim={"per_device_train_batch_size": 4, "master_weights": master_weights},
+            logging={"progress_bar": False, "log_completions_steps": 0},
+            output_dir=str(tmp_path / name),
+        ))  # fmt: skip
+
+    plain = trainer("plain", None)
+    assert "weights are stepped in bfloat16 (the default on CPU)" in capsys.readouterr().out
+    assert {p.dtype for g in plain.optimizer.param_groups for p in g["params"]} == {torch.bfloat16}
+
+    run = trainer("masters", True)
+    assert "bfloat16 weights stepped through fp32 master copies" in capsys.readouterr().out
+    weights = [p for p in run.unwrapped.parameters() if p.requires_grad]
+    masters = [p for g in run.optimizer.param_groups for p in g["params"]]
+    assert {p.dtype for p in weights} == {torch.bfloat16} and {p.dtype for p in masters} == {torch.float32}
+    before = [m.detach().clone() for m in masters]
+    rollout = run.source.rollout(1).batch
+    update = run.updater.update(rollout, torch.linspace(-1, 1, len(rollout)), run.updater.reference(rollout))
+    assert update.grad_norm > 0 and run.updater.skipped_steps == 0
+    moved = max(float((m - b).abs().max()) for m, b in zip(masters, before, strict=True))
+    assert 1e-7 < moved < 1e-5  # AdamW's first step: about lr per element
+    assert all(torch.equal(w, m.to(torch.bfloat16)) for w, m in zip(weights, masters, strict=True))
+    assert all(w.grad is None for w in weights) and all(m.grad is None for m in masters)
+
+
+def test_fp16_training_is_refused_in_one_line(tmp_path):
+    cfg = make_cfg(model={"dtype": "fp16"}, output_dir=str(tmp_path / "run"))
+    with pytest.raises(UserError, match=r"^model.dtype float16 cannot train: nothing scales the loss") as e:
+        preflight(cfg, World(1, "cpu", False))
+    assert "\n" not in str(e.value)
+
+
+def test_master_weights_refused_with_optimizer_in_backward(tmp_path, tiny_model_dir, gsm8k_dir):
+    import leangrpo.train.trainer as trainer_mod
+
+    cfg = make_cfg(
+        model={"name_or_path": str(tiny_model_dir), "dtype": "bfloat16"},
+        data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
+        grpo={"num_generations": 4, "max_completion_length": 8},
+        optim={"per_device_train_batch_size": 4, "master_weights": True, "optimizer_in_backward": True,
+               "max_grad_norm": None},
+        output_dir=str(tmp_path / "run"),
+    )  # fmt: skip
+    with pytest.raises(UserError, match="^optim.master_weights cannot run with optim.optimizer_in_backward"):
+        trainer_mod.Trainer(cfg)
+
+
+@pytest.fixture
+def tf32_flags():
+    """torch's TF32 flags, off for the test and restored after it."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_tf32_is_on_for_fp32_weights_on_a_gpu_and_said(tf32_flags):
+    """A deliberate difference from TRL (which leaves torch's TF32 off): on a GPU, fp32 weights' matmuls
+    run in TF32 unless model.tf32 is false, in one start-up line; nothing changes on CPU."""
+    from leangrpo.train.precision import set_tf32
+
+    lines: list[str] = []
+    set_tf32(make_cfg(), torch.device("cpu"), lines.append)
+    assert lines == [] and not torch.backends.cuda.matmul.allow_tf32
+    set_tf32(make_cfg(), torch.device("cuda"), lines.append)
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    assert lines == ["precision: fp32 matmuls in TF32 on the GPU (model.tf32)"]
+    set_tf32(make_cfg(model={"dtype": "bfloat16"}), torch.device("cuda"), lines.append)
+    assert not torch.backends.cuda.matmul.allow_tf32  # bf16 weights: no fp32 matmul asked for it
+    set_tf32(make_cfg(model={"tf32": False}), torch.device("cuda"), lines.append)
+    assert not torch.backends.cuda.matmul.allow_tf32 and lines[-1].endswith(
+        "in full fp32 on the GPU (model.tf32)"
+    )
