@@ -76,6 +76,16 @@ def test_bench_overrides_reach_our_side_and_name_their_section(tmp_path, tiny_mo
     assert "old table" in text and "## vs TRL, ours with grpo.share_prompt=false" in text
 
 
+def test_bench_compares_padding_free_with_padded(tmp_path, tiny_model_dir, gsm8k_dir):
+    """--sides ours,padded: our side against itself with grpo.padding_free=false, in its own section."""
+    text, raw = run_bench(tmp_path, tiny_model_dir, gsm8k_dir / "train.jsonl", "ours,padded")
+    assert raw[0]["ours"]["padding_free"] is True and raw[0]["padded"]["padding_free"] is False
+    assert "old table" in text and "## Padding-free vs padded" in text and "| peak MiB padded |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| a |"))
+    ours, padded = raw[0]["ours"], raw[0]["padded"]
+    assert f"{ours['peak_mb'] / padded['peak_mb']:.2f}" in row
+
+
 @pytest.mark.slow
 def test_bench_both_sides_run(tmp_path, tiny_model_dir, gsm8k_dir):
     pytest.importorskip("trl", reason="TRL is the [bench] extra")
