@@ -137,6 +137,20 @@ def test_phases_script_runs(tiny_model_dir):
         assert line in proc.stdout
 
 
+def test_padding_free_script_runs(tiny_model_dir):
+    """benchmarks/padding_free.py: both layouts' passes timed in alternating pairs, and their saved bytes."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "padding_free.py"), "--model", str(tiny_model_dir),
+         "--pairs", "2", "--lengths", "2,6"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": PYTHONPATH}, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "G=8 completions of 2-6 tokens (32 real of 48 padded)" in proc.stdout
+    for line in ("| reference |", "| update |", "| update: saved for backward, MiB |"):
+        assert line in proc.stdout
+    assert proc.stdout.count("pair 2 update packed") == 1
+
+
 def test_rows_report_the_median_of_alternating_pairs_with_their_range():
     vs_trl = load_script()
 
