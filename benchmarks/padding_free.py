@@ -3,17 +3,20 @@ pass (no gradient) and one update forward + backward (gradient checkpointing on)
 vs_trl.py's prompt in one micro-batch, each prompt read once (`grpo.share_prompt`).
 
     python benchmarks/padding_free.py [--model DIR] [--lengths 25,96] [--pairs 3] [--lora]
+    python benchmarks/padding_free.py --layouts packed --pairs 1   # one layout: its process's peak RSS
 
 The completions' lengths spread evenly over --lengths (issue 52 measured 25 to 96 tokens with EOS on);
 their tokens are random, which changes nothing in the work. Pairs alternate which layout runs first, so
-that drift in the machine's speed hits both alike. Prints each run's seconds, the medians and the
-median of the per-pair ratios, the bytes the update's forward saves for backward, and the load average.
+that drift in the machine's speed hits both alike. Prints each run's wall-clock and CPU seconds (all
+threads; steadier on a shared machine), the medians and the median of the per-pair ratios, the bytes
+the update's forward saves for backward, the process's peak RSS, and the load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -75,7 +78,9 @@ def main() -> None:
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--lora", action="store_true", help="LoRA r=16 on all linears (else full fine-tuning)")
+    p.add_argument("--layouts", default="packed,padded", help="packed,padded | packed | padded")
     a = p.parse_args()
+    layouts = {name: LAYOUTS[name] for name in a.layouts.split(",")}
     from transformers import AutoModelForCausalLM
 
     model_dir = a.model or build_model(cache_root() / "bench")
@@ -100,31 +105,44 @@ def main() -> None:
 
     load_before = os.getloadavg()[0]
     times: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], list[float]] = {}
     for pair in range(a.pairs):
-        for layout in LAYOUTS if pair % 2 == 0 else list(LAYOUTS)[::-1]:
+        for layout in layouts if pair % 2 == 0 else list(layouts)[::-1]:
             for phase, fn in (("reference", reference), ("update", update)):
-                start = time.perf_counter()
-                fn(LAYOUTS[layout])
+                start, cpu_start = time.perf_counter(), time.process_time()
+                fn(layouts[layout])
                 times.setdefault((phase, layout), []).append(time.perf_counter() - start)
-                print(f"pair {pair + 1} {phase} {layout}: {times[phase, layout][-1]:.2f} s", flush=True)
+                cpu.setdefault((phase, layout), []).append(time.process_time() - cpu_start)
+                print(f"pair {pair + 1} {phase} {layout}: {times[phase, layout][-1]:.2f} s, "
+                      f"{cpu[phase, layout][-1]:.2f} CPU s", flush=True)  # fmt: skip
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     saved = {
-        layout: saved_bytes(model, lambda packed=packed: update(packed)) for layout, packed in LAYOUTS.items()
+        name: saved_bytes(model, lambda packed=packed: update(packed)) for name, packed in layouts.items()
     }
     load_after = os.getloadavg()[0]
     real = int(batch.completion_mask.sum())
     method, width = "LoRA r=16" if a.lora else "full", batch.prompt_ids.shape[1]
     print(f"\nmodel {model_dir.name}, {method}, {width}-token prompt, G={G} completions of "
           f"{shortest}-{longest} tokens ({real} real of {G * longest} padded), one micro-batch, "
-          f"{a.pairs} pairs, load {load_before:.1f} before, {load_after:.1f} after\n")  # fmt: skip
-    print("| pass | packed s | padded s | packed/padded |\n|---|---|---|---|")
+          f"{a.pairs} pairs, load {load_before:.1f} before, {load_after:.1f} after; peak RSS "
+          f"{peak_mib:.0f} MiB ({a.layouts})\n")  # fmt: skip
+    names, both = list(layouts), len(layouts) == 2
+    ratio_head = " packed/padded s | packed/padded CPU s |" if both else ""
+    print(f"| pass | {' | '.join(f'{n} s | {n} CPU s' for n in names)} |{ratio_head}")
+    print("|---" * (1 + 2 * len(names) + 2 * both) + "|")
     for phase in ("reference", "update"):
-        packed, padded = times[phase, "packed"], times[phase, "padded"]
-        ratios = [x / y for x, y in zip(packed, padded, strict=True)]
-        print(f"| {phase} | {statistics.median(packed):.2f} | {statistics.median(padded):.2f} "
-              f"| {statistics.median(ratios):.2f} [{min(ratios):.2f}–{max(ratios):.2f}] |")  # fmt: skip
-    mib = {k: v / 2**20 for k, v in saved.items()}
-    print(f"| update: saved for backward, MiB | {mib['packed']:.1f} | {mib['padded']:.1f} "
-          f"| {mib['packed'] / mib['padded']:.2f} |")  # fmt: skip
+        cells = [f"{statistics.median(d[phase, n]):.2f}" for n in names for d in (times, cpu)]
+        if both:
+            cells += [_ratio(d[phase, "packed"], d[phase, "padded"]) for d in (times, cpu)]
+        print(f"| {phase} | {' | '.join(cells)} |")
+    mib = ", ".join(f"{n} {saved[n] / 2**20:.1f}" for n in names)
+    print(f"\nupdate: saved for backward, MiB: {mib}")
+
+
+def _ratio(packed: list[float], padded: list[float]) -> str:
+    """The median of the per-pair ratios, with their range."""
+    ratios = [x / y for x, y in zip(packed, padded, strict=True)]
+    return f"{statistics.median(ratios):.2f} [{min(ratios):.2f}–{max(ratios):.2f}]"
 
 
 if __name__ == "__main__":

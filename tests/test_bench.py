@@ -146,7 +146,7 @@ def test_padding_free_script_runs(tiny_model_dir):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "G=8 completions of 2-6 tokens (32 real of 48 padded)" in proc.stdout
-    for line in ("| reference |", "| update |", "| update: saved for backward, MiB |"):
+    for line in ("| reference |", "| update |", "update: saved for backward, MiB: packed ", "peak RSS"):
         assert line in proc.stdout
     assert proc.stdout.count("pair 2 update packed") == 1
 

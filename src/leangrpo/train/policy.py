@@ -2,9 +2,10 @@
 
 The decoder runs over prompt + completion and only the completion positions' hidden states reach the
 lm_head, through core/logprobs.py's chunked log-softmax that never holds [batch, length, vocab] logits.
-Micro-batches are cropped to their real extent, and the completions of one prompt can share a single
-copy of it (`shared_prompt.py`'s layout). The reference, old-policy and update passes and the SFT cold
-start all come through here.
+Micro-batches are cropped to their real extent, the completions of one prompt can share a single
+copy of it (`shared_prompt.py`'s layout), and a micro-batch can be packed into one sequence of its real
+tokens, no padding at all (`shared_prompt.packed`, grpo.padding_free). The reference, old-policy and
+update passes and the SFT cold start (padded) all come through here.
 """
 
 from __future__ import annotations
