@@ -143,19 +143,28 @@ def packed(
     own_prompt = completion // group
     prompt_last = prompt_start[own_prompt] + prompt_len[own_prompt] - 1
     predictors = (c_dest - 1).where(c_off > 0, prompt_last[c_of])
-    # Each prompt with its first completion (adjacent, one causal block), then the others after its keys.
-    zero, first, other = torch.zeros_like(prompt_len), completion % group == 0, completion % group > 0
-    blocks = (
+    blocks = _packed_blocks(prompt_start, prompt_len, completion_start, completion_len, group)
+    queries = torch.cat([b.query[b.real] for b in blocks])
+    return Packing(
+        input_ids[None], position_ids[None], blocks, queries.argsort(), predictors,
+        completion_ids[completion_real], completion_real,
+    )  # fmt: skip
+
+
+def _packed_blocks(
+    prompt_start: Tensor, prompt_len: Tensor, completion_start: Tensor, completion_len: Tensor, group: int
+) -> tuple[Blocks, Blocks]:
+    """Each prompt with its first completion (adjacent: one causal block), then every other completion
+    after its prompt's keys."""
+    completion = torch.arange(completion_len.shape[0], device=completion_len.device)
+    first, other, own_prompt = completion % group == 0, completion % group > 0, completion // group
+    zero = torch.zeros_like(prompt_len)
+    return (
         _blocks(zero, zero, prompt_start, prompt_len + completion_len[first]),
         _blocks(
             prompt_start[own_prompt[other]], prompt_len[own_prompt[other]],
             completion_start[other], completion_len[other],
         ),
-    )  # fmt: skip
-    queries = torch.cat([b.query[b.real] for b in blocks])
-    return Packing(
-        input_ids[None], position_ids[None], blocks, queries.argsort(), predictors,
-        completion_ids[completion_real], completion_real,
     )  # fmt: skip
 
 

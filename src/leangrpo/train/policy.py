@@ -129,31 +129,9 @@ class Policy(nn.Module):
         (`shared_prompt.packed`), which holds the tokens (`input_ids` and `attention_mask` unused);
         returns [N, C], 0 where a completion has ended.
         """
-        C, decoder = num_completion_tokens, self.base.get_decoder()
-        if packing is not None:
-            length = packing.input_ids.shape[1]
-            placeholder = torch.ones(1, 1, 1, length, dtype=torch.bool, device=packing.input_ids.device)
-            hidden = self._laid_out(packing.input_ids, placeholder, packing.position_ids, packing)
-            hidden, targets = hidden[0, packing.predictors], packing.targets
-        elif group == 1:
-            assert input_ids is not None and attention_mask is not None
-            # Positions count real tokens only, exactly as generate() numbers a left-padded prompt.
-            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-            hidden = decoder(
-                input_ids=input_ids[:, :-1],
-                attention_mask=attention_mask[:, :-1],
-                position_ids=position_ids[:, :-1],
-                use_cache=False,
-            ).last_hidden_state[:, -C:]
-            targets = input_ids[:, -C:]
-        else:
-            assert input_ids is not None and attention_mask is not None
-            position_ids, predictors = shared_prompt.positions(attention_mask, C, group)
-            mask = attention_mask.bool()[:, None, None, :]
-            hidden = self._laid_out(input_ids, mask, position_ids, shared_prompt.Layout(group))
-            hidden = hidden.reshape(-1, hidden.shape[-1])[predictors]
-            width = attention_mask.shape[1]
-            targets = input_ids[:, width:].reshape(-1, C)
+        hidden, targets = self._completion_states(
+            input_ids, attention_mask, num_completion_tokens, group, packing
+        )
         lm_head = self.base.get_output_embeddings()
         temperature = self.temperature if temperature is None else temperature
         bias = getattr(lm_head, "bias", None)
@@ -170,10 +148,40 @@ class Policy(nn.Module):
         )
         if packing is None:
             return out
-        grid = torch.zeros(packing.real.shape, device=packing.real.device)
         if isinstance(out, tuple):
-            return grid.masked_scatter(packing.real, out[0]), grid.masked_scatter(packing.real, out[1])
-        return grid.masked_scatter(packing.real, out)
+            return _on_grid(out[0], packing.real), _on_grid(out[1], packing.real)
+        return _on_grid(out, packing.real)
+
+    def _completion_states(
+        self,
+        input_ids: Tensor | None,
+        attention_mask: Tensor | None,
+        C: int,
+        group: int,
+        packing: shared_prompt.Packing | None,
+    ) -> tuple[Tensor, Tensor]:
+        """The hidden states that predict the completion tokens, and those tokens (forward's layouts)."""
+        if packing is not None:
+            length = packing.input_ids.shape[1]
+            placeholder = torch.ones(1, 1, 1, length, dtype=torch.bool, device=packing.input_ids.device)
+            hidden = self._laid_out(packing.input_ids, placeholder, packing.position_ids, packing)
+            return hidden[0, packing.predictors], packing.targets
+        assert input_ids is not None and attention_mask is not None
+        if group == 1:
+            # Positions count real tokens only, exactly as generate() numbers a left-padded prompt.
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            hidden = self.base.get_decoder()(
+                input_ids=input_ids[:, :-1],
+                attention_mask=attention_mask[:, :-1],
+                position_ids=position_ids[:, :-1],
+                use_cache=False,
+            ).last_hidden_state[:, -C:]
+            return hidden, input_ids[:, -C:]
+        position_ids, predictors = shared_prompt.positions(attention_mask, C, group)
+        mask = attention_mask.bool()[:, None, None, :]
+        hidden = self._laid_out(input_ids, mask, position_ids, shared_prompt.Layout(group))
+        hidden = hidden.reshape(-1, hidden.shape[-1])[predictors]
+        return hidden, input_ids[:, attention_mask.shape[1] :].reshape(-1, C)
 
     def _laid_out(
         self,
@@ -198,6 +206,11 @@ class Policy(nn.Module):
                 f"interface, which grpo.{option} needs; set grpo.{option}: false"
             )
         return hidden
+
+
+def _on_grid(values: Tensor, real: Tensor) -> Tensor:
+    """A packed pass's per-token values back on the [N, C] completion grid, 0 where a completion ended."""
+    return torch.zeros(real.shape, device=real.device).masked_scatter(real, values)
 
 
 def shared_prompt_group(model: nn.Module, micro_batch: int, num_generations: int) -> tuple[int, str | None]:
