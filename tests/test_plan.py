@@ -157,9 +157,12 @@ def test_shared_group_is_the_steps(batch, group, share):
     assert plan.shared_group(knobs) == step
 
 
-def saved_tensor_bytes(model, batch: int, prompt: int, completion: int, group: int) -> int:
+def saved_tensor_bytes(
+    model, batch: int, prompt: int, completion: int, group: int, packed: bool = False
+) -> int:
     """Bytes autograd keeps for backward through the update's forward (distinct storages, weights
-    excluded), with `group` completions sharing each prompt copy."""
+    excluded), with `group` completions sharing each prompt copy; `packed`: padding-free, the prompts
+    without left padding (the plan's packed length counts every prompt token as real)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -169,29 +172,31 @@ def saved_tensor_bytes(model, batch: int, prompt: int, completion: int, group: i
 
     prompts = torch.randint(0, 1000, (max(batch // 2, 1), prompt)).repeat_interleave(2, 0)[:batch]
     prompt_mask = torch.ones_like(prompts)
-    if batch > 1:
+    if batch > 1 and not packed:
         prompt_mask[:2, :2] = 0  # left padding, as in a rollout batch
     completions = torch.randint(0, 1000, (batch, completion))
     ones = torch.ones_like(completions)
     rollout = RolloutBatch(prompts, prompt_mask, completions, ones, ones[:, 0].bool(), [""] * batch)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        micro_batch_logprobs(Policy(model.train(), 1.0, 1024, group > 1), rollout, slice(None), group=group)
+        policy = Policy(model.train(), 1.0, 1024, group > 1 or packed)
+        micro_batch_logprobs(policy, rollout, slice(None), group=group, packed=packed)
     return sum(n for ptr, n in seen.items() if ptr not in params)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("method", "dropout"), [("full", 0.0), ("lora", 0.05), ("lora", 0.0)])
-@pytest.mark.parametrize("group", [1, 2])
-def test_activation_formula_matches_tensors_saved_for_backward(dtype, method, dropout, group):
+@pytest.mark.parametrize(("group", "packed"), [(1, False), (2, False), (1, True), (2, True)])
+def test_activation_formula_matches_tensors_saved_for_backward(dtype, method, dropout, group, packed):
     model, shape = tiny("qwen2", dtype=dtype, layers=4)
     if method == "lora":
         model = apply_lora(model, LoraConfig(enabled=True, r=4, dropout=dropout))
     batch, prompt, completion = 4, 7, 5
     knobs = plan.Knobs(method=method, lora_r=4, lora_dropout=dropout, dtype=DTYPES[dtype],
                        gradient_checkpointing=False, device="cpu")  # fmt: skip
-    rows = plan.UpdateLayout.of(batch, prompt, completion, group)
+    rows = plan.UpdateLayout.of(batch, prompt, completion, group, packed)
     predicted = plan.decoder_activation_bytes(shape, knobs, rows, batch * completion)
-    assert predicted == pytest.approx(saved_tensor_bytes(model, batch, prompt, completion, group), rel=0.02)
+    saved = saved_tensor_bytes(model, batch, prompt, completion, group, packed)
+    assert predicted == pytest.approx(saved, rel=0.02)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -493,6 +498,32 @@ def test_shared_prompt_layout_is_planned_and_can_be_turned_off():
                                     "--completion-length", "128"])  # fmt: skip
     assert res.exit_code == 0, res.output
     assert plan.fmt_bytes(per_row.components["activations"]) in res.output
+
+
+def test_padding_free_is_planned_at_max_lengths_and_can_be_turned_off():
+    """Packed (grpo.padding_free, on), the real lengths are unknown to the plan: it takes every prompt and
+    completion at its maximum, and says so; a prompt per completion then has no [B, 1, S, S] mask."""
+    shape = plan.resolve_shape("Qwen/Qwen2.5-0.5B")
+    base = plan.Knobs(method="lora", max_prompt_length=512, max_completion_length=128, share_prompt=False)
+    assert base.padding_free
+    assert plan.UpdateLayout.of(8, 512, 128, 1, packed=True) == plan.UpdateLayout(
+        8 * 640,
+        8 * 640,
+        8 * 640,
+        0,
+        True,  # one causal block per row
+    )
+    assert plan.UpdateLayout.of(8, 512, 128, 8, packed=True).tokens == 512 + 8 * 128
+    packed, padded = plan.estimate(shape, base), plan.estimate(shape, plan.replace(base, padding_free=False))
+    assert packed.components["activations"] < padded.components["activations"]
+    snippet = yaml.safe_load(plan.yaml_snippet(plan.replace(base, padding_free=False), "m"))
+    assert snippet["grpo"]["padding_free"] is False
+    args = ["plan", "--model", "Qwen/Qwen2.5-0.5B", "--method", "lora", "--no-share-prompt"]
+    for flag, activations in (("--padding-free", packed), ("--no-padding-free", padded)):
+        res = CliRunner().invoke(main, [*args, flag, "--prompt-length", "512", "--completion-length", "128"])
+        assert res.exit_code == 0, res.output
+        assert plan.fmt_bytes(activations.components["activations"]) in res.output
+        assert ("every completion taken at max length" in res.output) == (flag == "--padding-free")
 
 
 def test_fsdp_plans_shards_per_process_and_the_gathered_model():

@@ -70,15 +70,16 @@ def tokenizer_for_rollout(tiny_model_dir):
     return load_tokenizer(str(tiny_model_dir))
 
 
-def _weighted_logprobs(model, rollout, group, checkpointing):
+def _weighted_logprobs(model, rollout, group, checkpointing, packed=False):
     if checkpointing:
         enable_checkpointing(model)
     model.train()
     logp, mask = micro_batch_logprobs(
-        Policy(model, temperature=0.8, chunk_size=5, share_prompt=group > 1),
+        Policy(model, temperature=0.8, chunk_size=5, share_prompt=group > 1 or packed),
         rollout,
         slice(None),
         group=group,
+        packed=packed,
     )
     weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
     (logp * weights * mask).sum().backward()
@@ -179,5 +180,154 @@ def test_trainer_step_is_the_same_with_and_without_sharing(tmp_path, tiny_model_
     (on_group, on), (off_group, off) = results
     assert (on_group, off_group) == (2, 1)
     for key in ("loss", "grad_norm", "kl", "reward"):
+        assert on[key] == pytest.approx(off[key], rel=1e-5, abs=1e-7), key
+    assert on["grad_norm"] > 0 and abs(on["kl"]) < 1e-7
+
+
+def test_packed_layout_by_hand():
+    """Two prompts (one left-padded) × 2 completions of 2, 1, 3 and 0 real tokens: the real tokens only,
+    each group's prompt then its completions, positions counting on from the own prompt."""
+    prompt_ids = torch.tensor([[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]])
+    prompt_mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]])
+    completion_ids = torch.tensor([[10, 11, 0], [12, 0, 0], [13, 14, 15], [0, 0, 0]])
+    completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    p = shared_prompt.packed(prompt_ids, prompt_mask, completion_ids, completion_mask, group=2)
+    assert p.input_ids.tolist() == [[1, 2, 10, 11, 12, 3, 4, 5, 13, 14, 15]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 3, 4, 5]]
+    # Token 0 of each completion comes from its prompt's last position (1, 1, 7), later ones from their own.
+    assert p.predictors.tolist() == [1, 2, 1, 7, 8, 9]
+    assert p.targets.tolist() == [10, 11, 12, 13, 14, 15]
+    assert p.real.tolist() == completion_mask.bool().tolist()
+    firsts, others = p.blocks
+    # Each prompt with its first completion: one causal block (pad slots → 0).
+    assert firsts.query.tolist() == [[0, 1, 2, 3, 0, 0], [5, 6, 7, 8, 9, 10]]
+    causal = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    assert firsts.mask[0, 0, :4, :4].int().tolist() == causal
+    # The second completion (position 4) sees its prompt (0, 1) and itself, not the first completion;
+    # the empty one has no block.
+    assert others.query.tolist() == [[4]] and others.key.tolist() == [[0, 1, 4]]
+    assert others.mask.tolist() == [[[[True, True, True]]]]
+    order = torch.cat([b.query[b.real] for b in p.blocks])[p.order]
+    assert order.tolist() == list(range(11))
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_matches_padded_full(tiny_model_dir, rollout, group, checkpointing):
+    """Packed (with and without a shared prompt) against one padded prompt copy per completion: the same
+    log-probs and gradients, and 0 where a completion has ended."""
+    models = [load_tiny(tiny_model_dir) for _ in range(2)]
+    want, mask = _weighted_logprobs(models[0], rollout, 1, checkpointing)
+    got, _ = _weighted_logprobs(models[1], rollout, group, checkpointing, packed=True)
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-5)
+    assert (got[~mask] == 0).all() and (~mask).any()
+    assert not torch.allclose(got[:, 1:][mask[:, 1:]], want[:, :-1][mask[:, 1:]], atol=1e-3)
+    named = [dict(m.named_parameters()) for m in models]
+    for name in ["model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight", "model.norm.weight"]:
+        assert_grads_close(named[1][name].grad, named[0][name].grad, name)
+
+
+def test_packed_matches_padded_lora(tiny_model_dir, rollout):
+    def lora_model():
+        torch.manual_seed(3)
+        m = apply_lora(load_tiny(tiny_model_dir), LORA)
+        randomize_lora_b(m, seed=3)
+        return m
+
+    models = [lora_model(), lora_model()]
+    want, mask = _weighted_logprobs(models[0], rollout, 1, True)
+    got, _ = _weighted_logprobs(models[1], rollout, 4, True, packed=True)
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-5)
+    named = [dict(m.named_parameters()) for m in models]
+    for name in [n for n, p in named[0].items() if p.requires_grad]:
+        assert_grads_close(named[1][name].grad, named[0][name].grad, name)
+
+
+def _fed_lengths(model) -> list[tuple[int, int]]:
+    """Records the [batch, length] of every sequence the decoder's first layer is fed."""
+    seen: list[tuple[int, int]] = []
+    layer = model.get_decoder().layers[0]
+    layer.register_forward_hook(lambda _m, args, _out: seen.append(tuple(args[0].shape[:2])))
+    return seen
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_packed_pass_feeds_the_real_tokens_only(tiny_model_dir, rollout, group):
+    """The decoder runs over one sequence as long as the real tokens (each prompt once per group), not
+    rows × the longest completion."""
+    policy = Policy(load_tiny(tiny_model_dir), share_prompt=True)
+    seen = _fed_lengths(policy.lm)
+    micro_batch_logprobs(policy, rollout, slice(None), group=group, packed=True)
+    prompts = int(rollout.prompt_mask[::group].sum())
+    real = prompts + int(rollout.completion_mask.sum())
+    assert seen == [(1, real)]
+    padded = int(rollout.prompt_mask[::group].sum()) + len(rollout) * rollout.completion_ids.shape[1]
+    assert real < padded
+
+
+def test_attention_that_ignores_the_packed_layout_is_refused(tiny_model_dir, rollout):
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def ignores_layout(module, query, key, value, attention_mask, **kwargs):
+        kwargs.pop(shared_prompt.KWARG, None)
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+    policy = Policy(load_tiny(tiny_model_dir), share_prompt=True)
+    AttentionInterface.register(shared_prompt.ATTENTION, ignores_layout)
+    try:
+        with pytest.raises(LayoutError, match="set grpo.padding_free: false"):
+            micro_batch_logprobs(policy, rollout, slice(None), packed=True)
+    finally:
+        AttentionInterface.register(shared_prompt.ATTENTION, shared_prompt._attention)
+
+
+def test_trainer_step_is_the_same_packed_and_padded(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+    """A whole step with a reference copy (beta > 0), old log-probs (2 iterations) and completions that end
+    early: the same numbers with grpo.padding_free on (the default) and off, and with it on, every pass
+    (the reference's, the old policy's, the update's) feeds the decoder the micro-batch's real tokens."""
+    from test_memory import make_cfg
+
+    from leangrpo.train.trainer import Trainer
+
+    results = []
+    for packed in (True, False):
+        grpo = {"num_generations": 4, "max_completion_length": 6, "beta": 0.04, "num_iterations": 2}
+        cfg = make_cfg(
+            model={"name_or_path": str(tiny_model_dir), "gradient_checkpointing": False},
+            data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
+            rewards={"functions": [{"name": "toy_rewards:vowel_share"}]},
+            grpo=grpo if packed else {**grpo, "padding_free": False},
+            optim={"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "max_steps": 1,
+                   "learning_rate": 1e-30},
+            logging={"progress_bar": False, "log_completions_steps": 0},
+            output_dir=str(tmp_path / f"run-{packed}"),
+        )  # fmt: skip
+        trainer = Trainer(cfg)
+        policy_seen, ref_seen = _fed_lengths(trainer.unwrapped.lm), _fed_lengths(trainer.ref_policy.lm)
+        real_rollout, rollouts = trainer.source.rollout, []
+
+        def ragged(*args, real_rollout=real_rollout, rollouts=rollouts, policy_seen=policy_seen, **kwargs):
+            out = real_rollout(*args, **kwargs)
+            mask = out.batch.completion_mask  # rows end after 1 to 6 tokens
+            mask.copy_(torch.arange(mask.shape[1]) < torch.tensor([[1], [6], [2], [3], [6], [4], [5], [2]]))
+            rollouts.append(out.batch)
+            policy_seen.clear()  # generation's calls
+            return out
+
+        monkeypatch.setattr(trainer.source, "rollout", ragged)
+        results.append(trainer.step(1))
+        if packed:
+            (batch,) = rollouts
+            want = [
+                int(batch.prompt_mask[rows][:: trainer.group].sum() + batch.completion_mask[rows].sum())
+                for rows in (slice(s, s + 2) for s in range(0, 8, 2))
+            ]
+            assert ref_seen == [(1, n) for n in want]
+            assert policy_seen == [(1, n) for n in want * 3]  # old log-probs, then 2 iterations
+        else:
+            assert all(rows == 2 // trainer.group for rows, _ in policy_seen + ref_seen)
+    on, off = results
+    for key in ("loss", "grad_norm", "kl", "reward", "entropy"):
         assert on[key] == pytest.approx(off[key], rel=1e-5, abs=1e-7), key
     assert on["grad_norm"] > 0 and abs(on["kl"]) < 1e-7

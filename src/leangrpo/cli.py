@@ -283,6 +283,7 @@ def demo(
 @click.option("--num-iterations", type=_POSITIVE)
 @click.option("--logprob-chunk-size", type=_POSITIVE)
 @click.option("--share-prompt/--no-share-prompt", default=None, help="grpo.share_prompt (default on).")
+@click.option("--padding-free/--no-padding-free", default=None, help="grpo.padding_free (default on).")
 @click.option(
     "--reference-on-disk/--no-reference-on-disk", default=None,
     help="cpu.reference_on_disk (default: on for CPU without FSDP): the reference resident in its pass only.",

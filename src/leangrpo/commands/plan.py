@@ -274,6 +274,7 @@ class Knobs:
     num_iterations: int = _knob("grpo.num_iterations")
     logprob_chunk_size: int = _knob("grpo.logprob_chunk_size")
     share_prompt: bool = _knob("grpo.share_prompt")
+    padding_free: bool = _knob("grpo.padding_free")  # packed passes; lengths assumed at their maximum
     ignore_eos: bool = _knob("grpo.ignore_eos")  # every completion max_completion_length tokens long
     packed_generation: bool = _knob("cpu.packed_generation")  # CPU, float32: a packed copy of the Linears
     packed_lm_head: bool = _knob("cpu.packed_lm_head")
@@ -412,8 +413,17 @@ class UpdateLayout:
     shared: bool  # shared_prompt.py's layout: two attention calls whose outputs are concatenated
 
     @classmethod
-    def of(cls, batch: int, prompt: int, completion: int, group: int = 1) -> UpdateLayout:
-        """`group` completions per row share one prompt copy (shared_prompt.py); 1 = a prompt per row."""
+    def of(
+        cls, batch: int, prompt: int, completion: int, group: int = 1, packed: bool = False
+    ) -> UpdateLayout:
+        """`group` completions per row share one prompt copy (shared_prompt.py); 1 = a prompt per row.
+        `packed` (grpo.padding_free): one sequence of `prompt` tokens per prompt and `completion` per
+        completion, their real lengths; attention gathers its blocks (each prompt with its first
+        completion, each other completion after its prompt's keys) and puts the outputs back in order,
+        a tensor of their own for o_proj."""
+        if packed:
+            n = batch // group * prompt + batch * completion
+            return cls(n, n, batch * (prompt + completion), 0, True)
         if group == 1:
             n = batch * (prompt + completion - 1)  # Policy feeds input_ids[:, :-1]
             # One row is cropped to its own extent (micro_batch_logprobs): no padding, so transformers'
@@ -730,7 +740,9 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     optimizer state exists; step 1 peaks no higher)."""
     r, n = resident(shape, k), k.fsdp
     B, C = k.per_device_train_batch_size, k.max_completion_length
-    rows = UpdateLayout.of(B, k.max_prompt_length, C, shared_group(k))
+    # Packed (grpo.padding_free), a pass is as long as its real tokens, unknown here: every prompt and
+    # completion is taken at its maximum, the longest step a run can meet.
+    rows = UpdateLayout.of(B, k.max_prompt_length, C, shared_group(k), k.padding_free)
     flipped = replace(k, gradient_checkpointing=not k.gradient_checkpointing)
     components = {
         "weights": math.ceil(r.weights / n),
@@ -895,6 +907,8 @@ def yaml_snippet(k: Knobs, model: str) -> str:
         doc["model"]["activation_offload"] = True
     if not k.share_prompt:
         doc["grpo"]["share_prompt"] = False
+    if not k.padding_free:
+        doc["grpo"]["padding_free"] = False
     if k.async_rollouts:
         doc["grpo"]["async_rollouts"] = True
     cpu = {
@@ -984,6 +998,8 @@ def render(est: Estimate, memory: int | None, margin: float) -> str:
     other = "off" if k.gradient_checkpointing else "on"
     notes = {**_NOTES, "optimizer state": _OPTIMIZER_NOTES[k.optimizer]}
     notes["activations"] += f" (checkpointing {'on' if k.gradient_checkpointing else 'off'})"
+    if k.padding_free:
+        notes["activations"] += "; padding-free, every completion taken at max length"
     if k.optimizer_in_backward:
         notes["gradients"] = "the largest tensor's: each freed once stepped (optimizer_in_backward)"
     if reference_on_disk(k):

@@ -343,6 +343,11 @@ class GRPOSection(Section):
     share_prompt: bool = Field(
         True, description="the update reads each prompt once per micro-batch, not once per completion"
     )
+    padding_free: bool = Field(
+        True,
+        description="the reference, old-policy and update passes read real tokens only: a micro-batch's "
+        "completions packed end to end, none padded to the longest (docs/memory.md)",
+    )
     ignore_eos: bool = Field(False, description="always generate max_completion_length tokens (benchmarks)")
     use_vllm: bool = Field(
         False, description="generate rollouts with vLLM instead of HF generate (docs/vllm.md)"

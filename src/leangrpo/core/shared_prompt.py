@@ -6,6 +6,13 @@ running prompt + completion as a row of its own, but the prompt goes through the
 instead of g times (forward, checkpoint recompute and backward alike). With GRPO's G completions per
 prompt, that is most of the update's work when prompts are long against completions.
 
+Packed (`Packing`, `grpo.padding_free`): the micro-batch becomes one sequence without padding,
+`[prompt | its completions | next prompt | ...]`, each completion only as long as its real tokens, with
+position ids counting on from its own prompt. The decoder's projections and MLPs then run over the real
+tokens only; attention gathers each prompt with its first completion, and each other completion after
+its prompt's keys, into blocks run as one sdpa batch each, so every token still sees its own prompt and
+its own earlier tokens only.
+
 The attention function is registered under its own name (`ATTENTION`) and a model is switched to it
 with `use`; calls without the layout keyword (generation, evaluation) go to transformers' own sdpa
 function unchanged, so nothing changes for any other model in the process.
@@ -29,6 +36,32 @@ class Layout:
     whose layers bypass transformers' attention interface would silently ignore the keyword)."""
 
     group: int
+    used: bool = False
+
+
+@dataclass
+class Blocks:
+    """Attention blocks run as one sdpa batch: each block's queries are the last of its keys, and a query
+    sees the keys up to itself. Indices are flat positions in the packed sequence (pad slots point at 0)."""
+
+    query: Tensor  # [n, Q]
+    key: Tensor  # [n, K]
+    mask: Tensor  # [n, 1, Q, K] bool
+    real: Tensor  # [n, Q] bool: the query slots that are tokens
+
+
+@dataclass
+class Packing:
+    """A micro-batch packed without padding (`packed`): the layout keyword of its decoder call, and what
+    turns the packed hidden states back into the [N, C] completion grid."""
+
+    input_ids: Tensor  # [1, T]
+    position_ids: Tensor  # [1, T]
+    blocks: tuple[Blocks, Blocks]  # each prompt with its first completion; the others after their prompt
+    order: Tensor  # [T]: where each position's output lies among the blocks' real queries, in turn
+    predictors: Tensor  # [M]: the position whose hidden state predicts each completion token
+    targets: Tensor  # [M]: the completion tokens, row by row
+    real: Tensor  # [N, C] bool: the grid's slots that hold them
     used: bool = False
 
 
@@ -80,16 +113,116 @@ def positions(prompt_mask: Tensor, num_completion: int, group: int) -> tuple[Ten
     return position_ids, predictors
 
 
+def packed(
+    prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, group: int
+) -> Packing:
+    """The packed layout of N = R·group rows of left-padded prompts (each repeated `group` times in a
+    row) and right-padded completions: `[prompt r | completion r·g | ... | completion r·g + g - 1]` for
+    each r, the real tokens only (group = 1: each completion after its own prompt copy)."""
+    device = prompt_ids.device
+    prompt_real, completion_real = prompt_mask[::group].bool(), completion_mask.bool()
+    prompt_len, completion_len = prompt_real.sum(1), completion_real.sum(1)
+    rows = prompt_len.shape[0]
+    # Segments in order: each group's prompt, then its completions.
+    prompt_seg = torch.arange(rows, device=device) * (group + 1)
+    completion = torch.arange(rows * group, device=device)
+    completion_seg = (completion // group) * (group + 1) + 1 + completion % group
+    lengths = torch.zeros(rows * (group + 1), dtype=torch.long, device=device)
+    lengths[prompt_seg], lengths[completion_seg] = prompt_len, completion_len
+    starts = lengths.cumsum(0) - lengths
+    prompt_start, completion_start = starts[prompt_seg], starts[completion_seg]
+    p_of, p_off = _ranges(prompt_len)
+    c_of, c_off = _ranges(completion_len)
+    p_dest, c_dest = prompt_start[p_of] + p_off, completion_start[c_of] + c_off
+    total = int(lengths.sum())
+    input_ids = prompt_ids.new_empty(total)
+    input_ids[p_dest], input_ids[c_dest] = prompt_ids[::group][prompt_real], completion_ids[completion_real]
+    position_ids = torch.empty_like(input_ids)
+    position_ids[p_dest], position_ids[c_dest] = p_off, prompt_len[c_of // group] + c_off
+    # Token j of a completion is predicted by its token j-1; token 0 by its prompt's last.
+    own_prompt = completion // group
+    prompt_last = prompt_start[own_prompt] + prompt_len[own_prompt] - 1
+    predictors = (c_dest - 1).where(c_off > 0, prompt_last[c_of])
+    blocks = _packed_blocks(prompt_start, prompt_len, completion_start, completion_len, group)
+    queries = torch.cat([b.query[b.real] for b in blocks])
+    return Packing(
+        input_ids[None], position_ids[None], blocks, queries.argsort(), predictors,
+        completion_ids[completion_real], completion_real,
+    )  # fmt: skip
+
+
+def _packed_blocks(
+    prompt_start: Tensor, prompt_len: Tensor, completion_start: Tensor, completion_len: Tensor, group: int
+) -> tuple[Blocks, Blocks]:
+    """Each prompt with its first completion (adjacent: one causal block), then every other completion
+    after its prompt's keys."""
+    completion = torch.arange(completion_len.shape[0], device=completion_len.device)
+    first, other, own_prompt = completion % group == 0, completion % group > 0, completion // group
+    zero = torch.zeros_like(prompt_len)
+    return (
+        _blocks(zero, zero, prompt_start, prompt_len + completion_len[first]),
+        _blocks(
+            prompt_start[own_prompt[other]], prompt_len[own_prompt[other]],
+            completion_start[other], completion_len[other],
+        ),
+    )  # fmt: skip
+
+
+def _ranges(lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """For segments of `lengths`, each element's segment and its offset in it."""
+    of = torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths)
+    offsets = torch.arange(of.shape[0], device=lengths.device) - (lengths.cumsum(0) - lengths)[of]
+    return of, offsets
+
+
+def _blocks(prefix_start: Tensor, prefix_len: Tensor, own_start: Tensor, own_len: Tensor) -> Blocks:
+    """One block per non-empty own range: its queries are that range, its keys the prefix range then it."""
+    keep = own_len > 0
+    prefix_start, prefix_len, own_start, own_len = (
+        t[keep, None] for t in (prefix_start, prefix_len, own_start, own_len)
+    )
+    device, seen = own_len.device, prefix_len + own_len
+    j = torch.arange(int(own_len.max()) if own_len.numel() else 0, device=device)
+    k = torch.arange(int(seen.max()) if seen.numel() else 0, device=device)
+    real, key_real = j < own_len, k < seen
+    key = (prefix_start + k).where(k < prefix_len, own_start + k - prefix_len).where(key_real, 0)
+    mask = key_real[:, None, :] & (k <= prefix_len[:, :, None] + j[None, :, None])
+    return Blocks((own_start + j).where(real, 0), key, mask[:, None], real)
+
+
 def _attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
     """transformers' sdpa attention; with the layout keyword, the shared-prompt layout's (the mask is
-    then the [R, 1, 1, P] bool of the prompt's real, not left-pad, tokens)."""
-    layout: Layout | None = kwargs.pop(KWARG, None)
+    then the [R, 1, 1, P] bool of the prompt's real, not left-pad, tokens) or the packed one's."""
+    layout: Layout | Packing | None = kwargs.pop(KWARG, None)
     if layout is None:
         return _sdpa(module, query, key, value, attention_mask, **kwargs)
     layout.used = True
+    if isinstance(layout, Packing):
+        return _packed_attention(module, query, key, value, layout, **kwargs), None
     out_prompt = _prompt_attention(module, query, key, value, attention_mask, **kwargs)
     out_completion = _completion_attention(module, query, key, value, attention_mask, layout.group, **kwargs)
     return torch.cat([out_prompt, out_completion], dim=1), None
+
+
+def _packed_attention(
+    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, packing: Packing, **kwargs
+) -> Tensor:
+    """The packed layout's attention: each block set gathered from [1, h, T, d] into one sdpa batch, the
+    real queries' outputs put back in sequence order → [1, T, h, d]."""
+    outs = []
+    for b in packing.blocks:
+        if b.query.numel():
+            out, _ = _sdpa(
+                module, _gather(query, b.query), _gather(key, b.key), _gather(value, b.key), b.mask,
+                is_causal=False, **kwargs,
+            )  # fmt: skip
+            outs.append(out[b.real])
+    return torch.cat(outs)[packing.order][None]
+
+
+def _gather(t: Tensor, index: Tensor) -> Tensor:
+    """Rows of a packed [1, h, T, d] at `index` [n, L] → [n, h, L, d]."""
+    return t[0][:, index].transpose(0, 1)
 
 
 def _prompt_attention(

@@ -2,9 +2,10 @@
 
 The decoder runs over prompt + completion and only the completion positions' hidden states reach the
 lm_head, through core/logprobs.py's chunked log-softmax that never holds [batch, length, vocab] logits.
-Micro-batches are cropped to their real extent, and the completions of one prompt can share a single
-copy of it (`shared_prompt.py`'s layout). The reference, old-policy and update passes and the SFT cold
-start all come through here.
+Micro-batches are cropped to their real extent, the completions of one prompt can share a single
+copy of it (`shared_prompt.py`'s layout), and a micro-batch can be packed into one sequence of its real
+tokens, no padding at all (`shared_prompt.packed`, grpo.padding_free). The reference, old-policy and
+update passes and the SFT cold start (padded) all come through here.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class Policy(nn.Module):
 
     Wrapping (rather than calling the decoder from outside) keeps the forward inside accelerate/DDP, so
     gradients synchronise across processes. `share_prompt`: the model's attention is switched to the
-    function that also runs the shared-prompt layout (`shared_prompt.use`), so forward takes group > 1.
+    function that also runs the shared-prompt and packed layouts (`shared_prompt.use`), so forward takes
+    group > 1 and `packing`.
     `device`: where the model will run, moved there first so that `check_head`'s forward runs there too
     (the kernels training uses, an attention such as flash-attention that has no CPU version), not on
     the CPU the model was loaded on.
@@ -109,12 +111,13 @@ class Policy(nn.Module):
 
     def forward(
         self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
+        input_ids: Tensor | None,
+        attention_mask: Tensor | None,
         num_completion_tokens: int,
         temperature: float | None = None,
         group: int = 1,
         with_entropy: bool = False,
+        packing: shared_prompt.Packing | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Log-probs of the completion tokens, each given everything before it, at the sampling
         temperature unless `temperature` is given (1.0 for supervised targets); `with_entropy`: and the
@@ -122,41 +125,17 @@ class Policy(nn.Module):
 
         group = 1: `input_ids` [B, P + C] are prompt + completion rows, `attention_mask` their mask;
         returns [B, C]. group > 1: the shared-prompt layout of `shared_prompt.pack` ([R, P + group·C])
-        with the [R, P] prompt mask; returns [R·group, C].
+        with the [R, P] prompt mask; returns [R·group, C]. `packing`: the packed layout
+        (`shared_prompt.packed`), which holds the tokens (`input_ids` and `attention_mask` unused);
+        returns [N, C], 0 where a completion has ended.
         """
-        C, decoder = num_completion_tokens, self.base.get_decoder()
-        if group == 1:
-            # Positions count real tokens only, exactly as generate() numbers a left-padded prompt.
-            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-            hidden = decoder(
-                input_ids=input_ids[:, :-1],
-                attention_mask=attention_mask[:, :-1],
-                position_ids=position_ids[:, :-1],
-                use_cache=False,
-            ).last_hidden_state[:, -C:]
-            targets = input_ids[:, -C:]
-        else:
-            position_ids, predictors = shared_prompt.positions(attention_mask, C, group)
-            layout = shared_prompt.Layout(group)
-            hidden = decoder(
-                input_ids=input_ids,
-                attention_mask=attention_mask.bool()[:, None, None, :],
-                position_ids=position_ids,
-                use_cache=False,
-                **{shared_prompt.KWARG: layout},
-            ).last_hidden_state
-            if not layout.used:
-                raise LayoutError(
-                    f"{type(self.base).__name__} does not route attention through transformers' attention "
-                    "interface, which grpo.share_prompt needs; set grpo.share_prompt: false"
-                )
-            hidden = hidden.reshape(-1, hidden.shape[-1])[predictors]
-            width = attention_mask.shape[1]
-            targets = input_ids[:, width:].reshape(-1, C)
+        hidden, targets = self._completion_states(
+            input_ids, attention_mask, num_completion_tokens, group, packing
+        )
         lm_head = self.base.get_output_embeddings()
         temperature = self.temperature if temperature is None else temperature
         bias = getattr(lm_head, "bias", None)
-        return token_logprobs(
+        out = token_logprobs(
             hidden,
             lm_head.weight,
             targets,
@@ -167,6 +146,71 @@ class Policy(nn.Module):
             self.head,
             head_product(lm_head),
         )
+        if packing is None:
+            return out
+        if isinstance(out, tuple):
+            return _on_grid(out[0], packing.real), _on_grid(out[1], packing.real)
+        return _on_grid(out, packing.real)
+
+    def _completion_states(
+        self,
+        input_ids: Tensor | None,
+        attention_mask: Tensor | None,
+        C: int,
+        group: int,
+        packing: shared_prompt.Packing | None,
+    ) -> tuple[Tensor, Tensor]:
+        """The hidden states that predict the completion tokens, and those tokens (forward's layouts)."""
+        if packing is not None:
+            length = packing.input_ids.shape[1]
+            placeholder = torch.ones(1, 1, 1, length, dtype=torch.bool, device=packing.input_ids.device)
+            hidden = self._laid_out(packing.input_ids, placeholder, packing.position_ids, packing)
+            return hidden[0, packing.predictors], packing.targets
+        assert input_ids is not None and attention_mask is not None
+        if group == 1:
+            # Positions count real tokens only, exactly as generate() numbers a left-padded prompt.
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            hidden = self.base.get_decoder()(
+                input_ids=input_ids[:, :-1],
+                attention_mask=attention_mask[:, :-1],
+                position_ids=position_ids[:, :-1],
+                use_cache=False,
+            ).last_hidden_state[:, -C:]
+            return hidden, input_ids[:, -C:]
+        position_ids, predictors = shared_prompt.positions(attention_mask, C, group)
+        mask = attention_mask.bool()[:, None, None, :]
+        hidden = self._laid_out(input_ids, mask, position_ids, shared_prompt.Layout(group))
+        hidden = hidden.reshape(-1, hidden.shape[-1])[predictors]
+        return hidden, input_ids[:, attention_mask.shape[1] :].reshape(-1, C)
+
+    def _laid_out(
+        self,
+        input_ids: Tensor,
+        mask: Tensor,
+        position_ids: Tensor,
+        layout: shared_prompt.Layout | shared_prompt.Packing,
+    ) -> Tensor:
+        """The decoder's last hidden states under a `shared_prompt` layout, refused in one line when the
+        model's attention never ran it."""
+        hidden = self.base.get_decoder()(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **{shared_prompt.KWARG: layout},
+        ).last_hidden_state
+        if not layout.used:
+            option = "padding_free" if isinstance(layout, shared_prompt.Packing) else "share_prompt"
+            raise LayoutError(
+                f"{type(self.base).__name__} does not route attention through transformers' attention "
+                f"interface, which grpo.{option} needs; set grpo.{option}: false"
+            )
+        return hidden
+
+
+def _on_grid(values: Tensor, real: Tensor) -> Tensor:
+    """A packed pass's per-token values back on the [N, C] completion grid, 0 where a completion ended."""
+    return torch.zeros(real.shape, device=real.device).masked_scatter(real, values)
 
 
 def shared_prompt_group(model: nn.Module, micro_batch: int, num_generations: int) -> tuple[int, str | None]:
@@ -190,6 +234,13 @@ def micro_batch_extents(rollout: RolloutBatch, micro_batch: int) -> list[tuple[i
     return [(int(a), int(b)) for a, b in torch.stack([first, longest.to(first.dtype)], 1).tolist()]
 
 
+def padding_free(model: nn.Module, asked: bool) -> tuple[bool, str | None]:
+    """Whether the log-prob passes run packed (`grpo.padding_free` asked), and why not when the model
+    cannot (the packed layout's attention is the shared-prompt function's)."""
+    reason = shared_prompt.unsupported_reason(_base(model).config) if asked else None
+    return asked and reason is None, reason
+
+
 def micro_batch_logprobs(
     policy: nn.Module,
     rollout: RolloutBatch,
@@ -198,12 +249,14 @@ def micro_batch_logprobs(
     group: int = 1,
     with_entropy: bool = False,
     extent: tuple[int, int] | None = None,
+    packed: bool = False,
 ) -> tuple[Tensor, ...]:
     """Log-probs of one micro-batch, cropped to its own real extent (no all-pad columns), and its mask;
     `with_entropy`: and the per-token entropy, as a third item. `extent`: that extent, from
     `micro_batch_extents` (else read here, which waits for the device).
 
-    group > 1: every `group` consecutive rows share a prompt, which the decoder then reads once."""
+    group > 1: every `group` consecutive rows share a prompt, which the decoder then reads once.
+    `packed`: the decoder reads the real tokens only (`shared_prompt.packed`), no padding at all."""
     prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]
     if extent is None:
         extent = (
@@ -214,27 +267,34 @@ def micro_batch_logprobs(
     prompt_ids, prompt_mask = rollout.prompt_ids[rows, first_prompt_col:], prompt_mask[:, first_prompt_col:]
     completion_ids = rollout.completion_ids[rows, :num_completion]
     completion_mask = completion_mask[:, :num_completion]
-    if group > 1:
+    input_ids: Tensor | None
+    attention_mask: Tensor | None
+    packing = None
+    if packed:
+        packing = shared_prompt.packed(prompt_ids, prompt_mask, completion_ids, completion_mask, group)
+        input_ids = attention_mask = None
+    elif group > 1:
         input_ids = shared_prompt.pack(prompt_ids, completion_ids, group)
         attention_mask = prompt_mask[::group]
     else:
         input_ids = torch.cat([prompt_ids, completion_ids], 1)
         attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    out = policy(input_ids, attention_mask, num_completion, temperature, group, with_entropy, packing=packing)
     if with_entropy:
-        logp, entropy = policy(
-            input_ids, attention_mask, num_completion, temperature, group, with_entropy=True
-        )
+        logp, entropy = out
         return logp, completion_mask, entropy
-    return policy(input_ids, attention_mask, num_completion, temperature, group), completion_mask
+    return out, completion_mask
 
 
-def batch_logprobs(policy: nn.Module, rollout: RolloutBatch, micro_batch: int, group: int = 1) -> Tensor:
+def batch_logprobs(
+    policy: nn.Module, rollout: RolloutBatch, micro_batch: int, group: int = 1, packed: bool = False
+) -> Tensor:
     """Log-probs [N, C] for a whole rollout without gradients (reference / old policy), padded with 0."""
     out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
     extents = micro_batch_extents(rollout, micro_batch)
     with torch.inference_mode():
         for start, extent in zip(range(0, len(rollout), micro_batch), extents, strict=True):
             rows = slice(start, start + micro_batch)
-            logp, _ = micro_batch_logprobs(policy, rollout, rows, group=group, extent=extent)
+            logp, _ = micro_batch_logprobs(policy, rollout, rows, group=group, extent=extent, packed=packed)
             out[rows, : logp.shape[1]] = logp
     return out

@@ -20,7 +20,13 @@ from leangrpo.models.load import TensorStore, frozen_copy, is_peft
 from leangrpo.train.distributed import Sharded
 from leangrpo.train.loss import loss_spec
 from leangrpo.train.optim import Optimization, activation_offload
-from leangrpo.train.policy import Policy, batch_logprobs, micro_batch_extents, micro_batch_logprobs
+from leangrpo.train.policy import (
+    Policy,
+    batch_logprobs,
+    micro_batch_extents,
+    micro_batch_logprobs,
+    padding_free,
+)
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -58,8 +64,8 @@ class Update:
 def build_policy(cfg: Config, model: PreTrainedModel, dist: Replicated, group: int) -> torch.nn.Module:
     """The trained policy, wrapped for the job (`dist.wrap`), placed on this process's device before
     its head is checked (`Policy`'s `device`)."""
-    g = cfg.grpo
-    return dist.wrap(Policy(model, g.temperature, g.logprob_chunk_size, group > 1, dist.acc.device))
+    g, (packed, _) = cfg.grpo, padding_free(model, cfg.grpo.padding_free)
+    return dist.wrap(Policy(model, g.temperature, g.logprob_chunk_size, group > 1 or packed, dist.acc.device))
 
 
 def build_reference(
@@ -98,8 +104,9 @@ def build_reference(
             raise
         write(f"{e}; the reference copy stays in memory")
         pages, copy = None, frozen_copy(model, dtype)
+    packed, _ = padding_free(copy, g.padding_free)
     ref_policy = dist.place_frozen(
-        Policy(copy, g.temperature, g.logprob_chunk_size, group > 1, dist.acc.device)
+        Policy(copy, g.temperature, g.logprob_chunk_size, group > 1 or packed, dist.acc.device)
     )
     if pages is not None:
         pages.drop_pages()  # written: out of memory until the first reference pass
@@ -128,6 +135,9 @@ class Updater:
         self.release_memory, self.write = release_memory, write
         self.loss_spec = loss_spec(cfg.grpo)  # the objective, its aggregation and constants, once
         self.skipped_steps, self.nonfinite_in_a_row = skipped
+        self.packed, why_not = padding_free(self.unwrapped.lm, cfg.grpo.padding_free)
+        if why_not:
+            write(f"grpo.padding_free: off, {why_not}; completions are padded to the longest")
 
     @property
     def unwrapped(self) -> Policy:
@@ -140,17 +150,19 @@ class Updater:
         g, micro = self.cfg.grpo, self.cfg.optim.per_device_train_batch_size
         ref_logp = None
         if g.beta > 0 and self.ref_policy is not None:
-            ref_logp = batch_logprobs(self.ref_policy, rollout, micro, self.group)
+            ref_logp = batch_logprobs(self.ref_policy, rollout, micro, self.group, self.packed)
             if self.ref_pages is not None:
                 self.ref_pages.drop_pages()
         elif g.beta > 0:
             lm = self.unwrapped.lm
             assert is_peft(lm), "without a reference copy the policy is LoRA (see build_reference)"
             with lm.disable_adapter():
-                ref_logp = batch_logprobs(self.unwrapped, rollout, micro, self.group)
+                ref_logp = batch_logprobs(self.unwrapped, rollout, micro, self.group, self.packed)
         corrects = rollout.sampling_logprobs is not None and g.vllm_importance_sampling_correction
         need_old = g.num_iterations > 1 or corrects
-        old_logp = batch_logprobs(self.opt.policy, rollout, micro, self.group) if need_old else None
+        old_logp = (
+            batch_logprobs(self.opt.policy, rollout, micro, self.group, self.packed) if need_old else None
+        )
         weights, mismatch = self._sampler_correction(rollout, old_logp) if corrects else (None, None)
         return Reference(ref_logp, old_logp if g.num_iterations > 1 else None, weights, mismatch)
 
@@ -212,7 +224,13 @@ class Updater:
                 nullcontext() if in_backward is None else in_backward.stepping(),
             ):
                 logp, _, entropy = micro_batch_logprobs(
-                    policy, rollout, rows, group=self.group, with_entropy=True, extent=extent
+                    policy,
+                    rollout,
+                    rows,
+                    group=self.group,
+                    with_entropy=True,
+                    extent=extent,
+                    packed=self.packed,
                 )
                 width = logp.shape[1]
                 old_logp = logp.detach() if ref.old_logp is None else ref.old_logp[rows, :width]
