@@ -191,7 +191,8 @@ def test_packed_layout_by_hand():
     prompt_mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]])
     completion_ids = torch.tensor([[10, 11, 0], [12, 0, 0], [13, 14, 15], [0, 0, 0]])
     completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
-    p = shared_prompt.packed(prompt_ids, prompt_mask, completion_ids, completion_mask, group=2)
+    prompt_len, completion_len = prompt_mask[::2].sum(1).tolist(), completion_mask.sum(1).tolist()
+    p = shared_prompt.packed(prompt_ids, completion_ids, prompt_len, completion_len, group=2)
     assert p.input_ids.tolist() == [[1, 2, 10, 11, 12, 3, 4, 5, 13, 14, 15]]
     assert p.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 3, 4, 5]]
     # Token 0 of each completion comes from its prompt's last position (1, 1, 7), later ones from their own.

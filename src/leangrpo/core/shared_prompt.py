@@ -48,6 +48,11 @@ class Blocks:
     key: Tensor  # [n, K]
     mask: Tensor  # [n, 1, Q, K] bool
     real: Tensor  # [n, Q] bool: the query slots that are tokens
+    real_index: Tensor  # their flat indices in [n·Q] (an index, not a mask: no device wait to apply)
+
+    def to(self, device: torch.device) -> Blocks:
+        """The same block set on `device`."""
+        return Blocks(*(t.to(device) for t in (self.query, self.key, self.mask, self.real, self.real_index)))
 
 
 @dataclass
@@ -114,80 +119,97 @@ def positions(prompt_mask: Tensor, num_completion: int, group: int) -> tuple[Ten
 
 
 def packed(
-    prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor, group: int
+    prompt_ids: Tensor, completion_ids: Tensor, prompt_len: list[int], completion_len: list[int], group: int
 ) -> Packing:
     """The packed layout of N = R·group rows of left-padded prompts (each repeated `group` times in a
     row) and right-padded completions: `[prompt r | completion r·g | ... | completion r·g + g - 1]` for
-    each r, the real tokens only (group = 1: each completion after its own prompt copy)."""
-    device = prompt_ids.device
-    prompt_real, completion_real = prompt_mask[::group].bool(), completion_mask.bool()
-    prompt_len, completion_len = prompt_real.sum(1), completion_real.sum(1)
-    rows = prompt_len.shape[0]
+    each r, the real tokens only (group = 1: each completion after its own prompt copy).
+
+    `prompt_len` [R] and `completion_len` [N] are the real token counts, read from the device once a
+    rollout (`train/policy.micro_batch_extents`): the layout is built on the host from them and moved
+    over, so building it never waits for the device."""
+    device, width, C = prompt_ids.device, prompt_ids.shape[1], completion_ids.shape[1]
+    p_len, c_len = torch.tensor(prompt_len), torch.tensor(completion_len)
+    rows, total = len(prompt_len), sum(prompt_len) + sum(completion_len)
     # Segments in order: each group's prompt, then its completions.
-    prompt_seg = torch.arange(rows, device=device) * (group + 1)
-    completion = torch.arange(rows * group, device=device)
+    prompt_seg = torch.arange(rows) * (group + 1)
+    completion = torch.arange(rows * group)
     completion_seg = (completion // group) * (group + 1) + 1 + completion % group
-    lengths = torch.zeros(rows * (group + 1), dtype=torch.long, device=device)
-    lengths[prompt_seg], lengths[completion_seg] = prompt_len, completion_len
+    lengths = torch.zeros(rows * (group + 1), dtype=torch.long)
+    lengths[prompt_seg], lengths[completion_seg] = p_len, c_len
     starts = lengths.cumsum(0) - lengths
     prompt_start, completion_start = starts[prompt_seg], starts[completion_seg]
-    p_of, p_off = _ranges(prompt_len)
-    c_of, c_off = _ranges(completion_len)
+    p_of, p_off = _ranges(p_len, sum(prompt_len))
+    c_of, c_off = _ranges(c_len, sum(completion_len))
     p_dest, c_dest = prompt_start[p_of] + p_off, completion_start[c_of] + c_off
-    total = int(lengths.sum())
-    input_ids = prompt_ids.new_empty(total)
-    input_ids[p_dest], input_ids[c_dest] = prompt_ids[::group][prompt_real], completion_ids[completion_real]
-    position_ids = torch.empty_like(input_ids)
-    position_ids[p_dest], position_ids[c_dest] = p_off, prompt_len[c_of // group] + c_off
+    # Where each packed token comes from in [prompt rows | completion rows], flattened.
+    source, position_ids = torch.empty(total, dtype=torch.long), torch.empty(total, dtype=torch.long)
+    c_source = c_of * C + c_off
+    source[p_dest], source[c_dest] = p_of * width + width - p_len[p_of] + p_off, rows * width + c_source
+    position_ids[p_dest], position_ids[c_dest] = p_off, p_len[c_of // group] + c_off
     # Token j of a completion is predicted by its token j-1; token 0 by its prompt's last.
     own_prompt = completion // group
-    prompt_last = prompt_start[own_prompt] + prompt_len[own_prompt] - 1
+    prompt_last = prompt_start[own_prompt] + p_len[own_prompt] - 1
     predictors = (c_dest - 1).where(c_off > 0, prompt_last[c_of])
     blocks = _packed_blocks(prompt_start, prompt_len, completion_start, completion_len, group)
-    queries = torch.cat([b.query[b.real] for b in blocks])
+    order = torch.cat([b.query[b.real] for b in blocks]).argsort()
+    tokens = torch.cat([prompt_ids[::group].reshape(-1), completion_ids.reshape(-1)])
+    real = torch.arange(C) < c_len[:, None]
     return Packing(
-        input_ids[None], position_ids[None], blocks, queries.argsort(), predictors,
-        completion_ids[completion_real], completion_real,
+        tokens[source.to(device)][None], position_ids.to(device)[None],
+        (blocks[0].to(device), blocks[1].to(device)), order.to(device), predictors.to(device),
+        completion_ids.reshape(-1)[c_source.to(device)], real.to(device),
     )  # fmt: skip
 
 
 def _packed_blocks(
-    prompt_start: Tensor, prompt_len: Tensor, completion_start: Tensor, completion_len: Tensor, group: int
+    prompt_start: Tensor,
+    prompt_len: list[int],
+    completion_start: Tensor,
+    completion_len: list[int],
+    group: int,
 ) -> tuple[Blocks, Blocks]:
     """Each prompt with its first completion (adjacent: one causal block), then every other completion
-    after its prompt's keys."""
-    completion = torch.arange(completion_len.shape[0], device=completion_len.device)
+    after its prompt's keys (host tensors; the blocks' widths come from the token counts)."""
+    p_len, c_len = torch.tensor(prompt_len), torch.tensor(completion_len)
+    completion = torch.arange(len(completion_len))
     first, other, own_prompt = completion % group == 0, completion % group > 0, completion // group
-    zero = torch.zeros_like(prompt_len)
+    zero = torch.zeros_like(p_len)
+    joined = [p + c for p, c in zip(prompt_len, completion_len[::group], strict=True)]
+    others = [(prompt_len[i // group], c) for i, c in enumerate(completion_len) if i % group]
     return (
-        _blocks(zero, zero, prompt_start, prompt_len + completion_len[first]),
+        _blocks(zero, zero, prompt_start, p_len + c_len[first], (max(joined, default=0),) * 2),
         _blocks(
-            prompt_start[own_prompt[other]], prompt_len[own_prompt[other]],
-            completion_start[other], completion_len[other],
+            prompt_start[own_prompt[other]], p_len[own_prompt[other]],
+            completion_start[other], c_len[other],
+            (max((c for _, c in others), default=0), max((p + c for p, c in others), default=0)),
         ),
     )  # fmt: skip
 
 
-def _ranges(lengths: Tensor) -> tuple[Tensor, Tensor]:
-    """For segments of `lengths`, each element's segment and its offset in it."""
-    of = torch.repeat_interleave(torch.arange(lengths.shape[0], device=lengths.device), lengths)
-    offsets = torch.arange(of.shape[0], device=lengths.device) - (lengths.cumsum(0) - lengths)[of]
+def _ranges(lengths: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """For segments of `lengths` (summing to `total`), each element's segment and its offset in it."""
+    of = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths, output_size=total)
+    offsets = torch.arange(total) - (lengths.cumsum(0) - lengths)[of]
     return of, offsets
 
 
-def _blocks(prefix_start: Tensor, prefix_len: Tensor, own_start: Tensor, own_len: Tensor) -> Blocks:
-    """One block per non-empty own range: its queries are that range, its keys the prefix range then it."""
+def _blocks(
+    prefix_start: Tensor, prefix_len: Tensor, own_start: Tensor, own_len: Tensor, widths: tuple[int, int]
+) -> Blocks:
+    """One block per non-empty own range: its queries are that range, its keys the prefix range then it;
+    `widths`: the longest own range and the longest prefix + own range."""
     keep = own_len > 0
     prefix_start, prefix_len, own_start, own_len = (
         t[keep, None] for t in (prefix_start, prefix_len, own_start, own_len)
     )
-    device, seen = own_len.device, prefix_len + own_len
-    j = torch.arange(int(own_len.max()) if own_len.numel() else 0, device=device)
-    k = torch.arange(int(seen.max()) if seen.numel() else 0, device=device)
+    seen = prefix_len + own_len
+    j, k = torch.arange(widths[0]), torch.arange(widths[1])
     real, key_real = j < own_len, k < seen
     key = (prefix_start + k).where(k < prefix_len, own_start + k - prefix_len).where(key_real, 0)
     mask = key_real[:, None, :] & (k <= prefix_len[:, :, None] + j[None, :, None])
-    return Blocks((own_start + j).where(real, 0), key, mask[:, None], real)
+    query = (own_start + j).where(real, 0)
+    return Blocks(query, key, mask[:, None], real, real.flatten().nonzero().squeeze(1))
 
 
 def _attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
@@ -216,7 +238,7 @@ def _packed_attention(
                 module, _gather(query, b.query), _gather(key, b.key), _gather(value, b.key), b.mask,
                 is_causal=False, **kwargs,
             )  # fmt: skip
-            outs.append(out[b.real])
+            outs.append(out.flatten(0, 1)[b.real_index])
     return torch.cat(outs)[packing.order][None]
 
 

@@ -11,7 +11,7 @@ update passes and the SFT cold start (padded) all come through here.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -220,18 +220,44 @@ def shared_prompt_group(model: nn.Module, micro_batch: int, num_generations: int
     return (1, reason) if reason else (math.gcd(micro_batch, num_generations), None)
 
 
-def micro_batch_extents(rollout: RolloutBatch, micro_batch: int) -> list[tuple[int, int]]:
-    """Each micro-batch's real extent, in one host sync for the whole rollout (one per micro-batch would
-    stall the device as often): its first prompt column holding a token and its longest completion
-    (at least 1)."""
-    n = len(rollout)
+class Extent(NamedTuple):
+    """A micro-batch's real extent: its first prompt column holding a token, its longest completion (at
+    least 1), and each row's prompt and completion token counts (what the packed layout is built from)."""
+
+    first_prompt_col: int
+    num_completion: int
+    prompt_len: list[int]
+    completion_len: list[int]
+
+
+def micro_batch_extents(prompt_mask: Tensor, completion_mask: Tensor, micro_batch: int) -> list[Extent]:
+    """Each micro-batch's `Extent`, in one host sync for the whole rollout (one per micro-batch would
+    stall the device as often)."""
+    n = len(prompt_mask)
     chunks = math.ceil(n / micro_batch)
     pad = chunks * micro_batch - n
-    prompt = nn.functional.pad(rollout.prompt_mask.bool(), (0, 0, 0, pad))
+    prompt = nn.functional.pad(prompt_mask.bool(), (0, 0, 0, pad))
     first = prompt.reshape(chunks, micro_batch, -1).any(dim=1).int().argmax(dim=1)
-    lengths = nn.functional.pad(rollout.completion_mask.sum(dim=1), (0, pad))
-    longest = lengths.reshape(chunks, micro_batch).amax(dim=1).clamp(min=1)
-    return [(int(a), int(b)) for a, b in torch.stack([first, longest.to(first.dtype)], 1).tolist()]
+    prompt_len, completion_len = prompt_mask.sum(dim=1), completion_mask.sum(dim=1)
+    longest = (
+        nn.functional.pad(completion_len, (0, pad)).reshape(chunks, micro_batch).amax(dim=1).clamp(min=1)
+    )
+    values = torch.cat([t.to(torch.long) for t in (first, longest, prompt_len, completion_len)]).tolist()
+    firsts, longests, prompts, completions = (
+        values[:chunks],
+        values[chunks : 2 * chunks],
+        values[2 * chunks :][:n],
+        values[2 * chunks + n :],
+    )
+    return [
+        Extent(
+            firsts[i],
+            longests[i],
+            prompts[i * micro_batch :][:micro_batch],
+            completions[i * micro_batch :][:micro_batch],
+        )
+        for i in range(chunks)
+    ]
 
 
 def padding_free(model: nn.Module, asked: bool) -> tuple[bool, str | None]:
@@ -248,7 +274,7 @@ def micro_batch_logprobs(
     temperature: float | None = None,
     group: int = 1,
     with_entropy: bool = False,
-    extent: tuple[int, int] | None = None,
+    extent: Extent | None = None,
     packed: bool = False,
 ) -> tuple[Tensor, ...]:
     """Log-probs of one micro-batch, cropped to its own real extent (no all-pad columns), and its mask;
@@ -259,11 +285,8 @@ def micro_batch_logprobs(
     `packed`: the decoder reads the real tokens only (`shared_prompt.packed`), no padding at all."""
     prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]
     if extent is None:
-        extent = (
-            int(prompt_mask.any(dim=0).int().argmax()),
-            int(completion_mask.sum(dim=1).max().clamp(min=1)),
-        )
-    first_prompt_col, num_completion = extent
+        [extent] = micro_batch_extents(prompt_mask, completion_mask, len(prompt_mask))
+    first_prompt_col, num_completion = extent.first_prompt_col, extent.num_completion
     prompt_ids, prompt_mask = rollout.prompt_ids[rows, first_prompt_col:], prompt_mask[:, first_prompt_col:]
     completion_ids = rollout.completion_ids[rows, :num_completion]
     completion_mask = completion_mask[:, :num_completion]
@@ -271,7 +294,8 @@ def micro_batch_logprobs(
     attention_mask: Tensor | None
     packing = None
     if packed:
-        packing = shared_prompt.packed(prompt_ids, prompt_mask, completion_ids, completion_mask, group)
+        prompt_len = extent.prompt_len[::group]
+        packing = shared_prompt.packed(prompt_ids, completion_ids, prompt_len, extent.completion_len, group)
         input_ids = attention_mask = None
     elif group > 1:
         input_ids = shared_prompt.pack(prompt_ids, completion_ids, group)
@@ -291,7 +315,7 @@ def batch_logprobs(
 ) -> Tensor:
     """Log-probs [N, C] for a whole rollout without gradients (reference / old policy), padded with 0."""
     out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
-    extents = micro_batch_extents(rollout, micro_batch)
+    extents = micro_batch_extents(rollout.prompt_mask, rollout.completion_mask, micro_batch)
     with torch.inference_mode():
         for start, extent in zip(range(0, len(rollout), micro_batch), extents, strict=True):
             rows = slice(start, start + micro_batch)

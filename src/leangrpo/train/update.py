@@ -214,7 +214,7 @@ class Updater:
         micro = cfg.optim.per_device_train_batch_size
         batch = grpo.BatchTotals(len(rollout), num_tokens, math.ceil(len(rollout) / micro))
         iteration_loss, stats = torch.zeros((), dtype=torch.float64, device=mask.device), []
-        extents = micro_batch_extents(rollout, micro)
+        extents = micro_batch_extents(rollout.prompt_mask, rollout.completion_mask, micro)
         for start, extent in zip(range(0, len(rollout), micro), extents, strict=True):
             rows = slice(start, start + micro)
             last = start + micro >= len(rollout)
