@@ -83,8 +83,13 @@ def prompts_seen(tmp_path: Path, name: str) -> list[str]:
                 ]
             },
         },
+        # prompts in the dataset's order, and the adaptive entropy coefficient carried over
+        {
+            "data": {"shuffle_dataset": False},
+            "grpo": {"use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 100.0},
+        },
     ],
-    ids=["full", "lora", "dynamic_sampling"],
+    ids=["full", "lora", "dynamic_sampling", "in_order_adaptive_entropy"],
 )
 def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch,
                                                           sections):  # fmt: skip

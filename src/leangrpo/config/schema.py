@@ -180,6 +180,11 @@ class DataConfig(Section):
         None, description="extra chat-template variables, e.g. {enable_thinking: false} for Qwen3"
     )
     limit: int | None = Field(None, ge=1, description="use the first N usable rows")
+    shuffle_dataset: bool = Field(
+        True,
+        description="draw the prompts in a seeded shuffled order, a new one each epoch; false: in the "
+        "dataset's order, epoch after epoch (dynamic sampling's extra prompts stay shuffled)",
+    )
     on_bad_row: Literal["skip", "error"] = Field(
         "skip", description="a row that cannot be used is skipped (and counted) or stops the run"
     )

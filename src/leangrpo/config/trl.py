@@ -188,7 +188,6 @@ _REFUSED = {
     "neftune_noise_alpha": "NEFTune's embedding noise is not supported",
     "resume_from_checkpoint": "use `leangrpo train --resume RUN_DIR` or train(resume_from_checkpoint=...)",
     "router_aux_loss_coef": "the MoE router's auxiliary loss is not added",
-    "shuffle_dataset": "prompts are always drawn in a seeded shuffled order (an exact resume relies on it)",
     "sync_ref_model": "TR-DPO's reference sync is not supported: the reference stays the starting model",
     "vllm_structured_outputs_regex": "constrained decoding is not supported",
 }
