@@ -134,6 +134,57 @@ def test_luspo_vespo_entropy_bonus_and_off_policy_mask_train(tmp_path, tiny_mode
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_sync_ref_model_mixes_the_reference_toward_the_policy(tmp_path, tiny_model_dir, gsm8k_dir, on_disk):
+    """TR-DPO's sync (TRL's SyncRefModelCallback): every ref_model_sync_steps = 3 optimizer steps (2 per
+    step here) ref = alpha·policy + (1 - alpha)·ref, in memory or in its file on disk: after step 1 the
+    reference is still the start, after step 2 (optimizer step 4, no sync at 3) it is the mix with the
+    policy of optimizer step 3."""
+    grpo_section = {
+        "beta": 0.04, "num_iterations": 2, "sync_ref_model": True, "ref_model_mixup_alpha": 0.25,
+        "ref_model_sync_steps": 3,
+    }  # fmt: skip
+    trainer = make_trainer(
+        tmp_path, tiny_model_dir, gsm8k_dir, grpo=grpo_section, cpu={"reference_on_disk": on_disk}
+    )
+    assert (trainer.updater.ref_pages is not None) == on_disk
+    ref = trainer.updater.ref_policy
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    trainer.step(1)
+    assert all(torch.equal(p, start[n]) for n, p in ref.named_parameters())
+    seen = []
+    real_step = Updater._optimizer_step
+
+    def spy(self, *args):
+        out = real_step(self, *args)
+        seen.append({n: p.detach().clone() for n, p in self.unwrapped.named_parameters()})
+        return out
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Updater, "_optimizer_step", spy)
+        trainer.step(2)
+    policy_at_3 = seen[0]
+    moved = 0
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(p, 0.25 * policy_at_3[n].to(p.dtype) + 0.75 * start[n])
+        moved += not torch.equal(p, start[n])
+    assert moved > 0 and trainer.updater.optimizer_steps == 4
+
+
+def test_sync_ref_model_needs_a_reference_copy():
+    """As TRL: beta = 0 (no reference) and LoRA (the reference is the adapter off) are refused."""
+    base = {"model": {"name_or_path": "x"}, "data": {"path": "x.jsonl"}}
+    for grpo_section, lora in (
+        ({"sync_ref_model": True}, False),
+        ({"sync_ref_model": True, "beta": 0.1}, True),
+    ):
+        with pytest.raises(ValueError, match="grpo.sync_ref_model moves the reference copy"):
+            validate_config(
+                {**base, "grpo": grpo_section, "model": {"name_or_path": "x", "lora": {"enabled": lora}}}
+            )
+
+
+@pytest.mark.slow
 def test_mask_truncated_completions_leaves_cut_off_completions_out(tmp_path, tiny_model_dir, gsm8k_dir):
     # ignore_eos cuts every completion off at max_completion_length: with the mask, nothing trains.
     grpo_section = {"ignore_eos": True, "mask_truncated_completions": True}

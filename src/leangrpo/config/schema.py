@@ -354,6 +354,15 @@ class GRPOSection(Section):
     entropy_coef_max: float = Field(1.0, description="adaptive entropy: the coefficient's upper bound")
     entropy_coef_delta: float = Field(0.005, description="adaptive entropy: the coefficient's step")
     entropy_target: float = Field(0.2, description="adaptive entropy: the target mean token entropy (nats)")
+    sync_ref_model: bool = Field(
+        False,
+        description="TR-DPO: every ref_model_sync_steps optimizer steps the reference moves toward the "
+        "policy, ref = alpha·policy + (1 - alpha)·ref; full fine-tuning with beta > 0 only (as TRL)",
+    )
+    ref_model_mixup_alpha: float = Field(
+        0.6, ge=0, le=1, description="sync_ref_model: the policy's share alpha"
+    )
+    ref_model_sync_steps: int = Field(512, ge=1, description="sync_ref_model: optimizer steps between syncs")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="divide advantages by the group's std, the batch's, or not at all"
     )
@@ -796,6 +805,11 @@ class Config(Section):
         if self.grpo.delta is not None and self.grpo.loss_type in unclipped_loss_types():
             raise ValueError(f"grpo.delta clips the ratio, which loss_type {self.grpo.loss_type} does not")
         g = self.grpo
+        if g.sync_ref_model and (g.beta == 0 or self.model.lora.enabled):
+            raise ValueError(
+                "grpo.sync_ref_model moves the reference copy, which there is only with beta > 0 and full "
+                "fine-tuning (LoRA's reference is the model with its adapter off; TRL refuses both too)"
+            )
         corrects = g.use_vllm and g.vllm_importance_sampling_correction
         if g.loss_type == "vespo" and corrects and g.vllm_importance_sampling_mode.startswith("sequence"):
             raise ValueError(

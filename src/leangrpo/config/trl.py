@@ -170,8 +170,6 @@ _NOTED = {
     "cache_implementation": "generation speed only",
     "vllm_model_impl": "speed only",
     "vllm_tensor_parallel_size": "one vLLM engine per process (memory and speed only)",
-    "ref_model_mixup_alpha": "read only with sync_ref_model",
-    "ref_model_sync_steps": "read only with sync_ref_model",
     "log_multimodal": "images are not supported",
     "num_completions_to_print": "samples go to completions.jsonl",
     "log_unique_prompts": "samples go to completions.jsonl",
@@ -188,7 +186,6 @@ _REFUSED = {
     "neftune_noise_alpha": "NEFTune's embedding noise is not supported",
     "resume_from_checkpoint": "use `leangrpo train --resume RUN_DIR` or train(resume_from_checkpoint=...)",
     "router_aux_loss_coef": "the MoE router's auxiliary loss is not added",
-    "sync_ref_model": "TR-DPO's reference sync is not supported: the reference stays the starting model",
     "vllm_structured_outputs_regex": "constrained decoding is not supported",
 }
 """GRPOConfig fields refused (with this reason) when set to another value than TRL's default."""

@@ -190,7 +190,9 @@ class Trainer:
             self.cfg, self.logger = self.session.open(
                 self.cfg, overwrite, resuming, self.acc.wait_for_everyone
             )
-            self.checkpoints = Checkpoints(self.cfg, self.acc, self.dist, opt, self.tokenizer, self._write)
+            self.checkpoints = Checkpoints(
+                self.cfg, self.acc, self.dist, opt, self.tokenizer, self._write, self.ref_policy
+            )
             return {} if self.resume_from is None else self.checkpoints.restore(self.resume_from, self.logger)
 
     # ------------------------------------------------------------------------------------ one step

@@ -91,6 +91,10 @@ def build_reference(
         return None, None
     dtype = None if g.reference_dtype == "auto" else getattr(torch, g.reference_dtype)
     sharded = isinstance(dist, Sharded)
+    if g.sync_ref_model and sharded:
+        raise TrainingError(
+            "grpo.sync_ref_model is for runs without FSDP: a sharded reference does not move yet"
+        )
     if asked and (reference_store is None or sharded):
         raise TrainingError(
             f"cpu.reference_on_disk is for CPU runs without FSDP (this run: {dist.acc.device.type}, "
@@ -139,12 +143,15 @@ class Updater:
         self.skipped_steps = state.get("skipped_steps", 0)
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
         self.entropy = EntropyControl.of(cfg.grpo, state)
+        self.optimizer_steps = state.get("optimizer_steps", 0)  # TRL's global_step, for sync_ref_model
 
     def state(self) -> dict[str, Any]:
-        """The counters a checkpoint keeps: the skipped steps, and the entropy control's state."""
+        """The counters a checkpoint keeps: the skipped steps, the optimizer steps, and the entropy
+        control's state."""
         out: dict[str, Any] = {
             "skipped_steps": self.skipped_steps,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "optimizer_steps": self.optimizer_steps,
         }
         if self.loss_spec.entropy_bonus:
             out["entropy_control"] = self.entropy.state()
@@ -203,6 +210,7 @@ class Updater:
             stats += iteration_stats
             loss_total += iteration_loss / g.num_iterations
             grad_norm, lr, skipped = self._optimizer_step(iteration_loss)
+            self._sync_reference()
             if self.loss_spec.entropy_bonus:
                 coefs.append(self._control_entropy(iteration_stats))
             if skipped:  # the step's later iterations would build on the same bad batch
@@ -213,6 +221,21 @@ class Updater:
         if skipped:
             self.write("non-finite loss or gradient; update skipped")
         return Update(loss_total, grad_norm, lr, stats, coefs)
+
+    def _sync_reference(self) -> None:
+        """After an optimizer step: every `ref_model_sync_steps` of them, the reference moves toward the
+        policy, ref = alpha·policy + (1 - alpha)·ref (TRL's SyncRefModelCallback, TR-DPO), in place
+        (in its file with cpu.reference_on_disk)."""
+        g = self.cfg.grpo
+        self.optimizer_steps += 1
+        if not g.sync_ref_model or self.ref_policy is None or self.optimizer_steps % g.ref_model_sync_steps:
+            return
+        policy, alpha = dict(self.unwrapped.named_parameters()), g.ref_model_mixup_alpha
+        with torch.no_grad():
+            for name, ref in self.ref_policy.named_parameters():
+                ref.mul_(1.0 - alpha).add_(policy[name].to(ref.dtype), alpha=alpha)
+        if self.ref_pages is not None:
+            self.ref_pages.drop_pages()
 
     def _control_entropy(self, stats: list[grpo.LossStats]) -> float:
         """After an optimizer step: adaptive entropy control reads its mean bonus entropy over every
