@@ -179,6 +179,23 @@ def test_token_logprobs_holds_one_chunk_of_logits_at_a_time(train_weight):
     assert backward.peak == one_chunk
 
 
+def test_entropy_holds_two_chunks_and_its_gradient_two_only_when_used():
+    """with_entropy: two chunk-sized buffers in the forward; in the backward one, or two when a loss
+    uses the entropy (the entropy bonus's p next to log p)."""
+    chunk, vocab, rows = 16, 512, 64
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(1, rows, 8, generator=g, requires_grad=True)
+    weight, targets = torch.randn(vocab, 8, generator=g), torch.randint(0, vocab, (1, rows), generator=g)
+    one_chunk = chunk * vocab * 4
+    for entropy_in_loss, chunks in ((False, 1), (True, 2)):
+        with PeakLargeTensors(chunk * vocab) as forward:
+            logp, entropy = token_logprobs(hidden, weight, targets, 0.7, chunk, with_entropy=True)
+        with PeakLargeTensors(chunk * vocab) as backward:
+            (logp.sum() + (entropy.sum() if entropy_in_loss else 0)).backward()
+        assert forward.peak == 2 * one_chunk
+        assert backward.peak == chunks * one_chunk, entropy_in_loss
+
+
 # --------------------------------------------------------------------------- the architecture's lm_head
 
 
