@@ -293,6 +293,26 @@ def test_sampler_follows_documented_epoch_permutations():
     assert stream(10, per_step=2, world=2, steps=5, seed=7) == expected
 
 
+def test_sampler_without_shuffle_takes_the_dataset_order():
+    """TRL's shuffle_dataset=False: every epoch in the dataset's order, ranks on contiguous slices."""
+    assert stream(5, per_step=2, world=2, steps=3) != [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
+    samplers = [PromptSampler(5, 2, 7, rank, 2, shuffle=False) for rank in range(2)]
+    assert [i for step in range(3) for s in samplers for i in s.indices(step)] == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        0,
+        1,
+        2,
+        3,
+        4,
+        0,
+        1,
+    ]
+
+
 def test_sampler_is_deterministic_and_seeded():
     a = PromptSampler(100, 8, seed=3)
     assert a.indices(4) == PromptSampler(100, 8, seed=3).indices(4)

@@ -576,20 +576,39 @@ def test_every_loss_type_is_a_registered_objective_and_aggregation():
     from leangrpo.core import grpo
 
     objectives, aggregations = zip(*grpo.LOSS_TYPES.values(), strict=True)
-    assert set(objectives) == set(grpo.OBJECTIVES) == {"clip", "cispo", "sapo"}
-    assert set(aggregations) == set(grpo.AGGREGATIONS) == {"grpo", "bnpo", "dapo", "dr_grpo"}
-    with pytest.raises(ValueError, match=r"^unknown objective 'ppo' \(known: clip, cispo, sapo\)$"):
+    assert set(objectives) == set(grpo.OBJECTIVES) == {"clip", "cispo", "sapo", "vespo"}
+    assert set(aggregations) == set(grpo.AGGREGATIONS) == {"grpo", "bnpo", "dapo", "dr_grpo", "luspo"}
+    with pytest.raises(ValueError, match=r"^unknown objective 'ppo' \(known: clip, cispo, sapo, vespo\)$"):
         grpo.OBJECTIVES["ppo"]
     with pytest.raises(
-        ValueError, match=r"^unknown aggregation 'mean' \(known: grpo, bnpo, dapo, dr_grpo\)$"
+        ValueError, match=r"^unknown aggregation 'mean' \(known: grpo, bnpo, luspo, dapo, dr_grpo\)$"
     ):
         grpo.AGGREGATIONS["mean"]
+
+
+def test_vespo_gamma_weight_hand_computed():
+    """phi(w) = e^lambda · w^k · e^(-lambda·w): 1 at w = 1; at w = 2 with (k, lambda) = (2, 3) for a
+    positive advantage e^3 · 4 · e^-6, and (3, 2) for a negative one e^2 · 8 · e^-4; w is the product of
+    the completion's token ratios (masked tokens left out), times the sampler's weights."""
+    from leangrpo.core.grpo import gamma_weights
+
+    shape = (2.0, 3.0, 3.0, 2.0)
+    log2 = math.log(2)
+    token_log = torch.tensor([[0.0, 0.0], [log2 / 2, log2 / 2], [log2, 5.0]], dtype=torch.float64)
+    keep = torch.tensor([[True, True], [True, True], [True, False]])
+    adv = torch.tensor([[1.0], [1.0], [-1.0]], dtype=torch.float64)
+    phi = gamma_weights(adv, token_log, keep, None, shape)
+    expected = [[1.0], [math.exp(3) * 4 * math.exp(-6)], [math.exp(2) * 8 * math.exp(-4)]]
+    torch.testing.assert_close(phi, torch.tensor(expected, dtype=torch.float64))
+    sampler = torch.tensor([[2.0, 1.0]], dtype=torch.float64)  # w = 2 from the sampler alone
+    phi = gamma_weights(adv[:1], token_log[:1], keep[:1], sampler, shape)
+    torch.testing.assert_close(phi, torch.tensor([[expected[1][0]]], dtype=torch.float64))
 
 
 # --------------------------------------------------------------------------- micro-batch equivalence
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])  # bnpo is per micro-batch (test_trl)
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "luspo"])  # bnpo: test_trl
 def test_micro_batches_sum_to_full_batch_gradient(loss_type):
     g = torch.Generator().manual_seed(5)
     N, C = 8, 6

@@ -52,7 +52,7 @@ def test_entropy_hand_computed():
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 1000])
-def test_entropy_matches_naive_and_leaves_the_gradient_alone(chunk_size):
+def test_entropy_matches_naive_and_an_unused_entropy_leaves_the_gradient_alone(chunk_size):
     g = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(2, 5, 8, generator=g) * 3, torch.randn(11, 8, generator=g)
     targets = torch.randint(0, 11, (2, 5), generator=g)
@@ -62,8 +62,36 @@ def test_entropy_matches_naive_and_leaves_the_gradient_alone(chunk_size):
     token_logprobs(h2, weight, targets, 0.7, chunk_size).sum().backward()
     logits = torch.log_softmax(hidden @ weight.T / 0.7, -1)
     torch.testing.assert_close(entropy, -(logits.exp() * logits).sum(-1), rtol=1e-5, atol=1e-5)
-    assert not entropy.requires_grad
     torch.testing.assert_close(h1.grad, h2.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 1000])
+@pytest.mark.parametrize("head", [LogitTransform(), LogitTransform(scale=0.5, softcap=4.0)])
+def test_entropy_gradient_matches_naive(chunk_size, head):
+    """A loss on the log-probs and the entropy (the entropy bonus): the chunked backward's gradients for
+    the hidden states, weight and bias equal autograd's through the naive log_softmax."""
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(2, 5, 8, generator=g, dtype=torch.float64), torch.randn(11, 8, generator=g)
+    bias, targets = torch.randn(11, generator=g), torch.randint(0, 11, (2, 5), generator=g)
+    up_logp, up_entropy = torch.randn(2, 5, generator=g), torch.randn(2, 5, generator=g)
+    ours = [t.clone().double().requires_grad_() for t in (hidden, weight, bias)]
+    logp, entropy = token_logprobs(
+        ours[0], ours[1], targets, 0.7, chunk_size, with_entropy=True, bias=ours[2], head=head
+    )
+    ((logp * up_logp).sum() + (entropy * up_entropy).sum()).backward()
+    naive = [t.clone().double().requires_grad_() for t in (hidden, weight, bias)]
+    logits = (naive[0] @ naive[1].T + naive[2]) * head.scale
+    if head.softcap is not None:
+        logits = torch.tanh(logits / head.softcap) * head.softcap
+    log_p = torch.log_softmax(logits / 0.7, -1)
+    naive_entropy = -(log_p.exp() * log_p).sum(-1)
+    (
+        (log_p.gather(-1, targets[..., None]).squeeze(-1) * up_logp).sum()
+        + (naive_entropy * up_entropy).sum()
+    ).backward()
+    torch.testing.assert_close(entropy.double(), naive_entropy.detach(), rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(ours, naive, strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 1000])
@@ -149,6 +177,23 @@ def test_token_logprobs_holds_one_chunk_of_logits_at_a_time(train_weight):
         out.sum().backward()
     assert forward.peak == one_chunk
     assert backward.peak == one_chunk
+
+
+def test_entropy_holds_two_chunks_and_its_gradient_two_only_when_used():
+    """with_entropy: two chunk-sized buffers in the forward; in the backward one, or two when a loss
+    uses the entropy (the entropy bonus's p next to log p)."""
+    chunk, vocab, rows = 16, 512, 64
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(1, rows, 8, generator=g, requires_grad=True)
+    weight, targets = torch.randn(vocab, 8, generator=g), torch.randint(0, vocab, (1, rows), generator=g)
+    one_chunk = chunk * vocab * 4
+    for entropy_in_loss, chunks in ((False, 1), (True, 2)):
+        with PeakLargeTensors(chunk * vocab) as forward:
+            logp, entropy = token_logprobs(hidden, weight, targets, 0.7, chunk, with_entropy=True)
+        with PeakLargeTensors(chunk * vocab) as backward:
+            (logp.sum() + (entropy.sum() if entropy_in_loss else 0)).backward()
+        assert forward.peak == 2 * one_chunk
+        assert backward.peak == chunks * one_chunk, entropy_in_loss
 
 
 # --------------------------------------------------------------------------- the architecture's lm_head

@@ -83,8 +83,22 @@ def prompts_seen(tmp_path: Path, name: str) -> list[str]:
                 ]
             },
         },
+        # prompts in the dataset's order, and the adaptive entropy coefficient carried over
+        {
+            "data": {"shuffle_dataset": False},
+            "grpo": {"use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 100.0},
+        },
+        # the reference moved before the interruption: the checkpoint keeps it
+        {
+            "grpo": {
+                "beta": 0.04,
+                "sync_ref_model": True,
+                "ref_model_sync_steps": 1,
+                "ref_model_mixup_alpha": 0.5,
+            }
+        },
     ],
-    ids=["full", "lora", "dynamic_sampling"],
+    ids=["full", "lora", "dynamic_sampling", "in_order_adaptive_entropy", "sync_ref_model"],
 )
 def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch,
                                                           sections):  # fmt: skip

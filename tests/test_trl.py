@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from leangrpo.core.grpo import BatchTotals, LossSpec, grpo_loss, micro_batch_means
+from leangrpo.core.grpo import BatchTotals, LossSpec, grpo_loss, micro_batch_means, sampler_importance_weights
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
@@ -25,15 +25,21 @@ def trl_loss(
     logp, old, ref, adv, mask, *, loss_type, bias_correction_kl, accumulation_steps, num_items, max_len,
     eps=EPS, eps_high=EPS_HIGH, beta=BETA,
     importance_sampling_level="token", delta=None, entropy=None, top_entropy_quantile=1.0,
-    sapo_temperatures=(1.0, 1.05), tool_mask=None,
+    sapo_temperatures=(1.0, 1.05), tool_mask=None, off_policy_mask_threshold=None, sampling=None,
+    is_ratio=None, vespo=(2.0, 3.0, 3.0, 2.0), control=None,
 ):  # fmt: skip
-    """TRL 1.16's `_compute_loss` on one micro-batch of one process: (loss, TRL's metrics dict)."""
+    """TRL 1.16's `_compute_loss` on one micro-batch of one process: (loss, TRL's metrics dict).
+
+    `sampling`: the sampler's log-probs; `is_ratio`: vLLM's importance-sampling weights (TRL's use_vllm
+    path); `control`: the entropy bonus's state (entropy_coef, use_adaptive_entropy, its bounds and
+    TRL's window), read and written back, so that a sequence of calls runs TRL's adaptive control."""
     metrics = defaultdict(list)
     entropy = torch.zeros_like(logp) if entropy is None else entropy
+    control = {} if control is None else control
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropy, None),
         top_entropy_quantile=top_entropy_quantile,
-        off_policy_mask_threshold=None,
+        off_policy_mask_threshold=off_policy_mask_threshold,
         importance_sampling_level=importance_sampling_level,
         beta=beta,
         args=SimpleNamespace(
@@ -42,12 +48,20 @@ def trl_loss(
             steps_per_generation=accumulation_steps,
             sapo_temperature_pos=sapo_temperatures[0],
             sapo_temperature_neg=sapo_temperatures[1],
+            vespo_k_pos=vespo[0],
+            vespo_lambda_pos=vespo[1],
+            vespo_k_neg=vespo[2],
+            vespo_lambda_neg=vespo[3],
+            entropy_target=control.get("entropy_target", 0.2),
+            entropy_coef_min=control.get("min", 0.0),
+            entropy_coef_max=control.get("max", 1.0),
+            entropy_coef_delta=control.get("delta", 0.005),
         ),
         loss_type=loss_type,
         epsilon_low=eps,
         epsilon_high=eps_high,
-        use_vllm=False,
-        vllm_importance_sampling_correction=False,
+        use_vllm=is_ratio is not None,
+        vllm_importance_sampling_correction=is_ratio is not None,
         model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=accumulation_steps,
         max_completion_length=max_len,
@@ -56,12 +70,19 @@ def trl_loss(
             reduce=lambda t, reduction: t,
             gather=lambda t: t,
             pad_across_processes=lambda t, dim, pad_index: t,
+            sync_gradients=control.get("sync_gradients", True),
         ),
-        _entropy_bonus_enabled=False,
+        entropy_coef=control.get("entropy_coef", 0.0),
+        use_adaptive_entropy=control.get("adaptive", False),
+        _last_world_entropy=control.get("last", float("inf")),
+        _entropy_window_stats=control.get("window"),
+        _entropy_bonus_enabled=control.get("entropy_coef", 0.0) != 0.0 or control.get("adaptive", False),
         aux_loss_enabled=False,
         _metrics={"train": metrics},
     )
     fake.get_high_entropy_mask = lambda *a: trl_grpo.GRPOTrainer.get_high_entropy_mask(fake, *a)
+    fake.get_gamma_weights = trl_grpo.GRPOTrainer.get_gamma_weights
+    fake.get_off_policy_mask = trl_grpo.GRPOTrainer.get_off_policy_mask
     n, c = logp.shape
     inputs = {
         "prompt_ids": torch.zeros(n, 0, dtype=torch.long),
@@ -73,8 +94,14 @@ def trl_loss(
         "ref_per_token_logps": ref,
         "num_items_in_batch": torch.tensor(float(num_items)),
         **({} if tool_mask is None else {"tool_mask": tool_mask}),
+        **({} if sampling is None else {"sampling_per_token_logps": sampling}),
+        **({} if is_ratio is None else {"importance_sampling_ratio": is_ratio}),
     }
-    return trl_grpo.GRPOTrainer._compute_loss(fake, None, inputs), metrics
+    loss = trl_grpo.GRPOTrainer._compute_loss(fake, None, inputs)
+    control.update(
+        entropy_coef=fake.entropy_coef, last=fake._last_world_entropy, window=fake._entropy_window_stats
+    )
+    return loss, metrics
 
 
 def _batch(seed: int = 0):
@@ -182,6 +209,182 @@ def test_cispo_and_sapo_match_trl(loss_type, level):
         assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-12)
     torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-12, rtol=0)
     assert ours.grad.abs().sum() > 0
+
+
+def _against_trl(loss_type, seed, spec=None, trl=None, entropy_coef=0.0, is_ratio=None, sampling=None):
+    """GA = 2 micro-batches, off-policy, beta > 0, per-token entropy with a gradient: leangrpo's loss and
+    TRL's, micro-batch by micro-batch; returns the gradients (log-probs, entropy) of both sides, our stats
+    and TRL's metrics."""
+    base, old, ref, adv, mask = _batch(seed)
+    old = base + (old - base) * 3
+    entropy = (
+        torch.rand(base.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64) * 4
+    )
+    n, c = base.shape
+    ours = [base.clone().requires_grad_(), entropy.clone().requires_grad_()]
+    theirs = [base.clone().requires_grad_(), entropy.clone().requires_grad_()]
+    spec, trl = spec or {}, trl or {}
+    control = {"entropy_coef": entropy_coef} if spec.get("entropy_bonus") else None
+    stats, metrics = [], defaultdict(list)
+    for rows in (slice(0, 3), slice(3, 6)):
+        cut = [None if t is None else t[rows] for t in (is_ratio, sampling)]
+        loss, mb_stats = grpo_loss(
+            ours[0][rows], old[rows], ref[rows], adv[rows], mask[rows],
+            LossSpec(loss_type, EPS, EPS_HIGH, c, beta=BETA, bias_correction_kl=True, **spec),
+            BatchTotals(n, float(mask.sum()), accumulation_steps=2), entropy=ours[1][rows],
+            sampler_weights=cut[0], sampling_logp=cut[1], entropy_coef=entropy_coef,
+        )  # fmt: skip
+        loss.backward()
+        ref_loss, m = trl_loss(
+            theirs[0][rows], old[rows], ref[rows], adv[rows], mask[rows], loss_type=loss_type,
+            bias_correction_kl=True, accumulation_steps=2, num_items=mask.sum(), max_len=c,
+            entropy=theirs[1][rows], is_ratio=cut[0], sampling=cut[1], control=control, **trl,
+        )  # fmt: skip
+        ref_loss.backward()
+        assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-12)
+        stats.append(mb_stats)
+        for k, v in m.items():
+            metrics[k] += v
+    for mine, its in zip(ours, theirs, strict=True):
+        assert (mine.grad is None) == (its.grad is None)
+        if mine.grad is not None:
+            torch.testing.assert_close(mine.grad, its.grad, atol=1e-12, rtol=0)
+    assert ours[0].grad.abs().sum() > 0
+    return ours, stats, metrics
+
+
+def _trl_mean(metrics, name):
+    """TRL's logged value of a metric: the mean of what its micro-batches appended."""
+    return sum(metrics[name]) / len(metrics[name])
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "level", "entropy_quantile"),
+    [("luspo", "sequence", 1.0), ("luspo", "token", 0.6), ("vespo", "token", 1.0), ("vespo", "token", 0.6)],
+)
+def test_luspo_and_vespo_match_trl(loss_type, level, entropy_quantile):
+    """TRL's last two loss types, off-policy, GA = 2, beta > 0 (with and without the entropy mask): the
+    same loss, gradient and metrics (luspo's clip_ratio/*, vespo's vespo/phi_seq_mean), vespo with
+    non-default gamma shapes."""
+    vespo = (1.5, 2.5, 2.0, 1.0)
+    opts = {"importance_sampling_level": level, "top_entropy_quantile": entropy_quantile}
+    _, stats, metrics = _against_trl(loss_type, 7, {**opts, "vespo_shape": vespo}, {**opts, "vespo": vespo})
+    means = micro_batch_means(stats)
+    # clip_ratio/* at the sequence level: TRL counts completions, leangrpo tokens (docs/trl.md)
+    clip = ["clip_ratio/low_mean", "clip_ratio/high_mean"] if level == "token" else ["kl"]
+    names = ["vespo/phi_seq_mean"] if loss_type == "vespo" else clip
+    for name in [*names, "entropy", "kl"]:
+        assert means[name] == pytest.approx(_trl_mean(metrics, name), rel=1e-6, abs=1e-12), name
+    assert means[names[0]] > 0
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
+def test_vespo_takes_the_sampler_weights_into_its_gamma_weight_as_trl(mode):
+    """With vLLM's importance sampling, vespo folds the sampler's token weights into its sequence ratio
+    instead of scaling the loss by them (TRL): same loss, gradient and phi metric."""
+    base, old, _, _, mask = _batch(9)
+    sampling = (
+        old + torch.randn(old.shape, generator=torch.Generator().manual_seed(10), dtype=torch.float64) * 0.2
+    )
+    weights, _ = sampler_importance_weights(old, sampling, mask, mode, 0.5, 1.5)
+    _, stats, metrics = _against_trl("vespo", 9, is_ratio=weights, sampling=sampling)
+    name = "vespo/phi_seq_mean"
+    assert micro_batch_means(stats)[name] == pytest.approx(_trl_mean(metrics, name), rel=1e-6)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_cispo_logs_trls_cispo_clip_ratio(level):
+    """cispo's `cispo_clip_ratio` (TRL's name, per token or per completion as TRL counts it) equals TRL's."""
+    opts = {"importance_sampling_level": level}
+    _, stats, metrics = _against_trl("cispo", 5, opts, opts)
+    means = micro_batch_means(stats)
+    assert means["cispo_clip_ratio"] == pytest.approx(_trl_mean(metrics, "cispo_clip_ratio"), rel=1e-6)
+    assert means["cispo_clip_ratio"] > 0
+
+
+@pytest.mark.parametrize("sampler", [False, True])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "vespo"])
+def test_off_policy_mask_matches_trl(loss_type, sampler):
+    """DeepSeek-V3.2's off-policy sequence mask: against the old policy's log-probs, or the sampler's when
+    given (vLLM), a NaN one among them; the same loss and gradient as TRL, and it drops some completions."""
+    base, old, _, _, _ = _batch(11)
+    sampling = None
+    if sampler:
+        sampling = base + torch.rand(  # a mean KL from 0.24 to 0.62 from the policy
+            old.shape, generator=torch.Generator().manual_seed(12), dtype=torch.float64
+        )
+        sampling[1, 2] = torch.nan
+    opts = {"off_policy_mask_threshold": 0.3 if sampler else 0.05}
+    masked, _, _ = _against_trl(loss_type, 11, opts, opts, sampling=sampling)
+    plain, _, _ = _against_trl(loss_type, 11, sampling=sampling)
+    assert (masked[0].grad - plain[0].grad).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("entropy_quantile", [1.0, 0.5])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"])
+def test_entropy_bonus_matches_trl(loss_type, entropy_quantile):
+    """entropy_coef > 0, every loss type, with and without the entropy mask: TRL's loss, its gradient
+    through the log-probs and through the entropy, and its `policy_loss` metric."""
+    opts = {"top_entropy_quantile": entropy_quantile}
+    ours, stats, metrics = _against_trl(
+        loss_type, 13, {**opts, "entropy_bonus": True}, opts, entropy_coef=0.3
+    )
+    assert ours[1].grad is not None and ours[1].grad.abs().sum() > 0
+    means = micro_batch_means(stats)
+    assert means["policy_loss"] == pytest.approx(_trl_mean(metrics, "policy_loss"), rel=1e-6)
+
+
+def test_adaptive_entropy_control_matches_trl():
+    """use_adaptive_entropy over six optimizer steps of GA = 2 micro-batches whose entropy crosses the
+    target both ways: each step's loss and gradient, and the coefficient after it, are TRL's (no bonus at
+    the first step, the coefficient clamped at its bounds)."""
+    from leangrpo.config.schema import GRPOSection
+    from leangrpo.train.loss import EntropyControl
+
+    g = GRPOSection(
+        entropy_coef=0.02, use_adaptive_entropy=True, entropy_target=1.0, entropy_coef_min=0.01,
+        entropy_coef_max=0.04, entropy_coef_delta=0.015,
+    )  # fmt: skip
+    ours_ctl = EntropyControl.of(g, {})
+    theirs_ctl = {"entropy_coef": 0.02, "adaptive": True, "entropy_target": 1.0, "min": 0.01, "max": 0.04,
+                  "delta": 0.015}  # fmt: skip
+    base, old, ref, adv, mask = _batch(14)
+    n, c = base.shape
+    spec = LossSpec("dapo", EPS, EPS_HIGH, c, beta=BETA, bias_correction_kl=True, entropy_bonus=True)
+    coefs = []
+    for step, scale in enumerate([0.3, 0.3, 0.3, 0.8, 0.8, 0.3]):
+        entropy = torch.rand(base.shape, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+        entropy = entropy * 4 * scale  # mean 0.6 or 1.6 against the target 1
+        ours, theirs = base.clone().requires_grad_(), base.clone().requires_grad_()
+        applied, window = ours_ctl.applied(), []
+        for rows, last in ((slice(0, 3), False), (slice(3, 6), True)):
+            loss, mb_stats = grpo_loss(
+                ours[rows], old[rows], ref[rows], adv[rows], mask[rows], spec,
+                BatchTotals(n, float(mask.sum()), accumulation_steps=2), entropy=entropy[rows],
+                entropy_coef=applied,
+            )  # fmt: skip
+            loss.backward()
+            window.append(mb_stats.bonus_entropy)
+            theirs_ctl["sync_gradients"] = last
+            ref_loss, metrics = trl_loss(
+                theirs[rows], old[rows], ref[rows], adv[rows], mask[rows], loss_type="dapo",
+                bias_correction_kl=True, accumulation_steps=2, num_items=mask.sum(), max_len=c,
+                entropy=entropy[rows], control=theirs_ctl,
+            )  # fmt: skip
+            ref_loss.backward()
+            assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-12)
+        totals = torch.stack(window).sum(0)
+        ours_ctl.observe(float(totals[0] / totals[1]))
+        torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-12, rtol=0)
+        assert ours_ctl.coef == pytest.approx(theirs_ctl["entropy_coef"], abs=1e-15)
+        assert metrics["entropy_coef"] == [pytest.approx(ours_ctl.coef, abs=1e-15)]
+        assert ours_ctl.last_entropy == pytest.approx(theirs_ctl["last"], rel=1e-12)
+        coefs.append((applied, ours_ctl.coef))
+    assert coefs[0][0] == 0.0  # no measurement yet: no bonus
+    after = [c for _, c in coefs]  # both bounds reached, and the bonus applied at some steps
+    assert (min(after), max(after)) == (pytest.approx(0.01), pytest.approx(0.04)) and any(
+        a > 0 for a, _ in coefs
+    )
 
 
 def test_bias_correction_changes_the_kl_gradient_even_on_policy():

@@ -301,7 +301,10 @@ def test_flat_trl_yaml_is_ported_field_by_field(tmp_path):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"sync_ref_model": True, "entropy_coef": 0.1}, "entropy_coef=0.1: .*\n.*sync_ref_model=True: "),
+        (
+            {"vllm_structured_outputs_regex": "x", "neftune_noise_alpha": 5.0},
+            "neftune_noise_alpha=5.0: .*\n.*vllm_structured_outputs_regex='x': ",
+        ),
         ({"max_steps": 41}, "max_steps=41: .*must be a multiple of 2"),
         ({"steps_per_generation": 4}, "steps_per_generation=4: .*must equal gradient_accumulation_steps=2"),
         ({"generation_batch_size": 64}, "generation_batch_size=64: .*= 16"),

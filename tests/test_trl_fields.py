@@ -83,7 +83,10 @@ def test_trl_precision_default_is_a_said_difference(fields, dtype, noted, caplog
 
 def test_refusals_come_all_at_once_one_line_each():
     with pytest.raises(ConfigError) as e:
-        from_trl({"sync_ref_model": True, "entropy_coef": 0.1, "optim": "sgd", "no_such": 1}, "t.yaml")
+        from_trl(
+            {"neftune_noise_alpha": 5.0, "vllm_structured_outputs_regex": "a+", "optim": "sgd", "no_such": 1},
+            "t.yaml",
+        )
     lines = str(e.value).splitlines()
     assert len(lines) == 4 and all(line.startswith("t.yaml: ") for line in lines)
 

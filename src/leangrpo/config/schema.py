@@ -189,6 +189,11 @@ class DataConfig(Section):
         None, description="extra chat-template variables, e.g. {enable_thinking: false} for Qwen3"
     )
     limit: int | None = Field(None, ge=1, description="use the first N usable rows")
+    shuffle_dataset: bool = Field(
+        True,
+        description="draw the prompts in a seeded shuffled order, a new one each epoch; false: in the "
+        "dataset's order, epoch after epoch (dynamic sampling's extra prompts stay shuffled)",
+    )
     on_bad_row: Literal["skip", "error"] = Field(
         "skip", description="a row that cannot be used is skipped (and counted) or stops the run"
     )
@@ -328,7 +333,9 @@ class GRPOSection(Section):
         "dapo",
         description=f"one of {', '.join(LOSS_TYPES)}: how per-token losses are averaged (docs/trl.md); "
         "cispo: the ratio capped at epsilon_high (ScaleRL: 5) weights the log-prob; sapo: a sigmoid gate "
-        "instead of the clip",
+        "instead of the clip; luspo: each completion's token sum, averaged over completions (with "
+        "importance_sampling_level: sequence, the paper's setup); vespo: a gamma weight of the completion's "
+        "ratio weights the log-prob",
     )
     sapo_temperature_pos: float = Field(
         1.0, gt=0, description="sapo: the gate's temperature, positive advantages"
@@ -336,6 +343,41 @@ class GRPOSection(Section):
     sapo_temperature_neg: float = Field(
         1.05, gt=0, description="sapo: the gate's temperature, non-positive advantages"
     )
+    vespo_k_pos: float = Field(2.0, description="vespo: the gamma weight's power k, advantages >= 0")
+    vespo_lambda_pos: float = Field(3.0, description="vespo: the gamma weight's rate lambda, advantages >= 0")
+    vespo_k_neg: float = Field(3.0, description="vespo: the gamma weight's power k, negative advantages")
+    vespo_lambda_neg: float = Field(
+        2.0, description="vespo: the gamma weight's rate lambda, negative advantages"
+    )
+    off_policy_mask_threshold: float | None = Field(
+        None,
+        description="a completion with a negative advantage whose mean KL from the sampling policy exceeds "
+        "this keeps no policy term (DeepSeek-V3.2's off-policy sequence mask; e.g. 0.5); null: off",
+    )
+    entropy_coef: float = Field(
+        0.0,
+        description="the loss less entropy_coef × the mean token entropy (the policy term's tokens), for "
+        "every loss type alike; with use_adaptive_entropy, the starting coefficient",
+    )
+    use_adaptive_entropy: bool = Field(
+        False,
+        description="Skywork-OR1: after each optimizer step the coefficient moves by entropy_coef_delta, up "
+        "when the entropy was at or below entropy_target, else down, within [entropy_coef_min, "
+        "entropy_coef_max]; the bonus applies only while the last step's entropy was at or below the target",
+    )
+    entropy_coef_min: float = Field(0.0, description="adaptive entropy: the coefficient's lower bound")
+    entropy_coef_max: float = Field(1.0, description="adaptive entropy: the coefficient's upper bound")
+    entropy_coef_delta: float = Field(0.005, description="adaptive entropy: the coefficient's step")
+    entropy_target: float = Field(0.2, description="adaptive entropy: the target mean token entropy (nats)")
+    sync_ref_model: bool = Field(
+        False,
+        description="TR-DPO: every ref_model_sync_steps optimizer steps the reference moves toward the "
+        "policy, ref = alpha·policy + (1 - alpha)·ref; full fine-tuning with beta > 0 only (as TRL)",
+    )
+    ref_model_mixup_alpha: float = Field(
+        0.6, ge=0, le=1, description="sync_ref_model: the policy's share alpha"
+    )
+    ref_model_sync_steps: int = Field(512, ge=1, description="sync_ref_model: optimizer steps between syncs")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="divide advantages by the group's std, the batch's, or not at all"
     )
@@ -848,6 +890,18 @@ class Config(Section):
             )
         if self.grpo.delta is not None and self.grpo.loss_type in unclipped_loss_types():
             raise ValueError(f"grpo.delta clips the ratio, which loss_type {self.grpo.loss_type} does not")
+        g = self.grpo
+        if g.sync_ref_model and (g.beta == 0 or self.model.lora.enabled):
+            raise ValueError(
+                "grpo.sync_ref_model moves the reference copy, which there is only with beta > 0 and full "
+                "fine-tuning (LoRA's reference is the model with its adapter off; TRL refuses both too)"
+            )
+        corrects = g.use_vllm and g.vllm_importance_sampling_correction
+        if g.loss_type == "vespo" and corrects and g.vllm_importance_sampling_mode.startswith("sequence"):
+            raise ValueError(
+                "loss_type vespo takes the sampler's per-token weights: set grpo."
+                "vllm_importance_sampling_mode to token_truncate or token_mask (as TRL requires)"
+            )
         upper = 1 + (self.grpo.epsilon_high or self.grpo.epsilon)
         if self.grpo.delta is not None and self.grpo.delta <= upper:
             raise ValueError(

@@ -1,9 +1,10 @@
 """The GRPO math as pure functions on tensors: masks, advantages, KL and the loss.
 
-The loss is a per-token objective (OBJECTIVES: the clipped surrogate, cispo, sapo) on the importance
-ratio, per token or (GSPO) per completion, plus the KL term, then an aggregation (AGGREGATIONS) into the
-micro-batch's share of the batch loss; a `LossSpec` names both through TRL's loss_type (LOSS_TYPES, from
-loss_types.py: the one list of the names, which the config validates against).
+The loss is a per-token objective (OBJECTIVES: the clipped surrogate, cispo, sapo, vespo) on the
+importance ratio, per token or (GSPO) per completion, plus the KL term, then an aggregation (AGGREGATIONS)
+into the micro-batch's share of the batch loss, less the entropy bonus; a `LossSpec` names both through
+TRL's loss_type (LOSS_TYPES, from loss_types.py: the one list of the names, which the config validates
+against).
 Nothing here touches a model object, so every quantity can be checked against numbers computed by hand.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
@@ -165,13 +166,20 @@ def sampler_importance_weights(
     return weights, stats
 
 
+# A metric's (sum, count) over one micro-batch of one process: TRL's mean of it is sum / count over every
+# process, then the mean over micro-batches. Tensors, so that the loss path waits for no device.
+Parts = tuple[Tensor, Tensor]
+
+
 @dataclass
 class LossStats:
     """Token sums from one micro-batch of one process, for the kl, clip_ratio and entropy metrics:
     `clipped_tokens` every token a clip zeroed, `low_clipped` / `high_clipped` those below 1 - epsilon
     (negative advantage) and above 1 + epsilon_high (positive advantage), as TRL splits them. Each is a
     0-dim float32 tensor on the loss's device: reading them is one host sync a step
-    (`micro_batch_means`), not several a micro-batch."""
+    (`micro_batch_means`), not several a micro-batch. `extra`: the metrics only some runs log
+    (cispo_clip_ratio, vespo/phi_seq_mean, policy_loss), by TRL's name, as (sum, count) tensors;
+    `bonus_entropy`: the entropy bonus's [entropy sum, tokens], which adaptive entropy control reads."""
 
     kl_sum: Tensor
     clipped_tokens: Tensor
@@ -179,22 +187,29 @@ class LossStats:
     entropy_sum: Tensor
     low_clipped: Tensor
     high_clipped: Tensor
+    extra: dict[str, Parts] = field(default_factory=dict)
+    bonus_entropy: Tensor | None = None
 
 
 def micro_batch_means(
     stats: list[LossStats], sum_over_processes: Callable[[Tensor], Tensor] = lambda t: t
 ) -> dict[str, float]:
-    """The `kl`, `entropy` and `clip_ratio/{region,low,high}_mean` metrics as TRL defines them: each
-    micro-batch's token mean over every process, then the mean over micro-batches (not weighted by their
-    token counts)."""
+    """The `kl`, `entropy` and `clip_ratio/{region,low,high}_mean` metrics (and the `extra` ones) as TRL
+    defines them: each micro-batch's token mean over every process, then the mean over micro-batches (not
+    weighted by their token counts)."""
     names = ("kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")
     rows = [
         torch.stack([s.kl_sum, s.entropy_sum, s.clipped_tokens, s.low_clipped, s.high_clipped, s.tokens])
         for s in stats
     ]
     sums = sum_over_processes(torch.stack(rows).double())
-    means = (sums[:, :-1] / sums[:, -1:].clamp(min=1)).mean(dim=0).tolist()  # the one host sync
-    return dict(zip(names, means, strict=True))
+    means = (sums[:, :-1] / sums[:, -1:].clamp(min=1)).mean(dim=0)
+    extra = sorted(stats[0].extra) if stats else []
+    if extra:
+        parts = torch.stack([torch.stack([torch.stack(s.extra[n]).double() for n in extra]) for s in stats])
+        parts = sum_over_processes(parts)  # [micro-batches, names, (sum, count)]
+        means = torch.cat([means, (parts[..., 0] / parts[..., 1].clamp(min=1)).mean(dim=0)])
+    return dict(zip([*names, *extra], means.tolist(), strict=True))  # the one host sync
 
 
 def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float) -> Tensor:
@@ -216,7 +231,11 @@ class LossSpec:
     `bias_correction_kl` multiplies the per-token KL by the ratio (TRL's `use_bias_correction_kl`: the
     unbiased KL gradient); with `top_entropy_quantile` < 1 only the micro-batch's highest-entropy tokens
     keep their policy term (`high_entropy_mask`; the KL term stays on every token, and the normalisation
-    is unchanged, as in TRL). `sapo_temperatures`: sapo's (positive, non-positive advantage) temperatures.
+    is unchanged, as in TRL). `sapo_temperatures`: sapo's (positive, non-positive advantage) temperatures;
+    `vespo_shape`: vespo's gamma weight's (k_pos, lambda_pos, k_neg, lambda_neg). With
+    `off_policy_mask_threshold`, a completion with a negative advantage whose mean KL from the sampler
+    exceeds it keeps no policy term (DeepSeek-V3.2). `entropy_bonus`: the loss subtracts the entropy
+    coefficient times the mean token entropy (TRL's entropy_coef != 0 or use_adaptive_entropy).
     """
 
     loss_type: str  # a key of LOSS_TYPES
@@ -229,6 +248,9 @@ class LossSpec:
     bias_correction_kl: bool = False
     top_entropy_quantile: float = 1.0
     sapo_temperatures: tuple[float, float] = (1.0, 1.05)
+    vespo_shape: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0)
+    off_policy_mask_threshold: float | None = None
+    entropy_bonus: bool = False
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
@@ -277,8 +299,19 @@ class Clipped(NamedTuple):
     region: Tensor
 
 
-# (ratio, advantages [N, 1], logp, keep, spec) -> the per-token loss, and where a clip acted.
-Objective = Callable[[Tensor, Tensor, Tensor, Tensor, LossSpec], tuple[Tensor, Clipped]]
+class Ratio(NamedTuple):
+    """The importance ratio policy / old policy: `value` at the spec's level ([N, C], or [N, 1] for GSPO),
+    `token_log` its per-token log (0 at masked positions), and the sampler's correction weights (None
+    without one), which vespo folds into its own weight."""
+
+    value: Tensor
+    token_log: Tensor
+    sampler: Tensor | None = None
+
+
+# (ratio, advantages [N, 1], logp, keep, spec) -> the per-token loss, where a clip acted, and the
+# objective's own metrics (`LossStats.extra`).
+Objective = Callable[[Ratio, Tensor, Tensor, Tensor, LossSpec], tuple[Tensor, Clipped, dict[str, Parts]]]
 OBJECTIVES: Registry[Objective] = Registry("objective")
 
 # (per-token loss with masked positions 0, keep, spec, batch) -> the micro-batch's share of the loss.
@@ -286,12 +319,22 @@ Aggregation = Callable[[Tensor, Tensor, LossSpec, BatchTotals], Tensor]
 AGGREGATIONS: Registry[Aggregation] = Registry("aggregation")
 
 
+def masked_mean_parts(x: Tensor, keep: Tensor) -> Parts:
+    """TRL's `global_masked_mean` parts of per-token [N, C] values (over `keep`) or per-completion [N, 1]
+    ones (over the completions)."""
+    x = x.float()
+    if x.shape[1] == 1:
+        return x.sum(), x.new_tensor(float(x.shape[0]))
+    return torch.where(keep, x, 0.0).sum(), keep.sum().float()
+
+
 @OBJECTIVES.register("clip")
 def clipped_surrogate(
-    ratio: Tensor, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec
-) -> tuple[Tensor, Clipped]:
+    r: Ratio, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec
+) -> tuple[Tensor, Clipped, dict[str, Parts]]:
     """PPO's clipped surrogate -min(r·A, clip(r, 1 - epsilon, 1 + epsilon_high)·A), with r also capped
     at `delta` when set, so that a negative advantage's ratio is bounded too."""
+    ratio = r.value
     lower, upper = 1 - spec.epsilon, 1 + spec.epsilon_high
     clipped_ratio = torch.clamp(ratio, lower, upper)
     capped_ratio = ratio if spec.delta is None else torch.clamp(ratio, max=spec.delta)
@@ -300,27 +343,67 @@ def clipped_surrogate(
     region = low | high
     if spec.delta is not None:
         region |= (ratio > spec.delta) & (adv < 0)
-    return per_token, Clipped(low, high, region)
+    return per_token, Clipped(low, high, region), {}
 
 
 @OBJECTIVES.register("cispo")
-def cispo(ratio: Tensor, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec) -> tuple[Tensor, Clipped]:
+def cispo(
+    r: Ratio, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec
+) -> tuple[Tensor, Clipped, dict[str, Parts]]:
     """CISPO (MiniMax-M1): each token's log-prob weighted by its ratio capped at `epsilon_high`, a
-    constant (no gradient through the weight), so a capped token still has a gradient."""
-    weight = torch.clamp(ratio, max=spec.epsilon_high).detach()
+    constant (no gradient through the weight), so a capped token still has a gradient. Logs TRL's
+    `cispo_clip_ratio`: the share of capped ratios with a positive advantage."""
+    weight = torch.clamp(r.value, max=spec.epsilon_high).detach()
     per_token = -weight * adv * torch.where(keep, logp, 0.0)
-    high = (ratio > spec.epsilon_high) & (adv > 0)
-    return per_token, Clipped(torch.zeros_like(high), high, high)
+    high = (r.value > spec.epsilon_high) & (adv > 0)
+    metrics = {"cispo_clip_ratio": masked_mean_parts(high, keep)}
+    return per_token, Clipped(torch.zeros_like(high), high, high), metrics
 
 
 @OBJECTIVES.register("sapo")
-def sapo(ratio: Tensor, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec) -> tuple[Tensor, Clipped]:
+def sapo(
+    r: Ratio, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec
+) -> tuple[Tensor, Clipped, dict[str, Parts]]:
     """SAPO (Qwen): a sigmoid gate on the ratio in place of the clip, with `sapo_temperatures`; no token
     counts as clipped."""
     tau = torch.where(adv > 0, *spec.sapo_temperatures)
-    per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    per_token = -torch.sigmoid(tau * (r.value - 1)) * 4 / tau * adv
     none = torch.zeros_like(adv, dtype=torch.bool)
-    return per_token, Clipped(none, none, none)
+    return per_token, Clipped(none, none, none), {}
+
+
+_LOG_1E_8 = math.log(1e-8)
+
+
+@torch.no_grad()
+def gamma_weights(
+    adv: Tensor, token_log_ratio: Tensor, keep: Tensor, sampler: Tensor | None, shape: tuple[float, ...]
+) -> Tensor:
+    """VESPO's per-completion weight phi(w) = e^lambda · w^k · e^(-lambda·w) [N, 1] (phi(1) = 1), w the
+    completion's importance ratio: the product of its token ratios (each log clamped to ±20), times the
+    sampler's token weights when given; (k, lambda) by the sign of the advantage. Computed in log space,
+    with TRL's clamps; a constant (no gradient)."""
+    k_pos, lambda_pos, k_neg, lambda_neg = shape
+    seq_log = (token_log_ratio.clamp(-20.0, 20.0) * keep).sum(-1, keepdim=True)
+    if sampler is not None:
+        seq_log = seq_log + torch.log(sampler).clamp(_LOG_1E_8, 20.0).sum(-1, keepdim=True)
+    log_w = seq_log.clamp(_LOG_1E_8, 20.0)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, k_pos, k_neg)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@OBJECTIVES.register("vespo")
+def vespo(
+    r: Ratio, adv: Tensor, logp: Tensor, keep: Tensor, spec: LossSpec
+) -> tuple[Tensor, Clipped, dict[str, Parts]]:
+    """VESPO: each token's log-prob weighted by its completion's gamma weight (`gamma_weights`), a smooth
+    and bounded stand-in for the clip; no token counts as clipped. Logs TRL's `vespo/phi_seq_mean`."""
+    phi = gamma_weights(adv, r.token_log, keep, r.sampler, spec.vespo_shape)
+    per_token = -phi * adv * torch.where(keep, logp, 0.0)
+    none = torch.zeros_like(adv, dtype=torch.bool)
+    return per_token, Clipped(none, none, none), {"vespo/phi_seq_mean": masked_mean_parts(phi, keep)}
 
 
 @AGGREGATIONS.register("grpo")
@@ -336,6 +419,13 @@ def micro_batch_token_mean(per_token: Tensor, keep: Tensor, spec: LossSpec, batc
     return per_token.sum() / keep.sum().clamp(min=1) / batch.accumulation_steps
 
 
+@AGGREGATIONS.register("luspo")
+def sequence_sum_mean(per_token: Tensor, keep: Tensor, spec: LossSpec, batch: BatchTotals) -> Tensor:
+    """Each completion's token sum, averaged over the batch's completions (LUSPO: a sequence-level loss
+    scaled by its length, so long completions are not under-weighted)."""
+    return per_token.sum() / batch.num_sequences
+
+
 @AGGREGATIONS.register("dapo")
 def token_mean(per_token: Tensor, keep: Tensor, spec: LossSpec, batch: BatchTotals) -> Tensor:
     """The token sum over the batch's tokens (every process's: DDP then averages the gradients)."""
@@ -348,15 +438,33 @@ def constant_length_mean(per_token: Tensor, keep: Tensor, spec: LossSpec, batch:
     return per_token.sum() / (batch.num_sequences * spec.max_completion_length)
 
 
-def importance_ratio(logp: Tensor, old_logp: Tensor, keep: Tensor, level: ImportanceSamplingLevel) -> Tensor:
-    """exp(logp - old_logp) per token [N, C], or per completion [N, 1] at GSPO's `sequence` level.
+def importance_ratio(
+    logp: Tensor,
+    old_logp: Tensor,
+    keep: Tensor,
+    level: ImportanceSamplingLevel,
+    sampler: Tensor | None = None,
+) -> Ratio:
+    """exp(logp - old_logp) per token [N, C], or per completion [N, 1] at GSPO's `sequence` level (with
+    the per-token log-ratio and the `sampler` weights, as `Ratio`).
 
     Masked positions (after EOS) hold arbitrary log-probs: they are selected out before the exp, since
     multiplying by the mask afterwards turns an overflow there into 0 · inf = NaN (loss and gradient)."""
-    log_ratio = torch.where(keep, logp - old_logp, 0.0)
-    if level == "sequence":
-        log_ratio = sequence_log_ratio(log_ratio, keep)
-    return torch.exp(log_ratio)
+    token_log = torch.where(keep, logp - old_logp, 0.0)
+    log_ratio = sequence_log_ratio(token_log, keep) if level == "sequence" else token_log
+    return Ratio(torch.exp(log_ratio), token_log, sampler)
+
+
+def off_policy_mask(
+    adv: Tensor, logp: Tensor, sampling_logp: Tensor, keep: Tensor, threshold: float
+) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask [N, 1] (TRL's `get_off_policy_mask`): a completion keeps
+    its policy term when its advantage is >= 0 or its mean KL from the sampler, sampler log-prob minus
+    the policy's over its tokens (NaN tokens, which the sampler could not score, counted 0), is at most
+    `threshold`."""
+    kl = torch.nan_to_num(sampling_logp - logp.detach(), nan=0.0)
+    mean_kl = torch.where(keep, kl, 0.0).sum(1, keepdim=True) / keep.sum(1, keepdim=True).clamp(min=1)
+    return (adv >= 0) | (mean_kl <= threshold)
 
 
 def masked_kl(logp: Tensor, ref_logp: Tensor, keep: Tensor, ratio: Tensor, bias_correction: bool) -> Tensor:
@@ -366,7 +474,9 @@ def masked_kl(logp: Tensor, ref_logp: Tensor, keep: Tensor, ratio: Tensor, bias_
     return kl * ratio if bias_correction else kl
 
 
-def loss_stats(keep: Tensor, kl: Tensor | None, clipped: Clipped, entropy: Tensor | None) -> LossStats:
+def loss_stats(
+    keep: Tensor, kl: Tensor | None, clipped: Clipped, entropy: Tensor | None, extra: dict[str, Parts]
+) -> LossStats:
     """The micro-batch's token sums for the metrics, left on the device (masked by `where`, not by
     boolean indexing, which would wait for the device to count the selected tokens)."""
 
@@ -383,40 +493,72 @@ def loss_stats(keep: Tensor, kl: Tensor | None, clipped: Clipped, entropy: Tenso
             entropy_sum=masked_sum(entropy),
             low_clipped=masked_sum(clipped.low),
             high_clipped=masked_sum(clipped.high),
+            extra={name: (total.detach(), count.detach()) for name, (total, count) in extra.items()},
         )
 
 
 def grpo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    ref_logp: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    spec: LossSpec,
-    batch: BatchTotals,
-    entropy: Tensor | None = None,
-    sampler_weights: Tensor | None = None,
-) -> tuple[Tensor, LossStats]:
+    logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor, mask: Tensor, spec: LossSpec,
+    batch: BatchTotals, entropy: Tensor | None = None, sampler_weights: Tensor | None = None,
+    sampling_logp: Tensor | None = None, entropy_coef: float = 0.0,
+) -> tuple[Tensor, LossStats]:  # fmt: skip
     """One micro-batch's loss: `spec`'s objective per token (+ beta × k3 KL), aggregated so that summing
     it over the micro-batches of `batch` gives that batch's loss, as TRL 1.16 computes it.
 
-    `entropy` [N, C] (per token, no gradient) is summed into the stats and picks the entropy mask's tokens;
+    `entropy` [N, C] (per token) is summed into the stats and picks the entropy mask's tokens; with
+    `spec.entropy_bonus`, the loss less `entropy_coef` × its mean (`_less_entropy_bonus`).
     `sampler_weights` ([N, C] or [N, 1], from `sampler_importance_weights`) scale the policy term, not
-    the KL term (TRL's vLLM importance-sampling correction).
+    the KL term (TRL's vLLM importance-sampling correction; vespo folds them into its weight instead).
+    `sampling_logp`: the sampler's log-probs, for the off-policy mask (without them, `old_logp`'s).
     """
     keep = mask.bool()
     objective, aggregation = LOSS_TYPES[spec.loss_type]
-    ratio = importance_ratio(logp, old_logp, keep, spec.importance_sampling_level)
-    per_token, clipped = OBJECTIVES[objective](ratio, advantages[:, None], logp, keep, spec)
-    if spec.top_entropy_quantile < 1.0:
-        if entropy is None:
-            raise ValueError("top_entropy_quantile < 1 needs the per-token entropy")
-        per_token = per_token * high_entropy_mask(entropy, keep, spec.top_entropy_quantile)
-    if sampler_weights is not None:
+    ratio = importance_ratio(logp, old_logp, keep, spec.importance_sampling_level, sampler_weights)
+    adv = advantages[:, None]
+    per_token, clipped, extra = OBJECTIVES[objective](ratio, adv, logp, keep, spec)
+    if spec.off_policy_mask_threshold is not None:
+        behaviour = old_logp if sampling_logp is None else sampling_logp
+        per_token = per_token * off_policy_mask(adv, logp, behaviour, keep, spec.off_policy_mask_threshold)
+    policy_tokens = _policy_tokens(keep, entropy, spec)
+    if policy_tokens is not keep:
+        per_token = per_token * policy_tokens
+    if sampler_weights is not None and objective != "vespo":
         per_token = per_token * sampler_weights
-    kl = None if ref_logp is None else masked_kl(logp, ref_logp, keep, ratio, spec.bias_correction_kl)
+    kl = None if ref_logp is None else masked_kl(logp, ref_logp, keep, ratio.value, spec.bias_correction_kl)
     if kl is not None and spec.beta:
         per_token = per_token + spec.beta * kl
     per_token = torch.where(keep, per_token, 0.0)
     loss = AGGREGATIONS[aggregation](per_token, keep, spec, batch)
-    return loss, loss_stats(keep, kl, clipped, entropy)
+    stats = loss_stats(keep, kl, clipped, entropy, extra)
+    if spec.entropy_bonus:
+        loss = _less_entropy_bonus(loss, stats, entropy, policy_tokens, entropy_coef, aggregation, batch)
+    return loss, stats
+
+
+def _less_entropy_bonus(
+    loss: Tensor, stats: LossStats, entropy: Tensor | None, tokens: Tensor, coef: float, aggregation: str,
+    batch: BatchTotals,
+) -> Tensor:  # fmt: skip
+    """The micro-batch's loss less `coef` × the mean entropy of `tokens`, divided by the batch's
+    micro-batches (TRL's, whatever the loss type); records `policy_loss` and the bonus's entropy sums."""
+    if entropy is None:
+        raise ValueError("the entropy bonus needs the per-token entropy")
+    stats.extra["policy_loss"] = (policy_loss(loss, aggregation, batch), loss.new_tensor(1.0).detach())
+    bonus = torch.stack([torch.where(tokens, entropy, 0.0).sum(), tokens.sum().float()])
+    stats.bonus_entropy = bonus.detach()
+    return loss - coef * bonus[0] / bonus[1].clamp(min=1) / batch.accumulation_steps
+
+
+def _policy_tokens(keep: Tensor, entropy: Tensor | None, spec: LossSpec) -> Tensor:
+    """The tokens the policy term (and the entropy bonus) acts on: `keep`, or its highest-entropy ones."""
+    if spec.top_entropy_quantile == 1.0:
+        return keep
+    if entropy is None:
+        raise ValueError("top_entropy_quantile < 1 needs the per-token entropy")
+    return high_entropy_mask(entropy, keep, spec.top_entropy_quantile)
+
+
+def policy_loss(share: Tensor, aggregation: str, batch: BatchTotals) -> Tensor:
+    """TRL's `policy_loss` metric of a micro-batch: its loss before the entropy bonus, not divided by the
+    micro-batches (dapo's share of the batch's tokens already is the micro-batch's loss)."""
+    return (share if aggregation == "dapo" else share * batch.accumulation_steps).detach()

@@ -1,8 +1,9 @@
 """Token log-probs from hidden states and the lm_head, without a [batch, length, vocab] logits tensor.
 
-A chunked log-softmax computes each row's log-prob (and, when asked, its entropy) a chunk of rows at a
-time, forward and backward alike, with the architecture's logit scale and soft cap applied as its model
-does. Tensors in, tensors out: the model-level code (Policy, micro-batches) is train/policy.py.
+A chunked log-softmax computes each row's log-prob (and, when asked, its entropy, both differentiable) a
+chunk of rows at a time, forward and backward alike, with the architecture's logit scale and soft cap
+applied as its model does. Tensors in, tensors out: the model-level code (Policy, micro-batches) is
+train/policy.py.
 """
 
 from __future__ import annotations
@@ -71,14 +72,26 @@ def chunk_logits(
     return logits.div_(temperature)
 
 
+def _softmax_grad_(log_p: Tensor, g: Tensor, g_h: Tensor | None, entropy: Tensor) -> None:
+    """In place on a chunk's log-probs [rows, V]: their gradient but for the target's one-hot term, -p · g
+    for the log-probs' upstream gradient g, and -p · (g + g_h · (log p + H)) with the entropy's g_h too
+    (dH/dx = -p · (log p + H)), which takes a second chunk-sized buffer (p)."""
+    if g_h is None:
+        log_p.exp_().mul_(-g)
+        return
+    p = log_p.exp()
+    log_p.add_(entropy).mul_(g_h).add_(g).mul_(p).neg_()
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     """log_softmax(f(h @ W.T + b) / T)[target] computed chunk by chunk, f the architecture's
     `LogitTransform`; backward recomputes each chunk.
 
     Only one chunk's logits ([chunk, vocab]) exists at any time, in the forward and in the backward,
     so memory does not grow with batch × length × vocab; every step on a chunk works in place.
-    `with_entropy` also returns each row's entropy (no gradient), at the cost of a second fp32 chunk buffer;
-    otherwise the second output is empty. `product` computes the logits and the hidden states' gradient
+    `with_entropy` also returns each row's entropy, at the cost of a second fp32 chunk buffer (in the
+    backward too, only when a loss uses the entropy: the entropy bonus); otherwise the second output is
+    empty. `product` computes the logits and the hidden states' gradient
     (F.linear or `onednn.linear`); the weight's gradient accumulates in place with addmm_.
     """
 
@@ -104,14 +117,16 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 lses[rows] = shifted.exp_().sum(dim=-1).log_().add_(top.squeeze(-1))
             logps[rows] -= lses[rows]
             del logits, shifted  # before the next chunk's logits exist
-        ctx.save_for_backward(hidden, weight, bias, targets, lses)
+        ctx.save_for_backward(hidden, weight, bias, targets, lses, entropies)
         ctx.head, ctx.temperature, ctx.chunk_size, ctx.product = head, temperature, chunk_size, product
-        ctx.mark_non_differentiable(entropies)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropies)
         return logps, entropies
 
     @staticmethod
-    def backward(ctx, grad_logps, _grad_entropies):  # noqa: D102
-        hidden, weight, bias, targets, lses = ctx.saved_tensors
+    def backward(ctx, grad_logps, grad_entropies):  # noqa: D102
+        hidden, weight, bias, targets, lses, entropies = ctx.saved_tensors
         head, temperature = ctx.head, ctx.temperature
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -119,6 +134,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias else None
         # A soft cap's derivative needs a second [rows, vocab] buffer: half the rows keep the peak at a chunk.
         step = ctx.chunk_size if head.softcap is None else max(1, ctx.chunk_size // 2)
+        grad_logps = lses.new_zeros(lses.shape) if grad_logps is None else grad_logps
         for start in range(0, hidden.shape[0], step):
             rows = slice(start, start + step)
             g = grad_logps[rows, None].float()
@@ -128,7 +144,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             slope = None
             if head.softcap is not None:
                 slope = (grad_logits * (temperature / head.softcap)).square_().neg_().add_(1)
-            grad_logits.sub_(lses[rows, None]).exp_().mul_(-g)
+            g_h = None if grad_entropies is None else grad_entropies[rows, None].float()
+            _softmax_grad_(grad_logits.sub_(lses[rows, None]), g, g_h, entropies[rows, None])
             grad_logits.scatter_add_(-1, targets[rows, None], g).div_(temperature)
             if head.scale != 1.0:
                 grad_logits.mul_(head.scale)
@@ -166,7 +183,7 @@ def token_logprobs(
 
     Equal to `log_softmax(head(hidden @ weight.T + bias) / temperature).gather(targets)` without ever
     holding the [B, T, V] logits. Returned in float32; `with_entropy`: with the entropy of each
-    position's distribution [B, T] (no gradient), as `(logps, entropies)`.
+    position's distribution [B, T] (differentiable too), as `(logps, entropies)`.
     """
     flat, entropies = _ChunkedTokenLogprobs.apply(
         hidden.reshape(-1, hidden.shape[-1]),

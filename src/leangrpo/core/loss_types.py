@@ -13,6 +13,8 @@ LOSS_TYPES: dict[str, tuple[str, str]] = {
     "dapo": ("clip", "dapo"),
     "cispo": ("cispo", "dapo"),
     "sapo": ("sapo", "grpo"),
+    "luspo": ("clip", "luspo"),
+    "vespo": ("vespo", "dapo"),
 }
 
 

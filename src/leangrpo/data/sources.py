@@ -324,12 +324,12 @@ def _messages(question: str, system_prompt: str | None) -> list[Message]:
 class PromptSampler:
     """Which rows each rank trains on at each global step: a pure function of (step, rank).
 
-    Epoch ``e`` visits rows in the order ``torch.randperm(num_rows)`` seeded with ``seed + e``;
-    the epochs' orders are concatenated into one endless stream. Step ``s`` takes the next
-    ``prompts_per_step * world_size`` entries and rank ``r`` its ``r``-th contiguous slice, so
-    ranks never share a row within an epoch, and resuming at step ``k`` yields exactly what an
-    uninterrupted run would. A step may span an epoch boundary (always when there are fewer
-    rows than one step needs).
+    Epoch ``e`` visits rows in the order ``torch.randperm(num_rows)`` seeded with ``seed + e`` (or,
+    without ``shuffle``, in the dataset's order: TRL's ``shuffle_dataset=False``); the epochs' orders
+    are concatenated into one endless stream. Step ``s`` takes the next ``prompts_per_step *
+    world_size`` entries and rank ``r`` its ``r``-th contiguous slice, so ranks never share a row
+    within an epoch, and resuming at step ``k`` yields exactly what an uninterrupted run would. A step
+    may span an epoch boundary (always when there are fewer rows than one step needs).
     """
 
     num_rows: int
@@ -337,6 +337,7 @@ class PromptSampler:
     seed: int
     rank: int = 0
     world_size: int = 1
+    shuffle: bool = True
 
     def __post_init__(self) -> None:
         if self.num_rows < 1 or self.prompts_per_step < 1 or self.world_size < 1:
@@ -349,9 +350,12 @@ class PromptSampler:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         start = (step * self.world_size + self.rank) * self.prompts_per_step
+        positions = range(start, start + self.prompts_per_step)
+        if not self.shuffle:
+            return [pos % self.num_rows for pos in positions]
         return [
             _epoch_order(self.num_rows, self.seed + pos // self.num_rows)[pos % self.num_rows]
-            for pos in range(start, start + self.prompts_per_step)
+            for pos in positions
         ]
 
 

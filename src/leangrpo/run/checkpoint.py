@@ -169,6 +169,7 @@ def save_checkpoint(
     rank: int,
     barrier: Callable[[], None],
     rng: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write `checkpoint-{step}` atomically; every rank calls this (each saves its RNG state).
 
@@ -176,9 +177,9 @@ def save_checkpoint(
     `distributed` strategy, which gathers them when sharded. The checkpoint holds the trainable weights
     (`save_pretrained`: the adapter only for peft models, naming the base as the user did), the tokenizer,
     the optimizer and scheduler states, every rank's RNG states (`rng`: this rank's to record, by default
-    the current one), the resolved config and `state` (step counters). Older checkpoints beyond
-    `logging.save_total_limit` are deleted after the new one is complete. A failed write (disk full...)
-    removes the partial files and raises a CheckpointError.
+    the current one), the resolved config, `state` (step counters) and `extra` (file name → object for
+    torch.save). Older checkpoints beyond `logging.save_total_limit` are deleted after the new one is
+    complete. A failed write (disk full...) removes the partial files and raises a CheckpointError.
     """
     from leangrpo.models.load import name_adapter_base
     from leangrpo.run.resolve import save_config
@@ -200,6 +201,8 @@ def save_checkpoint(
             tokenizer.save_pretrained(tmp)
             _torch_save(optimizer_state, tmp / "optimizer.pt")
             _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
+            for name, obj in (extra or {}).items():
+                _torch_save(obj, tmp / name)
             save_config(cfg, tmp / "config.yaml")
             files = {str(p.relative_to(tmp)): p.stat().st_size for p in tmp.rglob("*") if p.is_file()}
             info = {**state, "step": step, "files": files, "sha256": file_hashes(tmp)}
@@ -330,6 +333,11 @@ def load_rank_state(ckpt: Path, rank: int) -> dict[str, Any]:
     Read with `weights_only=True`: tensors and plain values only, so a crafted file cannot run code."""
     names = {"optimizer": "optimizer.pt", "scheduler": "scheduler.pt", "rng": f"rng_state_{rank}.pt"}
     return {key: _torch_load(ckpt / name) for key, name in names.items()}
+
+
+def load_extra(ckpt: Path, name: str) -> Any:
+    """A file `save_checkpoint` wrote from `extra` (tensors and plain values only, as `load_rank_state`)."""
+    return _torch_load(ckpt / name)
 
 
 def _torch_load(path: Path) -> Any:

@@ -14,6 +14,7 @@ import torch
 from leangrpo.config.schema import step_interval
 from leangrpo.core.errors import TrainingError
 from leangrpo.run.checkpoint import (
+    load_extra,
     load_rank_state,
     read_state,
     remove_partial,
@@ -47,6 +48,9 @@ def check_steps_left(ckpt: Path, max_steps: int, run_dir: Path, write: Callable[
         )
 
 
+REFERENCE_FILE = "reference.pt"
+
+
 class Checkpoints:
     """Saves and restores a run's checkpoints; every process calls each method together."""
 
@@ -58,9 +62,12 @@ class Checkpoints:
         opt: Optimization,
         tokenizer: PreTrainedTokenizerBase,
         write: Callable[[str], None],
+        reference: torch.nn.Module | None = None,
     ):
+        """`reference`: the reference copy when it moves (grpo.sync_ref_model): checkpoints keep it."""
         self.cfg, self.acc, self.dist, self.opt, self.tokenizer = cfg, acc, dist, opt, tokenizer
         self.run_dir, self.write = Path(cfg.output_dir), write
+        self.reference = reference if cfg.grpo.sync_ref_model else None
         self.last_save = time.monotonic()
 
     def due(self, step: int) -> bool:
@@ -93,7 +100,7 @@ class Checkpoints:
             self.run_dir, step, model=dist.saveable(opt.policy), tokenizer=self.tokenizer,
             optimizer_state=dist.optimizer_state(opt.policy, opt.optimizer), scheduler=opt.scheduler,
             cfg=self.cfg, state={"world_size": self.acc.num_processes, **state}, rank=self.acc.process_index,
-            barrier=self.acc.wait_for_everyone, rng=rng,
+            barrier=self.acc.wait_for_everyone, rng=rng, extra=self._reference_file(),
         )  # fmt: skip
         self.last_save = time.monotonic()
         return ckpt
@@ -113,5 +120,16 @@ class Checkpoints:
                 truncate_log(log, state["step"])
             self.write(f"resuming from {ckpt} at step {state['step']}")
             save_config(self.cfg, self.run_dir / "config.yaml")
+        if self.reference is not None:
+            saved = load_extra(ckpt, REFERENCE_FILE)
+            with torch.no_grad():
+                for name, p in self.reference.named_parameters():
+                    p.copy_(saved[name])
         set_rng_state(rank_state["rng"])  # last: nothing may draw random numbers after this
         return state
+
+    def _reference_file(self) -> dict[str, Any]:
+        """The moving reference's weights, for the checkpoint (whole on every process: no FSDP)."""
+        if self.reference is None:
+            return {}
+        return {REFERENCE_FILE: {name: p.detach().cpu() for name, p in self.reference.named_parameters()}}

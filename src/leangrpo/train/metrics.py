@@ -115,6 +115,7 @@ class StepRecorder:
             "loss": update.loss,
             "grad_norm": update.grad_norm,
             "learning_rate": update.learning_rate,
+            **update.metrics(),
             **{f"time/{phase}": s for phase, s in seconds.items()},
             **scores.metrics,  # the rewards' log_metric values (this process's)
             **self._mismatch_metrics(ref.mismatch),

@@ -121,10 +121,13 @@ class RolloutSource:
         self.trainer = trainer.extras.rollout_trainer or trainer
         self.prompt_format, self.release_memory = prompt_format, release_memory
         self.sampling = Sampling.from_config(cfg.grpo, cfg.data)
-        # each step's prompts, and dynamic sampling's extra prompts in their own seeded order
+        # each step's prompts (data.shuffle_dataset), and dynamic sampling's extra ones in their own
+        # seeded order
         self.sampler, self.resampler = (
-            PromptSampler(len(rows), cfg.prompts_per_step, seed, acc.process_index, acc.num_processes)
-            for seed in (cfg.seed, cfg.seed + 2)
+            PromptSampler(
+                len(rows), cfg.prompts_per_step, seed, acc.process_index, acc.num_processes, shuffle
+            )
+            for seed, shuffle in ((cfg.seed, cfg.data.shuffle_dataset), (cfg.seed + 2, True))
         )
         self._engine: RolloutEngine | None = None  # built at the first rollout, after any resume or SFT
         self._rollouts: AsyncRollouts | None = None  # grpo.async_rollouts: built with the engine

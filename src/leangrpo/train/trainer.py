@@ -126,7 +126,7 @@ class Trainer:
         self.scorer = Scorer(self.cfg, self.acc, self.reward_funcs, self.conversational, len(self.rows))
         self.updater = Updater(
             self.cfg, self.acc, self.dist, opt, self.ref_policy, ref_pages, self.group, free, self._write,
-            skipped=(state.get("skipped_steps", 0), state.get("nonfinite_in_a_row", 0)),
+            state=state,
         )  # fmt: skip
         uses_tools = self.agent is not None and self.agent.uses_tools
         self.recorder = StepRecorder(self.cfg, self.acc, self.logger, self.task, uses_tools, self.extras)
@@ -190,7 +190,9 @@ class Trainer:
             self.cfg, self.logger = self.session.open(
                 self.cfg, overwrite, resuming, self.acc.wait_for_everyone
             )
-            self.checkpoints = Checkpoints(self.cfg, self.acc, self.dist, opt, self.tokenizer, self._write)
+            self.checkpoints = Checkpoints(
+                self.cfg, self.acc, self.dist, opt, self.tokenizer, self._write, self.ref_policy
+            )
             return {} if self.resume_from is None else self.checkpoints.restore(self.resume_from, self.logger)
 
     # ------------------------------------------------------------------------------------ one step
@@ -305,10 +307,7 @@ class Trainer:
         """`checkpoint-{step}` of the weights, states and counters now (`rng`: the RNG state to record
         instead of the current one). An async batch in flight is dropped, never trained on: the resumed
         run generates it again from its step index."""
-        state: dict[str, Any] = {
-            "skipped_steps": self.updater.skipped_steps,
-            "nonfinite_in_a_row": self.updater.nonfinite_in_a_row,
-        }
+        state: dict[str, Any] = self.updater.state()
         if (in_flight := self.source.in_flight_step) is not None:
             state["async_discarded_step"] = in_flight
         return self.checkpoints.save(step, state, rng)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -18,7 +18,7 @@ from leangrpo.core import grpo
 from leangrpo.core.errors import DeviceOptionError, TrainingError
 from leangrpo.models.load import TensorStore, frozen_copy, is_peft
 from leangrpo.train.distributed import Sharded
-from leangrpo.train.loss import loss_spec
+from leangrpo.train.loss import EntropyControl, loss_spec
 from leangrpo.train.optim import Optimization, activation_offload
 from leangrpo.train.policy import (
     Policy,
@@ -53,12 +53,20 @@ class Reference:
 @dataclass
 class Update:
     """What the update phase reports: the mean loss of its iterations, the last gradient norm and
-    learning rate, and each micro-batch's token counts for the KL and clip metrics."""
+    learning rate, each micro-batch's token counts for the KL and clip metrics, and the entropy bonus's
+    `entropy_coef` after each optimizer step (TRL's metric: their mean; none without the bonus)."""
 
     loss: float
     grad_norm: float
     learning_rate: float
     stats: list[grpo.LossStats]
+    entropy_coefs: list[float]
+
+    def metrics(self) -> dict[str, float]:
+        """The update's own metrics beyond the loss's: `entropy_coef` with the entropy bonus."""
+        return (
+            {"entropy_coef": sum(self.entropy_coefs) / len(self.entropy_coefs)} if self.entropy_coefs else {}
+        )
 
 
 def build_policy(cfg: Config, model: PreTrainedModel, dist: Replicated, group: int) -> torch.nn.Module:
@@ -89,6 +97,10 @@ def build_reference(
         return None, None
     dtype = None if g.reference_dtype == "auto" else getattr(torch, g.reference_dtype)
     sharded = isinstance(dist, Sharded)
+    if g.sync_ref_model and sharded:
+        raise TrainingError(
+            "grpo.sync_ref_model is for runs without FSDP: a sharded reference does not move yet"
+        )
     if asked and (reference_store is None or sharded):
         raise TrainingError(
             f"cpu.reference_on_disk is for CPU runs without FSDP (this run: {dist.acc.device.type}, "
@@ -127,17 +139,33 @@ class Updater:
         group: int,
         release_memory: Callable[[], None],
         write: Callable[[str], None],
-        skipped: tuple[int, int] = (0, 0),
+        state: dict[str, Any] | None = None,
     ):
-        """`skipped`: the steps skipped so far and in a row at the end (a resumed run's)."""
+        """`state`: a resumed run's counters (`state()`)."""
         self.cfg, self.acc, self.dist, self.opt = cfg, acc, dist, opt
         self.ref_policy, self.ref_pages, self.group = ref_policy, ref_pages, group
         self.release_memory, self.write = release_memory, write
         self.loss_spec = loss_spec(cfg.grpo)  # the objective, its aggregation and constants, once
-        self.skipped_steps, self.nonfinite_in_a_row = skipped
         self.packed, why_not = padding_free(self.unwrapped.lm, cfg.grpo.padding_free)
         if why_not:
             write(f"grpo.padding_free: off, {why_not}; completions are padded to the longest")
+        state = state or {}
+        self.skipped_steps = state.get("skipped_steps", 0)
+        self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
+        self.entropy = EntropyControl.of(cfg.grpo, state)
+        self.optimizer_steps = state.get("optimizer_steps", 0)  # TRL's global_step, for sync_ref_model
+
+    def state(self) -> dict[str, Any]:
+        """The counters a checkpoint keeps: the skipped steps, the optimizer steps, and the entropy
+        control's state."""
+        out: dict[str, Any] = {
+            "skipped_steps": self.skipped_steps,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "optimizer_steps": self.optimizer_steps,
+        }
+        if self.loss_spec.entropy_bonus:
+            out["entropy_control"] = self.entropy.state()
+        return out
 
     @property
     def unwrapped(self) -> Policy:
@@ -187,7 +215,7 @@ class Updater:
         # dapo normalises by every process's tokens (DDP then averages the gradients)
         num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
         self.opt.policy.train()
-        loss_total, stats, skipped = 0.0, [], False
+        loss_total, stats, skipped, coefs = 0.0, [], False, []
         grad_norm, lr = math.nan, float(self.opt.scheduler.get_last_lr()[0])
         for _ in range(g.num_iterations):
             loss_sum, iteration_stats = self._backward(rollout, advantages, ref, mask, num_tokens)
@@ -195,6 +223,9 @@ class Updater:
             stats += iteration_stats
             loss_total += iteration_loss / g.num_iterations
             grad_norm, lr, skipped = self._optimizer_step(iteration_loss)
+            self._sync_reference()
+            if self.loss_spec.entropy_bonus:
+                coefs.append(self._control_entropy(iteration_stats))
             if skipped:  # the step's later iterations would build on the same bad batch
                 break
         self.release_memory()
@@ -202,7 +233,32 @@ class Updater:
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
         if skipped:
             self.write("non-finite loss or gradient; update skipped")
-        return Update(loss_total, grad_norm, lr, stats)
+        return Update(loss_total, grad_norm, lr, stats, coefs)
+
+    def _sync_reference(self) -> None:
+        """After an optimizer step: every `ref_model_sync_steps` of them, the reference moves toward the
+        policy, ref = alpha·policy + (1 - alpha)·ref (TRL's SyncRefModelCallback, TR-DPO), in place
+        (in its file with cpu.reference_on_disk)."""
+        g = self.cfg.grpo
+        self.optimizer_steps += 1
+        if not g.sync_ref_model or self.ref_policy is None or self.optimizer_steps % g.ref_model_sync_steps:
+            return
+        policy, alpha = dict(self.unwrapped.named_parameters()), g.ref_model_mixup_alpha
+        with torch.no_grad():
+            for name, ref in self.ref_policy.named_parameters():
+                ref.mul_(1.0 - alpha).add_(policy[name].to(ref.dtype), alpha=alpha)
+        if self.ref_pages is not None:
+            self.ref_pages.drop_pages()
+
+    def _control_entropy(self, stats: list[grpo.LossStats]) -> float:
+        """After an optimizer step: adaptive entropy control reads its mean bonus entropy over every
+        process (TRL's window: each process's token sums, summed); returns the coefficient then."""
+        if self.cfg.grpo.use_adaptive_entropy:
+            window = self.acc.reduce(
+                torch.stack([s.bonus_entropy for s in stats if s.bonus_entropy is not None]).sum(0), "sum"
+            )
+            self.entropy.observe(float(window[0] / window[1].clamp(min=1)))
+        return self.entropy.coef
 
     def _backward(
         self, rollout: RolloutBatch, advantages: Tensor, ref: Reference, mask: Tensor, num_tokens: float
@@ -214,6 +270,7 @@ class Updater:
         micro = cfg.optim.per_device_train_batch_size
         batch = grpo.BatchTotals(len(rollout), num_tokens, math.ceil(len(rollout) / micro))
         iteration_loss, stats = torch.zeros((), dtype=torch.float64, device=mask.device), []
+        coef = self.entropy.applied()
         extents = micro_batch_extents(rollout.prompt_mask, rollout.completion_mask, micro)
         for start, extent in zip(range(0, len(rollout), micro), extents, strict=True):
             rows = slice(start, start + micro)
@@ -238,6 +295,7 @@ class Updater:
                     logp, old_logp, _cut(ref.ref_logp, rows, width), advantages[rows], mask[rows, :width],
                     spec=self.loss_spec, batch=batch, entropy=entropy,
                     sampler_weights=_cut(ref.sampler_weights, rows, width),
+                    sampling_logp=_cut(rollout.sampling_logprobs, rows, width), entropy_coef=coef,
                 )  # fmt: skip
                 self.acc.backward(loss)
             iteration_loss += loss.detach().double()  # as exact as summing floats
