@@ -1,0 +1,167 @@
+"""Issue 50's trust and bounds cases (the case number in the name): trust goes by where a config file is,
+not by how it was passed or what shape it has; one import-path rule for every entry point; template
+rendering and generation lengths bounded; signal exit codes. One tiny trained run is shared by the module;
+cases copy it before changing it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from test_e2e import PYTHONPATH, write_config
+
+from leangrpo.cli import main
+
+# A module that marks its import: what a run's config names must never be imported unless granted.
+MARKER_MODULE = """import pathlib
+pathlib.Path({marker!r}).touch()
+def reward(completions, **kw):
+    return [0.0] * len(completions)
+"""
+CONSOLE_SCRIPT = Path(sys.executable).parent / "leangrpo"
+
+
+def cli(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_model_dir, gsm8k_dir) -> Path:
+    """A 2-step run, checkpointed at each step, naming no code but leangrpo's."""
+    root = tmp_path_factory.mktemp("trust")
+    small = {
+        "optim": {"max_steps": 2, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
+        "grpo": {"num_generations": 4},
+        "logging": {"save_steps": 1, "progress_bar": False},
+        "rewards": {"functions": [{"name": "correctness"}]},
+    }
+    cfg = write_config(root / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", root / "run", **small)
+    result = cli("train", "-c", str(cfg))
+    assert result.exit_code == 0, result.output
+    return root / "run"
+
+
+@pytest.fixture
+def run(trained, tmp_path) -> Path:
+    """A copy of the shared run, to change; its config names itself as output_dir."""
+    copy = Path(shutil.copytree(trained, tmp_path / "run"))
+    data = yaml.safe_load((copy / "config.yaml").read_text())
+    (copy / "config.yaml").write_text(yaml.safe_dump({**data, "output_dir": str(copy)}))
+    return copy
+
+
+@pytest.fixture
+def marker(tmp_path, monkeypatch) -> tuple[str, Path]:
+    """(`module:reward` on the import path, the file its import creates): code a run could name."""
+    name = f"marker_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / f"{name}.py").write_text(MARKER_MODULE.format(marker=str(tmp_path / "IMPORTED")))
+    monkeypatch.syspath_prepend(str(tmp_path / "lib"))
+    return f"{name}:reward", tmp_path / "IMPORTED"
+
+
+def name_reward(config: Path, reward: str, drop: tuple[str, ...] = ()) -> None:
+    """Make a config name `reward`, leaving out the sections `drop`."""
+    data = yaml.safe_load(config.read_text())
+    data["rewards"]["functions"] = [{"name": reward}]
+    config.write_text(yaml.safe_dump({k: v for k, v in data.items() if k not in drop}))
+
+
+def refused(result, named: str) -> None:
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert named in result.output and "--trust-run-code" in result.output, result.output
+
+
+# ------------------------------------------------------------------------------- 1-3. trust by location
+
+
+def test_1_resume_latest_checks_a_config_inside_the_run(run, marker, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    reward, imported = marker
+    own = (run / "config.yaml").read_text()
+    name_reward(run / "config.yaml", reward)
+    refused(cli("train", "--resume", "latest", "-c", str(run / "config.yaml")), reward)
+    assert not imported.exists()
+    # a run naming only leangrpo's own code resumes either way without a grant (it is done: nothing to train)
+    (run / "config.yaml").write_text(own)
+    for args in (["--resume", str(run)], ["--resume", "latest", "-c", str(run / "config.yaml")]):
+        result = cli("train", *args)
+        assert "nothing left to train" in result.output, result.output  # past the trust check
+
+
+@pytest.mark.parametrize("shape", ["no grpo section", "flat TRL"])
+def test_2_eval_takes_a_config_inside_a_run_as_the_runs_whatever_its_shape(
+    run, marker, shape, tmp_path, gsm8k_dir, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    reward, imported = marker
+    config = run / "config.yaml"
+    name_reward(config, reward, drop=("grpo",))
+    if shape == "flat TRL":
+        data = yaml.safe_load(config.read_text())
+        flat = {
+            "model_name_or_path": data["model"]["name_or_path"],
+            "dataset_name": data["data"]["path"],
+            "reward_funcs": [reward],
+            "output_dir": str(run),
+        }
+        config.write_text(yaml.safe_dump(flat))
+    args = ["--model", str(run / "checkpoint-2"), "-c", str(config), "--data", str(gsm8k_dir)]
+    result = cli("eval", *args, "--limit", "1", "--out", str(tmp_path / "e.json"))
+    assert result.exit_code == 0, result.output
+    assert not imported.exists()
+
+
+def test_3_train_from_a_config_inside_a_run_is_refused_what_it_names(run, marker, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    reward, imported = marker
+    name_reward(run / "config.yaml", reward)
+    refused(cli("train", "-c", str(run / "config.yaml"), f"output_dir={tmp_path / 'new'}"), reward)
+    assert not imported.exists() and not (tmp_path / "new").exists()
+
+
+# ------------------------------------------------------------------------------- 4-5. the import path
+
+
+def entry_points(*args: str, cwd: Path) -> list[subprocess.CompletedProcess]:
+    """`python -m leangrpo ARGS` and the `leangrpo` console script (with an empty PYTHONPATH entry, which
+    Python reads as the current directory), both run in `cwd`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    commands = [
+        ([sys.executable, "-m", "leangrpo", *args], PYTHONPATH),
+        ([str(CONSOLE_SCRIPT), *args], os.pathsep + PYTHONPATH),
+    ]
+    return [
+        subprocess.run(
+            cmd, cwd=cwd, env={**env, "PYTHONPATH": path}, capture_output=True, text=True, timeout=300
+        )
+        for cmd, path in commands
+    ]
+
+
+def plant_modules(where: Path, *names: str) -> Path:
+    """Files in `where` shadowing modules leangrpo imports; each marks its import in `where/PWNED`."""
+    for name in names:
+        (where / f"{name}.py").write_text(MARKER_MODULE.format(marker=str(where / "PWNED")))
+    return where / "PWNED"
+
+
+def test_4_a_built_in_reward_never_puts_the_current_directory_on_the_path(run, gsm8k_dir):
+    pwned = plant_modules(run, "kernels", "math_verify", "reasoning_gym")
+    for result in entry_points("eval", "--model", ".", "--reward", "correctness", "--data", str(gsm8k_dir),
+                               "--limit", "1", "--out", "e.json", cwd=run):  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert not pwned.exists()
+
+
+def test_5_demo_never_imports_from_the_current_directory(tmp_path):
+    pwned = plant_modules(tmp_path, "reasoning_gym", "kernels")
+    for result in entry_points("demo", "eval.enabled=false", cwd=tmp_path):  # fails once the config is read
+        assert result.returncode == 2 and "eval.enabled" in result.stderr, result.stdout + result.stderr
+        assert not pwned.exists()
