@@ -165,3 +165,58 @@ def test_5_demo_never_imports_from_the_current_directory(tmp_path):
     for result in entry_points("demo", "eval.enabled=false", cwd=tmp_path):  # fails once the config is read
         assert result.returncode == 2 and "eval.enabled" in result.stderr, result.stdout + result.stderr
         assert not pwned.exists()
+
+
+# ------------------------------------------------------------------------------- 13, 25. chat templates
+
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+
+
+@pytest.fixture
+def templated(tiny_model_dir, tmp_path):
+    """A copy of the tiny model whose chat template is `template` (set it), for `chat` and `eval`."""
+
+    def with_template(template: str) -> Path:
+        model = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+        (model / "chat_template.jinja").write_text(template)
+        return model
+
+    return with_template
+
+
+def chat_and_eval(model: Path, gsm8k_dir: Path, out: Path) -> list:
+    eval_args = ["--data", str(gsm8k_dir), "--limit", "1", "--out", str(out)]
+    return [cli("chat", str(model), "What is 2+2?"), cli("eval", "--model", str(model), *eval_args)]
+
+
+def one_line(result, needle: str) -> None:
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("error: ") and needle in line, result.output
+
+
+def test_25_a_template_the_sandbox_refuses_is_one_line(templated, gsm8k_dir, tmp_path):
+    model = templated("{{ messages.append(1) }}")
+    for result in chat_and_eval(model, gsm8k_dir, tmp_path / "e.json"):
+        one_line(result, "SecurityError: access to attribute 'append'")
+
+
+def test_13_a_template_that_loops_ends_in_one_line(templated, gsm8k_dir, tmp_path, monkeypatch):
+    import leangrpo.data.rows as rows
+
+    monkeypatch.setattr(rows, "TEMPLATE_SECONDS", 1.0, raising=False)  # 10 s by default
+    model = templated(LOOPS)
+    for result in chat_and_eval(model, gsm8k_dir, tmp_path / "e.json"):
+        one_line(result, "chat template ran past 1 s")
+
+
+def test_13_a_template_that_renders_too_much_ends_in_one_line(real_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from leangrpo.data.rows import ChatTemplateError, PromptFormat
+
+    tokenizer = AutoTokenizer.from_pretrained(real_tokenizer_dir)
+    tokenizer.chat_template = "{% for i in range(100000) %}{{ 'y' * 100000 }}{% endfor %}"  # 10 GB
+    with pytest.raises(ChatTemplateError, match="more than 16 MiB"):
+        PromptFormat().render(tokenizer, [{"role": "user", "content": "q"}])
