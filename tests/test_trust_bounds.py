@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,41 @@ def test_13_a_template_that_renders_too_much_ends_in_one_line(real_tokenizer_dir
     tokenizer.chat_template = "{% for i in range(100000) %}{{ 'y' * 100000 }}{% endfor %}"  # 10 GB
     with pytest.raises(ChatTemplateError, match="more than 16 MiB"):
         PromptFormat().render(tokenizer, [{"role": "user", "content": "q"}])
+
+
+# ------------------------------------------------------------------------------- 23. generation lengths
+
+
+def test_23_generation_longer_than_the_context_is_one_line(tiny_model_dir, gsm8k_dir, tmp_path, monkeypatch):
+    """1e9 new tokens: refused against the model's context (1024 positions) before any allocation, in
+    `train` before the model loads, in `eval` and `chat` before generating."""
+    monkeypatch.chdir(tmp_path)
+    cfg = write_config(tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", tmp_path / "run")
+    result = cli("train", "-c", str(cfg), "grpo.max_completion_length=1000000000")
+    one_line(result, "max_completion_length = 1000000096 positions, more than the context")
+    assert not (tmp_path / "run").exists()
+    new = ["--max-new-tokens", "1000000000"]
+    eval_args = ["--data", str(gsm8k_dir), "--limit", "1", "--out", str(tmp_path / "e.json")]
+    for result in (
+        cli("chat", str(tiny_model_dir), "What is 2+2?", *new),
+        cli("eval", "--model", str(tiny_model_dir), *eval_args, *new),
+    ):
+        one_line(result, "more than the model's context of 1024 (max_position_embeddings)")
+
+
+def test_23_a_kv_cache_larger_than_the_memory_is_one_line(tiny_model_dir, monkeypatch):
+    from types import SimpleNamespace
+
+    import psutil
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.engines.hf import GenerationLengthError, check_room
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    check_room(model, 64, 1024)  # within the context and the machine
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=2**20, available=2**20))
+    with pytest.raises(
+        GenerationLengthError, match=r"KV cache of 64 sequences × 1024 positions needs .* GiB"
+    ):
+        check_room(model, 64, 1024)
+

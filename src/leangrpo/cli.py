@@ -107,9 +107,10 @@ def train(
         cfg = resume_config(config_path, list(overrides), resume, trust_run_code)
     else:
         cfg = load_admitted(config_path, overrides, trust_run_code)
-    from leangrpo.commands.plan import memory_startup_warning
+    from leangrpo.commands.plan import check_generation_length, memory_startup_warning
     from leangrpo.train.trainer import train as run_training
 
+    check_generation_length(cfg)
     if warning := memory_startup_warning(cfg):
         click.echo(f"warning: {warning}", err=True)
     final = run_training(cfg, overwrite=overwrite, resume=bool(resume))
