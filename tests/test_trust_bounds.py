@@ -259,3 +259,45 @@ def test_23_a_kv_cache_larger_than_the_memory_is_one_line(tiny_model_dir, monkey
     ):
         check_room(model, 64, 1024)
 
+
+# ------------------------------------------------------------------------------- 27, 28. signals and locks
+
+
+def test_27_ctrl_c_during_eval_exits_130(tiny_model_dir, gsm8k_dir, tmp_path):
+    """A real SIGINT once eval is generating: exit 130 (128 + SIGINT) with one line, not click's
+    "Aborted!" and 1."""
+    import select
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
+    args = ["--data", str(gsm8k_dir), "--limit", "64", "--max-new-tokens", "200", "--out", "e.json"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "leangrpo", "eval", "--model", str(tiny_model_dir), *args],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen, deadline = b"", time.monotonic() + 240
+    while b"eval:" not in seen and time.monotonic() < deadline and proc.poll() is None:
+        if select.select([proc.stdout], [], [], 1)[0]:
+            seen += os.read(proc.stdout.fileno(), 4096)
+    assert b"eval:" in seen, seen.decode(errors="replace")
+    proc.send_signal(signal.SIGINT)
+    output = seen + proc.communicate(timeout=120)[0]
+    text = output.decode(errors="replace")
+    assert proc.returncode == 130 and "Aborted!" not in text and "Traceback" not in text, text
+    assert text.rstrip().endswith("interrupted"), text
+
+
+def test_28_resume_of_a_run_training_now_says_it_is_in_use(run, tmp_path, monkeypatch):
+    from leangrpo.run.rundir import RunLock
+
+    monkeypatch.chdir(tmp_path)
+    for ckpt in run.glob("checkpoint-*"):  # a run still before its first checkpoint
+        shutil.rmtree(ckpt)
+    lock = RunLock(run)  # what the training process holds
+    try:
+        result = cli("train", "--resume", str(run))
+    finally:
+        lock.release()
+    one_line(result, f"the run is in use: a leangrpo process (PID {os.getpid()}) is training it now")
+    assert "--overwrite" not in result.output

@@ -50,7 +50,8 @@ def _drop_current_directory() -> None:
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn a UserError into one line on stderr and exit code 2, never a traceback; a run stopped by a
-    signal exits 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
+    signal exits 128 + its number (130 for SIGINT, 143 for SIGTERM), and so does a Ctrl-C anywhere else
+    (click's own answer is "Aborted!" and 1)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -64,6 +65,10 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             click.echo(str(e), err=True)
             _leave_if_one_of_many(e.exit_code)
             sys.exit(e.exit_code)
+        except KeyboardInterrupt:  # Ctrl-C where no run catches it (eval, chat, loading): 128 + SIGINT
+            click.echo("interrupted", err=True)
+            _leave_if_one_of_many(130)
+            sys.exit(130)
 
     return wrapper
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from leangrpo.core.errors import UserError, error_reason
-from leangrpo.run.rundir import claim, is_run_dir, replaced_note, write_text_atomic
+from leangrpo.run.rundir import RunLock, claim, is_run_dir, replaced_note, write_text_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -337,6 +337,11 @@ def resume_checkpoint(run_dir: Path) -> Path:
     """The last complete checkpoint of a run, or a CheckpointError."""
     if not is_run_dir(run_dir):
         raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
+    if pid := RunLock.holder(run_dir):
+        raise CheckpointError(
+            f"--resume {run_dir}: the run is in use: a leangrpo process (PID {pid}) is training it now; "
+            "resume it once that process has ended"
+        )
     ckpt = last_good_checkpoint(run_dir)
     if ckpt is None:
         advice = replaced_note(run_dir) or "; start it again with --overwrite"
