@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from test_e2e import PYTHONPATH, write_config
 
 from leangrpo.cli import main
+from leangrpo.run.trust import load_admitted
 
 # A module that marks its import: what a run's config names must never be imported unless granted.
 MARKER_MODULE = """import pathlib
@@ -125,6 +126,12 @@ def test_3_train_from_a_config_inside_a_run_is_refused_what_it_names(run, marker
     name_reward(run / "config.yaml", reward)
     refused(cli("train", "-c", str(run / "config.yaml"), f"output_dir={tmp_path / 'new'}"), reward)
     assert not imported.exists() and not (tmp_path / "new").exists()
+    # a project's own config.yaml, every section of a run's config in it, is the user's: not refused
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy(run / "config.yaml", project / "config.yaml")
+    cfg = load_admitted(project / "config.yaml", [f"output_dir={project}"])
+    assert cfg.rewards.functions[0].name == reward
 
 
 # ------------------------------------------------------------------------------- 4-5. the import path

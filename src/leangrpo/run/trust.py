@@ -23,7 +23,8 @@ from leangrpo.run.rundir import LOCK_FILE, MANIFEST, REPLACED, is_run_dir
 from leangrpo.run.trained import EXPORT_INFO
 
 TRUST_FLAG = "--trust-run-code"
-# Files only leangrpo writes, each marking the directory it is in as a run's, a checkpoint's or an export's.
+# Files only leangrpo writes, each marking the directory it is in as a run's, a checkpoint's or an export's
+# (a run's directory also by its checkpoint-N/trainer_state.json or model/leangrpo_sha256.json).
 RUN_MARKS = (MANIFEST, LOCK_FILE, REPLACED, STATE_FILE, SHA_FILE, EXPORT_INFO)
 
 
@@ -33,17 +34,20 @@ class UntrustedCodeError(UserError, RuntimeError):
 
 def is_run_owned(path: str | Path) -> bool:
     """True for a path inside a run, checkpoint or export directory (or one itself), by where it is rather
-    than what it holds: a directory on the way up holds a file only leangrpo writes, or is a run by its
-    config.yaml. Symlinks count where they are and where they point."""
+    than what it holds: a directory on the way up holds a file only leangrpo writes, or a checkpoint or final
+    model of a run. Not by a config.yaml's sections: a project's own config.yaml looks the same. Symlinks
+    count where they are and where they point."""
     path = Path(path).expanduser()
     for where in {path.absolute(), path.resolve()}:
         start = where if where.is_dir() else where.parent
-        for folder in (start, *start.parents):
-            if any(os.path.lexists(folder / mark) for mark in RUN_MARKS):
-                return True
-        if is_run_dir(start):
+        if any(_holds_a_run(folder) for folder in (start, *start.parents)):
             return True
     return False
+
+
+def _holds_a_run(folder: Path) -> bool:
+    marks = [folder / mark for mark in RUN_MARKS] + [folder / "model" / SHA_FILE]
+    return any(os.path.lexists(p) for p in marks) or any(folder.glob(f"checkpoint-*/{STATE_FILE}"))
 
 
 def _code_by_key(cfg: Config) -> list[tuple[tuple[str, ...], list[str]]]:
