@@ -168,9 +168,10 @@ def test_4_a_built_in_reward_never_puts_the_current_directory_on_the_path(run, g
         assert not pwned.exists()
 
 
-def test_5_demo_never_imports_from_the_current_directory(tmp_path):
+@pytest.mark.parametrize("task", ["chain_sum", "tools"])  # tools: the recipe names leangrpo's calculator
+def test_5_demo_never_imports_from_the_current_directory(task, tmp_path):
     pwned = plant_modules(tmp_path, "reasoning_gym", "kernels")
-    for result in entry_points("demo", "eval.enabled=false", cwd=tmp_path):  # fails once the config is read
+    for result in entry_points("demo", "--task", task, "eval.enabled=false", cwd=tmp_path):  # ends once read
         assert result.returncode == 2 and "eval.enabled" in result.stderr, result.stdout + result.stderr
         assert not pwned.exists()
 

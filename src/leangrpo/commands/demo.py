@@ -114,7 +114,7 @@ def demo_config(
     check_packages(recipe)
     from leangrpo.run.trust import admit  # loads torch: not for `leangrpo --help`
 
-    config = validate_config(recipe, source="demo", vet=lambda c: admit(c, None, overrides))
+    config = validate_config(recipe, source="demo", vet=lambda c: admit(c, None, overrides, users=False))
     if not config.eval.enabled:
         raise ConfigError("config error in demo: eval.enabled: the demo's before/after table needs it true")
     return config

@@ -95,15 +95,22 @@ def refusal(source: str, named: list[str]) -> UntrustedCodeError:
 
 
 def admit(
-    cfg: Config, source: str | Path | None, overrides: Sequence[str] = (), granted: bool = False
+    cfg: Config,
+    source: str | Path | None,
+    overrides: Sequence[str] = (),
+    granted: bool = False,
+    users: bool | None = None,
 ) -> None:
     """The check of a config read from `source` (None: overrides only), before anything it names is
     imported: from a run, the code it names is refused unless `granted` or set in `overrides`; where the
-    user names a module themselves, the current directory goes on the import path for it."""
+    user names a module themselves, the current directory goes on the import path for it. `users`: whether
+    `cfg` is the user's own beyond `overrides` (default: `source` is outside any run; a recipe of
+    leangrpo's, the demo's, is not)."""
     owned = source is not None and is_run_owned(source)
     if owned and not granted and (named := code_named(cfg, overrides)):
         raise refusal(str(source), named)
-    mine = (names for keys, names in _code_by_key(cfg) if not owned or _overridden(overrides, *keys))
+    users = not owned if users is None else users
+    mine = (names for keys, names in _code_by_key(cfg) if users or _overridden(overrides, *keys))
     if any(":" in name for names in mine for name in names):
         code_beside_the_user()
 
