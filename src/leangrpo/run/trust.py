@@ -35,9 +35,12 @@ class UntrustedCodeError(UserError, RuntimeError):
 def is_run_owned(path: str | Path) -> bool:
     """True for a path inside a run, checkpoint or export directory (or one itself), by where it is rather
     than what it holds: a directory on the way up holds a file only leangrpo writes, or a checkpoint or final
-    model of a run. Not by a config.yaml's sections: a project's own config.yaml looks the same. Symlinks
-    count where they are and where they point."""
+    model of a run; and a directory passed as a run (its config.yaml with a run's sections). A config file is
+    not judged by its sections: a project's own config.yaml looks the same. Symlinks count where they are
+    and where they point."""
     path = Path(path).expanduser()
+    if path.is_dir() and is_run_dir(path):
+        return True
     for where in {path.absolute(), path.resolve()}:
         start = where if where.is_dir() else where.parent
         if any(_holds_a_run(folder) for folder in (start, *start.parents)):
@@ -135,7 +138,9 @@ def resume_config(
     run_dir = Path(resume)
     if config_path is None and not is_run_dir(run_dir):
         raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
-    cfg = load_admitted(config_path or run_dir / "config.yaml", overrides, trust_run_code)
+    source = Path(config_path) if config_path else run_dir  # without -c, the run's own config
+    path = source if config_path else run_dir / "config.yaml"
+    cfg = load_config(path, overrides, lambda cfg: admit(cfg, source, overrides, trust_run_code))
     return cfg.model_copy(update={"output_dir": str(run_dir)})
 
 
