@@ -18,7 +18,6 @@ from click.testing import CliRunner
 from test_e2e import PYTHONPATH, write_config
 
 from leangrpo.cli import main
-from leangrpo.run.trust import load_admitted
 
 # A module that marks its import: what a run's config names must never be imported unless granted.
 MARKER_MODULE = """import pathlib
@@ -121,6 +120,8 @@ def test_2_eval_takes_a_config_inside_a_run_as_the_runs_whatever_its_shape(
 
 
 def test_3_train_from_a_config_inside_a_run_is_refused_what_it_names(run, marker, tmp_path, monkeypatch):
+    from leangrpo.run.trust import load_admitted
+
     monkeypatch.chdir(tmp_path)
     reward, imported = marker
     name_reward(run / "config.yaml", reward)
