@@ -16,7 +16,6 @@ from leangrpo.run.checkpoint import (
     is_complete,
     last_checkpoint,
     remove_partial,
-    resume_config,
     rng_state,
     save_checkpoint,
     save_final_model,
@@ -25,6 +24,7 @@ from leangrpo.run.checkpoint import (
 )
 from leangrpo.run.resolve import save_config, validate_config
 from leangrpo.run.rundir import MANIFEST, RunDirError, RunLock, check_output_dir
+from leangrpo.run.trust import resume_config
 from leangrpo.train.preflight import check_resumable
 
 

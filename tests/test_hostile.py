@@ -30,12 +30,11 @@ from leangrpo.run.checkpoint import (
     last_good_checkpoint,
     load_trainable,
     resume_checkpoint,
-    resume_config,
     truncate_log,
 )
 from leangrpo.run.resolve import load_config
 from leangrpo.run.rundir import MANIFEST, REPLACED, RunDirError, start_run
-from leangrpo.run.trust import UntrustedCodeError
+from leangrpo.run.trust import UntrustedCodeError, resume_config
 
 EVIL = {"name": "os:system", "kwargs": {"command": "touch PWNED"}}
 

@@ -26,7 +26,6 @@ from leangrpo.run.checkpoint import (
     checkpoint_dirs,
     is_complete,
     load_rank_state,
-    resume_config,
     save_checkpoint,
     save_final_model,
 )
@@ -42,7 +41,7 @@ from leangrpo.run.rundir import (
     start_run,
 )
 from leangrpo.run.tracking import MetricsLogger
-from leangrpo.run.trust import UntrustedCodeError
+from leangrpo.run.trust import UntrustedCodeError, resume_config
 from leangrpo.train.trainer import Trainer
 
 

@@ -94,7 +94,7 @@ def run_naming_a_task(tmp_path, gsm8k_dir, monkeypatch):
 
 
 def test_resume_refuses_a_runs_task_by_import_path_before_importing_it(run_naming_a_task):
-    from leangrpo.run.checkpoint import resume_config
+    from leangrpo.run.trust import resume_config
 
     run = run_naming_a_task
     with pytest.raises(UntrustedCodeError, match=r"toy_task:TaggedTask.*--trust-run-code") as info:

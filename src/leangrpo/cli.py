@@ -39,16 +39,19 @@ def _leave_if_one_of_many(code: int) -> None:
         os._exit(code)
 
 
-def _code_beside_the_user() -> None:
-    """Let `module:function` names in the user's own config find modules in the current directory, as
-    `trl grpo` does. Only then: code a run's config names never comes from there (`run.trust`)."""
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+def _drop_current_directory() -> None:
+    """Take the current directory off the import path, however it got there ('' from `python -c`, an
+    empty PYTHONPATH entry), so that a file in it (a run's `kernels.py`, a `reasoning_gym.py`) is never
+    imported in place of a module. `run.trust.admit` puts it back where the user's own config names a
+    module; `python -m leangrpo` takes off its own entry before this module loads (`__main__`)."""
+    here = os.getcwd()
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
 
 
 def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Turn a UserError into one line on stderr and exit code 2, never a traceback; a run stopped by a
-    signal exits 128 + its number (130 for SIGINT, 143 for SIGTERM)."""
+    signal exits 128 + its number (130 for SIGINT, 143 for SIGTERM), and so does a Ctrl-C anywhere else
+    (click's own answer is "Aborted!" and 1)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -62,6 +65,10 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             click.echo(str(e), err=True)
             _leave_if_one_of_many(e.exit_code)
             sys.exit(e.exit_code)
+        except KeyboardInterrupt:  # Ctrl-C where no run catches it (eval, chat, loading): 128 + SIGINT
+            click.echo("interrupted", err=True)
+            _leave_if_one_of_many(130)
+            sys.exit(130)
 
     return wrapper
 
@@ -70,6 +77,7 @@ def _user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("-v", "--verbose", is_flag=True, help="Show debug logging.")
 def main(verbose: bool) -> None:
     """leangrpo: memory-lean GRPO for small language models."""
+    _drop_current_directory()
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
@@ -98,19 +106,16 @@ def train(
     """Train with GRPO. OVERRIDES set any config field: grpo.num_generations=4 optim.learning_rate=1e-6"""
     if resume and overwrite:
         raise click.UsageError("--resume and --overwrite exclude each other")
-    if resume:
-        from leangrpo.run.checkpoint import resume_config
-        from leangrpo.run.trust import is_run_owned
+    from leangrpo.run.trust import load_admitted, resume_config
 
-        if config_path is not None and not is_run_owned(config_path):
-            _code_beside_the_user()
+    if resume:
         cfg = resume_config(config_path, list(overrides), resume, trust_run_code)
     else:
-        _code_beside_the_user()
-        cfg = load_config(config_path, list(overrides))
-    from leangrpo.commands.plan import memory_startup_warning
+        cfg = load_admitted(config_path, overrides, trust_run_code)
+    from leangrpo.commands.plan import check_generation_length, memory_startup_warning
     from leangrpo.train.trainer import train as run_training
 
+    check_generation_length(cfg)
     if warning := memory_startup_warning(cfg):
         click.echo(f"warning: {warning}", err=True)
     final = run_training(cfg, overwrite=overwrite, resume=bool(resume))
@@ -246,7 +251,6 @@ def demo(
     OVERRIDES set any config field of the recipe: model.gradient_checkpointing=true"""
     from leangrpo.commands.demo import demo_config, run_demo
 
-    _code_beside_the_user()
     cfg = demo_config(
         task, max_steps, full_finetune, output_dir, data_path=data_path, eval_path=eval_data,
         eval_limit=eval_limit, sft_steps=sft_steps, control=control, model=model, seed=seed,
@@ -378,10 +382,7 @@ def eval_cmd(model: str, pass_k: int, **options: Any) -> None:
     """Evaluate a model on held-out questions: accuracy, pass@k, format rates, rewards, lengths."""
     from leangrpo.commands.compare import fmt_value, format_table
     from leangrpo.commands.evaluate import run_eval
-    from leangrpo.run.trust import is_run_owned
 
-    if options["rewards"] or (options["config"] and not is_run_owned(options["config"])):
-        _code_beside_the_user()
     result, path = run_eval(model, num_samples=pass_k, **options)
     rows = [[k, fmt_value(v)] for k, v in result.metrics.items()]
     click.echo(format_table(["metric", "value"], rows))

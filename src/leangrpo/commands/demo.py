@@ -112,7 +112,9 @@ def demo_config(
     # a copy: overrides write into nested dicts, and the recipe's task settings are module constants
     recipe = apply_overrides(copy.deepcopy(cfg), list(overrides))
     check_packages(recipe)
-    config = validate_config(recipe, source="demo")
+    from leangrpo.run.trust import admit  # loads torch: not for `leangrpo --help`
+
+    config = validate_config(recipe, source="demo", vet=lambda c: admit(c, None, overrides, users=False))
     if not config.eval.enabled:
         raise ConfigError("config error in demo: eval.enabled: the demo's before/after table needs it true")
     return config

@@ -20,9 +20,17 @@ from leangrpo.engines.tools import prepare_tokenizer
 from leangrpo.engines.types import RolloutEngine, eos_token_ids
 from leangrpo.engines.vllm import VLLMEngine, import_vllm
 from leangrpo.run.resolve import Vet, load_config, validate_config
-from leangrpo.run.rundir import check_writable, is_run_dir
+from leangrpo.run.rundir import check_writable
 from leangrpo.run.trained import Trained, load_trained, locate
-from leangrpo.run.trust import TRUST_FLAG, is_run_owned, refusal, task_code, tool_code
+from leangrpo.run.trust import (
+    TRUST_FLAG,
+    admit,
+    code_beside_the_user,
+    is_run_owned,
+    refusal,
+    task_code,
+    tool_code,
+)
 from leangrpo.train.evaluation import (
     EvalError,
     EvalResult,
@@ -69,8 +77,10 @@ def run_eval(
     trained = locate(model)
     path, root = _output(out, trained, split)
     runs = (config is None or is_run_owned(config)) and not trust_run_code  # the config is a run's
-    cfg = _config_for(model, config, trained, _refuse_task_code if runs else None)
+    cfg = _config_for(model, config, trained, _refuse_task_code if runs else _admit(config or model))
     untrusted = cfg is not None and runs
+    if any(":" in name for name in rewards):  # the user names a module: found beside them too
+        code_beside_the_user()
     inputs = _inputs(cfg, data, split, limit, rewards, untrusted)
     dtype = dtype or (cfg.model.dtype if cfg else None)
     if engine == "vllm":
@@ -110,8 +120,14 @@ def _config_for(model: str, config: str | None, trained: Trained | None, vet: Ve
     """The config the evaluation follows: `config` (a YAML file or run directory), else the training
     config of a trained `model`, else none (the default task's). `vet`: `resolve.validate_config`'s."""
     if config:
-        return load_config(Path(config) / "config.yaml" if is_run_dir(Path(config)) else config, vet=vet)
+        return load_config(Path(config) / "config.yaml" if Path(config).is_dir() else config, vet=vet)
     return validate_config(trained.config, f"the training config of {model}", vet) if trained else None
+
+
+def _admit(source: str) -> Vet:
+    """A granted or the user's own config's check: `run.trust.admit`, the current directory on the import
+    path only for a config outside any run that names a module."""
+    return lambda cfg: admit(cfg, source, granted=True)
 
 
 def _refuse_task_code(cfg: Config) -> None:

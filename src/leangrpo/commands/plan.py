@@ -69,6 +69,7 @@ class ModelShape:
     tie_word_embeddings: bool
     attention_bias: bool = False
     qk_norm: bool = False
+    max_position_embeddings: int | None = None  # the context: positions the model takes, if it says
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -100,6 +101,9 @@ class ModelShape:
                 # Qwen2 always has q/k/v biases; Llama/Mistral/Qwen3 say so in attention_bias.
                 attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
                 qk_norm=model_type == "qwen3",
+                max_position_embeddings=int(cfg["max_position_embeddings"])
+                if cfg.get("max_position_embeddings")
+                else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"model {name}: config.json lacks a usable {e} field") from None
@@ -949,6 +953,37 @@ def startup_warning(cfg: Any, memory: int, device: Literal["cuda", "cpu"] = "cud
         f"(largest part: {est.dominant()}); it may run out of memory. "
         f"`leangrpo plan --model CONFIG {flags} ... --fit` suggests a setting that fits"
     )
+
+
+def check_generation_length(cfg: Any) -> None:
+    """Refuse, before the model loads, generation lengths it cannot hold: `grpo.max_prompt_length +
+    max_completion_length` past its context (config.json's max_position_embeddings), or a KV cache the plan
+    puts past the machine's whole memory (the card's, or the RAM). `engines.hf.check_room` checks again,
+    on the loaded model, what the plan does not model."""
+    import psutil
+    import torch
+
+    try:
+        shape = resolve_shape(cfg.model.name_or_path)
+    except UserError:
+        return  # a model the plan cannot read: the loaded model's check (check_room) still comes
+    g, context = cfg.grpo, shape.max_position_embeddings
+    positions = g.max_prompt_length + g.max_completion_length
+    if context is not None and positions > context:
+        raise PlanError(
+            f"grpo.max_prompt_length + max_completion_length = {positions} positions, more than the context "
+            f"of {cfg.model.name_or_path} ({context}, max_position_embeddings); lower max_completion_length"
+        )
+    cuda = torch.cuda.is_available()
+    memory = torch.cuda.get_device_properties(0).total_memory if cuda else psutil.virtual_memory().total
+    knobs = knobs_from_config(cfg, device="cuda" if cuda else "cpu")
+    kv = plan_for(shape, knobs, None).components["KV cache"]
+    if kv > memory:
+        raise PlanError(
+            f"plan: the rollouts' KV cache needs {fmt_bytes(kv)}, more than the machine's "
+            f"{fmt_bytes(memory)} of {'GPU' if cuda else 'RAM'}; lower grpo.max_completion_length or the "
+            "generation batch"
+        )
 
 
 def available_ram() -> int:

@@ -3,8 +3,12 @@ generation starts from. Tasks and data sources both use it, so it imports neithe
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.core.errors import UserError
@@ -13,6 +17,14 @@ if TYPE_CHECKING:
     from leangrpo.config.schema import DataConfig
 
 Message = dict[str, str]  # one chat message: {"role": ..., "content": ...}
+# What rendering one chat template may take: a model's template comes with the model, so a loop in it
+# (nested range(100000)) must end in one line, not hang chat, eval or a run. A real prompt takes milliseconds.
+TEMPLATE_SECONDS = 10.0
+TEMPLATE_CHARS = 16 * 2**20
+
+
+class ChatTemplateError(UserError, ValueError):
+    """The model's chat template failed (jinja's sandbox refused it, it raised) or ran past its budget."""
 
 
 class BadRow(Exception):
@@ -42,6 +54,52 @@ def prompt_text(prompt: str | list[Message]) -> str:
         return prompt
     user = [m for m in prompt if m["role"] == "user"] or prompt
     return str(user[-1]["content"])
+
+
+def render_chat(tokenizer: Any, messages: list[Any], **kwargs: Any) -> Any:
+    """`tokenizer.apply_chat_template(messages, **kwargs)` within `TEMPLATE_SECONDS` and `TEMPLATE_CHARS`
+    (jinja's sandbox stays as transformers sets it up); a template that fails or runs past the budget is
+    one ChatTemplateError line, never a traceback or a hang."""
+    from jinja2 import TemplateError
+
+    try:
+        with _template_budget():
+            return tokenizer.apply_chat_template(messages, **kwargs)
+    except TemplateError as e:
+        raise ChatTemplateError(f"the model's chat template failed: {type(e).__name__}: {e}") from None
+
+
+@contextmanager
+def _template_budget() -> Iterator[None]:
+    """Trace the code jinja compiled the template into (only that: other frames run untraced), counting
+    its lines against the clock and what it yields against the size budget."""
+    deadline, left, lines = time.monotonic() + TEMPLATE_SECONDS, [TEMPLATE_CHARS], [0]
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        lines[0] += 1
+        if event == "line" and lines[0] % 1024 == 0 and time.monotonic() > deadline:
+            raise ChatTemplateError(
+                f"the model's chat template ran past {TEMPLATE_SECONDS:g} s rendering one prompt (a loop "
+                "too long for a prompt?); fix or replace the tokenizer's chat_template"
+            )
+        if event == "return" and isinstance(arg, str):  # a yield of the render or a macro's result
+            left[0] -= len(arg)
+            if left[0] < 0:
+                raise ChatTemplateError(
+                    f"the model's chat template rendered more than {TEMPLATE_CHARS // 2**20} MiB of text for "
+                    "one prompt; fix or replace the tokenizer's chat_template"
+                )
+        return local
+
+    def calls(frame: FrameType, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
 
 
 @dataclass(frozen=True)
@@ -82,9 +140,7 @@ class PromptFormat:
             return prompt + prefix
         if has_chat_template(tokenizer):
             kwargs = {**(self.chat_template_kwargs or {}), **({} if tools is None else {"tools": tools})}
-            text = tokenizer.apply_chat_template(
-                prompt, tokenize=False, add_generation_prompt=opened, **kwargs
-            )
+            text = render_chat(tokenizer, prompt, tokenize=False, add_generation_prompt=opened, **kwargs)
             return str(text) + prefix
         text = "".join(_plain_turn(m) for m in prompt)
         return f"{text} {prefix}" if prefix else text
@@ -132,10 +188,8 @@ class PromptFormat:
         if not has_chat_template(tokenizer):
             return None
         chat, kwargs = [{"role": "user", "content": "x"}], dict(self.chat_template_kwargs or {})
-        bare = str(tokenizer.apply_chat_template(chat, tokenize=False, **kwargs))
-        opened = str(
-            tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **kwargs)
-        )
+        bare = str(render_chat(tokenizer, chat, tokenize=False, **kwargs))
+        opened = str(render_chat(tokenizer, chat, tokenize=False, add_generation_prompt=True, **kwargs))
         return opened.removeprefix(bare) or None
 
 

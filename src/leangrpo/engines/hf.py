@@ -23,6 +23,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from leangrpo.core.errors import UserError
 from leangrpo.core.grpo import mask_after_eos
 from leangrpo.engines.tools import Toolbox
 from leangrpo.engines.types import (
@@ -156,6 +157,7 @@ class ResumedTurns:
     def first(self, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor | None]:
         """The first turns' completion ids and their log-probs, the rows' cache kept (with `reuse`)."""
         capacity = prompt_ids.shape[1] + self.sampling.max_completion_length
+        check_room(self.model, prompt_ids.shape[0], capacity)
         return self._sample(prompt_ids, prompt_mask, self.sampling, self._new_cache(capacity))
 
     def __call__(
@@ -289,6 +291,8 @@ def sample(
     after their EOS; drawn from `generator` (None: torch's global RNG). `drawn`: each position's sampled
     log-probs ([rows, 1]) are appended to it (sampling only). `cache`: a KV cache of room enough, possibly
     holding the prompts' first tokens (a resumed turn); by default a fresh one."""
+    if cache is None:
+        check_room(model, prompt_ids.shape[0], prompt_ids.shape[1] + sampling.max_completion_length)
     processors = logits_processors(sampling, generator, drawn)
     gen_cfg = GenerationConfig(
         max_new_tokens=sampling.max_completion_length,
@@ -325,6 +329,40 @@ def sample(
             completion_ids = out[:, prompt_ids.shape[1] :]
     model.train(was_training)
     return completion_ids
+
+
+class GenerationLengthError(UserError, ValueError):
+    """A generation longer than the model's context, or whose KV cache the device could never hold."""
+
+
+def check_room(model: PreTrainedModel, rows: int, positions: int) -> None:
+    """Refuse, in one line and before its KV cache is allocated, a generation of `rows` sequences of
+    `positions` (prompt + new tokens): more than the model's context (max_position_embeddings), or a cache
+    larger than the device's whole memory (the RAM, or the card's). A huge `--max-new-tokens` or
+    `grpo.max_completion_length` otherwise dies in the allocator with a traceback."""
+    fix = "lower --max-new-tokens (chat, eval) or grpo.max_completion_length / max_prompt_length"
+    context = model_length(model)
+    if context is not None and positions > context:
+        raise GenerationLengthError(
+            f"generation needs {positions} positions (prompt + new tokens), more than the model's context of "
+            f"{context} (max_position_embeddings); {fix}"
+        )
+    text = model.config.get_text_config(decoder=True)
+    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 0)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // max(text.num_attention_heads, 1)
+    per_position = 2 * text.num_hidden_layers * heads * head_dim * model.dtype.itemsize
+    need, device = rows * positions * per_position, model.device
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        import psutil
+
+        memory = psutil.virtual_memory().total
+    if need > memory:
+        raise GenerationLengthError(
+            f"the KV cache of {rows} sequences × {positions} positions needs {need / 2**30:.1f} GiB, more "
+            f"than the {memory / 2**30:.1f} GiB of {device.type.upper()} memory; {fix} (or the batch)"
+        )
 
 
 def model_length(model: PreTrainedModel) -> int | None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.core.errors import UserError
+from leangrpo.data.rows import render_chat
 
 logger = logging.getLogger("leangrpo.engines.tools")
 
@@ -129,7 +130,7 @@ def renders_tool_calls(tokenizer: PreTrainedTokenizerBase) -> bool:
         {"role": "tool", "name": "tool_name_a8f3", "content": "result_c4f9"},
     ]
     try:
-        text = str(tokenizer.apply_chat_template(messages, tokenize=False))
+        text = str(render_chat(tokenizer, messages, tokenize=False))
     except Exception:  # a template that rejects these roles
         return False
     return all(s in text for s in ("tool_name_a8f3", "arg_b9d4", "val_d6e7", "result_c4f9"))
@@ -479,12 +480,16 @@ def tool_suffix_ids(
         {"role": "assistant", "content": "", "tool_calls": [call]},
     ]
     kwargs = chat_template_kwargs or {}
-    prefix = list(tokenizer.apply_chat_template(dummy, tokenize=True, return_dict=False, **kwargs))
-    full = list(
-        tokenizer.apply_chat_template(
-            dummy + tool_messages, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
-        )
+    prefix = list(render_chat(tokenizer, dummy, tokenize=True, return_dict=False, **kwargs))
+    rendered = render_chat(
+        tokenizer,
+        dummy + tool_messages,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        **kwargs,
     )
+    full = list(rendered)
     ends = [k for k, token in enumerate(prefix) if token == tokenizer.eos_token_id]
     if ends:
         prefix = prefix[: ends[-1] + 1]

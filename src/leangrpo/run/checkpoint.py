@@ -20,6 +20,7 @@ from leangrpo.core.errors import UserError, error_reason
 from leangrpo.run.rundir import (
     MAX_LOG_BYTES,
     RunDirError,
+    RunLock,
     claim,
     fsync,
     is_run_dir,
@@ -386,39 +387,15 @@ def load_trainable(model: torch.nn.Module, ckpt: Path) -> None:
         raise CheckpointError(f"{ckpt} does not match the model: {', '.join(problems[:3])}")
 
 
-def resume_config(
-    config_path: str | None, overrides: list[str], resume: str, trust_run_code: bool = False
-) -> Config:
-    """The config of a resumed run. `--resume RUN_DIR`: the run's own config.yaml (or `-c`), with the
-    overrides on top and output_dir set to RUN_DIR. `--resume latest`: the run in the output_dir of `-c`.
-    Code the run's own config names runs only with `trust_run_code` (see `run.trust`)."""
-    from leangrpo.config.schema import ConfigError
-    from leangrpo.run.resolve import load_config
-    from leangrpo.run.trust import code_named, is_run_owned, refusal
-
-    if resume == "latest":
-        if config_path is None:
-            raise ConfigError(
-                "--resume latest continues the output_dir of -c CONFIG; pass -c, or --resume RUN_DIR"
-            )
-        return load_config(config_path, overrides)
-    run_dir = Path(resume)
-    if config_path is None and not is_run_dir(run_dir):
-        raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
-    source = config_path or run_dir / "config.yaml"
-
-    def vet(cfg: Config) -> None:  # before the config's task is imported
-        if is_run_owned(source) and not trust_run_code and (named := code_named(cfg, overrides)):
-            raise refusal(f"--resume {run_dir}: {source}", named)
-
-    cfg = load_config(source, overrides, vet)
-    return cfg.model_copy(update={"output_dir": str(run_dir)})
-
-
 def resume_checkpoint(run_dir: Path) -> Path:
     """The last complete checkpoint of a run, or a CheckpointError."""
     if not is_run_dir(run_dir):
         raise CheckpointError(f"--resume {run_dir}: not a leangrpo run directory (no leangrpo config.yaml)")
+    if pid := RunLock.holder(run_dir):
+        raise CheckpointError(
+            f"--resume {run_dir}: the run is in use: a leangrpo process (PID {pid}) is training it now; "
+            "resume it once that process has ended"
+        )
     ckpt = last_good_checkpoint(run_dir)
     if ckpt is None:
         advice = replaced_note(run_dir) or "; start it again with --overwrite"

@@ -585,6 +585,24 @@ class RunLock:
 
     __del__ = release
 
+    @staticmethod
+    def holder(run_dir: Path) -> str | None:
+        """The PID of the process that holds `run_dir`'s lock now (a run training there), else None;
+        takes nothing and creates nothing."""
+        import fcntl
+
+        try:
+            fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None
+        except OSError:
+            return os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        finally:
+            os.close(fd)  # closing lets go of the shared lock, if it was taken
+
 
 @dataclass
 class JsonlRows:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from leangrpo.data.rewards.builtin import RewardError
+from leangrpo.data.rows import render_chat
 
 
 class RewardModel:
@@ -57,5 +58,5 @@ class RewardModel:
         messages = [*prompt, *completion]
         if getattr(self.tokenizer, "chat_template", None):
             # tokenize=False returns the rendered string; transformers types every return form
-            return cast(str, self.tokenizer.apply_chat_template(messages, tokenize=False))
+            return cast(str, render_chat(self.tokenizer, messages, tokenize=False))
         return "\n".join(str(m["content"]) for m in messages)
