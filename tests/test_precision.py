@@ -5,23 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_memory import make_cfg
 
 from leangrpo.core.errors import UserError
-from leangrpo.run.resolve import validate_config
 from leangrpo.train.optim import build_optimizer
 from leangrpo.train.precision import STATE_KEY, MasterWeights
 from leangrpo.train.preflight import World, preflight
-
-
-def make_cfg(**sections):
-    data = {
-        "model": {"name_or_path": "m"},
-        "data": {"path": "d.jsonl"},
-        "rewards": {"functions": [{"name": "int"}]},
-    }
-    for section, values in sections.items():
-        data[section] = {**data.get(section, {}), **values} if isinstance(values, dict) else values
-    return validate_config(data)
 
 
 def test_bf16_weights_move_by_steps_below_half_their_rounding_step():

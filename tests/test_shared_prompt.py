@@ -100,7 +100,11 @@ def test_shared_prompt_matches_one_prompt_per_completion_full(tiny_model_dir, ro
         assert_grads_close(named[1][name].grad, named[0][name].grad, name)
 
 
-def test_shared_prompt_matches_one_prompt_per_completion_lora(tiny_model_dir, rollout):
+@pytest.mark.parametrize("packed", [False, True], ids=["shared", "packed"])
+def test_shared_prompt_and_packed_match_one_prompt_per_completion_lora(tiny_model_dir, rollout, packed):
+    """Under LoRA too: the shared-prompt and the packed layouts give one-row-per-completion's log-probs
+    and the same gradient on every adapter weight."""
+
     def lora_model():
         torch.manual_seed(3)
         m = apply_lora(load_tiny(tiny_model_dir), LORA)
@@ -109,11 +113,10 @@ def test_shared_prompt_matches_one_prompt_per_completion_lora(tiny_model_dir, ro
 
     models = [lora_model(), lora_model()]
     want, mask = _weighted_logprobs(models[0], rollout, 1, True)
-    got, _ = _weighted_logprobs(models[1], rollout, 4, True)
+    got, _ = _weighted_logprobs(models[1], rollout, 4, True, packed=packed)
     torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-5)
     named = [dict(m.named_parameters()) for m in models]
-    trained = [n for n, p in named[0].items() if p.requires_grad]
-    for name in trained:
+    for name in [n for n, p in named[0].items() if p.requires_grad]:
         assert_grads_close(named[1][name].grad, named[0][name].grad, name)
 
 
@@ -225,22 +228,6 @@ def test_packed_matches_padded_full(tiny_model_dir, rollout, group, checkpointin
     assert not torch.allclose(got[:, 1:][mask[:, 1:]], want[:, :-1][mask[:, 1:]], atol=1e-3)
     named = [dict(m.named_parameters()) for m in models]
     for name in ["model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight", "model.norm.weight"]:
-        assert_grads_close(named[1][name].grad, named[0][name].grad, name)
-
-
-def test_packed_matches_padded_lora(tiny_model_dir, rollout):
-    def lora_model():
-        torch.manual_seed(3)
-        m = apply_lora(load_tiny(tiny_model_dir), LORA)
-        randomize_lora_b(m, seed=3)
-        return m
-
-    models = [lora_model(), lora_model()]
-    want, mask = _weighted_logprobs(models[0], rollout, 1, True)
-    got, _ = _weighted_logprobs(models[1], rollout, 4, True, packed=True)
-    torch.testing.assert_close(got[mask], want[mask], rtol=1e-5, atol=1e-5)
-    named = [dict(m.named_parameters()) for m in models]
-    for name in [n for n, p in named[0].items() if p.requires_grad]:
         assert_grads_close(named[1][name].grad, named[0][name].grad, name)
 
 
