@@ -697,3 +697,19 @@ def test_several_gpus_and_bf16_full_fine_tuning_count_what_they_add():
     assert "DDP over 2 processes" in res.output and "DDP gradient buckets" in res.output
     assert "fp32 master weights" in res.output
     assert "+ NCCL buffers (estimates: CUDA context 512 MiB, allocator slack 8%, NCCL 256 MiB)" in res.output
+
+
+def test_the_pasted_config_adds_no_prompt_limit(tmp_path):
+    """Without grpo.max_prompt_length (no limit: prompts are not cut) the plan assumes a prompt length,
+    says so, and its pasted YAML sets no limit; a limit the config or --prompt-length sets is kept."""
+    assert "max_prompt_length" not in yaml.safe_load(plan.yaml_snippet(plan.Knobs(), "m"))["grpo"]
+    limited = plan.replace(plan.Knobs(), max_prompt_length=300)
+    assert yaml.safe_load(plan.yaml_snippet(limited, "m"))["grpo"]["max_prompt_length"] == 300
+    res = CliRunner().invoke(
+        main, ["plan", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--gpu-memory", "16GB", "--method", "lora",
+               "--fit"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert f"prompt {plan.ASSUMED_PROMPT_LENGTH} (assumed: no max_prompt_length" in res.output
+    snippet = yaml.safe_load(res.output.split("that fits", 1)[1].split(":\n", 1)[1])
+    assert "max_prompt_length" not in snippet["grpo"]

@@ -267,7 +267,7 @@ class Knobs:
     num_generations: int = _knob("grpo.num_generations")
     per_device_train_batch_size: int = _knob("optim.per_device_train_batch_size")
     gradient_accumulation_steps: int = _knob("optim.gradient_accumulation_steps")
-    max_prompt_length: int = _knob("grpo.max_prompt_length", ASSUMED_PROMPT_LENGTH)
+    max_prompt_length: int | None = _knob("grpo.max_prompt_length")  # None: no limit, as the config's
     max_completion_length: int = _knob("grpo.max_completion_length")
     gradient_checkpointing: bool = _knob("model.gradient_checkpointing")
     optimizer: Literal["adamw", "adamw_8bit"] = _knob("optim.optimizer")
@@ -299,6 +299,11 @@ class Knobs:
     @property
     def e(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt length planned for: the limit, or ASSUMED_PROMPT_LENGTH without one."""
+        return self.max_prompt_length or ASSUMED_PROMPT_LENGTH
 
 
 def make_knobs(**values: Any) -> Knobs:
@@ -692,7 +697,7 @@ def update_peak(shape: ModelShape, k: Knobs, r: Resident, rows: UpdateLayout) ->
 def kv_capacity(k: Knobs) -> int:
     """Positions of each row's KV cache: hf.generate preallocates the prompt's tokens plus every
     completion token (hf.kv_cache, PreallocatedLayer), written in place."""
-    return k.max_prompt_length + k.max_completion_length
+    return k.prompt_tokens + k.max_completion_length
 
 
 def generation_workspace(shape: ModelShape, k: Knobs) -> int:
@@ -701,7 +706,7 @@ def generation_workspace(shape: ModelShape, k: Knobs) -> int:
     logits of every position) into a cache of those rows, then repeats it for the group; decoding holds
     the whole batch's cache, one position's logits and their sampling copies, and one token's forward."""
     e, n, capacity = k.e, k.generation_batch, kv_capacity(k)
-    prompts, prompt_tokens = n // k.num_generations, k.max_prompt_length - 1
+    prompts, prompt_tokens = n // k.num_generations, k.prompt_tokens - 1
     prefill = (
         kv_cache_bytes(shape, prompts, capacity, e)
         + forward_transient(shape, k, prompts * prompt_tokens)
@@ -746,7 +751,7 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     B, C = k.per_device_train_batch_size, k.max_completion_length
     # Packed (grpo.padding_free), a pass is as long as its real tokens, unknown here: every prompt and
     # completion is taken at its maximum, the longest step a run can meet.
-    rows = UpdateLayout.of(B, k.max_prompt_length, C, shared_group(k), k.padding_free)
+    rows = UpdateLayout.of(B, k.prompt_tokens, C, shared_group(k), k.padding_free)
     flipped = replace(k, gradient_checkpointing=not k.gradient_checkpointing)
     components = {
         "weights": math.ceil(r.weights / n),
@@ -881,7 +886,6 @@ def knobs_from_config(cfg: Config, **overrides: Any) -> Knobs:
         f.name: reduce(getattr, f.metadata["config"].split("."), cfg) for f in fields(Knobs) if f.metadata
     }
     values.update(
-        max_prompt_length=cfg.grpo.max_prompt_length or ASSUMED_PROMPT_LENGTH,
         method="qlora-4bit" if m.load_in_4bit else "lora" if m.lora.enabled else "full",
         lora_targets=parse_targets(m.lora.target_modules),
         rollout="hf" if engine_name(cfg.grpo) == "hf" else "vllm",  # a server's memory counts as colocated
@@ -901,12 +905,13 @@ def yaml_snippet(k: Knobs, model: str) -> str:
     doc: dict[str, dict[str, Any]] = {
         "model": {"name_or_path": model, "dtype": k.dtype, "gradient_checkpointing": k.gradient_checkpointing,
                   "lora": lora},
-        "grpo": {"num_generations": k.num_generations, "max_prompt_length": k.max_prompt_length,
-                 "max_completion_length": k.max_completion_length, "beta": k.beta,
-                 "logprob_chunk_size": k.logprob_chunk_size},
+        "grpo": {"num_generations": k.num_generations, "max_completion_length": k.max_completion_length,
+                 "beta": k.beta, "logprob_chunk_size": k.logprob_chunk_size},
         "optim": {"per_device_train_batch_size": k.per_device_train_batch_size,
                   "gradient_accumulation_steps": k.gradient_accumulation_steps},
     }  # fmt: skip
+    if k.max_prompt_length is not None:  # a limit the user set; none is added (prompts are not cut)
+        doc["grpo"]["max_prompt_length"] = k.max_prompt_length
     if k.activation_offload:
         doc["model"]["activation_offload"] = True
     if not k.share_prompt:
@@ -968,11 +973,16 @@ def check_generation_length(cfg: Any) -> None:
     except UserError:
         return  # a model the plan cannot read: the loaded model's check (check_room) still comes
     g, context = cfg.grpo, shape.max_position_embeddings
-    positions = g.max_prompt_length + g.max_completion_length
+    positions = (g.max_prompt_length or 1) + g.max_completion_length  # no limit: one prompt token at least
     if context is not None and positions > context:
+        what = (
+            "grpo.max_prompt_length + max_completion_length"
+            if g.max_prompt_length
+            else ("grpo.max_completion_length + 1 prompt token")
+        )
         raise PlanError(
-            f"grpo.max_prompt_length + max_completion_length = {positions} positions, more than the context "
-            f"of {cfg.model.name_or_path} ({context}, max_position_embeddings); lower max_completion_length"
+            f"{what} = {positions} positions, more than the context of {cfg.model.name_or_path} ({context}, "
+            f"max_position_embeddings); lower max_completion_length"
         )
     cuda = torch.cuda.is_available()
     memory = torch.cuda.get_device_properties(0).total_memory if cuda else psutil.virtual_memory().total
@@ -1027,6 +1037,11 @@ _NOTES = {
 _OPTIMIZER_NOTES = {"adamw": "AdamW exp_avg + exp_avg_sq", "adamw_8bit": "8-bit AdamW: uint8 states + absmax"}
 
 
+def _assumed(k: Knobs) -> str:
+    """Said after the planned prompt length when no limit is set: the real prompts may be longer."""
+    return "" if k.max_prompt_length else " (assumed: no max_prompt_length, --prompt-length sets one)"
+
+
 def render(est: Estimate, memory: int | None, margin: float) -> str:
     """The breakdown table, the peak and its phase, and the verdict against `memory`."""
     k, s = est.knobs, est.shape
@@ -1046,7 +1061,7 @@ def render(est: Estimate, memory: int | None, margin: float) -> str:
         f"hidden {s.hidden_size}, vocab {s.vocab_size}",
         f"method {k.method}, {k.dtype}, trainable {est.trainable_params / 1e6:,.2f}M params, "
         f"G={k.num_generations}, micro-batch {k.per_device_train_batch_size} x "
-        f"{k.gradient_accumulation_steps} accumulation, prompt {k.max_prompt_length} + completion "
+        f"{k.gradient_accumulation_steps} accumulation, prompt {k.prompt_tokens}{_assumed(k)} + completion "
         f"{k.max_completion_length} tokens, beta={k.beta}, optimizer {k.optimizer}, rollout {k.rollout}, "
         f"device {k.device}"
         + (f"; FSDP2 over {k.fsdp} processes, bytes per process" if k.fsdp > 1 else "")
