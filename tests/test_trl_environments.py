@@ -34,7 +34,7 @@ def test_an_environment_with_get_reward_trains_without_rewards_or_a_dataset(tmp_
 
     args = GRPOConfig(
         output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4, num_generations=2,
-        max_completion_length=8, logging_steps=1, report_to="none",
+        max_completion_length=8, logging_steps=1, report_to="none", log_completions=True,
     )  # fmt: skip
     trainer = GRPOTrainer(str(tiny_model_dir), args=args, environment_factory=Counter)
     assert trainer.cfg.rewards.functions == []

@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 from leangrpo.commands.report import write_report_after_training
 from leangrpo.commands.trl_events import Events, TrainerControl
 from leangrpo.config.schema import Config, ConfigError
-from leangrpo.config.trl import accepted_fields, from_trl, trainer_attributes, unknown_field_hint
+from leangrpo.config.trl import (
+    accepted_fields,
+    dict_field,
+    from_trl,
+    trainer_attributes,
+    unknown_field_hint,
+)
 from leangrpo.config.trl_fields import TRL_DEFAULTS, TRL_DICT_FIELDS, TRL_TYPES
 from leangrpo.core.errors import UserError
 from leangrpo.run.resolve import validate_config
@@ -67,8 +73,8 @@ class GRPOConfig:
             raise AttributeError(f"GRPOConfig has no field {name!r}")
         if name not in TRL_DEFAULTS:
             self._extra[name] = value
-        elif name in TRL_DICT_FIELDS and isinstance(value, str) and value.startswith("{"):
-            object.__setattr__(self, name, json.loads(value))  # a command line's JSON, as TRL reads it
+        elif name in TRL_DICT_FIELDS:
+            object.__setattr__(self, name, dict_field(name, value))  # a command line's JSON, as TRL reads it
         elif name == "include_num_input_tokens_seen" and isinstance(value, bool):
             object.__setattr__(self, name, "all" if value else "no")  # transformers' reading of a bool
         else:

@@ -11,6 +11,7 @@ that asks for what leangrpo does anyway) passes silently. Every refusal is repor
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any, Literal
@@ -19,7 +20,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from leangrpo.config.schema import Config, ConfigError
-from leangrpo.config.trl_fields import TRL_DEFAULTS
+from leangrpo.config.trl_fields import TRL_DEFAULTS, TRL_DICT_FIELDS
 from leangrpo.core.loss_types import LOSS_TYPES
 
 logger = logging.getLogger("leangrpo.config.trl")
@@ -43,7 +44,6 @@ _RENAMED = {
     "dataset_test_split": "eval.split",
     "dataset_prompt_column": "data.prompt_column",  # open-r1's recipes
     "per_device_eval_batch_size": "eval.batch_size",
-    "num_generations_eval": "eval.num_samples",
     "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max",  # TRL's older name
     "tool_timeout_s": "tools.timeout_s",  # leangrpo's: TRL bounds neither tools nor rewards
     "reward_timeout_s": "rewards.timeout_s",
@@ -69,15 +69,19 @@ _TRANSLATED = {
     "bf16": "`true`: model.dtype bfloat16 (fp32 master copy: optim.master_weights; log-softmax in fp32)",
     "fp16": "`true`: model.dtype float16, which training refuses (no loss scaling)",
     "optim": "adamw_torch(_fused) → optim.optimizer adamw, adamw_bnb_8bit / adamw_8bit → adamw_8bit",
-    "log_completions": "`false`: logging.log_completions_steps 0",
+    "log_completions": "`true`: logging.log_completions_steps = logging_steps (completions.jsonl); `false` "
+    "(TRL's default): 0, none logged",
     "reward_weights": "rewards.functions[].weight",
     "max_steps": "optim.max_steps = max_steps / num_iterations (TRL counts optimizer steps)",
     "num_train_epochs": "optim.num_train_epochs (a positive max_steps wins, as in TRL)",
     "steps_per_generation": "gradient_accumulation_steps (one generation per optimizer step), or refused",
     "generation_batch_size": "per_device_train_batch_size × gradient_accumulation_steps × processes",
     "save_strategy": "`steps`: as save_steps; `no`: logging.save_steps 0 and save_minutes 0",
-    "eval_strategy": "`steps`: eval.enabled, every eval_steps (TRL's default: logging_steps)",
+    "eval_strategy": "`steps`: eval.enabled, every eval_steps (TRL's default: logging_steps); a "
+    "`GRPOTrainer` with an `eval_dataset`: TRL's evaluation, `steps` or `epoch` (above)",
     "eval_steps": "eval.eval_steps (below 1, a ratio of the run)",
+    "num_generations_eval": "with eval_strategy `steps`: eval.num_samples, completions sampled per eval "
+    "prompt (default num_generations, as TRL)",
     "model_init_kwargs": "dtype / torch_dtype, attn_implementation, trust_remote_code → model.*",
     "disable_tqdm": "logging.progress_bar = not disable_tqdm",
 }
@@ -120,7 +124,8 @@ _NOTED = {
     "save_only_model": "checkpoints keep the optimizer state, so that a resume is exact",
     "save_on_each_node": "the main process saves",
     "enable_jit_checkpoint": "checkpoints follow save_steps and logging.save_minutes",
-    "push_to_hub": "leangrpo pushes nothing: `leangrpo export`, then upload",
+    "push_to_hub": "the run pushes nothing by itself: `trainer.push_to_hub()`, or `leangrpo export`, then "
+    "upload",
     "hub_token": "nothing is pushed",
     "hub_private_repo": "nothing is pushed",
     "hub_model_id": "nothing is pushed",
@@ -333,6 +338,7 @@ def from_trl(
             node = node.setdefault(part, {})
         node[leaf] = value
 
+    _read_json_fields(flat, refused)
     _translate_special(flat, put, refused)
     _translate_rewards(flat, put, refused, reward_specs)
     _translate_steps(flat, put, refused)
@@ -370,6 +376,27 @@ def precision_note(dtype: str) -> str:
     )
 
 
+def dict_field(name: str, value: Any) -> Any:
+    """A TRL dict field's value: text starting with `{` is JSON, read into a dict as transformers'
+    `TrainingArguments` reads it (a command line's or a YAML's). Bad JSON raises TRLConfigError, one line."""
+    if name not in TRL_DICT_FIELDS or not isinstance(value, str) or not value.lstrip().startswith("{"):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise TRLConfigError(f"{name}: not valid JSON ({e}): {value!r}") from None
+
+
+def _read_json_fields(flat: dict[str, Any], refused: list[str]) -> None:
+    """TRL's dict fields given as JSON text, read into dicts in ``flat``; bad JSON joins ``refused``."""
+    for name in TRL_DICT_FIELDS:
+        if name in flat:
+            try:
+                flat[name] = dict_field(name, flat[name])
+            except TRLConfigError as e:
+                refused.append(str(e))
+
+
 def _translate_special(flat: dict[str, Any], put: Any, refused: list[str]) -> None:
     """The fields whose TRL meaning needs a translation; each is popped from ``flat`` once handled."""
     for key, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
@@ -383,8 +410,8 @@ def _translate_special(flat: dict[str, Any], put: Any, refused: list[str]) -> No
             refused.append(f"optim={name!r}: leangrpo has {', '.join(_OPTIMIZERS)}")
     if flat.get("use_peft") and "lora_target_modules" not in flat:
         put("model.lora.target_modules", None)  # `trl grpo`'s default: peft's targets for the architecture
-    if flat.pop("log_completions", None) is False:
-        put("logging.log_completions_steps", 0)
+    steps = flat.get("logging_steps", TRL_DEFAULTS["logging_steps"])  # TRL logs completions with each row
+    put("logging.log_completions_steps", max(1, int(steps)) if flat.pop("log_completions", False) else 0)
     if "disable_tqdm" in flat:
         put("logging.progress_bar", not flat.pop("disable_tqdm"))
     for key, value in (flat.pop("model_init_kwargs", None) or {}).items():
@@ -404,9 +431,11 @@ def _translate_special(flat: dict[str, Any], put: Any, refused: list[str]) -> No
         logger.warning(f"save_strategy={strategy!r} ignored: checkpoints follow save_steps")
     evaluation = flat.pop("eval_strategy", "no")
     eval_steps = flat.pop("eval_steps", None)
+    samples = flat.pop("num_generations_eval", None) or flat.get("num_generations", 8)  # TRL's default G
     if evaluation == "steps":
         put("eval.enabled", True)
         put("eval.eval_steps", eval_steps or flat.get("logging_steps", 10))
+        put("eval.num_samples", samples)  # TRL's evaluation samples num_generations_eval per prompt
     elif evaluation != "no":
         logger.warning(f"eval_strategy={evaluation!r} ignored: set eval_strategy: steps to evaluate")
     if flat.get("loss_type", "dapo") not in LOSS_TYPES:
