@@ -1,6 +1,6 @@
 """A flat TRL YAML and TRL's command-line flags mean what they mean to TRL 1.16 and to the Python API
 (issue 49's leftovers): completions are logged only with log_completions, num_generations_eval samples per
-eval prompt, dict fields take JSON text."""
+eval prompt, dict fields take JSON text, and an environment's get_reward stands for rewards.functions."""
 
 from __future__ import annotations
 
@@ -11,6 +11,23 @@ import yaml
 
 from leangrpo.config.schema import ConfigError
 from leangrpo.run.resolve import load_config
+
+
+class Scored:
+    """An environment whose get_reward scores the rollouts (TRL adds it as a reward)."""
+
+    def reset(self, **_: object) -> str:
+        return "Say hi."
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+class Unscored:
+    """An environment without get_reward: the run still needs rewards."""
+
+    def reset(self, **_: object) -> str:
+        return "Say hi."
 
 
 @pytest.fixture
@@ -81,3 +98,13 @@ def test_dict_field_json_in_the_python_api_is_one_line():
     assert GRPOConfig(lr_scheduler_kwargs='{"min_lr_rate": 0.1}').lr_scheduler_kwargs == {"min_lr_rate": 0.1}
     with pytest.raises(ConfigError, match=r"^lr_scheduler_kwargs: not valid JSON [^\n]*$"):
         GRPOConfig(lr_scheduler_kwargs='{"min_lr_rate": }')
+
+
+def test_an_environment_with_get_reward_needs_no_rewards(flat):
+    """As the Python API's environment_factory: the environment's get_reward is the run's reward."""
+    cfg = load_config(flat(reward=False), ["tools.environment=test_trl_yaml:Scored"])
+    assert cfg.rewards.functions == [] and cfg.tools.environment == "test_trl_yaml:Scored"
+    with pytest.raises(ConfigError, match="rewards.functions: required .*no tools.environment defines get_r"):
+        load_config(flat(reward=False), ["tools.environment=test_trl_yaml:Unscored"])
+    with pytest.raises(ConfigError, match="tools.environment: .*has no attribute 'Missing'"):
+        load_config(flat(reward=False), ["tools.environment=test_trl_yaml:Missing"])

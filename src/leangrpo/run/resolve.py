@@ -15,9 +15,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from leangrpo.config.schema import Config, ConfigError, RewardSpec, TaskConfig
+from leangrpo.config.schema import Config, ConfigError, RewardSpec, TaskConfig, ToolsConfig
 from leangrpo.config.trl import from_trl, is_trl_config
 from leangrpo.config.trl_flags import split_flags, with_flags
+from leangrpo.core.errors import UserError
+from leangrpo.data.rewards.registry import import_object
 from leangrpo.data.sources import default_task
 from leangrpo.data.tasks import Task, TaskError, TaskOptions, task_class
 from leangrpo.data.tasks.reasoning_gym import ReasoningGym
@@ -139,8 +141,15 @@ def resolve(cfg: Config, source: str = "config", environment_rewards: bool = Fal
         task(options).check_data(cfg.data.path)
     except TaskError as e:
         raise error(str(e)) from None
-    if not cfg.rewards.functions and not task.default_rewards and not environment_rewards:
-        raise error(f"rewards.functions: required (task {task.name} has no default rewards)")
+    try:
+        scored = cfg.rewards.functions or task.default_rewards or environment_rewards or _scored_by(cfg.tools)
+    except UserError as e:
+        raise error(f"tools.environment: {e}") from None
+    if not scored:
+        raise error(
+            f"rewards.functions: required (task {task.name} has no default rewards, and no "
+            "tools.environment defines get_reward)"
+        )
     if cfg.sft.steps and not task.has_solutions:
         raise error(f"sft.steps needs worked solutions, which task {task.name} does not have")
     if cfg.sft.task is not None:
@@ -157,6 +166,14 @@ def resolve(cfg: Config, source: str = "config", environment_rewards: bool = Fal
         rewards = rewards.model_copy(update={"functions": [RewardSpec(name=n) for n in task.default_rewards]})
     task_cfg = TaskConfig.model_validate({"name": cfg.task.name, **options.model_dump()})
     return cfg.model_copy(update={"task": task_cfg, "data": data, "rewards": rewards})
+
+
+def _scored_by(tools: ToolsConfig) -> bool:
+    """Whether a `tools.environment` class defines `get_reward`, which the trainer adds as a reward, as TRL
+    does (engines/agents.py): then no reward function is needed, as for the Python API's environments."""
+    env = tools.environment
+    paths = [env] if isinstance(env, str) else list((env or {}).values())
+    return any(callable(getattr(import_object(path, "environment"), "get_reward", None)) for path in paths)
 
 
 def resolve_steps(cfg: Config, num_rows: int, num_processes: int) -> Config:
