@@ -149,11 +149,8 @@ def _field(cfg, path: str):
 
 
 # TRL fields whose GRPOConfig value is read another way: output_dir (GRPOTrainer's "trainer_output"),
-# max_steps (-1: num_train_epochs), report_to ("none" is no tracker), the older name of a clip and
-# num_generations_eval (evaluation: part of issue 49's Trainer API).
-_READ_OTHERWISE = {
-    "output_dir", "max_steps", "report_to", "vllm_importance_sampling_cap", "num_generations_eval"
-}  # fmt: skip
+# max_steps (-1: num_train_epochs), report_to ("none" is no tracker) and the older name of a clip.
+_READ_OTHERWISE = {"output_dir", "max_steps", "report_to", "vllm_importance_sampling_cap"}
 
 
 def test_grpo_config_reads_what_the_run_uses(tmp_path, tiny_model_dir):
