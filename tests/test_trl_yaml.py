@@ -108,3 +108,31 @@ def test_an_environment_with_get_reward_needs_no_rewards(flat):
         load_config(flat(reward=False), ["tools.environment=test_trl_yaml:Unscored"])
     with pytest.raises(ConfigError, match="tools.environment: .*has no attribute 'Missing'"):
         load_config(flat(reward=False), ["tools.environment=test_trl_yaml:Missing"])
+
+
+@pytest.mark.slow
+def test_a_yaml_environment_with_get_reward_trains_without_rewards(tmp_path, tiny_model_dir):
+    """End to end from the CLI: the environment's get_reward is the step's reward."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(4)))
+    doc = {
+        "model": {"name_or_path": str(tiny_model_dir)}, "data": {"path": str(data)},
+        "tools": {"environment": "test_trl_yaml:Scored"},
+        "grpo": {"num_generations": 2, "max_completion_length": 4},
+        "optim": {"per_device_train_batch_size": 2, "max_steps": 1},
+        "logging": {"progress_bar": False}, "output_dir": str(tmp_path / "run"),
+    }  # fmt: skip
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    proc = subprocess.run(
+        [sys.executable, "-m", "leangrpo", "train", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["rewards/Scored/mean"] == 1.0
