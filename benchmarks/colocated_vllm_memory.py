@@ -41,7 +41,7 @@ def write_config(model: Path, out: Path, steps: int) -> Path:
         "model": {"name_or_path": str(model), "gradient_checkpointing": False},
         "data": {"path": str(ROOT / "tests" / "data" / "gsm8k" / "train.jsonl"), "limit": 64},
         "rewards": {"functions": [{"name": "int"}]},
-        "grpo": {"use_vllm": True, "num_generations": 4, "max_completion_length": 8, "max_prompt_length": 96},
+        "grpo": {"use_vllm": True, "num_generations": 4, "max_completion_length": 8},
         "optim": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "max_steps": steps},
         "logging": {"progress_bar": False, "save_steps": 0},
         "output_dir": str(out / "run"),

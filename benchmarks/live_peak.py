@@ -55,11 +55,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_accuracy import MODELS, PROMPT_LEN, build_model, tokenizer_dir  # noqa: E402
+from plan_accuracy import MODELS, PROMPT_LEN, build_model, fixed_length_data, tokenizer_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("full", "lora", "qlora", "full-ib")  # full-ib: full with optim.optimizer_in_backward
-GSM8K = ROOT / "tests" / "data" / "gsm8k" / "train.jsonl"  # the sample shipped with the tests
 # Llama-3.1-8B's config.json (width, heads, vocabulary, untied head, rope), with 2 decoder layers
 LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
                   num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
@@ -306,7 +305,7 @@ def run_config(point: dict, model_dir: Path, out: Path) -> dict:
         "model": {"name_or_path": str(model_dir), "dtype": "bfloat16",
                   "gradient_checkpointing": point["ckpt"], "load_in_4bit": method == "qlora",
                   "lora": {"enabled": method not in ("full", "full-ib")}},
-        "data": {"path": str(GSM8K), "limit": 64},
+        "data": fixed_length_data(out.parent, point.get("P", PROMPT_LEN)),
         "rewards": {"functions": [{"name": "xmlcount_reward"}]},
         "grpo": {"num_generations": g, "max_prompt_length": point.get("P", PROMPT_LEN),
                  "max_completion_length": point["C"], "ignore_eos": True,

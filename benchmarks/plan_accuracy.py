@@ -42,8 +42,7 @@ import yaml
 from vs_trl import MALLOC, allocator_env  # the allocator settings both benchmarks share
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT / "tests" / "data" / "gsm8k" / "train.jsonl"  # GSM8K's first 200 train rows, in the repo
-PROMPT_LEN = 64  # GSM8K chat prompts are all longer, so left truncation makes every prompt exactly this
+PROMPT_LEN = 64  # every prompt is cut to this length (`fixed_length_data`)
 TINY = dict(
     hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
 )
@@ -177,6 +176,16 @@ def grid(device: str, only: list[str] | None) -> list[dict]:
     return [points[key] for key in only] if only else list(points.values())  # in the order asked
 
 
+def fixed_length_data(folder: Path, prompt_len: int) -> dict:
+    """A `data:` section whose 64 chat prompts all take `prompt_len` tokens: short sums (GSM8K's layout)
+    after a system prompt several times that long, whose middle the prompt limit cuts (a cut keeps the
+    question and the generation header whole: docs/training.md), so the plan's P is each prompt's."""
+    path = folder / "sums.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {a} + 7?", "answer": f"#### {a + 7}"}) + "\n"
+                            for a in range(64)))  # fmt: skip
+    return {"path": str(path), "system_prompt": "Answer briefly. " * prompt_len}
+
+
 def run_config(point: dict, model_dir: Path, out: Path, overrides: list[str]) -> dict:
     from leangrpo.run.resolve import apply_overrides
 
@@ -184,7 +193,7 @@ def run_config(point: dict, model_dir: Path, out: Path, overrides: list[str]) ->
     config = {
         "model": {"name_or_path": str(model_dir), "dtype": point["dtype"],
                   "gradient_checkpointing": point["ckpt"], "lora": {"enabled": point["method"] == "lora"}},
-        "data": {"path": str(GSM8K), "limit": 64},
+        "data": fixed_length_data(out.parent, PROMPT_LEN),
         "rewards": {"functions": [{"name": "xmlcount_reward"}]},
         "grpo": {"num_generations": g, "max_prompt_length": PROMPT_LEN, "max_completion_length": point["C"]},
         "optim": {"per_device_train_batch_size": g // 2, "gradient_accumulation_steps": 2, "max_steps": 2},

@@ -53,7 +53,7 @@ def config(name: str, model_dir: Path, gsm8k: Path, out: Path) -> dict:
         "model": {"name_or_path": str(model_dir), "gradient_checkpointing": False},
         "data": {"path": str(gsm8k / "train.jsonl"), "limit": 32},
         "rewards": {"functions": [{"name": "toy_rewards:vowel_share"}]},
-        "grpo": {"num_generations": 4, "max_completion_length": 8, "max_prompt_length": 96},
+        "grpo": {"num_generations": 4, "max_completion_length": 8},
         "optim": {
             "learning_rate": 1e-3,
             "per_device_train_batch_size": 8,

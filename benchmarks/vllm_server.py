@@ -105,7 +105,7 @@ KEYS = ("step_seconds", "time/sync", "time/rollout", "time/update", "async/gener
 
 def train(label: str, model: Path, out: Path, steps: int, url: str | None) -> dict[str, float]:
     """Median seconds per step and per phase over steps 2.. of a `leangrpo train` run of `MODES[label]`."""
-    grpo = {"use_vllm": True, **MODES[label], "num_generations": 4, "max_prompt_length": 96,
+    grpo = {"use_vllm": True, **MODES[label], "num_generations": 4,
             "max_completion_length": 16, **({"vllm_server_base_url": url} if url else {})}  # fmt: skip
     name = label.replace(", ", "-")
     cfg = {

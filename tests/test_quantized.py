@@ -187,11 +187,19 @@ def test_qlora_8bit_bf16_trains_resumes_exports_and_chats(tmp_path, tiny_model_d
     enc = tokenizer(["Q: 2+2? A:"], return_tensors="pt", add_special_tokens=False)
     kw = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
     with torch.no_grad():
-        assert torch.equal(merged.generate(**enc, **kw), with_adapter.generate(**enc, **kw))
-        got, want = merged(**enc).logits.float(), with_adapter(**enc).logits.float()
+        tokens = with_adapter.generate(**enc, **kw)
+        got, want = merged(tokens).logits.float(), with_adapter(tokens).logits.float()
     # Rounding W + BA to bf16 vs Wx + BAx in bf16: the error grows with the hidden states, not with each
     # logit, so it is bounded against the largest logit.
-    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    tolerance = 0.02 * want.abs().max()
+    assert (got - want).abs().max() <= tolerance
+    # Greedy decoding agrees token by token, except where the adapter's top two logits lie within that
+    # rounding of each other (a near-tie either model may break its own way).
+    prompt = enc["input_ids"].shape[1]
+    top2 = want[0, prompt - 1 : -1].topk(2).values
+    picked = got[0, prompt - 1 : -1].argmax(-1) == tokens[0, prompt:]
+    assert (picked | (top2[:, 0] - top2[:, 1] <= 2 * tolerance)).all()
+    assert picked.float().mean() >= 0.5
 
     result = cli.invoke(main, ["chat", str(run), "What is 2+2?", "--max-new-tokens", "4"])
     assert result.exit_code == 0 and result.output.strip(), result.output

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -200,8 +201,12 @@ def test_widely_read_recipes_train_with_zero_edits(recipe, tmp_path, tiny_model_
     rows = [{"question": f"What is {a} + {a}?", "solution": f"${2 * a}$"} for a in range(1, 9)]
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = tmp_path / "model"  # the tiny model with a real model's context: the recipes' lengths fit
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
     script = {
-        "model_name_or_path": str(tiny_model_dir),
+        "model_name_or_path": str(model),
         "dataset_name": str(data),
         "reward_funcs": ["accuracy_reward", "think_format_reward"],
     }

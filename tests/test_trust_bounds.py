@@ -241,7 +241,8 @@ def test_23_generation_longer_than_the_context_is_one_line(tiny_model_dir, gsm8k
     monkeypatch.chdir(tmp_path)
     cfg = write_config(tmp_path / "run.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", tmp_path / "run")
     result = cli("train", "-c", str(cfg), "grpo.max_completion_length=1000000000")
-    one_line(result, "max_completion_length = 1000000096 positions, more than the context")
+    limit = yaml.safe_load(cfg.read_text())["grpo"]["max_prompt_length"]
+    one_line(result, f"max_completion_length = {1000000000 + limit} positions, more than the context")
     assert not (tmp_path / "run").exists()
     new = ["--max-new-tokens", "1000000000"]
     eval_args = ["--data", str(gsm8k_dir), "--limit", "1", "--out", str(tmp_path / "e.json")]

@@ -987,7 +987,7 @@ def check_generation_length(cfg: Any) -> None:
     cuda = torch.cuda.is_available()
     memory = torch.cuda.get_device_properties(0).total_memory if cuda else psutil.virtual_memory().total
     knobs = knobs_from_config(cfg, device="cuda" if cuda else "cpu")
-    kv = plan_for(shape, knobs, None).components["KV cache"]
+    kv = estimate(shape, knobs).components["KV cache"]  # vLLM's own share is not the rollouts' cache
     if kv > memory:
         raise PlanError(
             f"plan: the rollouts' KV cache needs {fmt_bytes(kv)}, more than the machine's "

@@ -131,14 +131,7 @@ def packed(
     device, width, C = prompt_ids.device, prompt_ids.shape[1], completion_ids.shape[1]
     p_len, c_len = torch.tensor(prompt_len), torch.tensor(completion_len)
     rows, total = len(prompt_len), sum(prompt_len) + sum(completion_len)
-    # Segments in order: each group's prompt, then its completions.
-    prompt_seg = torch.arange(rows) * (group + 1)
-    completion = torch.arange(rows * group)
-    completion_seg = (completion // group) * (group + 1) + 1 + completion % group
-    lengths = torch.zeros(rows * (group + 1), dtype=torch.long)
-    lengths[prompt_seg], lengths[completion_seg] = p_len, c_len
-    starts = lengths.cumsum(0) - lengths
-    prompt_start, completion_start = starts[prompt_seg], starts[completion_seg]
+    prompt_start, completion_start = _segment_starts(p_len, c_len, group)
     p_of, p_off = _ranges(p_len, sum(prompt_len))
     c_of, c_off = _ranges(c_len, sum(completion_len))
     p_dest, c_dest = prompt_start[p_of] + p_off, completion_start[c_of] + c_off
@@ -148,7 +141,7 @@ def packed(
     source[p_dest], source[c_dest] = p_of * width + width - p_len[p_of] + p_off, rows * width + c_source
     position_ids[p_dest], position_ids[c_dest] = p_off, p_len[c_of // group] + c_off
     # Token j of a completion is predicted by its token j-1; token 0 by its prompt's last.
-    own_prompt = completion // group
+    own_prompt = torch.arange(rows * group) // group
     prompt_last = prompt_start[own_prompt] + p_len[own_prompt] - 1
     predictors = (c_dest - 1).where(c_off > 0, prompt_last[c_of])
     blocks = _packed_blocks(prompt_start, prompt_len, completion_start, completion_len, group)
@@ -160,6 +153,19 @@ def packed(
         (blocks[0].to(device), blocks[1].to(device)), order.to(device), predictors.to(device),
         completion_ids.reshape(-1)[c_source.to(device)], real.to(device),
     )  # fmt: skip
+
+
+def _segment_starts(prompt_len: Tensor, completion_len: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """Where each prompt and each completion starts in the packed sequence: each group's prompt, then its
+    completions, in order."""
+    rows = prompt_len.shape[0]
+    prompt_seg = torch.arange(rows) * (group + 1)
+    completion = torch.arange(rows * group)
+    completion_seg = (completion // group) * (group + 1) + 1 + completion % group
+    lengths = torch.zeros(rows * (group + 1), dtype=torch.long)
+    lengths[prompt_seg], lengths[completion_seg] = prompt_len, completion_len
+    starts = lengths.cumsum(0) - lengths
+    return starts[prompt_seg], starts[completion_seg]
 
 
 def _packed_blocks(

@@ -69,11 +69,11 @@ def measured_speedup() -> float:
     known = _read_cache(path)
     if isinstance(known.get(key), float | int):
         return float(known[key])
-    speedup = _measure()
+    speedup = round(_measure(), 3)  # as the cache keeps it: the first run says what later ones read
     written = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        written.write_text(json.dumps({**known, key: round(speedup, 3)}, indent=1))
+        written.write_text(json.dumps({**known, key: speedup}, indent=1))
         os.replace(written, path)  # whole, even with two runs starting at once
     except OSError:  # a cache that cannot be written is measured again next time
         with suppress(OSError):
