@@ -113,11 +113,13 @@ TRAIN = {
     "full-offload": ("full", True, ["model.activation_offload=true"]),
     "lora-flash-attn": ("lora", True, ["model.attn_implementation=flash_attention_2"]),
 }
-# One micro-batch of G (optimizer_in_backward needs it), fixed-length completions (the plan's length).
+# One micro-batch of G (optimizer_in_backward needs it), fixed-length completions (the plan's length);
+# the prompts are plan_accuracy's, each PROMPT_LEN tokens.
 TRAIN_OVERRIDES = [
-    f"data.path={GSM8K}", f"optim.per_device_train_batch_size={G}", "optim.gradient_accumulation_steps=1",
+    f"optim.per_device_train_batch_size={G}",
+    "optim.gradient_accumulation_steps=1",
     "grpo.ignore_eos=true",
-]  # fmt: skip
+]
 
 
 class Skipped(Exception):

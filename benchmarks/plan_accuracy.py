@@ -42,7 +42,7 @@ import yaml
 from vs_trl import MALLOC, allocator_env  # the allocator settings both benchmarks share
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPT_LEN = 64  # every prompt is cut to this length (`fixed_length_data`)
+PROMPT_LEN = 128  # every prompt is cut to this length (fixed_length_data; a gsm8k question and header: ~70)
 TINY = dict(
     hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
 )
@@ -180,6 +180,7 @@ def fixed_length_data(folder: Path, prompt_len: int) -> dict:
     """A `data:` section whose 64 chat prompts all take `prompt_len` tokens: short sums (GSM8K's layout)
     after a system prompt several times that long, whose middle the prompt limit cuts (a cut keeps the
     question and the generation header whole: docs/training.md), so the plan's P is each prompt's."""
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / "sums.jsonl"
     path.write_text("".join(json.dumps({"question": f"What is {a} + 7?", "answer": f"#### {a + 7}"}) + "\n"
                             for a in range(64)))  # fmt: skip
