@@ -1,6 +1,7 @@
 """HF generation: transformers' generate on the policy (HFEngine) or on a copy of it (SnapshotEngine, for
-async rollouts), drawing by inverse CDF into a KV cache allocated once, each group's prompt prefilled once,
-and tool-calling turns resumed from the cache (ResumedTurns)."""
+async rollouts), drawing by inverse CDF into a KV cache allocated once, each group's prompt prefilled once
+(and a prefix every prompt shares, once for all), and tool-calling turns resumed from the cache
+(ResumedTurns)."""
 
 from __future__ import annotations
 
