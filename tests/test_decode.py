@@ -8,9 +8,11 @@ import pytest
 import torch
 import transformers
 
+import leangrpo.engines.hf as hf
 from leangrpo.config.schema import LoraConfig
 from leangrpo.cpu.decode import lean_decoder
-from leangrpo.engines.hf import kv_cache, prefill_once_per_group
+from leangrpo.engines.hf import kv_cache, prefill_once_per_group, shared_prefix
+from leangrpo.engines.types import left_padded
 from leangrpo.models.load import apply_lora
 
 FAMILIES = {
@@ -155,3 +157,41 @@ def test_a_row_that_ends_is_padded_and_decoding_stops_when_all_have():
     out = lean.decode(cache, ids, mask, 10, scripted, eos=[7, 8], pad=0)
     assert steps == [0, 1, 2, 3]
     assert out.tolist() == [[4, 7, 0, 0], [5, 5, 5, 7]]
+
+
+def test_a_shared_prefix_is_counted_on_real_tokens_past_the_left_padding():
+    """The shared prefix starts at each row's first real token, ends where any row differs or the shortest
+    prompt ends, and counts only from MIN_SHARED_PREFIX tokens and two rows up."""
+    prefix = list(range(100, 140))  # 40 tokens
+    ids, mask = left_padded([[*prefix, 5, 6], [*prefix, 5, 7, 8, 9, 10]], 0, torch.device("cpu"))
+    assert shared_prefix(ids, mask) == 41
+    ids, mask = left_padded([prefix, [*prefix, 5, 6]], 0, torch.device("cpu"))
+    assert shared_prefix(ids, mask) == 40  # the shortest prompt, whole
+    ids, mask = left_padded([prefix[:31] + [1], prefix[:31] + [2]], 0, torch.device("cpu"))
+    assert shared_prefix(ids, mask) == 0  # 31 tokens: too few to pay
+    assert shared_prefix(*left_padded([prefix], 0, torch.device("cpu"))) == 0  # one row: nothing to share
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_shared_prefix_fills_the_cache_that_prefilling_every_row_fills(kind, monkeypatch):
+    """The prefix run once and copied to every row's columns (one row's tail longer than the prefix, so its
+    padding spans the whole copied width) leaves each real token the keys and values that prefilling
+    every row gives it, and the lean loop the same greedy tokens."""
+    model = tiny(kind)
+    prefix = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    tails = [[7], list(range(200, 260)), [9, 8, 7, 6]]
+    ids, mask = left_padded([[*prefix, *t] for t in tails], 0, torch.device("cpu"))
+    writes = []  # (rows, positions) of each layer's cache write: the lean loop writes its buffers itself
+    update = hf.PreallocatedLayer.update
+    monkeypatch.setattr(
+        hf.PreallocatedLayer,
+        "update",
+        lambda layer, k, v, *a, **kw: writes.append(k.shape[::2]) or update(layer, k, v, *a, **kw),
+    )
+    shared, shared_logits = lean_logits(model, ids, mask, group=1, steps=4)
+    layers = model.config.num_hidden_layers  # the prefix's pass, its copy to every row, the rest
+    assert writes == [(1, 40)] * layers + [(3, 40)] * layers + [(3, ids.shape[1] - 1 - 40)] * layers
+    monkeypatch.setattr(hf, "MIN_SHARED_PREFIX", 10**9)
+    every_row, every_logits = lean_logits(model, ids, mask, group=1, steps=4)
+    assert torch.equal(shared, every_row)
+    torch.testing.assert_close(shared_logits, every_logits)

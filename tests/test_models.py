@@ -395,6 +395,41 @@ def test_groups_prefill_their_prompt_once(tiny_model_dir, tokenizer, monkeypatch
     assert torch.equal(shared.completion_ids, every_row.completion_ids)
 
 
+@pytest.mark.parametrize(("group", "do_sample"), [(1, False), (3, False), (3, True)])
+def test_a_prefix_every_prompt_shares_is_prefilled_once(
+    tiny_model_dir, group, do_sample, levers, monkeypatch
+):
+    """Tool prompts (system prompt and the calculator's schema, then questions of different lengths) run
+    their shared prefix once, on one row, and give the tokens that prefilling it on every row gives: greedy
+    (evaluation: one completion a prompt; rollouts: a group) and sampled under a seed (no draw moves)."""
+    from conftest import TOOL_TRACES, tool_prompt
+
+    import leangrpo.engines.hf as hf
+    from leangrpo.engines.tools import prepare_tokenizer
+
+    model = load_tiny(tiny_model_dir)
+    tok = load_tokenizer(str(tiny_model_dir))
+    prepare_tokenizer(tok)
+    texts = [tool_prompt(tok, q, schemas=True) for q in TOOL_TRACES]
+    sampling = Sampling(
+        num_generations=group, max_prompt_length=512, max_completion_length=8, do_sample=do_sample, seed=7,
+        ignore_eos=True,
+    )  # fmt: skip
+    calls: list[tuple[int, ...]] = []
+    model.get_decoder().register_forward_pre_hook(
+        lambda m, a, k: calls.append(tuple(k["input_ids"].shape)), with_kwargs=True
+    )
+    shared = generate(model, tok, texts, sampling, levers=levers)
+    rows, length = calls[0]
+    assert rows == 1 and length >= 200  # the system prompt and the tool schema, once
+    assert calls[1][0] == len(texts)  # then each prompt's own tokens
+    monkeypatch.setattr(hf, "MIN_SHARED_PREFIX", 10**9)
+    calls.clear()
+    every_row = generate(model, tok, texts, sampling, levers=levers)
+    assert calls[0][0] == len(texts)
+    assert torch.equal(shared.completion_ids, every_row.completion_ids)
+
+
 @pytest.mark.parametrize("knob", [{"temperature": 1e-4}, {"top_p": 1e-6}])
 def test_sampling_respects_temperature_and_top_p(tiny_model_dir, tokenizer, knob, levers):
     """Both limits leave only the likeliest token: sampling must then equal greedy decoding."""

@@ -53,3 +53,17 @@ def test_eval_with_the_vllm_engine_but_no_vllm_is_one_line(tmp_path, tiny_model_
     result = CliRunner().invoke(main, [*args, "--engine", "vllm", "--out", str(tmp_path / "e.json")])
     assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
     assert INSTALL in result.output
+
+
+def test_vllm_is_built_with_prefix_caching(monkeypatch):
+    """A prefix every prompt shares (system prompt, tool schemas) is prefilled once by vLLM too: the engine
+    asks for its prefix cache rather than counting on the default."""
+    import types
+
+    import leangrpo.engines.vllm as engine
+
+    built = {}
+    fake = types.SimpleNamespace(LLM=lambda **kwargs: built.update(kwargs))
+    monkeypatch.setattr(engine, "import_vllm", lambda: fake)
+    engine.build_llm("some/model", max_model_len=64)
+    assert built["enable_prefix_caching"] is True

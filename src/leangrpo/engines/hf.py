@@ -1,6 +1,7 @@
 """HF generation: transformers' generate on the policy (HFEngine) or on a copy of it (SnapshotEngine, for
-async rollouts), drawing by inverse CDF into a KV cache allocated once, each group's prompt prefilled once,
-and tool-calling turns resumed from the cache (ResumedTurns)."""
+async rollouts), drawing by inverse CDF into a KV cache allocated once, each group's prompt prefilled once
+(and a prefix every prompt shares, once for all), and tool-calling turns resumed from the cache
+(ResumedTurns)."""
 
 from __future__ import annotations
 
@@ -315,7 +316,9 @@ def sample(
             )
         if completion_ids is None:
             with levers.around_generate(model, len(prompt_ids)) if levers is not None else nullcontext():
-                if cache is not None and sampling.num_generations > 1:
+                if cache is not None and (
+                    sampling.num_generations > 1 or shared_prefix(prompt_ids[:, :-1], prompt_mask[:, :-1])
+                ):
                     prefill_once_per_group(model, prompt_ids, prompt_mask, sampling.num_generations, cache)
                 # generate(): a causal LM (or the peft model standing in for one) has it, PreTrainedModel
                 # does not declare it
@@ -491,6 +494,64 @@ def kv_cache(model: PreTrainedModel, capacity: int) -> DynamicCache | None:
     return cache
 
 
+# The fewest prompt tokens all rows must share before `prefill_once_per_group` runs them once for the batch:
+# below it, the extra batch-1 forward and the copy of its keys and values to every row would not pay.
+MIN_SHARED_PREFIX = 32
+
+
+def shared_prefix(prompt_ids: Tensor, prompt_mask: Tensor) -> int:
+    """How many leading real tokens every left-padded row shares; 0 when fewer than MIN_SHARED_PREFIX, or
+    fewer than two rows."""
+    if len(prompt_ids) < 2:
+        return 0
+    lengths = prompt_mask.sum(dim=1)
+    most = int(lengths.min())
+    if most < MIN_SHARED_PREFIX:
+        return 0
+    # each row's real tokens, from its first: the columns right of its left padding
+    columns = (prompt_ids.shape[1] - lengths)[:, None] + torch.arange(most, device=prompt_ids.device)
+    real = prompt_ids.gather(1, columns)
+    differs = (real != real[:1]).any(dim=0).nonzero()
+    length = most if len(differs) == 0 else int(differs[0])
+    return length if length >= MIN_SHARED_PREFIX else 0
+
+
+@torch.no_grad()
+def prefill_shared_prefix(
+    model: PreTrainedModel, prompt_ids: Tensor, prompt_mask: Tensor, cache: DynamicCache
+) -> None:
+    """Fill an empty `cache`'s first L columns for left-padded prompts whose first L real tokens are the same
+    (`shared_prefix`: a system prompt, tool schemas), running those L tokens once instead of once a row.
+
+    Row r's real tokens start at column s_r (its left padding); its prefix token k sits at column s_r + k
+    and position k in every row, so its keys and values are the batch-1 pass's k-th. Column j < L of row r
+    gets the prefix's entry j - s_r; the columns left of s_r are padding, which the attention mask hides
+    (they get entry 0). The prefix tokens right of column L are run again with the rest of the prompt, as
+    the rows of the longest prompt start at column 0. A cache of other layers (sliding windows) is left
+    alone."""
+    length = shared_prefix(prompt_ids, prompt_mask)
+    if (
+        not length
+        or cache.get_seq_length()
+        or any(type(layer) is not PreallocatedLayer for layer in cache.layers)
+    ):
+        return
+    prefix = DynamicCache()
+    prefix.layers = [PreallocatedLayer(length) for _ in cache.layers]
+    start = prompt_ids.shape[1] - int(prompt_mask[0].sum())
+    model.get_decoder()(
+        input_ids=prompt_ids[:1, start : start + length], use_cache=True, **{CACHE_KWARG: prefix}
+    )
+    shift = prompt_ids.shape[1] - prompt_mask.sum(dim=1)
+    source = (torch.arange(length, device=shift.device) - shift[:, None]).clamp_(min=0)  # [rows, L]
+    for own, shared in zip(cache.layers, prefix.layers, strict=True):
+        own, shared = cast(PreallocatedLayer, own), cast(PreallocatedLayer, shared)
+        keys, values = (
+            b[0].transpose(0, 1)[source].transpose(1, 2) for b in (shared.key_buffer, shared.value_buffer)
+        )
+        own.update(keys, values)  # [rows, heads, L, dim]
+
+
 @torch.no_grad()
 def prefill_once_per_group(
     model: PreTrainedModel, prompt_ids: Tensor, prompt_mask: Tensor, group: int, cache: DynamicCache
@@ -499,13 +560,15 @@ def prefill_once_per_group(
     `group` times, then repeat its entries for the group's rows; generate() then starts from the last
     prompt token. The rows of a group hold the same prompt (encode_prompts repeats them), so this is the
     same cache for 1/`group` of the prefill's work (benchmarks/RESULTS.md, "CPU speed-ups, on and off").
-    A cache that holds the first tokens already (a resumed turn, `group` 1) gets the rest only.
+    A prefix that every prompt shares is run once for all (`prefill_shared_prefix`). A cache that holds
+    the first tokens already (a resumed turn, `group` 1) gets the rest only.
     Only the decoder runs (the cache is all this pass is for): the lm_head would build [rows, P - 1, V]
     logits that nobody reads."""
+    ids, mask = prompt_ids[::group, :-1], prompt_mask[::group, :-1]
+    prefill_shared_prefix(model, ids, mask, cache)
     start = cache.get_seq_length()
     if prompt_ids.shape[1] - 1 <= start:
         return
-    ids, mask = prompt_ids[::group, :-1], prompt_mask[::group, :-1]
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
     model.get_decoder()(
         input_ids=ids[:, start:], attention_mask=mask, position_ids=positions[:, start:], use_cache=True,

@@ -124,6 +124,9 @@ def build_llm(
             # the log-probs of the distribution actually sampled (after temperature), as the trainer's
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # our sampling settings only, not the model's defaults
+            # a prefix every prompt shares (system prompt, tool schemas) is prefilled once; vLLM V1's default,
+            # said here so that no change of default turns it off (docs/vllm.md)
+            enable_prefix_caching=True,
             enforce_eager=not torch.cuda.is_available(),  # CUDA graphs pay off on GPUs only
             distributed_executor_backend=_executor(),
         )
