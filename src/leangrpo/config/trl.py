@@ -359,8 +359,8 @@ def from_trl(
             refused.append(f"{key}: not a TRL 1.16 GRPOConfig field (docs/trl.md lists them all)")
     if refused:
         raise TRLConfigError("\n".join(f"{source}: {line}" for line in refused))
-    if out.get("model", {}).get("dtype") == "auto":
-        del out["model"]["dtype"]
+    if out.get("model", {}).get("dtype", "auto") == "auto":  # not leangrpo's auto (bf16 on a GPU): fp32
+        out.setdefault("model", {})["dtype"] = "float32"
     if mixed_precision:
         logger.warning(f"{source}: {precision_note(out.get('model', {}).get('dtype', 'float32'))}")
     return out

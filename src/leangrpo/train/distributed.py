@@ -105,11 +105,14 @@ class Replicated:
         return bool(self.acc.reduce(torch.tensor(float(flag), device=self.acc.device), "sum") > 0)
 
     def wrap(self, policy: Policy) -> nn.Module:
+        """The policy on this process's device, its head checked there, then wrapped for DDP."""
+        policy.to(self.acc.device).prepare()
         return self.acc.prepare_model(policy)
 
-    def place_frozen(self, module: nn.Module) -> nn.Module:
+    def place_frozen(self, module: Policy) -> nn.Module:
         """A frozen module (the full-fine-tuning reference): a whole copy on this process's device."""
-        return module.to(self.acc.device)
+        module.to(self.acc.device).prepare()
+        return module
 
     def sync_gradients(self, policy: nn.Module, sync: bool) -> Any:
         """Within gradient accumulation, only the last micro-batch's backward synchronises."""
@@ -150,11 +153,24 @@ class Sharded(Replicated):
         return f"{self.acc.num_processes} processes, sharded (FSDP2)"
 
     def wrap(self, policy: Policy) -> nn.Module:
-        return _shard(policy.to(self.acc.device))
+        """Sharded where it was loaded (host memory), then only this process's shards moved to its device:
+        the whole model never is on one device, nor stays whole in host memory. The head is checked on
+        the device with only the root's group (embeddings, final norm, head) gathered; each layer gathers
+        itself in its forward."""
+        from torch.distributed.fsdp import FSDPModule
 
-    def place_frozen(self, module: nn.Module) -> nn.Module:
+        _shard(policy).to(self.acc.device)
+        assert isinstance(policy, FSDPModule)
+        policy.unshard()
+        try:
+            policy.prepare()
+        finally:
+            policy.reshard()
+        return policy
+
+    def place_frozen(self, module: Policy) -> nn.Module:
         """The frozen reference is sharded like the policy, so it costs 1/N of its weights per process."""
-        return _shard(module.to(self.acc.device))
+        return self.wrap(module)
 
     def sync_gradients(self, policy: nn.Module, sync: bool) -> Any:
         policy.set_requires_gradient_sync(sync)  # type: ignore[operator]

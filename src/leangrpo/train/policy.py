@@ -83,9 +83,10 @@ class Policy(nn.Module):
     gradients synchronise across processes. `share_prompt`: the model's attention is switched to the
     function that also runs the shared-prompt and packed layouts (`shared_prompt.use`), so forward takes
     group > 1 and `packing`.
-    `device`: where the model will run, moved there first so that `check_head`'s forward runs there too
-    (the kernels training uses, an attention such as flash-attention that has no CPU version), not on
-    the CPU the model was loaded on.
+    `placed`: the model is where it will run, so `prepare` runs now; False: the trainer's placement
+    (`distributed`) moves or shards it first and then calls `prepare`, so that `check_head`'s forward runs
+    there (the kernels training uses, an attention such as flash-attention that has no CPU version), not
+    on the CPU the model was loaded on.
     """
 
     def __init__(
@@ -94,16 +95,20 @@ class Policy(nn.Module):
         temperature: float = 1.0,
         chunk_size: int = LOGPROB_CHUNK_SIZE,
         share_prompt: bool = False,
-        device: torch.device | str | None = None,
+        placed: bool = True,
     ):
         super().__init__()
         self.lm, self.temperature, self.chunk_size = lm, temperature, chunk_size
-        if device is not None:
-            self.to(device)
+        self.share_prompt = share_prompt
         self.head = logit_transform(self.base.config)
+        if placed:
+            self.prepare()
+
+    def prepare(self) -> None:
+        """Check the head where the model runs, then switch its attention for the shared-prompt layout."""
         check_head(self.base, self.head)
-        if share_prompt:
-            shared_prompt.use(_base(lm))
+        if self.share_prompt:
+            shared_prompt.use(self.base)
 
     @property
     def base(self) -> PreTrainedModel:

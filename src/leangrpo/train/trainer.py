@@ -334,7 +334,7 @@ class Trainer:
 
     def _announce(self) -> None:
         """Where the run trains, a launch that formed fewer processes than it asked for, bad data rows."""
-        self._write(f"training on {self.dist.describe()}, device {self.acc.device}")
+        self._write(f"training on {self.dist.describe()}, device {self.acc.device} ({self.cfg.model.dtype})")
         if warning := distributed.launch_warning(self.acc.num_processes):
             self._write(warning)
         if self.is_main and self.skipped:

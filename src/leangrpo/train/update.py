@@ -70,10 +70,10 @@ class Update:
 
 
 def build_policy(cfg: Config, model: PreTrainedModel, dist: Replicated, group: int) -> torch.nn.Module:
-    """The trained policy, wrapped for the job (`dist.wrap`), placed on this process's device before
-    its head is checked (`Policy`'s `device`)."""
+    """The trained policy, wrapped for the job (`dist.wrap`): placed (or sharded) on this process's
+    device before its head is checked (`Policy.prepare`)."""
     g, (packed, _) = cfg.grpo, padding_free(model, cfg.grpo.padding_free)
-    return dist.wrap(Policy(model, g.temperature, g.logprob_chunk_size, group > 1 or packed, dist.acc.device))
+    return dist.wrap(Policy(model, g.temperature, g.logprob_chunk_size, group > 1 or packed, placed=False))
 
 
 def build_reference(
@@ -118,7 +118,7 @@ def build_reference(
         pages, copy = None, frozen_copy(model, dtype)
     packed, _ = padding_free(copy, g.padding_free)
     ref_policy = dist.place_frozen(
-        Policy(copy, g.temperature, g.logprob_chunk_size, group > 1 or packed, dist.acc.device)
+        Policy(copy, g.temperature, g.logprob_chunk_size, group > 1 or packed, placed=False)
     )
     if pages is not None:
         pages.drop_pages()  # written: out of memory until the first reference pass
