@@ -223,7 +223,54 @@ def environment(lib: ModuleType, model: str, out: Path) -> dict[str, Any]:
     return record(trainer, recorder, out)
 
 
-CASES = {f.__name__: f for f in (docstring, peft, evaluation, accumulation, rollout_func, tools, environment)}
+SCRIPT_IMPORTS = (
+    "    from trl import GRPOTrainer, get_dataset, get_peft_config, get_quantization_config\n",
+    "    from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, TrlParser\n",
+)
+"""trl/scripts/grpo.py's imports of GRPOTrainer and GRPOConfig, which the case takes from `lib` instead."""
+
+
+def grpo_script(lib: ModuleType, model: str, out: Path) -> dict[str, Any]:
+    """trl/scripts/grpo.py as TRL ships it, run with TRL's command line (`--use_peft` without target modules);
+    its GRPOTrainer and GRPOConfig are `lib`'s, the trainer given the recording callback."""
+    import trl
+
+    source = (Path(trl.__file__).parent / "scripts" / "grpo.py").read_text()
+    for line in SCRIPT_IMPORTS:
+        assert source.count(line) == 1, line
+        source = source.replace(line, line.replace(" GRPOTrainer,", "").replace(" GRPOConfig,", ""))
+    data = out / "data"
+    data.mkdir(parents=True)
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in CHATS * 2))
+    recorder, made = Recorder(), []
+
+    class Trainer(lib.GRPOTrainer):  # type: ignore[name-defined]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, callbacks=[recorder], **kwargs)
+            made.append(self)
+
+    argv = [
+        "grpo.py", "--model_name_or_path", model, "--dataset_name", str(data), "--output_dir",
+        str(out / "run"), "--reward_funcs", "think_format_reward", "--max_steps", "2",
+        "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "4",
+        "--bf16", "false", "--learning_rate", "1e-4", "--logging_steps", "1", "--report_to", "none",
+        "--use_peft", "--lora_r", "4",
+    ]  # fmt: skip
+    old_argv, sys.argv = sys.argv, argv + (["--use_cpu", "true"] if lib.__name__ == "trl" else [])
+    try:
+        exec(
+            compile(source, "grpo.py", "exec"),
+            {"__name__": "__main__", "GRPOTrainer": Trainer, "GRPOConfig": lib.GRPOConfig},
+        )
+    finally:
+        sys.argv = old_argv
+    return record(made[0], recorder, out)
+
+
+CASES = {
+    f.__name__: f
+    for f in (docstring, grpo_script, peft, evaluation, accumulation, rollout_func, tools, environment)
+}
 
 
 def run(lib: ModuleType, model: str, out: Path, names: list[str]) -> dict[str, Any]:
