@@ -267,9 +267,55 @@ def grpo_script(lib: ModuleType, model: str, out: Path) -> dict[str, Any]:
     return record(made[0], recorder, out)
 
 
+def tool_call(lib: ModuleType, model: str, out: Path) -> dict[str, Any]:
+    """A rollout_func whose completions call the tool: the messages the rewards see, parsed from the same
+    completions, must be equal. Its result is past `max_completion_length`, so neither runs it (at 200 tokens
+    TRL 1.16's tool loop after a rollout_func raises a TypeError)."""
+    tok, seen = tool_tokenizer(model), []
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": 3}}\n</tool_call><|im_end|>'
+
+    def rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        prompt_ids = [
+            tok.apply_chat_template(
+                p, tools=[lookup], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            for p in prompts
+        ]
+        completion_ids = [tok.encode(call, add_special_tokens=False) for _ in prompts]
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": completion_ids,
+            "logprobs": [[0.0] * len(ids) for ids in completion_ids],
+        }
+
+    def tool_seen(completions: list[Any], **kwargs: Any) -> list[float]:
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    recorder = Recorder()
+    trainer = lib.GRPOTrainer(
+        model, tool_seen, config(lib, out, max_steps=1, max_completion_length=40), dataset(CHATS),
+        callbacks=[recorder], tools=[lookup], processing_class=tok, rollout_func=rollout,
+    )  # fmt: skip
+    trainer.train()
+    result = record(trainer, recorder, out)
+    result["completion_messages"] = seen[0]
+    return result
+
+
 CASES = {
     f.__name__: f
-    for f in (docstring, grpo_script, peft, evaluation, accumulation, rollout_func, tools, environment)
+    for f in (
+        docstring,
+        grpo_script,
+        peft,
+        evaluation,
+        accumulation,
+        rollout_func,
+        tools,
+        tool_call,
+        environment,
+    )
 }
 
 

@@ -56,7 +56,10 @@ TOOL_METRICS = Difference("`tools/turns` (model turns per rollout)", keys(plus=(
 SHA = Difference("`leangrpo_sha256.json` listing its files' hashes", keys(plus=("leangrpo_sha256.json",)))
 STEPS = Difference("one metrics row per step (the mean over its iterations)", per_generation)
 DELIBERATE: dict[str, dict[str, Difference]] = {
-    case: {"metric_keys": TOOL_METRICS if case in ("tools", "environment") else METRICS, "saved": SHA}
+    case: {
+        "metric_keys": TOOL_METRICS if case in ("tools", "tool_call", "environment") else METRICS,
+        "saved": SHA,
+    }
     for case in corpus.CASES
 }
 DELIBERATE["peft"]["saved"] = DELIBERATE["grpo_script"]["saved"] = Difference(
