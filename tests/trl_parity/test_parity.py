@@ -62,22 +62,10 @@ DELIBERATE: dict[str, dict[str, Difference]] = {
     }
     for case in corpus.CASES
 }
+MERGED = ("chat_template.jinja", "config.json", "generation_config.json", "leangrpo_sha256.json")
+MERGED += ("model.safetensors", "tokenizer.json", "tokenizer_config.json")
 DELIBERATE["peft"]["saved"] = DELIBERATE["grpo_script"]["saved"] = Difference(
-    "and the merged model in `dir/merged/`",
-    keys(
-        plus=tuple(
-            f"merged/{f}"
-            for f in (
-                "chat_template.jinja",
-                "config.json",
-                "generation_config.json",
-                "leangrpo_sha256.json",
-                "model.safetensors",
-                "tokenizer.json",
-                "tokenizer_config.json",
-            )
-        )
-    ),  # fmt: skip
+    "and the merged model in `dir/merged/`", keys(plus=tuple(f"merged/{name}" for name in MERGED))
 )
 DELIBERATE["evaluation"]["eval_keys"] = Difference(
     "`eval_loss` (the GRPO loss on the eval completions), `eval_entropy`, `eval_clip_ratio/*`, "
@@ -100,6 +88,7 @@ UNDECLARED["evaluation"]["eval_keys"] = Difference("evaluate() has no eval_kl", 
 
 
 def _expected(case: str, key: str, theirs: Any, tables: tuple[dict[str, dict[str, Difference]], ...]) -> Any:
+    """TRL's value of `key` in `case` through the differences `tables` declare: what leangrpo must record."""
     for table in tables:
         if difference := table.get(case, {}).get(key):
             theirs = difference.expect(theirs)
