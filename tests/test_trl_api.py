@@ -248,6 +248,7 @@ def test_logging_steps_governs_log_history_and_it_survives_a_resume(tmp_path, ti
     resumed.train(resume_from_checkpoint=True)
     assert [row["step"] for row in resumed.state.log_history] == [1, 2, 4, 4]
     assert "rewards/short/mean" in resumed.state.log_history[0]
+    assert "kl" not in resumed.state.log_history[0]  # beta 0: TRL logs no kl (tests/trl_parity)
 
 
 class Order:

@@ -600,7 +600,7 @@ def _logged_rows(run_dir: Path, iterations: int) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     rows = read_jsonl(path).rows if path.is_file() else []
     return [
-        {**with_trl_names(row), "step": row["step"] * iterations}
+        {**{k: v for k, v in with_trl_names(row).items() if v is not None}, "step": row["step"] * iterations}
         for row in rows
         if isinstance(row.get("step"), int) and not any(key.startswith("eval/") for key in row)
     ]

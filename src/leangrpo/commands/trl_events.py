@@ -89,8 +89,9 @@ class Events:
 
     def log(self, logs: dict[str, Any]) -> dict[str, Any]:
         """A row of `state.log_history` with the epoch and step, then on_log, as transformers' `log()`;
-        returns `logs` with the epoch."""
-        logs = {**logs, "epoch": self.state.epoch}
+        returns `logs` with the epoch. A metric without a value (`kl` at beta 0) is left out: TRL logs none
+        there."""
+        logs = {**{k: v for k, v in logs.items() if v is not None}, "epoch": self.state.epoch}
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.call("on_log", logs=logs)
         return logs
