@@ -355,6 +355,17 @@ def test_generate_uses_the_preallocated_cache(tiny_model_dir, tokenizer, monkeyp
     assert len(updates) == 6 * model.config.num_hidden_layers  # prefill + 5 decoding steps, every layer
 
 
+def test_prompts_are_left_padded_whatever_side_the_tokenizer_pads(tokenizer, monkeypatch):
+    """A TRL script's own tokenizer may pad on the right (`processing_class`); generation and the packed
+    log-prob layout need the prompts' padding on the left, as TRL pads them."""
+    from leangrpo.engines.types import encode_prompts
+
+    monkeypatch.setattr(tokenizer, "padding_side", "right")
+    ids, mask = encode_prompts(tokenizer, ["Hi", "What is two plus two, and why?"], None, 2)
+    assert mask[:, -1].all() and not mask[0, 0] and mask.shape[0] == 4
+    assert ids[0, -1] == tokenizer("Hi", add_special_tokens=False).input_ids[-1]
+
+
 def test_groups_prefill_their_prompt_once(tiny_model_dir, tokenizer, monkeypatch):
     """With G completions per prompt the prompt's forward runs on one row per group, into the cache that
     generate()'s own prefill of every row writes (prompts of different lengths, so left padding too),

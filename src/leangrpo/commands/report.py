@@ -125,7 +125,10 @@ def before_after(eval_rows: list[dict[str, Any]]) -> str:
 
 def _samples(samples: list[dict[str, Any]]) -> str:
     if not samples:
-        return "<p>No sample completions were logged (logging.log_completions_steps).</p>"
+        return (
+            "<p>No sample completions were logged (logging.log_completions_steps; in a TRL config, "
+            "log_completions).</p>"
+        )
     picked = samples if len(samples) <= 2 * SAMPLES_EACH else samples[:SAMPLES_EACH] + samples[-SAMPLES_EACH:]
     parts = []
     for s in picked:

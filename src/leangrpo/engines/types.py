@@ -241,14 +241,16 @@ MAX_CHARS_PER_TOKEN = 64
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompt_texts: list[str], max_prompt_length: int | None, repeat: int
 ) -> tuple[Tensor, Tensor]:
-    """Left-padded prompt ids and mask, each prompt repeated `repeat` times (one row per completion),
-    whole: a prompt longer than `max_prompt_length` was already cut as `PromptFormat.fit` cuts it, which
-    keeps its question and generation header. Left truncation at the limit stays as a guard only."""
+    """Left-padded prompt ids and mask (whatever side the tokenizer pads), each prompt repeated `repeat`
+    times (one row per completion), whole: a prompt longer than `max_prompt_length` was already cut as
+    `PromptFormat.fit` cuts it, which keeps its question and generation header. Left truncation at the
+    limit stays as a guard only."""
     limit = max_prompt_length
     enc = tokenizer(
         [text if limit is None else text[-MAX_CHARS_PER_TOKEN * limit :] for text in prompt_texts],
         return_tensors="pt",
         padding=True,
+        padding_side="left",  # whatever the tokenizer's own side (a TRL script's may pad right), as TRL
         truncation=limit is not None,
         max_length=limit,
         add_special_tokens=False,

@@ -93,8 +93,8 @@ def sft_batch(
     assistant_prefix = prompt_format.assistant_prefix
     targets = [s.removeprefix(assistant_prefix) + tokenizer.eos_token for s in solutions]
     prompt = tokenizer(
-        texts, return_tensors="pt", padding=True, truncation=max_prompt_length is not None,
-        max_length=max_prompt_length,
+        texts, return_tensors="pt", padding=True, padding_side="left",
+        truncation=max_prompt_length is not None, max_length=max_prompt_length,
         add_special_tokens=False,
     )  # fmt: skip
     header = prompt_format.generation_header(tokenizer)
