@@ -406,13 +406,16 @@ def test_groups_prefill_their_prompt_once(tiny_model_dir, tokenizer, monkeypatch
     assert torch.equal(shared.completion_ids, every_row.completion_ids)
 
 
-@pytest.mark.parametrize(("group", "do_sample"), [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize(
+    ("group", "do_sample", "same"), [(1, False, False), (3, False, False), (3, True, False), (3, False, True)]
+)
 def test_a_prefix_every_prompt_shares_is_prefilled_once(
-    tiny_model_dir, group, do_sample, levers, monkeypatch
+    tiny_model_dir, group, do_sample, same, levers, monkeypatch
 ):
     """Tool prompts (system prompt and the calculator's schema, then questions of different lengths) run
     their shared prefix once, on one row, and give the tokens that prefilling it on every row gives: greedy
-    (evaluation: one completion a prompt; rollouts: a group) and sampled under a seed (no draw moves)."""
+    (evaluation: one completion a prompt; rollouts: a group) and sampled under a seed (no draw moves).
+    `same`: every prompt the same (an environment's reset text), so the prefix is all of each prompt."""
     from conftest import TOOL_TRACES, tool_prompt
 
     import leangrpo.engines.hf as hf
@@ -422,6 +425,8 @@ def test_a_prefix_every_prompt_shares_is_prefilled_once(
     tok = load_tokenizer(str(tiny_model_dir))
     prepare_tokenizer(tok)
     texts = [tool_prompt(tok, q, schemas=True) for q in TOOL_TRACES]
+    if same:
+        texts = [texts[0]] * len(texts)
     sampling = Sampling(
         num_generations=group, max_prompt_length=512, max_completion_length=8, do_sample=do_sample, seed=7,
         ignore_eos=True,
@@ -433,7 +438,7 @@ def test_a_prefix_every_prompt_shares_is_prefilled_once(
     shared = generate(model, tok, texts, sampling, levers=levers)
     rows, length = calls[0]
     assert rows == 1 and length >= 200  # the system prompt and the tool schema, once
-    assert calls[1][0] == len(texts)  # then each prompt's own tokens
+    assert same or calls[1][0] == len(texts)  # then each prompt's own tokens
     monkeypatch.setattr(hf, "MIN_SHARED_PREFIX", 10**9)
     calls.clear()
     every_row = generate(model, tok, texts, sampling, levers=levers)

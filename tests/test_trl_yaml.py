@@ -113,8 +113,7 @@ def test_an_environment_with_get_reward_needs_no_rewards(flat):
 @pytest.mark.slow
 def test_a_yaml_environment_with_get_reward_trains_without_rewards(tmp_path, tiny_model_dir):
     """End to end from the CLI: the environment's get_reward is the step's reward."""
-    import subprocess
-    import sys
+    from test_e2e import run_cli
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(4)))
@@ -127,12 +126,7 @@ def test_a_yaml_environment_with_get_reward_trains_without_rewards(tmp_path, tin
     }  # fmt: skip
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(doc))
-    proc = subprocess.run(
-        [sys.executable, "-m", "leangrpo", "train", "-c", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_cli("train", "-c", str(path))  # the tests' folder on PYTHONPATH: the environment's module
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["rewards/Scored/mean"] == 1.0

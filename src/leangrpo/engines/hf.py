@@ -567,12 +567,11 @@ def prefill_once_per_group(
     ids, mask = prompt_ids[::group, :-1], prompt_mask[::group, :-1]
     prefill_shared_prefix(model, ids, mask, cache)
     start = cache.get_seq_length()
-    if prompt_ids.shape[1] - 1 <= start:
-        return
-    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
-    model.get_decoder()(
-        input_ids=ids[:, start:], attention_mask=mask, position_ids=positions[:, start:], use_cache=True,
-        **{CACHE_KWARG: cache},
-    )  # fmt: skip
+    if start < ids.shape[1]:  # else the shared prefix was all of it (every prompt the same)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
+        model.get_decoder()(
+            input_ids=ids[:, start:], attention_mask=mask, position_ids=positions[:, start:], use_cache=True,
+            **{CACHE_KWARG: cache},
+        )  # fmt: skip
     if group > 1:
         cache.batch_repeat_interleave(group)
