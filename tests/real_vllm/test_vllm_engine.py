@@ -178,7 +178,7 @@ def test_train_fail_and_resume_with_vllm_from_the_cli(tmp_path, model_dir, gsm8k
     run = tmp_path / "run"
     cfg = write_config(
         tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run,
-        grpo={"use_vllm": True, "num_generations": 4, "max_completion_length": 8, "max_prompt_length": 96},
+        grpo={"use_vllm": True, "num_generations": 4, "max_completion_length": 8, "max_prompt_length": 192},
         optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 3,
                "learning_rate": 1e-2},
         logging={"progress_bar": False},
@@ -227,7 +227,7 @@ def train_async(tmp_path, model_dir, gsm8k_dir, **grpo):
     cfg = write_config(
         tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run,
         grpo={"use_vllm": True, "async_rollouts": True, "max_staleness": 1, "num_generations": 4,
-              "max_completion_length": 8, "max_prompt_length": 96, **grpo},
+              "max_completion_length": 8, "max_prompt_length": 192, **grpo},
         optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 3,
                "learning_rate": 1e-2},
         logging={"progress_bar": False},

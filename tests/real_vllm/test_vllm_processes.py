@@ -34,7 +34,7 @@ def launch_run(tmp_path, model_dir, gsm8k_dir, launch, port, **grpo):
     run = tmp_path / "run"
     cfg = write_config(
         tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run,
-        grpo={"use_vllm": True, "num_generations": 4, "max_completion_length": 8, "max_prompt_length": 96,
+        grpo={"use_vllm": True, "num_generations": 4, "max_completion_length": 8, "max_prompt_length": 192,
               **grpo},
         optim={"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "max_steps": 3,
                "learning_rate": 1e-2},

@@ -139,7 +139,7 @@ def test_train_through_the_server_then_it_dies(server, tmp_path, model_dir, gsm8
     cfg = write_config(
         tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run,
         grpo={"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": url, "num_generations": 4,
-              "max_completion_length": 8, "max_prompt_length": 96},
+              "max_completion_length": 8, "max_prompt_length": 192},
         optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 2,
                "learning_rate": 1e-2},
         logging={"progress_bar": False},
