@@ -120,21 +120,24 @@ def test_shared_prompt_and_packed_match_one_prompt_per_completion_lora(tiny_mode
         assert_grads_close(named[1][name].grad, named[0][name].grad, name)
 
 
-def test_attention_that_ignores_the_layout_is_refused(tiny_model_dir, rollout, monkeypatch):
+@pytest.mark.parametrize(
+    ("kwargs", "option"), [({"group": 4}, "share_prompt"), ({"packed": True}, "padding_free")]
+)
+def test_attention_that_ignores_the_layout_is_refused(tiny_model_dir, rollout, kwargs, option):
     """A model whose attention never reaches shared_prompt's function would silently let every
     completion attend to the others: Policy notices and says which setting avoids it."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    def ignores_layout(module, query, key, value, attention_mask, **kwargs):
-        kwargs.pop(shared_prompt.KWARG, None)
-        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+    def ignores_layout(module, query, key, value, attention_mask, **kw):
+        kw.pop(shared_prompt.KWARG, None)
+        return sdpa_attention_forward(module, query, key, value, None, **kw)
 
     policy = Policy(load_tiny(tiny_model_dir), share_prompt=True)
     AttentionInterface.register(shared_prompt.ATTENTION, ignores_layout)
     try:
-        with pytest.raises(LayoutError, match="set grpo.share_prompt: false"):
-            micro_batch_logprobs(policy, rollout, slice(None), group=4)
+        with pytest.raises(LayoutError, match=f"set grpo.{option}: false"):
+            micro_batch_logprobs(policy, rollout, slice(None), **kwargs)
     finally:
         AttentionInterface.register(shared_prompt.ATTENTION, shared_prompt._attention)
 
@@ -251,23 +254,6 @@ def test_packed_pass_feeds_the_real_tokens_only(tiny_model_dir, rollout, group):
     assert seen == [(1, real)]
     padded = int(rollout.prompt_mask[::group].sum()) + len(rollout) * rollout.completion_ids.shape[1]
     assert real < padded
-
-
-def test_attention_that_ignores_the_packed_layout_is_refused(tiny_model_dir, rollout):
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def ignores_layout(module, query, key, value, attention_mask, **kwargs):
-        kwargs.pop(shared_prompt.KWARG, None)
-        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
-
-    policy = Policy(load_tiny(tiny_model_dir), share_prompt=True)
-    AttentionInterface.register(shared_prompt.ATTENTION, ignores_layout)
-    try:
-        with pytest.raises(LayoutError, match="set grpo.padding_free: false"):
-            micro_batch_logprobs(policy, rollout, slice(None), packed=True)
-    finally:
-        AttentionInterface.register(shared_prompt.ATTENTION, shared_prompt._attention)
 
 
 def test_trainer_step_is_the_same_packed_and_padded(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
