@@ -302,8 +302,8 @@ def test_flat_trl_yaml_is_ported_field_by_field(tmp_path):
     ("change", "message"),
     [
         (
-            {"vllm_structured_outputs_regex": "x", "neftune_noise_alpha": 5.0},
-            "neftune_noise_alpha=5.0: .*\n.*vllm_structured_outputs_regex='x': ",
+            {"optim_target_modules": ["x"], "neftune_noise_alpha": 5.0},
+            "neftune_noise_alpha=5.0: .*\n.*optim_target_modules=\\['x'\\]: ",
         ),
         ({"max_steps": 41}, "max_steps=41: .*must be a multiple of 2"),
         ({"steps_per_generation": 4}, "steps_per_generation=4: .*must equal gradient_accumulation_steps=2"),

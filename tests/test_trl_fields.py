@@ -85,7 +85,7 @@ def test_trl_precision_default_is_a_said_difference(fields, dtype, noted, caplog
 def test_refusals_come_all_at_once_one_line_each():
     with pytest.raises(ConfigError) as e:
         from_trl(
-            {"neftune_noise_alpha": 5.0, "vllm_structured_outputs_regex": "a+", "optim": "sgd", "no_such": 1},
+            {"neftune_noise_alpha": 5.0, "optim_target_modules": ["attn"], "optim": "sgd", "no_such": 1},
             "t.yaml",
         )
     lines = str(e.value).splitlines()

@@ -466,6 +466,12 @@ class GRPOSection(Section):
         return v
 
     @model_validator(mode="after")
+    def _regex_can_end(self) -> GRPOSection:
+        if self.structured_outputs_regex is not None and self.ignore_eos:
+            raise ValueError("structured_outputs_regex and ignore_eos: a completion that matches must end")
+        return self
+
+    @model_validator(mode="after")
     def _context_fits(self) -> GRPOSection:
         needed = (self.max_prompt_length or 1) + self.max_completion_length
         if self.vllm_max_model_length is not None and self.vllm_max_model_length < needed:
@@ -514,6 +520,25 @@ class GRPOSection(Section):
                 GenerationConfig(**v).validate()
             except (ValueError, TypeError) as e:
                 raise ValueError(f"not a valid GenerationConfig: {' '.join(str(e).split())[:300]}") from None
+        return v
+
+    structured_outputs_regex: str | None = Field(
+        None,
+        description="every completion (each turn of a tool-calling one) matches this regex: TRL's "
+        "vllm_structured_outputs_regex, vLLM's structured outputs, and on the HF engine a logits processor "
+        "(llguidance, the `structured` extra); the loss reads the unconstrained policy, as TRL's",
+    )
+
+    @field_validator("structured_outputs_regex")
+    @classmethod
+    def _regex_parses(cls, v: str | None) -> str | None:
+        try:
+            from llguidance import LLMatcher
+        except ImportError:  # the HF engine says it needs it; vLLM checks the regex with its own backend
+            return v
+        if v is not None and (error := LLMatcher.validate_grammar(LLMatcher.grammar_from_regex(v))):
+            lines = error.splitlines()
+            raise ValueError(f"not a regex: {next((x for x in lines if x.startswith('error:')), lines[0])}")
         return v
 
     max_tool_calling_iterations: int | None = Field(

@@ -47,6 +47,7 @@ _RENAMED = {
     "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max",  # TRL's older name
     "tool_timeout_s": "tools.timeout_s",  # leangrpo's: TRL bounds neither tools nor rewards
     "reward_timeout_s": "rewards.timeout_s",
+    "vllm_structured_outputs_regex": "grpo.structured_outputs_regex",  # the HF engine's too
 }
 
 _AMBIGUOUS = {
@@ -190,7 +191,6 @@ _REFUSED = {
     "neftune_noise_alpha": "NEFTune's embedding noise is not supported",
     "resume_from_checkpoint": "use `leangrpo train --resume RUN_DIR` or train(resume_from_checkpoint=...)",
     "router_aux_loss_coef": "the MoE router's auxiliary loss is not added",
-    "vllm_structured_outputs_regex": "constrained decoding is not supported",
 }
 """GRPOConfig fields refused (with this reason) when set to another value than TRL's default."""
 
@@ -363,7 +363,16 @@ def from_trl(
         out.setdefault("model", {})["dtype"] = "float32"
     if mixed_precision:
         logger.warning(f"{source}: {precision_note(out.get('model', {}).get('dtype', 'float32'))}")
+    if out.get("grpo", {}).get("structured_outputs_regex") is not None and not out["grpo"].get("use_vllm"):
+        logger.warning(f"{source}: {REGEX_WITHOUT_VLLM}")
     return out
+
+
+REGEX_WITHOUT_VLLM = (
+    "vllm_structured_outputs_regex without use_vllm: TRL's transformers generation ignores it, leangrpo's "
+    "HF engine constrains every completion to it"
+)
+"""The start-up line for a TRL config whose regex TRL would not apply (docs/trl.md: deliberate)."""
 
 
 def precision_note(dtype: str) -> str:

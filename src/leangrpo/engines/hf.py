@@ -26,6 +26,7 @@ from transformers.generation.logits_process import (
 
 from leangrpo.core.errors import UserError
 from leangrpo.core.grpo import mask_after_eos
+from leangrpo.engines.structured import RegexConstraint
 from leangrpo.engines.tools import Toolbox
 from leangrpo.engines.types import (
     GenerateLevers,
@@ -295,6 +296,8 @@ def sample(
     if cache is None:
         check_room(model, prompt_ids.shape[0], prompt_ids.shape[1] + sampling.max_completion_length)
     processors = logits_processors(sampling, generator, drawn)
+    if sampling.regex is not None:  # first: vLLM masks its logits before it samples (engines/structured.py)
+        processors.insert(0, RegexConstraint(tokenizer, sampling.regex, eos))
     gen_cfg = GenerationConfig(
         max_new_tokens=sampling.max_completion_length,
         min_new_tokens=sampling.max_completion_length if sampling.ignore_eos else 0,

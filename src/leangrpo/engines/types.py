@@ -125,7 +125,8 @@ class Sampling:
     `max_tool_calling_iterations`: rounds of tool calls a rollout makes at most (None: no limit).
     `seed`: the rollout draws from its own generator seeded with it, not torch's global RNG, so that a
     rollout is the same whichever thread runs it and whatever else draws meanwhile (None: the global RNG).
-    `chat_template_kwargs`: the data's, for the tool results rendered between turns, as for the prompts."""
+    `chat_template_kwargs`: the data's, for the tool results rendered between turns, as for the prompts.
+    `regex`: every completion (each turn of a tool-calling one) matches it (TRL's structured outputs)."""
 
     num_generations: int
     max_prompt_length: int | None
@@ -142,6 +143,7 @@ class Sampling:
     max_tool_calling_iterations: int | None = None
     seed: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    regex: str | None = None
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """The rollout's own random stream on `device` (None without a seed: torch's global RNG)."""
@@ -157,7 +159,7 @@ class Sampling:
             top_k=g.top_k, min_p=g.min_p, repetition_penalty=g.repetition_penalty,
             generation_kwargs=g.generation_kwargs, assistant_prefix=data.assistant_prefix,
             ignore_eos=g.ignore_eos, max_tool_calling_iterations=g.max_tool_calling_iterations,
-            chat_template_kwargs=data.chat_template_kwargs,
+            chat_template_kwargs=data.chat_template_kwargs, regex=g.structured_outputs_regex,
         )  # fmt: skip
 
 
