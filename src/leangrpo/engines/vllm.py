@@ -153,15 +153,21 @@ def sampling_fields(sampling: Sampling, eos: list[int]) -> dict[str, Any]:
         stop_token_ids=eos,
         logprobs=0,  # the sampled token's own log-prob
         **(sampling.generation_kwargs or {}),  # further SamplingParams fields, as TRL passes them to vLLM
+        # TRL's StructuredOutputsParams(regex=...), as JSON (the server's body; `sample_tokens` builds it)
+        **({"structured_outputs": {"regex": sampling.regex}} if sampling.regex is not None else {}),
     )
 
 
 def sample_tokens(
     llm: Any, prompts: list[list[int]], fields: dict[str, Any], seeds: list[int | None]
 ) -> tuple[list[list[int]], list[list[float]]]:
-    """One completion of each token list (its own request and seed) and vLLM's log-prob of each token."""
+    """One completion of each token list (its own request and seed) and vLLM's log-prob of each token (of
+    the distribution it drew from: after a structured-outputs mask too)."""
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
+    if isinstance(structured := fields.get("structured_outputs"), dict):
+        fields = {**fields, "structured_outputs": StructuredOutputsParams(**structured)}
     requests = [{"prompt_token_ids": ids} for ids in prompts]
     params = [SamplingParams(seed=seed, detokenize=False, **fields) for seed in seeds]
     with _failure("generating"):
