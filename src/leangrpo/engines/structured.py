@@ -52,14 +52,22 @@ class RegexConstraint(LogitsProcessor):
         live = [row for row, ended in enumerate(self.ended) if not ended]
         if not live:
             return scores
-        # a matcher whose regex can go no further allows EOS only
-        words = torch.frombuffer(
-            bytearray(b"".join(self.matchers[row].compute_bitmask() for row in live)), dtype=torch.int32
-        ).view(len(live), -1)
+        # each live row's mask, computed in parallel (a matcher whose regex can go no further allows EOS only)
+        words = torch.full((len(scores), (scores.shape[-1] + 31) // 32), -1, dtype=torch.int32)
+        executor(torch.get_num_threads()).unsafe_compute_mask_ptr(
+            [(self.matchers[row], row) for row in live], words.data_ptr(), words.shape[1] * 4, len(words)
+        )
         bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # token 32·w + b: word w, bit b
-        allowed = torch.ones(len(scores), scores.shape[-1], dtype=torch.bool)
-        allowed[live] = bits.flatten(1)[:, : scores.shape[-1]].bool()
+        allowed = bits.flatten(1)[:, : scores.shape[-1]].bool()  # ended rows: all (-1)
         return scores.masked_fill(~allowed.to(scores.device), -torch.inf)
+
+
+@lru_cache(maxsize=2)
+def executor(threads: int) -> Any:
+    """llguidance's pool that computes the rows' masks, with as many threads as torch uses."""
+    from llguidance import LLExecutor
+
+    return LLExecutor(threads)
 
 
 def grammar(regex: str) -> str:
