@@ -80,6 +80,9 @@ def test_config_key_from_the_command_line_and_trl():
     assert Sampling.from_config(cfg.grpo, cfg.data).regex == REGEX
     nested = from_trl({"vllm_structured_outputs_regex": REGEX, "use_vllm": True}, "t.yaml")
     assert nested["grpo"]["structured_outputs_regex"] == REGEX
+    flags = ["--model_name_or_path", "m", "--dataset_name", "d.jsonl", "--reward_funcs", "accuracy_reward"]
+    trl_cli = load_config(None, [*flags, "--vllm_structured_outputs_regex", REGEX])  # `leangrpo train --...`
+    assert trl_cli.grpo.structured_outputs_regex == REGEX
 
 
 @pytest.mark.parametrize("use_vllm", [False, True])
