@@ -6,6 +6,7 @@ vLLM's side is tests/real_vllm/test_vllm_structured.py."""
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import torch
@@ -109,6 +110,18 @@ def test_bad_regex_is_one_line(grpo, message):
     with pytest.raises(ConfigError, match=message) as e:
         validate_config(data)
     assert "\n" not in str(e.value)
+
+
+def test_without_llguidance_the_config_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance raises ImportError
+    data = {
+        "model": {"name_or_path": "m"},
+        "data": {"path": "d.jsonl"},
+        "grpo": {"structured_outputs_regex": "a"},
+    }
+    with pytest.raises(ConfigError, match=r"needs llguidance: pip install 'leangrpo\[structured\]'"):
+        validate_config(data)
+    validate_config({**data, "grpo": {}})  # a config without a regex does not need it
 
 
 def test_python_api_trains_on_constrained_completions(tmp_path, tiny_model_dir):

@@ -532,11 +532,15 @@ class GRPOSection(Section):
     @field_validator("structured_outputs_regex")
     @classmethod
     def _regex_parses(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
         try:
             from llguidance import LLMatcher
-        except ImportError:  # the HF engine says it needs it; vLLM checks the regex with its own backend
-            return v
-        if v is not None and (error := LLMatcher.validate_grammar(LLMatcher.grammar_from_regex(v))):
+        except (
+            ImportError
+        ):  # the HF engine's mask (rollouts, evaluation) needs it: said before the model loads
+            raise ValueError("needs llguidance: pip install 'leangrpo[structured]'") from None
+        if error := LLMatcher.validate_grammar(LLMatcher.grammar_from_regex(v)):
             lines = error.splitlines()
             raise ValueError(f"not a regex: {next((x for x in lines if x.startswith('error:')), lines[0])}")
         return v

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class StructuredOutputsError(UserError, ValueError):
-    """A regex the HF engine cannot constrain to: llguidance missing, or a tokenizer it cannot read."""
+    """A tokenizer llguidance cannot read (a slow one)."""
 
 
 class RegexConstraint(LogitsProcessor):
@@ -32,8 +32,10 @@ class RegexConstraint(LogitsProcessor):
     distribution's (as vLLM's are)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, regex: str, eos: list[int]):
+        from llguidance import LLMatcher
+
         self.tokenizer, self.eos = tokenizer, tuple(eos)
-        self.grammar = grammar(regex)
+        self.grammar = LLMatcher.grammar_from_regex(regex)  # one the config checked
         self.matchers: list[Any] = []
         self.ended: list[bool] = []
 
@@ -68,18 +70,6 @@ def executor(threads: int) -> Any:
     from llguidance import LLExecutor
 
     return LLExecutor(threads)
-
-
-def grammar(regex: str) -> str:
-    """llguidance's grammar for `regex` (which the config checked parses)."""
-    try:
-        from llguidance import LLMatcher
-    except ImportError:
-        raise StructuredOutputsError(
-            "grpo.structured_outputs_regex on the HF engine needs llguidance: "
-            "pip install 'leangrpo[structured]'"
-        ) from None
-    return LLMatcher.grammar_from_regex(regex)
 
 
 @lru_cache(maxsize=4)
