@@ -536,9 +536,7 @@ class GRPOSection(Section):
             return v
         try:
             from llguidance import LLMatcher
-        except (
-            ImportError
-        ):  # the HF engine's mask (rollouts, evaluation) needs it: said before the model loads
+        except ImportError:  # the HF engine's mask needs it (rollouts, `leangrpo eval`): said before loading
             raise ValueError("needs llguidance: pip install 'leangrpo[structured]'") from None
         if error := LLMatcher.validate_grammar(LLMatcher.grammar_from_regex(v)):
             lines = error.splitlines()
