@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 
 def _timing(key: str) -> bool:
-    return key in {"tokens_per_s", "step_seconds", "peak_memory_mb"} or key.startswith("time/")
+    return key in {"tokens_per_s", "step_seconds", "step_time", "peak_memory_mb"} or key.startswith("time/")
 
 
 def make_config(tmp_path, tiny_model_dir, gsm8k_dir, name: str, **sections) -> Path:

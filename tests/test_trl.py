@@ -426,12 +426,49 @@ def test_kl_clip_ratio_and_entropy_are_means_of_micro_batch_means_as_in_trl():
         for k, v in metrics.items():
             theirs[k] += v
     means = micro_batch_means(ours)
-    for name in ("entropy", "kl", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+    clip = ("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/low_min")
+    for name in ("entropy", "kl", *clip, "clip_ratio/high_max"):
         assert means[name] == pytest.approx(sum(theirs[name]) / 2, rel=1e-6, abs=1e-12), name
     assert means["clip_ratio/low_mean"] > 0 and means["clip_ratio/high_mean"] > 0  # both kinds occur
+    assert means["clip_ratio/high_max"] > means["clip_ratio/high_mean"]  # the most clipped completion
     clip_ratio = means["clip_ratio/region_mean"]
     token_weighted = float(sum(s.clipped_tokens for s in ours) / sum(s.tokens for s in ours))
     assert clip_ratio != pytest.approx(token_weighted, rel=1e-3)  # the example tells the two apart
+
+
+def test_clip_ratio_extremes_over_processes_are_trls_nanmin_and_nanmax():
+    """clip_ratio/low_min and /high_max over two processes (the second's ratios all e): per micro-batch the
+    least (most) clipped completion of either process, as TRL's nanmin/nanmax of the gathered
+    completions; completions without tokens count for nothing, and none anywhere gives no value (None)."""
+    base, old, ref, adv, mask = _batch(2)
+    spec = LossSpec("dapo", EPS, EPS_HIGH, 7, beta=BETA)
+    second = mask.clone()
+    second[3:] = 0  # the second process's second micro-batch: no tokens
+    processes = [(old, mask), (base - 1.0, second)]
+    halves = (slice(0, 3), slice(3, 6))
+    stats = [
+        [grpo_loss(base[r], o[r], ref[r], adv[r], m[r], spec, BatchTotals(6, 1.0))[1] for r in halves]
+        for o, m in processes
+    ]
+    theirs = defaultdict(list)
+    for r in halves:  # TRL: one micro-batch of both processes' completions, those with tokens
+        keep = torch.cat([m[r] for _, m in processes]).sum(1) > 0
+        both = [torch.cat([x[r], x[r]])[keep] for x in (base, ref, adv)]
+        _, metrics = trl_loss(
+            both[0], torch.cat([o[r] for o, _ in processes])[keep], both[1], both[2],
+            torch.cat([m[r] for _, m in processes])[keep], loss_type="dapo", bias_correction_kl=True,
+            accumulation_steps=2, num_items=1, max_len=7,
+        )  # fmt: skip
+        for k, v in metrics.items():
+            theirs[k] += v
+    other = torch.stack([torch.stack([s.low_min, s.high_max]) for s in stats[1]]).double()
+    means = micro_batch_means(stats[0], gather_over_processes=lambda t: torch.cat([t, other]))
+    alone = micro_batch_means(stats[0])
+    for name in ("clip_ratio/low_min", "clip_ratio/high_max"):
+        assert means[name] == pytest.approx(sum(theirs[name]) / 2, rel=1e-6), name
+    assert means["clip_ratio/high_max"] > alone["clip_ratio/high_max"]  # the other process's counted
+    empty = grpo_loss(base, old, ref, adv, torch.zeros_like(mask), spec, BatchTotals(6, 1.0))[1]
+    assert micro_batch_means([empty])["clip_ratio/high_max"] is None
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])

@@ -67,7 +67,7 @@ class Recorder:
         self.events.append(("step_end", state.global_step))
 
 
-def test_callbacks_state_and_save_model(tmp_path, tiny_model_dir):
+def test_callbacks_state_and_save_model(tmp_path, tiny_model_dir, caplog):
     from leangrpo import GRPOConfig, GRPOTrainer
 
     def short(completions, **kwargs):
@@ -87,8 +87,14 @@ def test_callbacks_state_and_save_model(tmp_path, tiny_model_dir):
     assert output.global_step == trainer.state.global_step == 2
     assert trainer.state.log_history[0]["rewards/short/mean"] <= 0
     assert "rewards/strict_format_reward/mean" in trainer.state.log_history[0]
-    trainer.save_model(str(tmp_path / "saved"))
+    with caplog.at_level("WARNING"):
+        trainer.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / "config.json").is_file()
+    # the args as JSON, never a pickle (TRL's training_args.bin): a deliberate difference, said once
+    saved_args = json.loads((tmp_path / "saved" / "training_args.json").read_text())
+    assert saved_args["output_dir"] == str(tmp_path / "run") and saved_args["num_iterations"] == 2
+    assert not (tmp_path / "saved" / "training_args.bin").exists()
+    assert "not TRL's pickled training_args.bin" in caplog.text
 
 
 def test_constructor_maps_peft_and_refuses_everything_at_once(tmp_path):

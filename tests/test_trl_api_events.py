@@ -8,6 +8,8 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -119,6 +121,26 @@ def test_events_eval_rows_and_summary_row_as_trl(tmp_path, tiny_model_dir, caplo
     assert "test_reward" in trainer.evaluate(ROWS[:1], metric_key_prefix="test")
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_evaluate_logs_the_kl_to_the_reference_at_beta_above_zero(tmp_path, tiny_model_dir, lora):
+    """As TRL at beta != 0, evaluate() logs `eval_kl`: 0 before training (the reference is the model),
+    above 0 once training moved the policy (the frozen copy, or LoRA's adapter off); none at beta 0."""
+    from peft import LoraConfig
+
+    import leangrpo
+
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if lora else None
+    args = _args(leangrpo, tmp_path / "kl", beta=0.04, learning_rate=0.05)
+    trainer = leangrpo.GRPOTrainer(
+        str(tiny_model_dir), short, args, ROWS, eval_dataset=ROWS, peft_config=peft
+    )
+    assert trainer.evaluate()["eval_kl"] == 0.0
+    trainer.train()
+    assert trainer.evaluate()["eval_kl"] > 1e-6
+    args = _args(leangrpo, tmp_path / "no-kl")
+    assert "eval_kl" not in leangrpo.GRPOTrainer(str(tiny_model_dir), short, args, ROWS).evaluate(ROWS)
+
+
 def test_epoch_events_and_evaluation_as_trl(tmp_path, tiny_model_dir):
     """eval_strategy='epoch' over 3 steps of 2-step epochs, 2 micro-batches a step: on_substep_end before
     each step's last; on_epoch_end, then the evaluation, then the next epoch's on_epoch_begin, as TRL."""
@@ -164,10 +186,38 @@ def test_eval_strategy_without_eval_dataset_is_refused_at_init(tmp_path, tiny_mo
         return str(x)
 
     args = _args(leangrpo, tmp_path)
-    with pytest.raises(
-        UserError, match="^GRPOTrainer: eval_dataset: evaluation with tools, environments or "
-    ):
-        leangrpo.GRPOTrainer(str(tiny_model_dir), short, args, ROWS, eval_dataset=ROWS, tools=[lookup])
+    with pytest.raises(UserError, match="^GRPOTrainer: eval_dataset: evaluation with a rollout_func is not"):
+        leangrpo.GRPOTrainer(
+            str(tiny_model_dir), short, args, ROWS, eval_dataset=ROWS, tools=[lookup], rollout_func=print
+        )
+
+
+def test_evaluate_with_an_environment_goes_through_the_tool_loop_as_trl(tmp_path, tiny_model_dir):
+    """As TRL, an eval_dataset of a run with an environment_factory is evaluated through the tool loop,
+    before and after train(): its get_reward scores the eval rollouts, the rewards get them as messages,
+    and TRL's tools/* metrics join the eval row."""
+    from test_trl_environments import Counter
+
+    import leangrpo
+
+    seen = []
+
+    def messages(completions, **kwargs):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    chats = [{"prompt": [{"role": "user", "content": "Count."}]}] * 2
+    args = _args(leangrpo, tmp_path, max_steps=1, max_completion_length=8)
+    trainer = leangrpo.GRPOTrainer(
+        str(tiny_model_dir), messages, args, chats, eval_dataset=chats, environment_factory=Counter
+    )
+    before = trainer.evaluate()
+    assert {"eval_rewards/Counter/mean", "eval_tools/call_frequency", "eval_tools/failure_frequency"} <= set(
+        before
+    )
+    assert len(seen) == 8 and all(isinstance(c, list) and c[0]["role"] == "assistant" for c in seen)
+    trainer.train()
+    assert set(trainer.evaluate()) == set(before)
 
 
 def test_evaluate_before_training_on_a_dict_of_eval_datasets(tmp_path, tiny_model_dir):
@@ -200,7 +250,7 @@ class Steer:
         self.saved.append(state.global_step)
 
 
-def test_control_should_save_log_and_evaluate(tmp_path, tiny_model_dir, monkeypatch, caplog):
+def test_control_should_save_log_and_evaluate(tmp_path, tiny_model_dir, monkeypatch):
     """should_save checkpoints the step (on_save once it is on disk), should_log logs the step's row,
     should_evaluate evaluates; push_to_hub with no hub to reach is one line."""
     import huggingface_hub
@@ -222,9 +272,8 @@ def test_control_should_save_log_and_evaluate(tmp_path, tiny_model_dir, monkeypa
     assert steps == [(1, False), (3, False), (3, True), (4, False)]
 
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
-    with pytest.raises(UserError) as e, caplog.at_level(logging.WARNING):
+    with pytest.raises(UserError) as e:
         trainer.push_to_hub(blocking=False)
-    assert "pushing now, before returning (TRL: in the background)" in caplog.text
     assert str(e.value).startswith("push_to_hub: cannot push to http://127.0.0.1:9 (run): ")
     assert len(str(e.value).splitlines()) == 1
 
@@ -243,3 +292,23 @@ def test_control_should_save_log_and_evaluate(tmp_path, tiny_model_dir, monkeypa
     [(repo_id, files, message)] = uploads
     assert (repo_id, message) == ("me/run", "done")
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)  # save_model's layout
+
+    # blocking=False, as transformers: a Future of the upload, which runs in the background
+    gate, folders = threading.Event(), []
+
+    def slow_upload(self, repo_id, folder_path, commit_message, revision):
+        gate.wait(60)
+        folders.append(Path(folder_path))
+        return upload_folder(self, repo_id, folder_path, commit_message, revision)
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", slow_upload)
+    future = trainer.push_to_hub("later", blocking=False)
+    assert not future.done()
+    gate.set()
+    assert future.result(timeout=60).commit_url == "https://hub.test/me/run/commit/1"
+    assert uploads[-1][2] == "later" and "training_args.json" in uploads[-1][1]
+    for _ in range(200):  # the staged copy goes once the upload is done (its callback may trail result())
+        if not folders[0].exists():
+            break
+        time.sleep(0.05)
+    assert not folders[0].exists()

@@ -204,3 +204,7 @@ def test_a_rollout_func_is_given_the_grpo_trainer_with_trls_attributes(tmp_path,
     assert (first["step"], second["step"]) == (0, 1)
     assert first["sampling"] == (2, 8, 0.9, 1.0, 5, None, 1.0) and first["vllm"] == (False, "colocate")
     assert first["kwargs"] == {} and str(first["device"]) == "cpu"
+    # TRL's vllm_generation has no counterpart: one line naming it, and getattr's default still works
+    with pytest.raises(AttributeError, match=r"^trainer.vllm_generation: leangrpo has no TRL VLLMGeneration"):
+        trainer.vllm_generation  # noqa: B018
+    assert getattr(trainer, "vllm_generation", None) is None

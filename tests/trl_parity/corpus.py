@@ -156,7 +156,7 @@ def rollout_func(lib: ModuleType, model: str, out: Path) -> dict[str, Any]:
     result["values"] = {
         k: round(v, 5)
         for k, v in row.items()
-        if k in ("reward", "reward_std") or k.startswith(("rewards/", "completions/"))
+        if k in ("reward", "reward_std", "num_tokens") or k.startswith(("rewards/", "completions/"))
     }
     return result
 

@@ -163,6 +163,12 @@ def _agent(
         return None
 
 
+ARGS_AS_JSON = (
+    "save_model: the args go in training_args.json, not TRL's pickled training_args.bin (a pickle runs code "
+    "when loaded; docs/trl.md)"
+)
+
+
 class GRPOTrainer:
     """TRL 1.16's `GRPOTrainer` signature; `train()` runs leangrpo's trainer. Arguments leangrpo cannot
     honour are refused together, one line each, in a `UserError`."""
@@ -210,10 +216,8 @@ class GRPOTrainer:
         else:
             _check_environment_owns_the_data(environment_factory, flat, problems)
         self._eval_rows = _eval_rows(eval_dataset, flat, problems)
-        if self._eval_rows is not None and self._agent is not None:
-            problems.append(
-                "eval_dataset: evaluation with tools, environments or rollout_func is not supported yet"
-            )
+        if self._eval_rows is not None and self._agent is not None and self._agent.rollout_func is not None:
+            problems.append("eval_dataset: evaluation with a rollout_func is not supported (docs/trl.md)")
         try:
             nested = from_trl(flat, "GRPOConfig", reward_specs=specs)
         except ConfigError as e:
@@ -243,6 +247,7 @@ class GRPOTrainer:
         self._final: Path | None = None
         self._run: Trainer | None = None  # the last train()'s trainer: its policy, tokenizer, accelerator
         self._accelerator: Any = None
+        self._said_args = False  # save_model's training_args.json line, said once
         self._events.call("on_init_end")
 
     # ------------------------------------------------------------------ what TRL's GRPOTrainer exposes
@@ -285,6 +290,15 @@ class GRPOTrainer:
 
             self._accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
         return self._accelerator
+
+    @property
+    def vllm_generation(self) -> Any:
+        """TRL's vLLM generation object (`generate`, `sync_weights`), which leangrpo has no counterpart of:
+        an AttributeError in one line, so that `getattr(trainer, "vllm_generation", None)` still works."""
+        raise AttributeError(
+            "trainer.vllm_generation: leangrpo has no TRL VLLMGeneration; a rollout_func generates with "
+            "trainer.model or its own vLLM client (docs/trl.md)"
+        )
 
     def is_world_process_zero(self) -> bool:
         """Whether this is the main process of the (multi-machine) run."""
@@ -399,18 +413,22 @@ class GRPOTrainer:
                 out.update(self.evaluate(name, ignore_keys, f"{metric_key_prefix}_{name}"))
             return out
         from leangrpo.data.rows import PromptFormat
+        from leangrpo.engines.tools import prepare_tokenizer
         from leangrpo.train.evaluation import eval_sampling, sampled_rewards
 
         cfg, rows = self.cfg, self._eval_set(eval_dataset)
         k = getattr(self.args, "num_generations_eval", None) or cfg.grpo.num_generations
         batch = getattr(self.args, "per_device_eval_batch_size", 8)
         funcs, rows = self._eval_inputs(rows)
+        tokenizer, agent = self.processing_class, self._agent
+        if agent is not None and agent.uses_tools and self._run is None:  # train() prepares its own
+            prepare_tokenizer(tokenizer)
         start = time.time()
         metrics = sampled_rewards(
-            self.model, self.processing_class, rows, funcs,
-            replace(eval_sampling(cfg.grpo, cfg.data), num_generations=k),
+            self.model, tokenizer, rows, funcs, replace(eval_sampling(cfg.grpo, cfg.data), num_generations=k),
             prompt_format=PromptFormat.from_config(cfg.data), prompts_per_call=max(1, batch // k),
-            on_call=lambda: self._events.call("on_prediction_step"),
+            on_call=lambda: self._events.call("on_prediction_step"), kl=_eval_kl(self.cfg, self._run),
+            agent=agent,
         )  # fmt: skip
         out = _speed_metrics(start, len(rows), math.ceil(len(rows) / batch), metric_key_prefix)
         out.update({f"{metric_key_prefix}_{key}": value for key, value in metrics.items()})
@@ -436,7 +454,8 @@ class GRPOTrainer:
         return rows
 
     def _eval_inputs(self, raw: list[dict[str, Any]]) -> tuple[Any, list[dict[str, Any]]]:
-        """The run's reward functions (loaded, before train()) and `raw` rows read as training rows are."""
+        """The run's reward functions (loaded before train(), with the environments') and `raw` rows read as
+        training rows are."""
         from leangrpo.data.rewards import load_rewards
         from leangrpo.data.sources import load_rows
         from leangrpo.data.tasks import load_task
@@ -446,6 +465,8 @@ class GRPOTrainer:
         else:
             task = load_task(self.cfg.task)
             funcs = load_rewards(self.cfg.rewards.functions, task, self._extras.reward_funcs)
+            if self._agent is not None:  # an environment's get_reward, as train() adds it
+                funcs += self._agent.environment_rewards()
         data = self.cfg.data.model_copy(update={"path": "eval_dataset", "limit": None})
         return funcs, load_rows(data, task, raw).rows
 
@@ -459,19 +480,16 @@ class GRPOTrainer:
         revision: str | None = None,
         private: bool | None = None,
         **_: Any,
-    ) -> str | None:
+    ) -> Any:
         """Upload the trained model, in save_model's layout, to the hub repo args.hub_model_id (default:
         output_dir's name), created if needed, from the main process (huggingface_hub's create_repo and
-        upload_folder); returns the commit's URL. A hub that cannot be reached or refuses is a UserError
-        in one line. The upload always finishes before returning (`blocking=False` too)."""
+        upload_folder); returns the commit's URL, or with `blocking=False` (as transformers) at once a
+        Future of the upload's CommitInfo. A hub that cannot be reached or refuses is a UserError in one
+        line (in the background: the Future's exception, as transformers')."""
         if self._final is None:
             raise UserError("push_to_hub: nothing trained yet (call train() first)")
         if not self.is_world_process_zero():
             return None
-        if not blocking:
-            logger.warning(
-                "push_to_hub(blocking=False): pushing now, before returning (TRL: in the background)"
-            )
         import tempfile
 
         from huggingface_hub import HfApi
@@ -483,33 +501,48 @@ class GRPOTrainer:
         private = getattr(self.args, "hub_private_repo", None) if private is None else private
         api = HfApi(token=token or getattr(self.args, "hub_token", None))
         hub_errors: tuple[type[BaseException], ...] = (ValueError, *HfHubHTTPError.__bases__)  # HTTP, OS
+        staging, background = Path(tempfile.mkdtemp(prefix="leangrpo-push-")), False
         try:
             repo_id = api.create_repo(repo, private=private, exist_ok=True).repo_id
-            with tempfile.TemporaryDirectory() as staging:
-                self.save_model(staging)
-                info = api.upload_folder(
-                    repo_id=repo_id, folder_path=staging, commit_message=commit_message, revision=revision
-                )
+            self.save_model(str(staging))
+            upload = partial(
+                api.upload_folder, repo_id=repo_id, folder_path=staging, commit_message=commit_message,
+                revision=revision,
+            )  # fmt: skip
+            if not blocking:  # the staged copy goes once the background upload is done
+                future = api.run_as_future(upload)
+                future.add_done_callback(lambda _: shutil.rmtree(staging, ignore_errors=True))
+                background = True
+                return future
+            return str(upload().commit_url)
         except hub_errors as e:
             raise UserError(f"push_to_hub: cannot push to {api.endpoint} ({repo}): {error_reason(e)}") from e
-        return str(info.commit_url)
+        finally:
+            if not background:
+                shutil.rmtree(staging, ignore_errors=True)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """The trained model in `output_dir` (default: args.output_dir), in TRL's layout: the weights and
         tokenizer at the top level; for LoRA the adapter there (`PeftModel.from_pretrained(base, dir)`), and
-        the merged model in `merged/` (at the top level, transformers would load the adapter's base)."""
+        the merged model in `merged/` (at the top level, transformers would load the adapter's base). The
+        args go in `training_args.json`, not TRL's pickled `training_args.bin`: nothing leangrpo writes
+        runs code when it is read back (said once)."""
         if self._final is None:
             raise UserError("save_model: nothing trained yet (call train() first)")
         out = Path(output_dir or self.cfg.output_dir)
-        if out.resolve() == self._final.resolve():
-            return
-        adapter = self._final / "adapter"
-        if not adapter.is_dir():
-            shutil.copytree(self._final, out, dirs_exist_ok=True)
-            return
-        shutil.copytree(adapter, out, dirs_exist_ok=True)
-        ignore = shutil.ignore_patterns("adapter")
-        shutil.copytree(self._final, out / "merged", ignore=ignore, dirs_exist_ok=True)
+        if out.resolve() != self._final.resolve():
+            adapter = self._final / "adapter"
+            if adapter.is_dir():
+                shutil.copytree(adapter, out, dirs_exist_ok=True)
+                ignore = shutil.ignore_patterns("adapter")
+                shutil.copytree(self._final, out / "merged", ignore=ignore, dirs_exist_ok=True)
+            else:
+                shutil.copytree(self._final, out, dirs_exist_ok=True)
+        if self.is_world_process_zero():
+            self._write(out, "training_args.json", json.loads(json.dumps(self.args.to_dict(), default=str)))
+            if not self._said_args:
+                logger.warning(ARGS_AS_JSON)
+                self._said_args = True
 
     def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
         """Print `metrics` as transformers does (main process only)."""
@@ -553,6 +586,14 @@ class GRPOTrainer:
         out.mkdir(parents=True, exist_ok=True)
         claim(out, name)
         write_text_atomic(out / name, json.dumps(data, indent=indent, sort_keys=True) + "\n")
+
+
+def _eval_kl(cfg: Config, run: Trainer | None) -> Callable[[Any], float] | None:
+    """An eval batch's KL to the reference, as TRL logs it at beta != 0 (None at beta 0). Before train()
+    the reference is the policy itself (TRL's: a copy of it), so the KL is 0."""
+    if not cfg.grpo.beta:
+        return None
+    return (lambda batch: 0.0) if run is None else run.updater.reference_kl
 
 
 def _speed_metrics(start: float, samples: int, steps: int, split: str = "train") -> dict[str, Any]:

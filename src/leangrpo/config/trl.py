@@ -108,7 +108,7 @@ _NOTED = {
     "logging_first_step": "leangrpo always logs step 1",
     "log_on_each_node": "leangrpo logs on the main process only",
     "logging_nan_inf_filter": "non-finite steps are skipped and counted (skipped_steps)",
-    "include_num_input_tokens_seen": "tokens_per_s is logged instead",
+    "include_num_input_tokens_seen": "num_tokens (TRL GRPO's count) is always logged",
     "log_level": "logging only",
     "log_level_replica": "logging only",
     "trackio_space_id": "trackio logs locally",

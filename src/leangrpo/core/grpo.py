@@ -179,7 +179,9 @@ class LossStats:
     0-dim float32 tensor on the loss's device: reading them is one host sync a step
     (`micro_batch_means`), not several a micro-batch. `extra`: the metrics only some runs log
     (cispo_clip_ratio, vespo/phi_seq_mean, policy_loss), by TRL's name, as (sum, count) tensors;
-    `bonus_entropy`: the entropy bonus's [entropy sum, tokens], which adaptive entropy control reads."""
+    `bonus_entropy`: the entropy bonus's [entropy sum, tokens], which adaptive entropy control reads.
+    `low_min` / `high_max`: the least low-clipped and the most high-clipped completion's share of its
+    tokens (NaN when no completion has a token), for TRL's `clip_ratio/low_min` and `/high_max`."""
 
     kl_sum: Tensor
     clipped_tokens: Tensor
@@ -187,16 +189,22 @@ class LossStats:
     entropy_sum: Tensor
     low_clipped: Tensor
     high_clipped: Tensor
+    low_min: Tensor
+    high_max: Tensor
     extra: dict[str, Parts] = field(default_factory=dict)
     bonus_entropy: Tensor | None = None
 
 
 def micro_batch_means(
-    stats: list[LossStats], sum_over_processes: Callable[[Tensor], Tensor] = lambda t: t
-) -> dict[str, float]:
+    stats: list[LossStats],
+    sum_over_processes: Callable[[Tensor], Tensor] = lambda t: t,
+    gather_over_processes: Callable[[Tensor], Tensor] = lambda t: t,
+) -> dict[str, float | None]:
     """The `kl`, `entropy` and `clip_ratio/{region,low,high}_mean` metrics (and the `extra` ones) as TRL
     defines them: each micro-batch's token mean over every process, then the mean over micro-batches (not
-    weighted by their token counts)."""
+    weighted by their token counts). `clip_ratio/low_min` and `/high_max` as TRL's: each micro-batch's
+    least (most) clipped completion over every process (`gather_over_processes` concatenates each
+    process's rows in process order), then the mean over the micro-batches that had one (None if none)."""
     names = ("kl", "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")
     rows = [
         torch.stack([s.kl_sum, s.entropy_sum, s.clipped_tokens, s.low_clipped, s.high_clipped, s.tokens])
@@ -209,7 +217,25 @@ def micro_batch_means(
         parts = torch.stack([torch.stack([torch.stack(s.extra[n]).double() for n in extra]) for s in stats])
         parts = sum_over_processes(parts)  # [micro-batches, names, (sum, count)]
         means = torch.cat([means, (parts[..., 0] / parts[..., 1].clamp(min=1)).mean(dim=0)])
-    return dict(zip([*names, *extra], means.tolist(), strict=True))  # the one host sync
+    extremes = torch.stack([torch.stack([s.low_min, s.high_max]) for s in stats]).double()
+    extremes = gather_over_processes(extremes)
+    extremes = extremes.view(-1, len(stats), 2)  # [processes, micro-batches, (low_min, high_max)]
+    low, high = _nan_extreme(extremes[..., 0], largest=False), _nan_extreme(extremes[..., 1], largest=True)
+    means = torch.cat([means, torch.stack([low.nanmean(), high.nanmean()])])
+    values = means.tolist()  # the one host sync
+    out: dict[str, float | None] = dict(zip([*names, *extra], values, strict=False))
+    low_min, high_max = values[-2:]  # None: no micro-batch had a completion with tokens, as TRL's
+    out["clip_ratio/low_min"] = None if math.isnan(low_min) else low_min
+    out["clip_ratio/high_max"] = None if math.isnan(high_max) else high_max
+    return out
+
+
+def _nan_extreme(values: Tensor, largest: bool) -> Tensor:
+    """The max (`largest`) or min over dim 0 ignoring NaNs, NaN where every value is (TRL's nanmax/nanmin)."""
+    fill = -math.inf if largest else math.inf
+    filled = values.nan_to_num(nan=fill)
+    extreme = filled.amax(dim=0) if largest else filled.amin(dim=0)
+    return extreme.masked_fill(extreme.isinf(), math.nan)
 
 
 def high_entropy_mask(entropy: Tensor, mask: Tensor, top_quantile: float) -> Tensor:
@@ -485,6 +511,11 @@ def loss_stats(
             return keep.new_zeros((), dtype=torch.float32)
         return torch.where(keep, values, 0).sum().float()
 
+    def completion_extreme(flags: Tensor, largest: bool) -> Tensor:
+        """The least or most clipped completion's share of its tokens (NaN: no completion has one)."""
+        shares = torch.where(keep, flags, 0).sum(1).float() / keep.sum(1)  # 0/0: NaN, left out
+        return _nan_extreme(shares, largest).float()
+
     with torch.no_grad():
         return LossStats(
             kl_sum=masked_sum(kl),
@@ -493,6 +524,8 @@ def loss_stats(
             entropy_sum=masked_sum(entropy),
             low_clipped=masked_sum(clipped.low),
             high_clipped=masked_sum(clipped.high),
+            low_min=completion_extreme(clipped.low, largest=False),
+            high_max=completion_extreme(clipped.high, largest=True),
             extra={name: (total.detach(), count.detach()) for name, (total, count) in extra.items()},
         )
 

@@ -78,7 +78,8 @@ class AgentSpec:
 
     def start(self, rows: list[dict[str, Any]], group: int) -> Episodes:
         """One environment instance (if any) and toolbox per rollout, `group` rollouts per row, each reset
-        with its row's columns; the prompts with what reset returned appended to the last user message."""
+        with its row's columns; the prompts with what reset returned appended to the last user message (an
+        environment whose reset text differs from rollout to rollout gives each rollout its own, as TRL)."""
         prompts = [row.get("prompt", [{"role": "user", "content": ""}]) for row in rows]
         if self.factories is None:
             box = Toolbox(self.tools, self.timeout_s)
@@ -88,7 +89,7 @@ class AgentSpec:
         if unknown:
             raise ToolError(f"rows name environments {unknown}; known: {sorted(map(str, self.factories))}")
         handed: Counter[str | None] = Counter()
-        environments, toolboxes = [], []
+        environments, toolboxes, rollout_prompts = [], [], []
         for index, (row, name) in enumerate(zip(rows, names, strict=True)):
             columns = {k: v for k, v in row.items() if k != "environment"} if self.multi_environment else row
             observations = []
@@ -107,25 +108,24 @@ class AgentSpec:
                     ) from None
                 environments.append(environment)
                 toolboxes.append(Toolbox(self.tools + environment_tools(environment), self.timeout_s))
-            if any(o != observations[0] for o in observations):
-                raise ToolError(
-                    f"environment {type(environments[-1]).__name__}.reset returned different text for the "
-                    f"rollouts of row {index}; GRPO compares the rollouts of one prompt, so it may depend "
-                    "on the row only"
-                )
-            if observations[0] is not None:
-                prompts[index] = with_observation(prompts[index], observations[0])
-        return Episodes(prompts, toolboxes, environments)
+            rollout_prompts += [
+                prompts[index] if o is None else with_observation(prompts[index], o) for o in observations
+            ]
+            prompts[index] = rollout_prompts[-group]
+        varied = any(p != rollout_prompts[i - i % group] for i, p in enumerate(rollout_prompts))
+        return Episodes(prompts, toolboxes, environments, rollout_prompts if varied else None)
 
 
 @dataclass
 class Episodes:
-    """A step's rollouts with tools: each row's prompt (after its environment's reset), each rollout's
-    toolbox and environment instance (None without environments)."""
+    """A step's rollouts with tools: each row's prompt (after its environment's reset: its first rollout's),
+    each rollout's toolbox and environment instance (None without environments), and each rollout's own
+    prompt where some row's rollouts got different reset texts (None when each row's share one)."""
 
     prompts: list[Any]
     toolboxes: list[Toolbox]
     environments: list[Any] | None
+    rollout_prompts: list[Any] | None = None
 
 
 def environment_tools(environment: Any) -> list[Callable[..., Any]]:

@@ -20,9 +20,9 @@ class OpenEnvironment:
     """One rollout's environment: `reset(**row)` starts an episode (its observation is appended to the
     prompt), `step(action)` is the tool, `get_reward()` the sum of the episode's step rewards. `to_action`
     makes the environment's action from the model's text (OpenEnv's action model); `to_text` shows an
-    observation to the model; `reset_kwargs` picks reset's arguments from the row (e.g. a seed: every
-    rollout of a row must start from the same observation). `env` is the environment (an async client's
-    sync wrapper), e.g. to close it."""
+    observation to the model; `reset_kwargs` picks reset's arguments from the row (e.g. a seed, so that
+    every rollout of a row starts from the same observation; without one each starts from its own).
+    `env` is the environment (an async client's sync wrapper), e.g. to close it."""
 
     def __init__(
         self,

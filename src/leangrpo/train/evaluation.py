@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from leangrpo.data.tasks import Task
     from leangrpo.engines.agents import AgentSpec
     from leangrpo.engines.tools import Toolbox, ToolUse
-    from leangrpo.engines.types import RolloutEngine, Sampling
+    from leangrpo.engines.types import RolloutBatch, RolloutEngine, Sampling
 
 FORMAT_REWARDS = (strict_format_reward, soft_format_reward)
 """Rewards that check the output format: their rate of non-zero scores is reported as `format/<name>`."""
@@ -135,12 +135,16 @@ def sampled_rewards(
     prompt_format: PromptFormat,
     prompts_per_call: int,
     on_call: Callable[[], None] = lambda: None,
+    kl: Callable[[RolloutBatch], float] | None = None,
+    agent: AgentSpec | None = None,
 ) -> dict[str, float]:
     """TRL's GRPO evaluation: `sampling.num_generations` sampled completions of each row (HF generate on
     `model`), scored by the rewards and summarized as a training step's reward and length metrics (reward,
-    reward_std, rewards/<name>/mean|std, completions/*, frac_reward_zero_std). No loss, entropy or clip
-    ratios: those need a forward pass over the completions (docs/trl.md). `on_call` after each generate
-    call (TRL's `on_prediction_step` per eval batch)."""
+    reward_std, rewards/<name>/mean|std, completions/*, frac_reward_zero_std), and with `kl` (an eval
+    batch's KL to the reference, at beta > 0) its mean over the batches, as TRL's `kl`. No loss, entropy
+    or clip ratios (docs/trl.md). `on_call` after each generate call (TRL's `on_prediction_step` per eval
+    batch). With tools or environments (`agent`, its tokenizer prepared) rollouts go through the tool loop,
+    the rewards get their messages and environments as in training, and `tools/*` join the metrics."""
     import torch
 
     from leangrpo.data.rewards import RewardContext, reward_inputs, score_completions
@@ -151,14 +155,18 @@ def sampled_rewards(
     if not rows:
         raise EvalError("no rows to evaluate")
     k, engine = sampling.num_generations, HFEngine(model, tokenizer)
-    calls = _Calls(on_call)
+    calls, kls = _Calls(on_call), []
+    agent = agent if agent is not None and agent.uses_tools else None
     with _left_padded(tokenizer), torch.inference_mode():
-        done, _ = _generate_all(
-            engine, tokenizer, rows, None, prompt_format, sampling, prompts_per_call, calls
-        )
+        done, use = _generate_all(
+            engine, tokenizer, rows, agent, prompt_format, sampling, prompts_per_call, calls,
+            on_batch=None if kl is None else lambda batch: kls.append(kl(batch)),
+        )  # fmt: skip
     flat = [c for group in done for c in group]
     texts, ids = [c[0] for c in flat], [c[3] for c in flat]
-    prompts, comps, columns = reward_inputs(rows, texts, has_chat_template(tokenizer))
+    use = use if agent is not None else None
+    messages, extra = (None, None) if use is None else (use.messages, use.columns)
+    prompts, comps, columns = reward_inputs(rows, texts, has_chat_template(tokenizer), messages, extra)
     scores = score_completions(reward_funcs, prompts, comps, columns, "missing", RewardContext(ids))
     total = scores.total
     group_std = total.view(-1, k).std(dim=1) if k > 1 else torch.zeros(len(rows))
@@ -169,6 +177,8 @@ def sampled_rewards(
         "reward": float(total.nanmean()),
         "reward_std": float(total[~total.isnan()].std()),
         "frac_reward_zero_std": float(group_std.isclose(torch.zeros_like(group_std)).float().mean()),
+        **({"kl": sum(kls) / len(kls)} if kls else {}),
+        **(use.metrics() if use is not None else {}),
     }
 
 
@@ -262,55 +272,72 @@ def _generate_all(
     sampling: Sampling,
     prompts_per_call: int,
     bar: Any,
+    on_batch: Callable[[RolloutBatch], None] | None = None,
 ) -> tuple[Completions, ToolUse | None]:
     """(text, model tokens, truncated, token ids) of `sampling.num_generations` completions for each row,
     in `rows` order, and what they did with the tools (with `agent`) or what a rollout_func engine
     returned besides the tokens (None otherwise). Prompts go `prompts_per_call` at a time, similar
-    lengths together."""
+    lengths together (an environment whose reset text differs per rollout: each rollout with its own
+    prompt); `on_batch` gets each generate call's batch."""
     from leangrpo.engines.tools import ToolUse
 
     per_prompt = sampling.num_generations
     # one environment per rollout, all reset now: a later batch's reset must not touch an earlier one's
     episodes = agent.start(rows, per_prompt) if agent is not None else None
-    prompts = [r["prompt"] for r in rows] if episodes is None else episodes.prompts
+    own = None if episodes is None else episodes.rollout_prompts
+    prompts = own or ([r["prompt"] for r in rows] if episodes is None else episodes.prompts)
+    per_text = 1 if own else per_prompt
     texts = [
         prompt_format.render(
-            tokenizer, prompt, None if episodes is None else episodes.toolboxes[i * per_prompt].schemas
+            tokenizer, prompt, None if episodes is None else episodes.toolboxes[i * per_text].schemas
         )
         for i, prompt in enumerate(prompts)
     ]
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+    row_texts = [texts[i : i + per_prompt // per_text] for i in range(0, len(texts), per_prompt // per_text)]
+    lengths = [len(ids) for ids in tokenizer([t[0] for t in row_texts], add_special_tokens=False).input_ids]
     order = sorted(range(len(rows)), key=lambda i: lengths[i])
-    out: Completions = [[] for _ in texts]
-    uses: list[ToolUse | None] = [None] * len(texts)
+    out: Completions = [[] for _ in rows]
+    uses: list[ToolUse | None] = [None] * len(rows)
     for start in range(0, len(order), prompts_per_call):
         idx = order[start : start + prompts_per_call]
         boxes: list[Toolbox] | None = None
         if episodes is not None:
             boxes = [episodes.toolboxes[i * per_prompt + k] for i in idx for k in range(per_prompt)]
-        batch = engine.generate([texts[i] for i in idx], sampling, boxes)
-        lengths, ends = batch.lengths().tolist(), batch.completion_mask.sum(dim=1).tolist()
-        truncated = batch.truncated.tolist()
-        for j, i in enumerate(idx):
-            group = range(j * per_prompt, (j + 1) * per_prompt)
-            out[i] = [
-                (
-                    batch.completion_texts[c],
-                    int(lengths[c]),
-                    bool(truncated[c]),
-                    batch.completion_ids[c, : ends[c]].tolist(),
-                )
-                for c in group
-            ]
-            if batch.tool_use is not None:
-                uses[i] = batch.tool_use.select(list(group))
+        call = [text for i in idx for text in row_texts[i]]
+        batch = engine.generate(call, replace(sampling, num_generations=per_text), boxes)
+        if on_batch is not None:
+            on_batch(batch)
+        _collect(batch, idx, per_prompt, out, uses)
         bar.update(len(idx) * per_prompt)
     if any(u is None for u in uses):
         return out, None
     use = ToolUse.cat([u for u in uses if u is not None])
     if episodes is not None and episodes.environments is not None:  # TRL gives them to rewards
         use.columns["environments"] = episodes.environments
+        if own:  # and each rollout's own prompt (`reward_inputs`)
+            use.columns["prompt"] = own
     return out, use
+
+
+def _collect(
+    batch: RolloutBatch, idx: list[int], per_prompt: int, out: Completions, uses: list[ToolUse | None]
+) -> None:
+    """Into `out[i]` (and `uses[i]`) for each row `i` of `idx`: its `per_prompt` completions of `batch`."""
+    lengths, ends = batch.lengths().tolist(), batch.completion_mask.sum(dim=1).tolist()
+    truncated = batch.truncated.tolist()
+    for j, i in enumerate(idx):
+        group = range(j * per_prompt, (j + 1) * per_prompt)
+        out[i] = [
+            (
+                batch.completion_texts[c],
+                int(lengths[c]),
+                bool(truncated[c]),
+                batch.completion_ids[c, : ends[c]].tolist(),
+            )
+            for c in group
+        ]
+        if batch.tool_use is not None:
+            uses[i] = batch.tool_use.select(list(group))
 
 
 def score(

@@ -57,11 +57,18 @@ class StepRecorder:
         task: Task,
         uses_tools: bool,
         extras: RuntimeExtras,
+        state: dict[str, Any],
     ):
-        """`extras`: the Python caller's step hooks (before and after each step)."""
+        """`extras`: the Python caller's step hooks (before and after each step); `state`: a resumed run's
+        counters (`state()`)."""
         self.cfg, self.acc, self.logger, self.task = cfg, acc, logger, task
+        self.tokens_seen = int(state.get("num_input_tokens_seen", 0))  # TRL's state.num_input_tokens_seen
         self.uses_tools, self.hooks, self.begin_hooks = uses_tools, extras.step_hooks, extras.step_begin_hooks
         self.asks = StepAsk(0)  # what the step hooks asked of the run after their step (main process)
+
+    def state(self) -> dict[str, Any]:
+        """The counter a checkpoint keeps: the prompt and completion tokens of every step so far."""
+        return {"num_input_tokens_seen": self.tokens_seen}
 
     @property
     def ends_run(self) -> bool:
@@ -96,8 +103,11 @@ class StepRecorder:
         cfg, gather, device, batch = self.cfg, self.acc.gather, self.acc.device, rollout.batch
         total, per_func = gather(scores.total.to(device)), gather(scores.per_func.to(device))
         lengths, truncated = gather(batch.lengths().float()), gather(batch.truncated)
-        means = grpo.micro_batch_means(update.stats, lambda t: self.acc.reduce(t.to(device), "sum"))
+        means = grpo.micro_batch_means(
+            update.stats, lambda t: self.acc.reduce(t.to(device), "sum"), lambda t: gather(t.to(device))
+        )
         step_seconds = sum(seconds.values())
+        self.tokens_seen += int(gather(batch.prompt_mask.sum(1).to(device)).sum() + lengths.sum())
         metrics: dict[str, Any] = {
             "step": step,
             "reward": float(total.nanmean()),
@@ -110,6 +120,8 @@ class StepRecorder:
             "skipped_steps": skipped_steps,
             "tokens_per_s": float(lengths.sum()) / step_seconds,
             "step_seconds": step_seconds,
+            "step_time": step_seconds / cfg.grpo.num_iterations,  # TRL's: seconds per optimizer step
+            "num_tokens": self.tokens_seen,  # TRL's: prompt and completion tokens so far, every process's
             "peak_memory_mb": peak_memory_mb(),
             **reward_metrics(scores.names, per_func),
             "loss": update.loss,

@@ -229,13 +229,17 @@ class RolloutSource:
         episodes = agent.start(rows, G) if agent is not None and agent.uses_tools else None
         if episodes is not None:  # the prompts after the environments' reset, each with its tools
             rows = [{**r, "prompt": p} for r, p in zip(rows, episodes.prompts, strict=True)]
+        # an environment whose reset text differs per rollout: each rollout its own prompt, one sample each
+        own = None if episodes is None else episodes.rollout_prompts
+        prompts, per_text = ([r["prompt"] for r in rows], G) if own is None else (own, 1)
         texts = [
             self.prompt_format.render(
-                tokenizer, r["prompt"], None if episodes is None else episodes.toolboxes[i * G].schemas
+                tokenizer, p, None if episodes is None else episodes.toolboxes[i * per_text].schemas
             )
-            for i, r in enumerate(rows)
+            for i, p in enumerate(prompts)
         ]
-        sampling = replace(self.sampling, seed=rollout_seed(cfg.seed, step, round_, self.acc.process_index))
+        seed = rollout_seed(cfg.seed, step, round_, self.acc.process_index)
+        sampling = replace(self.sampling, seed=seed, num_generations=per_text)
         device = self.acc.device
 
         def generate(engine: RolloutEngine) -> Rollout:
@@ -243,6 +247,8 @@ class RolloutSource:
             batch = batch.to(device)
             if episodes is not None and episodes.environments is not None and batch.tool_use is not None:
                 batch.tool_use.columns["environments"] = episodes.environments  # TRL gives them to rewards
+                if own is not None:  # and each rollout's own prompt (`reward_inputs`)
+                    batch.tool_use.columns["prompt"] = own
             return Rollout(rows, batch)
 
         return generate

@@ -128,8 +128,8 @@ class Trainer:
             self.cfg, self.acc, self.dist, opt, self.ref_policy, ref_pages, self.group, free, self._write,
             state=state,
         )  # fmt: skip
-        uses_tools = self.agent is not None and self.agent.uses_tools
-        self.recorder = StepRecorder(self.cfg, self.acc, self.logger, self.task, uses_tools, self.extras)
+        tools = self.agent is not None and self.agent.uses_tools
+        self.recorder = StepRecorder(self.cfg, self.acc, self.logger, self.task, tools, self.extras, state)
 
     def _load_data(self, cfg: Config) -> Config:
         """The task, its reward functions and the training rows (and the cold start's); returns `cfg`
@@ -307,7 +307,7 @@ class Trainer:
         """`checkpoint-{step}` of the weights, states and counters now (`rng`: the RNG state to record
         instead of the current one). An async batch in flight is dropped, never trained on: the resumed
         run generates it again from its step index."""
-        state: dict[str, Any] = self.updater.state()
+        state: dict[str, Any] = {**self.updater.state(), **self.recorder.state()}
         if (in_flight := self.source.in_flight_step) is not None:
             state["async_discarded_step"] = in_flight
         return self.checkpoints.save(step, state, rng)

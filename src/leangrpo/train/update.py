@@ -42,12 +42,14 @@ class Reference:
     """What the update compares the policy against, computed once per generation batch: the reference's
     log-probs (None at beta = 0), the policy's own before the first update (None when num_iterations is 1:
     the ratio is then 1 by construction), the sampler's importance weights and the gap they correct
-    (vllm/*), both None without the correction."""
+    (vllm/*), both None without the correction; `group`: the completions that read one prompt copy in
+    this batch (`Updater.prompt_group`)."""
 
     ref_logp: Tensor | None
     old_logp: Tensor | None
     sampler_weights: Tensor | None
     mismatch: grpo.SamplerMismatch | None
+    group: int = 1
 
 
 @dataclass
@@ -175,24 +177,53 @@ class Updater:
         """The log-probs the update compares against: the reference's (adapter disabled for LoRA, the frozen
         copy for full fine-tuning, none at beta = 0) and, with num_iterations > 1 or the vLLM correction
         on, the policy's own before the first update (else the update detaches its own)."""
-        g, micro = self.cfg.grpo, self.cfg.optim.per_device_train_batch_size
-        ref_logp = None
-        if g.beta > 0 and self.ref_policy is not None:
-            ref_logp = batch_logprobs(self.ref_policy, rollout, micro, self.group, self.packed)
-            if self.ref_pages is not None:
-                self.ref_pages.drop_pages()
-        elif g.beta > 0:
-            lm = self.unwrapped.lm
-            assert is_peft(lm), "without a reference copy the policy is LoRA (see build_reference)"
-            with lm.disable_adapter():
-                ref_logp = batch_logprobs(self.unwrapped, rollout, micro, self.group, self.packed)
+        g, micro, group = (
+            self.cfg.grpo,
+            self.cfg.optim.per_device_train_batch_size,
+            self.prompt_group(rollout),
+        )
+        ref_logp = self._reference_logprobs(rollout, group) if g.beta > 0 else None
         corrects = rollout.sampling_logprobs is not None and g.vllm_importance_sampling_correction
         need_old = g.num_iterations > 1 or corrects
-        old_logp = (
-            batch_logprobs(self.opt.policy, rollout, micro, self.group, self.packed) if need_old else None
-        )
+        old_logp = batch_logprobs(self.opt.policy, rollout, micro, group, self.packed) if need_old else None
         weights, mismatch = self._sampler_correction(rollout, old_logp) if corrects else (None, None)
-        return Reference(ref_logp, old_logp if g.num_iterations > 1 else None, weights, mismatch)
+        return Reference(ref_logp, old_logp if g.num_iterations > 1 else None, weights, mismatch, group)
+
+    def prompt_group(self, rollout: RolloutBatch) -> int:
+        """The run's shared-prompt group, or 1 for a batch where the completions of some group have
+        different prompts (an environment whose reset text differs per rollout): the shared layout reads
+        one prompt per group. One host read a step, with the shared layout only."""
+        group, ids, mask = self.group, rollout.prompt_ids, rollout.prompt_mask
+        if group == 1:
+            return 1
+        same = (ids.view(-1, group, ids.shape[1]) == ids[::group, None]).all()
+        same &= (mask.view(-1, group, mask.shape[1]) == mask[::group, None]).all()
+        return group if bool(same) else 1
+
+    def _reference_logprobs(self, rollout: RolloutBatch, group: int) -> Tensor:
+        """The reference's log-probs of `rollout` (laid out in prompt groups of `group`): the frozen copy's
+        for full fine-tuning, the policy's with its adapter off for LoRA."""
+        micro = self.cfg.optim.per_device_train_batch_size
+        if self.ref_policy is not None:
+            ref_logp = batch_logprobs(self.ref_policy, rollout, micro, group, self.packed)
+            if self.ref_pages is not None:
+                self.ref_pages.drop_pages()
+            return ref_logp
+        lm = self.unwrapped.lm
+        assert is_peft(lm), "without a reference copy the policy is LoRA (see build_reference)"
+        with lm.disable_adapter():
+            return batch_logprobs(self.unwrapped, rollout, micro, group, self.packed)
+
+    def reference_kl(self, rollout: RolloutBatch) -> float:
+        """The mean k3 KL from the policy to the reference over `rollout`'s model tokens (beta > 0): TRL's
+        evaluation `kl` of one eval batch (its ratio is 1 there, so bias correction changes nothing). Each
+        completion reads its own prompt copy: an eval batch's groups need not be the run's."""
+        rollout = rollout.to(self.acc.device)
+        micro = self.cfg.optim.per_device_train_batch_size
+        logp = batch_logprobs(self.opt.policy, rollout, micro, 1, self.packed)
+        keep = rollout.loss_mask.bool()
+        kl = torch.where(keep, grpo.kl_k3(logp, self._reference_logprobs(rollout, 1)), 0.0)
+        return float(kl.sum() / keep.sum().clamp(min=1))
 
     def _sampler_correction(
         self, rollout: RolloutBatch, old_logp: Tensor | None
@@ -284,7 +315,7 @@ class Updater:
                     policy,
                     rollout,
                     rows,
-                    group=self.group,
+                    group=ref.group,
                     with_entropy=True,
                     extent=extent,
                     packed=self.packed,

@@ -41,17 +41,19 @@ def reward_inputs(
     come `len(completion_texts) // len(rows)` to a row: chat messages when the prompts are chats rendered
     by a chat template, plain strings otherwise (TRL's standard format). A multi-turn rollout's
     `messages` (the assistant's turns, tool calls and results) replace a conversational run's
-    completions, and `extra_columns` (the environments, a rollout_func's extra keys) join the row's.
+    completions, and `extra_columns` (the environments, a rollout_func's extra keys) join the row's; a
+    `prompt` among them is each completion's own prompt (an environment's reset text per rollout).
     Training and evaluation both build their reward inputs here."""
     per_row = len(completion_texts) // len(rows)
-    prompts = [r["prompt"] for r in rows for _ in range(per_row)]
+    extra_columns = dict(extra_columns or {})
+    prompts = extra_columns.pop("prompt", None) or [r["prompt"] for r in rows for _ in range(per_row)]
     completions: list[Any] = completion_texts
     if conversational and not isinstance(rows[0]["prompt"], str):
         completions = [[{"role": "assistant", "content": t}] for t in completion_texts]
     if messages is not None and conversational:
         completions = messages
     columns = {k: [r.get(k) for r in rows for _ in range(per_row)] for k in rows[0] if k != "prompt"}
-    return prompts, completions, {**columns, **(extra_columns or {})}
+    return prompts, completions, {**columns, **extra_columns}
 
 
 @dataclass
