@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -129,6 +130,21 @@ def accumulation(lib: ModuleType, model: str, out: Path) -> dict[str, Any]:
     trainer = lib.GRPOTrainer(model, short, args, dataset(ROWS), callbacks=[recorder])
     trainer.train()
     return record(trainer, recorder, out)
+
+
+def loss_type(name: str) -> Callable[[ModuleType, str, Path], dict[str, Any]]:
+    """A case training with loss_type `name`: each logs its own metrics (TRL logs clip_ratio/* only for the
+    clipped objectives, cispo_clip_ratio for cispo, vespo/phi_seq_mean for vespo)."""
+
+    def case(lib: ModuleType, model: str, out: Path) -> dict[str, Any]:
+        recorder = Recorder()
+        args = config(lib, out, loss_type=name, max_steps=1)
+        trainer = lib.GRPOTrainer(model, short, args, dataset(ROWS), callbacks=[recorder])
+        trainer.train()
+        return record(trainer, recorder, out)
+
+    case.__name__ = name
+    return case
 
 
 def rollout_func(lib: ModuleType, model: str, out: Path) -> dict[str, Any]:
@@ -315,6 +331,7 @@ CASES = {
         tools,
         tool_call,
         environment,
+        *(loss_type(name) for name in ("cispo", "sapo", "vespo")),
     )
 }
 

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from leangrpo.config.schema import step_interval
 from leangrpo.core import grpo
+from leangrpo.core.loss_types import LOSS_TYPES
 from leangrpo.engines.tools import ToolUse
 from leangrpo.run.tracking import peak_memory_mb
 from leangrpo.train.extras import StepAsk
@@ -106,6 +107,8 @@ class StepRecorder:
         means = grpo.micro_batch_means(
             update.stats, lambda t: self.acc.reduce(t.to(device), "sum"), lambda t: gather(t.to(device))
         )
+        if LOSS_TYPES[cfg.grpo.loss_type][0] != "clip":  # TRL logs clip_ratio/* for clipped objectives only
+            means = {k: None if k.startswith("clip_ratio/") else v for k, v in means.items()}
         step_seconds = sum(seconds.values())
         self.tokens_seen += int(gather(batch.prompt_mask.sum(1).to(device)).sum() + lengths.sum())
         metrics: dict[str, Any] = {
