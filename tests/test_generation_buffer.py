@@ -185,3 +185,18 @@ def test_later_slices_use_the_old_log_probs_once_the_policy_moved(
         )  # fmt: skip
         losses.append(loss.item())
     assert metrics["loss"] == pytest.approx((sum(losses[:2]) + sum(losses[2:])) / 2, rel=1e-5, abs=1e-9)
+
+
+def test_plan_counts_the_whole_generation(tmp_path):
+    """`leangrpo plan -c`: the KV cache of the generation batch (4 slices of 4 completions), and the old
+    log-probs' pass of a step whose policy moves."""
+    from leangrpo.commands import plan
+
+    k = plan.knobs_from_config(validate_config(_config(tmp_path, grpo={"beta": 0.0})))
+    assert k.generation_batch == 16 and k.steps_per_generation == 4
+    shape = plan.resolve_shape("Qwen/Qwen2.5-0.5B")
+    one_update = plan.replace(k, steps_per_generation=2)  # 8 completions, one optimizer step
+    assert "reference" in plan.estimate(shape, k).phases
+    assert "reference" not in plan.estimate(shape, one_update).phases
+    kv = plan.estimate(shape, k).components["KV cache"]
+    assert kv == 2 * plan.estimate(shape, one_update).components["KV cache"]
