@@ -1,8 +1,9 @@
 """One run of TRL's generation buffer (steps_per_generation 4 over gradient_accumulation_steps 2) under
 `trl` or `leangrpo`, as a user of either writes it, recording what the schedule decides: the learning rate
 of every optimizer step (a global optimizer hook), the completions each generation scored, the final
-global_step and the logged rows' learning rates. `python generation_buffer_run.py trl MODEL OUT` writes
-OUT/record.json (TRL runs in a process of its own: it leaves accelerate's shared state set)."""
+global_step and the logged rows' learning rates and epochs. `python generation_buffer_run.py trl MODEL OUT
+CHANGES` (JSON) writes OUT/record.json (TRL runs in a process of its own: it leaves accelerate's shared
+state set)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ ARGS = dict(
 """TRL's max_steps counts optimizer steps: 4 here, 2 generations of 16 completions, 2 optimizer steps each."""
 
 
-def run(lib: ModuleType, model: str, out: Path) -> dict[str, Any]:
-    """Train as configured; returns what the schedule decided."""
+def run(lib: ModuleType, model: str, out: Path, **changes: Any) -> dict[str, Any]:
+    """Train as configured (`changes` to ARGS); returns what the schedule decided."""
     from datasets import Dataset
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -37,7 +38,7 @@ def run(lib: ModuleType, model: str, out: Path) -> dict[str, Any]:
         lambda optimizer, args, kwargs: lrs.append(optimizer.param_groups[0]["lr"])
     )
     extra = {"use_cpu": True} if lib.__name__ == "trl" else {}
-    args = lib.GRPOConfig(output_dir=str(out), **ARGS, **extra)
+    args = lib.GRPOConfig(output_dir=str(out), **{**ARGS, **changes}, **extra)
     try:
         trainer = lib.GRPOTrainer(model, short, args, Dataset.from_list(ROWS))
         trainer.train()
@@ -49,6 +50,7 @@ def run(lib: ModuleType, model: str, out: Path) -> dict[str, Any]:
         "scored": scored,
         "global_step": trainer.state.global_step,
         "logged_lrs": {r["step"]: r["learning_rate"] for r in rows},
+        "epochs": {r["step"]: r["epoch"] for r in rows},
     }
 
 
@@ -60,4 +62,5 @@ if __name__ == "__main__":
 
     target = Path(sys.argv[3])
     target.mkdir(parents=True, exist_ok=True)
-    (target / "record.json").write_text(json.dumps(run(trl, sys.argv[2], target / "run")))
+    changes = json.loads(sys.argv[4])
+    (target / "record.json").write_text(json.dumps(run(trl, sys.argv[2], target / "run", **changes)))

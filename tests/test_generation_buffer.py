@@ -109,34 +109,37 @@ def test_flat_trl_config_refuses_what_trl_refuses_in_one_line(given, message):
 
 
 @pytest.mark.slow
-def test_optimizer_steps_and_learning_rates_are_trls(tmp_path, tiny_model_dir):
-    """The same GRPOConfig (4 optimizer steps, linear schedule with warm-up, steps_per_generation 4 over
-    gradient_accumulation_steps 2) under TRL 1.16 and leangrpo: the same optimizer steps with the same
-    learning rates, the same generations (2 of 16 completions), global_step, and the logged learning rate
-    at each generation's last optimizer step (leangrpo logs one row a generation: docs/trl.md)."""
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_optimizer_steps_and_learning_rates_are_trls(tmp_path, tiny_model_dir, iterations):
+    """The same GRPOConfig (steps_per_generation 4 over gradient_accumulation_steps 2, a linear schedule
+    with warm-up, 2 generations: 4 optimizer steps, 8 with num_iterations 2) under TRL 1.16 and leangrpo:
+    the same optimizer steps with the same learning rates, the same generations (2 of 16 completions),
+    global_step, and the logged learning rate and epoch at each generation's last optimizer step
+    (leangrpo logs one row a generation: docs/trl.md)."""
     pytest.importorskip("trl")
     import generation_buffer_run
 
     import leangrpo
 
+    updates = 2 * iterations  # a generation's optimizer steps
+    changes = {"num_iterations": iterations, "max_steps": 2 * updates}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])}
-    command = [
-        sys.executable,
-        str(TESTS / "generation_buffer_run.py"),
-        "trl",
-        str(tiny_model_dir),
-        str(tmp_path / "trl"),
-    ]
+    command = [sys.executable, str(TESTS / "generation_buffer_run.py"), "trl", str(tiny_model_dir)]
+    command += [str(tmp_path / "trl"), json.dumps(changes)]
     with subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) as trl:
-        ours = generation_buffer_run.run(leangrpo, str(tiny_model_dir), tmp_path / "lean")  # meanwhile
+        ours = generation_buffer_run.run(leangrpo, str(tiny_model_dir), tmp_path / "lean", **changes)
         _, stderr = trl.communicate(timeout=600)
     assert trl.returncode == 0, stderr[-3000:]
     theirs = json.loads((tmp_path / "trl" / "record.json").read_text())
-    assert len(theirs["optimizer_lrs"]) == 4 and theirs["scored"] == [16, 16]
+    assert len(theirs["optimizer_lrs"]) == 2 * updates and theirs["scored"] == [16, 16]
+    assert len(set(theirs["optimizer_lrs"])) > 2  # the schedule moves
     assert ours["optimizer_lrs"] == pytest.approx(theirs["optimizer_lrs"], rel=1e-12)
-    assert ours["scored"] == theirs["scored"] and ours["global_step"] == theirs["global_step"] == 4
-    lrs = {int(k): v for k, v in theirs["logged_lrs"].items()}
-    assert ours["logged_lrs"] == pytest.approx({2: lrs[2], 4: lrs[4]}, rel=1e-12)
+    assert ours["scored"] == theirs["scored"] and ours["global_step"] == theirs["global_step"] == 2 * updates
+    for key in ("logged_lrs", "epochs"):
+        logged = {int(k): v for k, v in theirs[key].items()}
+        assert ours[key] == pytest.approx(
+            {updates: logged[updates], 2 * updates: logged[2 * updates]}, rel=1e-12
+        )
 
 
 def test_later_slices_use_the_old_log_probs_once_the_policy_moved(
