@@ -59,7 +59,7 @@ def test_minimal_yaml_loads_with_defaults(minimal_yaml):
     assert cfg.grpo.beta == 0.0
     assert cfg.optim.learning_rate == 1e-6
     assert cfg.optim.per_device_train_batch_size == 8
-    assert cfg.optim.generation_batch_size == 8
+    assert cfg.generation_batch_size == 8
     assert cfg.prompts_per_step == 1
     assert cfg.seed == 42
 
@@ -172,7 +172,7 @@ def test_generation_batch_counts_accumulation(minimal_yaml):
             "grpo.num_generations=4",
         ],
     )
-    assert cfg.optim.generation_batch_size == 12 and cfg.prompts_per_step == 3
+    assert cfg.generation_batch_size == 12 and cfg.prompts_per_step == 3
 
 
 def test_epsilon_high_below_epsilon(minimal_yaml):

@@ -97,8 +97,20 @@ def prompts_seen(tmp_path: Path, name: str) -> list[str]:
                 "ref_model_mixup_alpha": 0.5,
             }
         },
+        # TRL's generation buffer: checkpoints fall between generations, never inside one's slices
+        {
+            "grpo": {"beta": 0.04, "steps_per_generation": 4},
+            "optim": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
+        },
     ],
-    ids=["full", "lora", "dynamic_sampling", "in_order_adaptive_entropy", "sync_ref_model"],
+    ids=[
+        "full",
+        "lora",
+        "dynamic_sampling",
+        "in_order_adaptive_entropy",
+        "sync_ref_model",
+        "generation_buffer",
+    ],
 )
 def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch,
                                                           sections):  # fmt: skip

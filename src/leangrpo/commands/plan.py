@@ -267,6 +267,7 @@ class Knobs:
     num_generations: int = _knob("grpo.num_generations")
     per_device_train_batch_size: int = _knob("optim.per_device_train_batch_size")
     gradient_accumulation_steps: int = _knob("optim.gradient_accumulation_steps")
+    steps_per_generation: int | None = _knob("grpo.steps_per_generation")  # None: gradient_accumulation_steps
     max_prompt_length: int | None = _knob("grpo.max_prompt_length")  # None: no limit, as the config's
     max_completion_length: int = _knob("grpo.max_completion_length")
     gradient_checkpointing: bool = _knob("model.gradient_checkpointing")
@@ -294,7 +295,9 @@ class Knobs:
     @property
     def generation_batch(self) -> int:
         """Completions generated at once (hf.generate gets the whole generation batch)."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+        return self.per_device_train_batch_size * (
+            self.steps_per_generation or self.gradient_accumulation_steps
+        )
 
     @property
     def e(self) -> int:
@@ -781,7 +784,10 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
         if n > 1:  # the engine's sync gathers one shard group at a time
             components["FSDP sync gather"] = sync_gather_bytes(shape, k)
             phases["sync"] = r.persistent + components["FSDP sync gather"]
-    if k.beta > 0 or k.num_iterations > 1:  # reference / old log-probs
+    moves = (
+        k.num_iterations * k.generation_batch > k.per_device_train_batch_size * k.gradient_accumulation_steps
+    )
+    if k.beta > 0 or moves:  # reference / old log-probs (the policy moves within the step)
         phases["reference"] = reference_peak(shape, k, r, rows)
     if k.async_rollouts and k.rollout == "hf":  # the snapshot's copy, and its generation during the rest
         snapshot = components["rollout snapshot"] = r.weights if k.method == "full" else r.adapters
@@ -840,7 +846,8 @@ def search_fit(
         def knobs(g: int, c: int, b: int = 1, method: Method = method) -> Knobs:
             n = prompts * g
             return replace(k, method=method, num_generations=g, max_completion_length=c,
-                           per_device_train_batch_size=b, gradient_accumulation_steps=n // b)  # fmt: skip
+                           per_device_train_batch_size=b, gradient_accumulation_steps=n // b,
+                           steps_per_generation=None)  # fmt: skip
 
         def ok(kn: Knobs) -> bool:
             return fits(plan_for(shape, kn, memory), memory, margin)

@@ -380,11 +380,11 @@ class GRPOTrainer:
             run_dir = path.parent if path.name.startswith("checkpoint-") else path
             cfg = cfg.model_copy(update={"output_dir": str(run_dir)})
         resume = bool(resume_from_checkpoint)
-        earlier = _logged_rows(Path(cfg.output_dir), cfg.grpo.num_iterations) if resume else None
+        earlier = _logged_rows(Path(cfg.output_dir), cfg.updates_per_step) if resume else None
         start = time.time()
         trainer = Trainer(cfg, overwrite=not resume, resume=resume, agent=self._agent, extras=self._extras)
         self._run = trainer
-        first = trainer.start_step * cfg.grpo.num_iterations
+        first = trainer.start_step * cfg.updates_per_step
         self.state.is_world_process_zero = trainer.is_main
         self._events.train_begin(first, earlier, Path(cfg.output_dir))
         self._final = run(trainer)  # the CLI's run and teardown

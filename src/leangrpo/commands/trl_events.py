@@ -72,7 +72,7 @@ class Events:
     ) -> None:
         self.args, self.cfg, self.epoch_of, self.evaluate = args, cfg, epoch_of, evaluate
         self.callbacks: list[Any] = []
-        self.state = TrainerState(max_steps=cfg.optim.max_steps * cfg.grpo.num_iterations)
+        self.state = TrainerState(max_steps=cfg.optim.max_steps * cfg.updates_per_step)
         self.control = TrainerControl()
         self._after: int | None = None  # the step whose on_save/on_epoch_end are still to fire
         self._new_epoch = True  # the next step starts an epoch (on_epoch_begin)
@@ -113,7 +113,7 @@ class Events:
         """Before `step`: the last step's pending events, on_epoch_begin at an epoch's start, then
         on_step_begin."""
         self._flush()
-        self.state.global_step = (step - 1) * self.cfg.grpo.num_iterations
+        self.state.global_step = (step - 1) * self.cfg.updates_per_step
         if self._new_epoch:
             self._new_epoch = False
             self.call("on_epoch_begin")
@@ -127,7 +127,7 @@ class Events:
             self.call("on_substep_end")
         self.call("on_pre_optimizer_step")
         self.call("on_optimizer_step")
-        self.state.global_step = step * self.cfg.grpo.num_iterations
+        self.state.global_step = step * self.cfg.updates_per_step
         self.state.epoch = self.epoch_of(self.state.global_step)
         if isinstance(loss := metrics.get("loss"), int | float):
             self._losses.append(float(loss))
@@ -171,7 +171,7 @@ class Events:
         if (self._run_dir / f"checkpoint-{step}").is_dir():
             self.call("on_save")
         now = self.state.global_step
-        ended = math.floor(self.epoch_of(now)) > math.floor(self.epoch_of(now - self.cfg.grpo.num_iterations))
+        ended = math.floor(self.epoch_of(now)) > math.floor(self.epoch_of(now - self.cfg.updates_per_step))
         if ended or last:
             self._new_epoch = True
             self.call("on_epoch_end")
@@ -190,9 +190,9 @@ class Events:
         return step_interval(float(every), self.state.max_steps)
 
     def _crossed(self, every: int) -> bool:
-        """Whether the last step's optimizer steps (num_iterations of them) reached a multiple of `every`."""
+        """Whether the last step's optimizer steps (updates_per_step) reached a multiple of `every`."""
         now = self.state.global_step
-        return bool(every) and now // every > (now - self.cfg.grpo.num_iterations) // every
+        return bool(every) and now // every > (now - self.cfg.updates_per_step) // every
 
 
 def _overrides(callback: Any, event: str) -> bool:

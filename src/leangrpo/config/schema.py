@@ -343,6 +343,14 @@ class GRPOSection(Section):
         "with uninformative groups (metric dynamic_sampling/filled)",
     )
     num_iterations: int = Field(1, ge=1, description="updates per generation batch (mu)")
+    steps_per_generation: int | None = Field(
+        None,
+        ge=1,
+        description="micro-batches one generation feeds (TRL's name): each step generates "
+        "optim.per_device_train_batch_size × this completions a process, whose slices make this many "
+        "micro-steps per iteration, optim.gradient_accumulation_steps of them an optimizer step; null: "
+        "gradient_accumulation_steps (one generation per optimizer step)",
+    )
     loss_type: str = Field(
         "dapo",
         description=f"one of {', '.join(LOSS_TYPES)}: how per-token losses are averaged (docs/trl.md); "
@@ -674,8 +682,8 @@ class OptimConfig(Section):
     max_steps: int = Field(
         100,
         ge=1,
-        description="training steps, each one generation batch and its grpo.num_iterations optimizer "
-        "steps (TRL's max_steps = this × num_iterations)",
+        description="training steps, each one generation batch and its optimizer steps: grpo.num_iterations "
+        "× grpo.steps_per_generation / gradient_accumulation_steps of them (TRL's max_steps = this × that)",
     )
     num_train_epochs: float | None = Field(
         None,
@@ -733,11 +741,6 @@ class OptimConfig(Section):
         if self.warmup_steps >= 1:
             return int(self.warmup_steps)
         return math.ceil((self.warmup_steps or self.warmup_ratio) * num_updates)
-
-    @property
-    def generation_batch_size(self) -> int:
-        """Completions generated per step on each process; one optimizer step consumes them."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
 
 class CPUConfig(Section):
@@ -919,11 +922,19 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
-        gen_batch = self.optim.generation_batch_size
+        gen_batch = self.generation_batch_size
         if gen_batch % self.grpo.num_generations:
             raise ValueError(
                 f"grpo.num_generations={self.grpo.num_generations} must divide the generation batch "
-                f"(optim.per_device_train_batch_size × optim.gradient_accumulation_steps = {gen_batch})"
+                f"(optim.per_device_train_batch_size × grpo.steps_per_generation = {gen_batch})"
+            )
+        accumulation = self.optim.gradient_accumulation_steps
+        if self.steps_per_generation * self.grpo.num_iterations % accumulation:
+            raise ValueError(
+                f"grpo.steps_per_generation={self.steps_per_generation} × grpo.num_iterations="
+                f"{self.grpo.num_iterations} must be a multiple of optim.gradient_accumulation_steps="
+                f"{accumulation}: a step's optimizer steps end with its generation (TRL would carry one "
+                "into the next generation)"
             )
         if self.grpo.epsilon_high is not None and self.grpo.epsilon_high < self.grpo.epsilon:
             raise ValueError(
@@ -971,6 +982,23 @@ class Config(Section):
         )
 
     @property
+    def steps_per_generation(self) -> int:
+        """Micro-steps one generation feeds per iteration (TRL's default: gradient_accumulation_steps)."""
+        return self.grpo.steps_per_generation or self.optim.gradient_accumulation_steps
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions generated per step on each process (TRL's generation_batch_size / processes)."""
+        return self.optim.per_device_train_batch_size * self.steps_per_generation
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps a step makes: its num_iterations passes over the generation's slices, in
+        windows of gradient_accumulation_steps micro-steps (TRL counts these in max_steps)."""
+        micro_steps = self.steps_per_generation * self.grpo.num_iterations
+        return micro_steps // self.optim.gradient_accumulation_steps
+
+    @property
     def prompts_per_step(self) -> int:
         """Distinct prompts each process draws per step."""
-        return self.optim.generation_batch_size // self.grpo.num_generations
+        return self.generation_batch_size // self.grpo.num_generations

@@ -73,10 +73,13 @@ _TRANSLATED = {
     "log_completions": "`true`: logging.log_completions_steps = logging_steps (completions.jsonl); `false` "
     "(TRL's default): 0, none logged",
     "reward_weights": "rewards.functions[].weight",
-    "max_steps": "optim.max_steps = max_steps / num_iterations (TRL counts optimizer steps)",
+    "max_steps": "optim.max_steps = max_steps / (num_iterations × steps_per_generation / "
+    "gradient_accumulation_steps) (TRL counts optimizer steps)",
     "num_train_epochs": "optim.num_train_epochs (a positive max_steps wins, as in TRL)",
-    "steps_per_generation": "gradient_accumulation_steps (one generation per optimizer step), or refused",
-    "generation_batch_size": "per_device_train_batch_size × gradient_accumulation_steps × processes",
+    "steps_per_generation": "grpo.steps_per_generation (TRL's generation buffer; default "
+    "gradient_accumulation_steps)",
+    "generation_batch_size": "grpo.steps_per_generation = generation_batch_size / "
+    "(per_device_train_batch_size × processes)",
     "save_strategy": "`steps`: as save_steps; `no`: logging.save_steps 0 and save_minutes 0",
     "eval_strategy": "`steps`: eval.enabled, every eval_steps (TRL's default: logging_steps); a "
     "`GRPOTrainer` with an `eval_dataset`: TRL's evaluation, `steps` or `epoch` (above)",
@@ -483,34 +486,42 @@ def _translate_rewards(
 
 
 def _translate_steps(flat: dict[str, Any], put: Any, refused: list[str]) -> None:
-    """TRL's optimizer-step count and generation batch as leangrpo steps (one generation batch each,
-    then `num_iterations` optimizer steps)."""
+    """TRL's optimizer-step count and generation batch as leangrpo steps (one generation batch each, then
+    its num_iterations × steps_per_generation / gradient_accumulation_steps optimizer steps)."""
     iterations = int(flat.get("num_iterations", 1))
     per_device = int(flat.get("per_device_train_batch_size", 8))
     accumulation = int(flat.get("gradient_accumulation_steps", 1))
-    steps_per_generation = flat.pop("steps_per_generation", None)
-    if steps_per_generation is not None and int(steps_per_generation) != accumulation:
-        refused.append(
-            f"steps_per_generation={steps_per_generation}: leangrpo generates once per optimizer step, so it "
-            f"must equal gradient_accumulation_steps={accumulation}"
-        )
-    generation_batch_size = flat.pop("generation_batch_size", None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if generation_batch_size is not None and int(generation_batch_size) != per_device * accumulation * world:
-        refused.append(
-            f"generation_batch_size={generation_batch_size}: leangrpo generates once per optimizer step, "
-            f"so it must be per_device_train_batch_size × gradient_accumulation_steps × processes = "
-            f"{per_device * accumulation * world}"
-        )
+    steps_per_generation = flat.pop("steps_per_generation", None)
+    generation_batch_size = flat.pop("generation_batch_size", None)
+    if generation_batch_size is not None:
+        implied = int(generation_batch_size) // (per_device * world)
+        if int(generation_batch_size) % (per_device * world):
+            refused.append(
+                f"generation_batch_size={generation_batch_size}: must be a multiple of "
+                f"per_device_train_batch_size × processes = {per_device * world} (as TRL requires)"
+            )
+        elif steps_per_generation is not None and int(steps_per_generation) != implied:
+            # both are set in a trl.GRPOConfig, whose __post_init__ derives one from the other
+            refused.append(
+                f"generation_batch_size={generation_batch_size} and steps_per_generation="
+                f"{steps_per_generation} disagree (it implies {implied}): set one of them"
+            )
+        steps_per_generation = implied if steps_per_generation is None else steps_per_generation
+    if steps_per_generation is not None and int(steps_per_generation) != accumulation:  # else the default
+        put("grpo.steps_per_generation", int(steps_per_generation))
+    micro_steps = iterations * int(steps_per_generation or accumulation)
+    updates = max(micro_steps // accumulation, 1)  # not whole: the config refuses it in one line
     max_steps = flat.pop("max_steps", None)
     if max_steps is not None and int(max_steps) > 0:
         flat.pop("num_train_epochs", None)  # TRL: a positive max_steps wins over epochs
-        if int(max_steps) % iterations:
+        if int(max_steps) % updates:
             refused.append(
-                f"max_steps={max_steps}: TRL counts optimizer steps; leangrpo makes num_iterations="
-                f"{iterations} of them per generation batch, so it must be a multiple of {iterations}"
+                f"max_steps={max_steps}: TRL counts optimizer steps; leangrpo makes {updates} of them per "
+                "generation batch (num_iterations × steps_per_generation / gradient_accumulation_steps), so "
+                f"it must be a multiple of {updates}"
             )
         else:
-            put("optim.max_steps", int(max_steps) // iterations)
+            put("optim.max_steps", int(max_steps) // updates)
     elif "num_train_epochs" not in flat:
         put("optim.num_train_epochs", 3.0)  # TRL's default length

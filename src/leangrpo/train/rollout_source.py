@@ -166,7 +166,7 @@ class RolloutSource:
         """The engine given the weights of the step just trained, before evaluating with it (async: after
         the batch in flight)."""
         if self._rollouts is not None and self._rollouts.engine is self.engine:
-            self._rollouts.sync(self.unwrapped.lm, step * self.cfg.grpo.num_iterations)
+            self._rollouts.sync(self.unwrapped.lm, step * self.cfg.updates_per_step)
         else:
             self.sync()
 
@@ -259,9 +259,11 @@ class RolloutSource:
     def rollouts(self) -> AsyncRollouts:
         """Async rollouts' background thread and engine (built at the first rollout, like the engine)."""
         if self._rollouts is None:
-            g, gen = self.cfg.grpo, self.gen
+            cfg, gen = self.cfg, self.gen
             engine = async_engine(self.engine, self.unwrapped.lm, gen.tokenizer, gen.levers)
-            self._rollouts = AsyncRollouts(engine, g.max_staleness, g.num_iterations, self.acc.device)
+            self._rollouts = AsyncRollouts(
+                engine, cfg.grpo.max_staleness, cfg.updates_per_step, self.acc.device
+            )
         return self._rollouts
 
     @property
@@ -273,7 +275,7 @@ class RolloutSource:
     def prefetch(self, step: int, trained: int) -> None:
         """Async rollouts: give the engine the policy's weights, those after step `trained`, and start
         generating `step`'s batch in the background."""
-        self.rollouts.sync(self.unwrapped.lm, trained * self.cfg.grpo.num_iterations)
+        self.rollouts.sync(self.unwrapped.lm, trained * self.cfg.updates_per_step)
         self.rollouts.submit(step, self.job(step))
 
     def prefetch_next(self, step: int) -> None:
@@ -283,9 +285,9 @@ class RolloutSource:
 
     def _take(self, step: int) -> Rollout:
         """`step`'s batch from the background thread (generated now if none was ahead: the first step, a
-        resumed run's, or a staleness bound below num_iterations), with its async/* metrics."""
+        resumed run's, or a staleness bound below the step's optimizer steps), with its async/* metrics."""
         taken = agreed(self.gen.dist.any_process, lambda: self._prefetched(step))
-        staleness = float((step - 1) * self.cfg.grpo.num_iterations - taken.version)
+        staleness = float((step - 1) * self.cfg.updates_per_step - taken.version)
         assert staleness <= self.cfg.grpo.max_staleness, f"a batch {staleness} optimizer steps stale"
         rollout = taken.rollout
         if staleness == 0 and not self.engine.holds_weights:  # a snapshot of the policy's own weights:

@@ -46,8 +46,8 @@ class Scorer:
         context = RewardContext(
             completion_ids=[row[keep].tolist() for row, keep in zip(ids, mask, strict=True)],
             trainer_state=TrainerState(
-                global_step=(step - 1) * cfg.grpo.num_iterations,
-                max_steps=cfg.optim.max_steps * cfg.grpo.num_iterations,
+                global_step=(step - 1) * cfg.updates_per_step,
+                max_steps=cfg.optim.max_steps * cfg.updates_per_step,
                 epoch=(step - 1) * cfg.prompts_per_step * self.acc.num_processes / self.num_rows,
             ),
         )

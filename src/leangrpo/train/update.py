@@ -1,6 +1,8 @@
 """The policy update of a step: the log-probs it compares against (the reference's, the policy's own before
-the first update, the sampler correction), then `num_iterations` optimizer steps, each accumulated over
-micro-batches. A NaN/inf loss or gradient on any process skips that optimizer step on every process."""
+the first update, the sampler correction), then TRL's generation buffer: `num_iterations` passes over the
+generation's `steps_per_generation` micro-batch slices, each `gradient_accumulation_steps` consecutive
+micro-steps one optimizer step. A NaN/inf loss or gradient on any process skips that optimizer step on every
+process."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from leangrpo.train.distributed import Sharded
 from leangrpo.train.loss import EntropyControl, loss_spec
 from leangrpo.train.optim import Optimization, activation_offload
 from leangrpo.train.policy import (
+    Extent,
     Policy,
     batch_logprobs,
     micro_batch_extents,
@@ -40,10 +43,10 @@ if TYPE_CHECKING:
 @dataclass
 class Reference:
     """What the update compares the policy against, computed once per generation batch: the reference's
-    log-probs (None at beta = 0), the policy's own before the first update (None when num_iterations is 1:
-    the ratio is then 1 by construction), the sampler's importance weights and the gap they correct
-    (vllm/*), both None without the correction; `group`: the completions that read one prompt copy in
-    this batch (`Updater.prompt_group`)."""
+    log-probs (None at beta = 0), the policy's own before the first update (None when the step makes one
+    optimizer step: the ratio is then 1 by construction), the sampler's importance weights and the gap
+    they correct (vllm/*), both None without the correction; `group`: the completions that read one
+    prompt copy in this batch (`Updater.prompt_group`)."""
 
     ref_logp: Tensor | None
     old_logp: Tensor | None
@@ -54,7 +57,7 @@ class Reference:
 
 @dataclass
 class Update:
-    """What the update phase reports: the mean loss of its iterations, the last gradient norm and
+    """What the update phase reports: the mean loss of its optimizer steps, the last gradient norm and
     learning rate, each micro-batch's token counts for the KL and clip metrics, and the entropy bonus's
     `entropy_coef` after each optimizer step (TRL's metric: their mean; none without the bonus)."""
 
@@ -151,6 +154,12 @@ class Updater:
         self.packed, why_not = padding_free(self.unwrapped.lm, cfg.grpo.padding_free)
         if why_not:
             write(f"grpo.padding_free: off, {why_not}; completions are padded to the longest")
+        if cfg.steps_per_generation > cfg.optim.gradient_accumulation_steps:
+            write(
+                f"grpo.steps_per_generation: {cfg.steps_per_generation} slices of whole groups, in order "
+                f"(TRL shuffles the completions before slicing), {cfg.optim.gradient_accumulation_steps} "
+                "an optimizer step (docs/trl.md)"
+            )
         state = state or {}
         self.skipped_steps = state.get("skipped_steps", 0)
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
@@ -175,8 +184,10 @@ class Updater:
 
     def reference(self, rollout: RolloutBatch) -> Reference:
         """The log-probs the update compares against: the reference's (adapter disabled for LoRA, the frozen
-        copy for full fine-tuning, none at beta = 0) and, with num_iterations > 1 or the vLLM correction
-        on, the policy's own before the first update (else the update detaches its own)."""
+        copy for full fine-tuning, none at beta = 0) and, when the policy moves between the generation and
+        a slice's use (more than one optimizer step a step: TRL's gradient_accumulation_steps % (
+        steps_per_generation × num_iterations) != 0) or with the vLLM correction on, the policy's own before
+        the first update (else the update detaches its own)."""
         g, micro, group = (
             self.cfg.grpo,
             self.cfg.optim.per_device_train_batch_size,
@@ -184,10 +195,12 @@ class Updater:
         )
         ref_logp = self._reference_logprobs(rollout, group) if g.beta > 0 else None
         corrects = rollout.sampling_logprobs is not None and g.vllm_importance_sampling_correction
-        need_old = g.num_iterations > 1 or corrects
-        old_logp = batch_logprobs(self.opt.policy, rollout, micro, group, self.packed) if need_old else None
+        moves = self.cfg.updates_per_step > 1
+        old_logp = (
+            batch_logprobs(self.opt.policy, rollout, micro, group, self.packed) if moves or corrects else None
+        )
         weights, mismatch = self._sampler_correction(rollout, old_logp) if corrects else (None, None)
-        return Reference(ref_logp, old_logp if g.num_iterations > 1 else None, weights, mismatch, group)
+        return Reference(ref_logp, old_logp if moves else None, weights, mismatch, group)
 
     def prompt_group(self, rollout: RolloutBatch) -> int:
         """The run's shared-prompt group, or 1 for a batch where the completions of some group have
@@ -238,26 +251,29 @@ class Updater:
         )  # fmt: skip
 
     def update(self, rollout: RolloutBatch, advantages: Tensor, ref: Reference) -> Update:
-        """`num_iterations` optimizer steps on the rollout, each accumulated over micro-batches."""
+        """The step's optimizer steps on the rollout (`MicroSteps`), each accumulated over its window of
+        micro-batches."""
         g = self.cfg.grpo
         mask = rollout.loss_mask.float()  # the model's tokens: a tool's are no action of the policy
         if g.mask_truncated_completions:
             mask = grpo.mask_truncated(mask, rollout.truncated)
         # dapo normalises by every process's tokens (DDP then averages the gradients)
         num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
+        micro_steps = MicroSteps.of(rollout, self.cfg)
         self.opt.policy.train()
         loss_total, stats, skipped, coefs = 0.0, [], False, []
         grad_norm, lr = math.nan, float(self.opt.scheduler.get_last_lr()[0])
-        for _ in range(g.num_iterations):
-            loss_sum, iteration_stats = self._backward(rollout, advantages, ref, mask, num_tokens)
-            iteration_loss = float(loss_sum)  # the iteration's one host sync for its loss
+        for window in micro_steps.windows:
+            batch = micro_steps.totals(window, num_tokens)
+            loss_sum, iteration_stats = self._backward(rollout, advantages, ref, mask, window, batch)
+            iteration_loss = float(loss_sum)  # the optimizer step's one host sync for its loss
             stats += iteration_stats
-            loss_total += iteration_loss / g.num_iterations
+            loss_total += iteration_loss / len(micro_steps.windows)
             grad_norm, lr, skipped = self._optimizer_step(iteration_loss)
             self._sync_reference()
             if self.loss_spec.entropy_bonus:
                 coefs.append(self._control_entropy(iteration_stats))
-            if skipped:  # the step's later iterations would build on the same bad batch
+            if skipped:  # the step's later optimizer steps would build on the same bad batch
                 break
         self.release_memory()
         self.skipped_steps += skipped
@@ -292,20 +308,22 @@ class Updater:
         return self.entropy.coef
 
     def _backward(
-        self, rollout: RolloutBatch, advantages: Tensor, ref: Reference, mask: Tensor, num_tokens: float
+        self,
+        rollout: RolloutBatch,
+        advantages: Tensor,
+        ref: Reference,
+        mask: Tensor,
+        window: list[MicroStep],
+        batch: grpo.BatchTotals,
     ) -> tuple[Tensor, list[grpo.LossStats]]:
-        """One iteration's loss and gradients, micro-batch by micro-batch (`mask`: the completion tokens
-        that count, `num_tokens` of them on an average process); returns the summed loss and each
-        micro-batch's token counts, on the device: the loop reads nothing back from it."""
+        """One optimizer step's loss and gradients, micro-batch by micro-batch of its `window` (`mask`: the
+        completion tokens that count; `batch`: the window's totals its loss is normalised by); returns the
+        summed loss and each micro-batch's token counts, on the device: the loop reads nothing back."""
         cfg, policy, in_backward = self.cfg, self.opt.policy, self.opt.in_backward
-        micro = cfg.optim.per_device_train_batch_size
-        batch = grpo.BatchTotals(len(rollout), num_tokens, math.ceil(len(rollout) / micro))
         iteration_loss, stats = torch.zeros((), dtype=torch.float64, device=mask.device), []
         coef = self.entropy.applied()
-        extents = micro_batch_extents(rollout.prompt_mask, rollout.completion_mask, micro)
-        for start, extent in zip(range(0, len(rollout), micro), extents, strict=True):
-            rows = slice(start, start + micro)
-            last = start + micro >= len(rollout)
+        for i, (rows, extent) in enumerate(window):
+            last = i == len(window) - 1
             with (
                 self.dist.sync_gradients(policy, sync=last),
                 activation_offload(cfg.model.activation_offload, policy.parameters()),
@@ -350,6 +368,40 @@ class Updater:
             opt.scheduler.step()
         opt.policy.zero_grad(set_to_none=True)  # the weights' (the optimizer's may be fp32 masters)
         return grad_norm, lr, skipped
+
+
+MicroStep = tuple[slice, Extent]
+"""A micro-batch's rows of the generation and the extent of its tokens."""
+
+
+@dataclass
+class MicroSteps:
+    """TRL's generation buffer (`_prepare_inputs`, `_buffered_inputs`): the generation's slices of
+    per_device_train_batch_size rows, used in order `num_iterations` times, cut into windows of
+    gradient_accumulation_steps micro-steps, each window one optimizer step. (TRL shuffles the generation
+    before slicing it; leangrpo keeps each group in one slice: docs/trl.md, `bnpo` micro-batches.)"""
+
+    windows: list[list[MicroStep]]
+    slices: int  # the generation's slices: steps_per_generation
+
+    @classmethod
+    def of(cls, rollout: RolloutBatch, cfg: Config) -> MicroSteps:
+        """The micro-steps of `rollout` as `cfg` schedules them."""
+        micro, accumulation = cfg.optim.per_device_train_batch_size, cfg.optim.gradient_accumulation_steps
+        extents = micro_batch_extents(rollout.prompt_mask, rollout.completion_mask, micro)
+        slices = [
+            (slice(start, start + micro), e)
+            for start, e in zip(range(0, len(rollout), micro), extents, strict=True)
+        ]
+        steps = slices * cfg.grpo.num_iterations
+        return cls([steps[i : i + accumulation] for i in range(0, len(steps), accumulation)], len(slices))
+
+    def totals(self, window: list[MicroStep], num_tokens: float) -> grpo.BatchTotals:
+        """What `window`'s losses are normalised by: its completions and micro-batches, and its share of
+        the generation's tokens (`num_tokens`, per process), as TRL rescales num_items_in_batch by
+        gradient_accumulation_steps / steps_per_generation."""
+        rows = sum(r.stop - r.start for r, _ in window)
+        return grpo.BatchTotals(rows, num_tokens * len(window) / self.slices, len(window))
 
 
 def _cut(values: Tensor | None, rows: slice, width: int) -> Tensor | None:
