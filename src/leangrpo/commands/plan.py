@@ -332,11 +332,11 @@ def make_knobs(**values: Any) -> Knobs:
 
 def masters_on(k: Knobs) -> bool:
     """fp32 master copies of the weights (optim.master_weights), as train/precision.py decides: asked
-    for, or by default for bf16/fp16 full fine-tuning on a GPU without FSDP2 or optimizer_in_backward."""
+    for, or by default for bf16/fp16 full fine-tuning on a GPU without FSDP2."""
     if k.master_weights is not None:
         return k.master_weights and k.method == "full" and k.dtype != "float32"
     low_full = k.method == "full" and k.dtype != "float32"
-    return low_full and k.device == "cuda" and k.fsdp == 1 and not k.optimizer_in_backward
+    return low_full and k.device == "cuda" and k.fsdp == 1
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}

@@ -621,7 +621,7 @@ class OptimConfig(Section):
         None,
         description="step bf16 trainable weights through fp32 master copies (4 bytes/param more), so "
         "updates below half a bf16 step accumulate; null: on for bf16 full fine-tuning on a GPU without "
-        "FSDP2 or optimizer_in_backward, off elsewhere",
+        "FSDP2 (which refuses them), off elsewhere",
     )
     max_nonfinite_steps: int = Field(3, ge=1, description="stop after this many skipped steps in a row")
     per_device_train_batch_size: int = Field(8, ge=1, description="completions per micro-batch")

@@ -175,8 +175,8 @@ class Trainer:
         (`optim.optimizer_in_backward`) and its learning-rate schedule over every update of the run."""
         optim = self.cfg.optim
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = precise_optimizer(params, self.cfg, self.dist, self._write)
-        in_backward = StepInBackward(optimizer, params) if optim.optimizer_in_backward else None
+        optimizer, masters = precise_optimizer(params, self.cfg, self.dist, self._write)
+        in_backward = StepInBackward(optimizer, params, masters) if optim.optimizer_in_backward else None
         scheduler = build_scheduler(optimizer, optim, optim.max_steps * self.cfg.grpo.num_iterations)
         return Optimization(self.policy, optimizer, in_backward, scheduler)
 
