@@ -436,6 +436,11 @@ def accelerate_config(kind: str) -> None:
 @click.option("--max-model-len", type=_POSITIVE, help="Context window (default: the model's).")
 @click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=click.FloatRange(0, 1))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0))
+@click.option(
+    "--nccl-timeout", default=600.0, show_default=True, type=click.FloatRange(0, min_open=True),
+    help="Seconds an NCCL weight update waits for the trainer (forming the group, then each tensor); past "
+    "it the server refuses every request in one line until restarted.",
+)  # fmt: skip
 @click.option("--trust-remote-code", is_flag=True, help="Let the model repository's own code run.")
 @_user_errors
 def vllm_serve(model: str, **options: Any) -> None:
