@@ -151,7 +151,7 @@ class Trainer:
         read each prompt once (`grpo.share_prompt`)."""
         g, micro = self.cfg.grpo, self.cfg.optim.per_device_train_batch_size
         model, self.tokenizer = load_model_and_tokenizer(
-            self.cfg.model, self.extras.model, self.extras.tokenizer
+            self.cfg.model, self.extras.model, self.extras.tokenizer, weights=self.dist.loads_weights
         )
         if self.levers is not None:
             with self.acc.main_process_first():  # one process measures for cpu.matmul: auto, the rest read it
