@@ -112,11 +112,14 @@ def train(
         cfg = resume_config(config_path, list(overrides), resume, trust_run_code)
     else:
         cfg = load_admitted(config_path, overrides, trust_run_code)
-    from leangrpo.commands.plan import check_generation_length, memory_startup_warning
+    from leangrpo.commands import plan
     from leangrpo.train.trainer import train as run_training
 
-    check_generation_length(cfg)
-    if warning := memory_startup_warning(cfg):
+    plan.check_generation_length(cfg)
+    cfg, share_line = plan.planned_vllm_share(cfg, plan.gpu_memory())
+    if share_line and int(os.environ.get("RANK", "0")) == 0:
+        click.echo(share_line)
+    if warning := plan.memory_startup_warning(cfg):
         click.echo(f"warning: {warning}", err=True)
     final = run_training(cfg, overwrite=overwrite, resume=bool(resume))
     if int(os.environ.get("RANK", "0")) == 0:
@@ -302,7 +305,10 @@ def demo(
     "--async-rollouts", is_flag=True, default=None,
     help="grpo.async_rollouts: HF generates on a snapshot of the trainable weights during the update.",
 )  # fmt: skip
-@click.option("--vllm-gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True))
+@click.option(
+    "--vllm-gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
+    help="vLLM's share of the card (default: what the trainer leaves, as `leangrpo train` plans it).",
+)  # fmt: skip
 @click.option("--activation-offload", is_flag=True, default=None, help="Saved activations in pinned CPU RAM.")
 @click.option(
     "--device", type=click.Choice(["cuda", "cpu"]), help="cpu plans RAM (the runtime, no CUDA overhead)."

@@ -277,6 +277,10 @@ class ToolsConfig(Section):
         return bool(self.functions or self.environment)
 
 
+UNPLANNED_VLLM_SHARE = 0.3
+"""grpo.vllm_gpu_memory_utilization left null where no memory plan set it (TRL's default)."""
+
+
 class GRPOSection(Section):
     """Sampling and the GRPO objective."""
 
@@ -429,8 +433,11 @@ class GRPOSection(Section):
     vllm_group_port: int = Field(
         51216, ge=1, le=65535, description="server mode on CUDA: port of the NCCL group weights go through"
     )
-    vllm_gpu_memory_utilization: float = Field(
-        0.3, description="share of the GPU's memory vLLM may take (weights + KV cache), in (0, 1]"
+    vllm_gpu_memory_utilization: float | None = Field(
+        None,
+        description="share of the GPU's memory colocated vLLM may take (weights + KV cache), in (0, 1]; "
+        "null: what `leangrpo train`'s memory plan leaves the trainer (at most 0.9), said at start-up; "
+        "0.3, TRL's default, where no plan is made (a model the plan cannot read, the Python API)",
     )
     vllm_enable_sleep_mode: bool = Field(
         False, description="CUDA only: vLLM frees its KV cache and weights during the update"
@@ -460,8 +467,8 @@ class GRPOSection(Section):
 
     @field_validator("vllm_gpu_memory_utilization")
     @classmethod
-    def _memory_share(cls, v: float) -> float:
-        if not 0 < v <= 1:
+    def _memory_share(cls, v: float | None) -> float | None:
+        if v is not None and not 0 < v <= 1:
             raise ValueError("must be in (0, 1]: a share of the GPU's memory")
         return v
 
