@@ -21,10 +21,15 @@ package). Sections, each timed, each failure recorded without losing the others:
 - logprobs: the bf16 log-prob path (Policy, token_logprobs) against an fp32 reference on the same weights;
 - trl: leangrpo vs TRL 1.16's GRPOTrainer (vs_trl.py's row a on the 0.5B shape), where trl is importable;
 - precision: bf16 full fine-tuning at the 0.5B shape, 20 updates of lr 1e-5 (each below half a bf16 step of
-  most weights), with and without fp32 master weights (optim.master_weights): the share of weights that
-  moved, which must be far larger with them;
+  most weights), with and without fp32 master weights (optim.master_weights), and with them stepped inside
+  the backward (optim.optimizer_in_backward): the share of weights that moved, which must be far larger
+  with them;
 - cli: `leangrpo train -c configs/gsm8k_qwen2.5_1.5b_lora.yaml` on the 1.5B shape and local GSM8K rows,
-  2 steps with a checkpoint each, then `--resume` to step 3, then `leangrpo export --merge`, loaded back.
+  2 steps with a checkpoint each, then `--resume` to step 3, then `leangrpo export --merge`, loaded back;
+- vllm: the same config with a colocated vLLM in sleep mode and evaluation (greedy and pass@2) at every
+  step, so that the engine generates again between two weight syncs, its share of the GPU from the memory
+  plan (the start-up line recorded); reported as not available where vLLM is not installed (or without
+  CUDA, which sleep mode needs).
 
 Without CUDA (--device cpu) peak RSS stands in for max_memory_allocated and QLoRA runs bitsandbytes' CPU
 kernels. Writes OUT/gpu_check.json and OUT/gpu_check.md after every section; the models go to --work, since
@@ -72,7 +77,7 @@ from leangrpo.train.policy import Policy  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 GSM8K = REPO / "tests" / "data" / "gsm8k" / "train.jsonl"
 CARRIED_TOKENIZER = REPO / ".whl" / "core" / "tokenizer"  # scripts/gpu-wheels.sh puts it there
-SECTIONS = ("tests", "train", "decode", "logprobs", "trl", "precision", "cli")
+SECTIONS = ("tests", "train", "decode", "logprobs", "trl", "precision", "cli", "vllm")
 G = 8  # completions per prompt everywhere
 RUN_TIMEOUT_S = 300  # any one subprocess (pytest, a training point, one side of the TRL pair)
 # The models' dtype: bf16 on the GPU; float32 on a CPU, whose bf16 products are slow (the log-prob
@@ -492,23 +497,25 @@ class Check:
             path = build_model(
                 self.work / f"{self.scale.small}-bfloat16", arch, dict(dims), self.tokenizer, "bfloat16"
             )
-        for masters in (False, True):
+        for masters, in_backward in ((False, False), (True, False), (True, True)):
             cfg = validate_config({
                 "model": {"name_or_path": str(path), "dtype": "bfloat16"},
                 "data": {"path": str(GSM8K), "limit": 8}, "rewards": {"functions": [{"name": "int"}]},
                 "grpo": {"num_generations": G, "max_completion_length": self.scale.completion,
                          "ignore_eos": True},
                 "optim": {"per_device_train_batch_size": G, "learning_rate": 1e-5, "master_weights": masters,
-                          "lr_scheduler_type": "constant"},
+                          "lr_scheduler_type": "constant", "optimizer_in_backward": in_backward,
+                          **({"max_grad_norm": None} if in_backward else {})},
                 "logging": {"progress_bar": False, "log_completions_steps": 0},
-                "output_dir": str(self.work / f"precision-{masters}"),
+                "output_dir": str(self.work / f"precision-{masters}-{in_backward}"),
             })  # fmt: skip
-            rows.append(self.attempt({"master_weights": masters}, partial(self.weights_moved, cfg)))
-        moved = {r["master_weights"]: r.get("moved_fraction") for r in rows}
-        if None not in moved.values() and not moved[True] > 4 * max(moved[False], 1e-9):
-            rows[-1]["error"] = (
-                f"master weights moved {moved[True]:.3g} of the weights, without {moved[False]:.3g}"
-            )
+            row = {"master_weights": masters, "optimizer_in_backward": in_backward}
+            rows.append(self.attempt(row, partial(self.weights_moved, cfg)))
+        without = rows[0].get("moved_fraction")
+        for row in rows[1:]:
+            moved = row.get("moved_fraction")
+            if None not in (moved, without) and not moved > 4 * max(without, 1e-9):
+                row["error"] = f"master weights moved {moved:.3g} of the weights, without {without:.3g}"
         return {"model": self.scale.small, "updates": 20, "learning_rate": 1e-5, "rows": rows}
 
     def weights_moved(self, cfg: Any) -> dict:
@@ -555,6 +562,40 @@ class Check:
         if not any("error" in r for r in rows):
             rows.append(self.attempt({"step": "checks"}, partial(self.cli_checks, run, merged)))
         return {"config": "configs/gsm8k_qwen2.5_1.5b_lora.yaml", "model": self.scale.large, "rows": rows}
+
+    def section_vllm(self) -> dict:
+        """Colocated vLLM as users run it (issue 53, item 1): the shipped config trained 2 steps with sleep
+        mode and evaluation at every step (greedy, then pass@2), each a generate between two syncs."""
+        if importlib.util.find_spec("vllm") is None:
+            raise Skipped("not available: vLLM is not installed here")
+        if not self.cuda:
+            raise Skipped("not available: vLLM's sleep mode needs CUDA")
+        model, run = self.model_dir(self.scale.large), self.work / "vllm-run"
+        cmd = [
+            sys.executable, "-m", "leangrpo", "train", "-c",
+            str(REPO / "configs" / "gsm8k_qwen2.5_1.5b_lora.yaml"), "--overwrite",
+            f"model.name_or_path={model}", f"model.dtype={self.dtype}", f"data.path={GSM8K}",
+            "data.hub_config=null", "data.limit=16", "optim.max_steps=2",
+            "optim.gradient_accumulation_steps=1", f"grpo.max_completion_length={self.scale.completion}",
+            "grpo.use_vllm=true", "grpo.vllm_enable_sleep_mode=true", "eval.enabled=true",
+            f"eval.path={GSM8K.parent / 'test.jsonl'}", "eval.limit=8", "eval.eval_steps=1",
+            "eval.num_samples=2", f"output_dir={run}",
+        ]  # fmt: skip
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        if proc.returncode:
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+            raise RuntimeError(f"exit {proc.returncode}: {' | '.join(tail)}")
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        evals = sorted(p.name for p in (run / "eval").glob("step-*.json"))
+        if [r["step"] for r in rows] != [1, 2] or len(evals) < 2:
+            raise RuntimeError(f"metrics steps {[r['step'] for r in rows]}, evaluations {evals}")
+        share = [line for line in proc.stdout.splitlines() if line.startswith("vLLM: grpo.vllm_gpu_memory")]
+        return {
+            "model": self.scale.large, "seconds": round(time.perf_counter() - start, 1), "evaluations": evals,
+            "share_line": share[0] if share else None,
+            "eval_accuracy": [r.get("eval/accuracy") for r in rows],
+        }  # fmt: skip
 
     def cli_step(self, cmd: list[str]) -> dict:
         start = time.perf_counter()

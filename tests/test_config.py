@@ -454,7 +454,7 @@ def test_vllm_context_window_is_derived_from_the_lengths(minimal_yaml):
     assert (cfg.grpo.use_vllm, cfg.grpo.vllm_mode, cfg.grpo.vllm_gpu_memory_utilization) == (
         False,
         "colocate",
-        0.3,
+        None,  # the memory plan's, at start-up
     )
     assert cfg.grpo.max_model_length == 128
     assert load_config(minimal_yaml, ["grpo.vllm_max_model_length=1000"]).grpo.max_model_length == 1000

@@ -236,3 +236,31 @@ def test_in_training_evaluation_shows_a_progress_bar_when_logging_asks(
     err = capsys.readouterr().err
     # the bar clears itself once done (leave=False), so what shows depends on the refresh timing: its label
     assert ("eval:" in err and "/3" in err) == progress_bar, err
+
+
+def test_eval_builds_vllm_in_the_evaluated_models_dtype(monkeypatch):
+    """`leangrpo eval --engine vllm` without a dtype from the run or --dtype: vLLM in the evaluated
+    model's dtype (bf16 weights: a bf16 engine), not an fp32 build; a run's share or TRL's 0.3 (issue 53,
+    item 12)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from leangrpo.commands import evaluate as evaluate_mod
+
+    built: dict = {}
+
+    class Engine:
+        def __init__(self, path, tokenizer, eos, **kwargs):
+            built.update(kwargs)
+
+        def sync_weights(self, lm):
+            pass
+
+    monkeypatch.setattr(evaluate_mod, "VLLMEngine", Engine)
+    monkeypatch.setattr(evaluate_mod, "eos_token_ids", lambda tokenizer, lm: [0])
+    lm = SimpleNamespace(name_or_path="m", dtype=torch.bfloat16)
+    evaluate_mod._vllm_engine(lm, None, None, None, None, 0, False)  # type: ignore[arg-type]
+    assert built["dtype"] == "bfloat16" and built["gpu_memory_utilization"] == 0.3
+    evaluate_mod._vllm_engine(lm, None, None, None, "float32", 0, False)  # type: ignore[arg-type]
+    assert built["dtype"] == "float32"

@@ -151,3 +151,34 @@ def test_engine_sync_gathers_one_shard_group_at_a_time(tmp_path, tiny_model_dir)
     knobs = plan.make_knobs(fsdp=2, dtype="float32", rollout="vllm")
     planned = plan.sync_gather_bytes(plan.resolve_shape(str(tiny_model_dir)), knobs)
     assert planned == pytest.approx(report["full"]["max_gathered_bytes"], rel=0.02)
+
+
+def test_only_rank_0_holds_the_whole_model_in_host_memory(tmp_path, real_tokenizer_dir, gsm8k_dir):
+    """FSDP2's loading (issue 53, item 5): rank 0 reads the weights and sends each process its shards;
+    the others build the model empty. Full fine-tuning with a KL reference on 2 gloo processes: rank 1's
+    peak RSS rises by its shards of the policy and the reference (half of two copies: 1x the model's
+    bytes) and the tensors in flight, measured 1.7x; loading the whole model and copying it for the
+    reference on every rank, it rose by 3.9x (2026-11-28, this machine)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(real_tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=256, intermediate_size=1024, num_hidden_layers=24,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    model_dir = tmp_path / "model"
+    model = LlamaForCausalLM(config)
+    model_bytes = sum(p.nbytes for p in model.parameters())  # 145 MB; the largest tensor is 50 MB
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    del model
+    proc = torchrun(
+        TESTS / "fsdp_load_worker.py", str(model_dir), str(gsm8k_dir / "train.jsonl"), str(tmp_path),
+        port=29545, env_extra={"OMP_NUM_THREADS": "1", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"load-{r}.json").read_text()) for r in (0, 1)]
+    print({"model_bytes": model_bytes, "ranks": ranks})
+    assert ranks[1]["shard_bytes"] == pytest.approx(model_bytes / 2, rel=0.02)
+    assert ranks[1]["rss_rise"] < 2.5 * model_bytes

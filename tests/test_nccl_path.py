@@ -7,6 +7,7 @@ import time
 from concurrent.futures import Future
 
 import pytest
+import torch
 
 from leangrpo.engines.vllm import VLLMError
 from leangrpo.engines.vllm_client import address_towards, wait_for_broadcast
@@ -58,3 +59,63 @@ def test_a_completed_broadcast_returns():
     done: Future = Future()
     done.set_result({"status": "ok"})
     wait_for_broadcast(lambda: True, done, 1, lambda: False, URL)
+
+
+class FakeLLM:
+    """vllm.LLM as the server's reload uses it: the workers consume the weights iterator."""
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+
+    def collective_rpc(self, method, kwargs):
+        for name, _ in kwargs["weights_iterator"]:
+            self.loaded.append(name)
+
+    def apply_model(self, fn):
+        pass
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def test_a_trainer_dying_mid_broadcast_ends_the_servers_wait_and_says_restart(tmp_path, monkeypatch):
+    """The server's side (issue 53, item 7): the trainer sends the first tensor and dies. The reload
+    stops after --nccl-timeout instead of waiting forever with the engine's lock held, the group is
+    dropped, and every later request, /health included, is one line saying to restart the server."""
+    from leangrpo.engines.vllm_server import NamedParams, Served
+
+    monkeypatch.setattr("torch.empty", lambda shape, dtype, device: torch.zeros(shape, dtype=dtype))
+    llm = FakeLLM()
+    served = Served("m", llm, 1, tmp_path, nccl_timeout=0.3)
+    served.communicator = object()  # joined; the receive below stands in for its broadcast
+    arrivals = iter([True])  # the first tensor arrives, then nothing more
+    monkeypatch.setattr(served, "_receive", lambda tensor: lambda: next(arrivals, False))
+    body = NamedParams(params=[("a", "float32", [2]), ("b", "float32", [3]), ("c", "float32", [1])])
+    start = time.monotonic()
+    with pytest.raises(VLLMError) as e:
+        served.update_named_params(body)
+    assert 0.3 <= time.monotonic() - start < 5
+    line = str(e.value)
+    assert line.startswith(
+        "the trainer sent no tensor 2 of 3 (b) within 0.3 s of a weight update (--nccl-timeout)"
+    )
+    assert line.endswith("restart leangrpo vllm-serve") and "\n" not in line
+    assert llm.loaded == ["a"] and served.communicator is None
+    assert served.lock.acquire(blocking=False)  # released: nothing waits on it forever
+    served.lock.release()
+    for request in (served.health, lambda: served.update_named_params(body)):
+        with pytest.raises(VLLMError, match="restart leangrpo vllm-serve$"):
+            request()
+
+
+def test_a_whole_broadcast_reloads_every_tensor(tmp_path, monkeypatch):
+    from leangrpo.engines.vllm_server import NamedParams, Served
+
+    monkeypatch.setattr("torch.empty", lambda shape, dtype, device: torch.zeros(shape, dtype=dtype))
+    llm = FakeLLM()
+    served = Served("m", llm, 1, tmp_path, nccl_timeout=0.3)
+    served.communicator = object()
+    monkeypatch.setattr(served, "_receive", lambda tensor: lambda: True)
+    body = NamedParams(params=[("a", "float32", [2]), ("b", "bfloat16", [3])])
+    assert served.update_named_params(body) == {"status": "ok"}
+    assert llm.loaded == ["a", "b"] and served.health() == {"status": "ok"}

@@ -637,7 +637,8 @@ def test_fsdp_with_vllm_plans_one_engine_per_process_and_a_layer_wise_sync():
     copy, inside its reservation); the sync gathers the largest shard group, next to the shards."""
     shape, memory = plan.resolve_shape("Qwen/Qwen2.5-7B"), 80 * 2**30
     hf = plan.plan_for(shape, plan.make_knobs(beta=0.04, fsdp=8), memory)
-    vllm = plan.plan_for(shape, plan.make_knobs(beta=0.04, fsdp=8, rollout="vllm"), memory)
+    knobs = plan.make_knobs(beta=0.04, fsdp=8, rollout="vllm", vllm_gpu_memory_utilization=0.3)
+    vllm = plan.plan_for(shape, knobs, memory)
     assert "FSDP gathered" not in vllm.components and "generation" not in vllm.phases
     assert vllm.components["vllm reservation"] == int(0.3 * memory)  # per process: the plan is per process
     gather = vllm.components["FSDP sync gather"]
@@ -713,3 +714,42 @@ def test_the_pasted_config_adds_no_prompt_limit(tmp_path):
     assert f"prompt {plan.ASSUMED_PROMPT_LENGTH} (assumed: no max_prompt_length" in res.output
     snippet = yaml.safe_load(res.output.split("that fits", 1)[1].split(":\n", 1)[1])
     assert "max_prompt_length" not in snippet["grpo"]
+
+
+def test_a_null_vllm_share_is_what_the_plan_leaves_the_trainer():
+    """grpo.vllm_gpu_memory_utilization null (the default): `leangrpo train` gives a colocated vLLM what
+    the trainer's planned total leaves of the GPU, in hundredths, at most 0.9, writes it into the run's
+    config and says so in one line; on a GPU too small for the trainer, at least vLLM's weights and KV
+    cache (the start-up warning then says the run will not fit). A share that is set, HF rollouts, a
+    server or no GPU leave the config as it is; a TRL config that leaves it unset keeps TRL's 0.3."""
+    from leangrpo.config.trl import from_trl
+
+    def cfg(**grpo):
+        return validate_config({
+            "model": {"name_or_path": "Qwen/Qwen2.5-1.5B", "dtype": "bfloat16", "lora": {"enabled": True}},
+            "data": {"path": "d.jsonl"}, "rewards": {"functions": [{"name": "int"}]},
+            "grpo": {"use_vllm": True, **grpo},
+        })  # fmt: skip
+
+    colocated, card = cfg(), 80 * 2**30
+    assert colocated.grpo.vllm_gpu_memory_utilization is None
+    trainer = plan.estimate(plan.resolve_shape("Qwen/Qwen2.5-1.5B"), plan.knobs_from_config(colocated)).total
+    planned, line = plan.planned_vllm_share(colocated, card)
+    share = planned.grpo.vllm_gpu_memory_utilization
+    assert share == min(0.9, int(100 * (0.9 * card - trainer) / card) / 100) and 0.5 < share < 0.9
+    assert line == (
+        f"vLLM: grpo.vllm_gpu_memory_utilization {share:.2f} from the memory plan (the trainer is predicted "
+        f"to need {plan.fmt_bytes(trainer)} of the GPU's {plan.fmt_bytes(card)}, 10% of it kept free; at "
+        "most 0.9)"
+    )
+    assert plan.startup_warning(planned, card) is None  # trainer and engine fit the card together
+    shape, knobs = plan.resolve_shape("Qwen/Qwen2.5-1.5B"), plan.knobs_from_config(colocated)
+    assert plan.fits(plan.plan_for(shape, knobs, card), card, margin=0.1)  # so `plan --fit` finds fits
+    small = 4 * 2**30  # below the trainer's own need: vLLM still gets its weights and cache
+    tight, _ = plan.planned_vllm_share(colocated, small)
+    assert tight.grpo.vllm_gpu_memory_utilization * small >= 1.5e9 * 2
+    assert plan.startup_warning(tight, small).startswith("plan: this run is predicted to need")
+    for unchanged, memory in ((cfg(vllm_gpu_memory_utilization=0.5), card), (cfg(use_vllm=False), card),
+                              (cfg(vllm_mode="server"), card), (colocated, None)):  # fmt: skip
+        assert plan.planned_vllm_share(unchanged, memory) == (unchanged, None)
+    assert from_trl({"use_vllm": True}, "t.yaml")["grpo"]["vllm_gpu_memory_utilization"] == 0.3

@@ -91,19 +91,35 @@ def test_fp16_training_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_master_weights_refused_with_optimizer_in_backward(tmp_path, tiny_model_dir, gsm8k_dir):
+def test_optimizer_in_backward_steps_fp32_masters_at_lr_1e_6(tmp_path, tiny_model_dir, gsm8k_dir, capsys):
+    """optim.master_weights with optim.optimizer_in_backward: each parameter's hook steps its own fp32
+    master (the optimizer shown that one master), so at lr 1e-6 the masters move, the bf16 weights are
+    them rounded, and no gradient is left behind; the start-up line says masters are stepped."""
     import leangrpo.train.trainer as trainer_mod
 
-    cfg = make_cfg(
+    run = trainer_mod.Trainer(make_cfg(
         model={"name_or_path": str(tiny_model_dir), "dtype": "bfloat16"},
         data={"path": str(gsm8k_dir / "train.jsonl"), "limit": 4},
-        grpo={"num_generations": 4, "max_completion_length": 8},
+        grpo={"num_generations": 4, "max_completion_length": 8, "ignore_eos": True},
         optim={"per_device_train_batch_size": 4, "master_weights": True, "optimizer_in_backward": True,
                "max_grad_norm": None},
+        logging={"progress_bar": False, "log_completions_steps": 0},
         output_dir=str(tmp_path / "run"),
-    )  # fmt: skip
-    with pytest.raises(UserError, match="^optim.master_weights cannot run with optim.optimizer_in_backward"):
-        trainer_mod.Trainer(cfg)
+    ))  # fmt: skip
+    assert "bfloat16 weights stepped through fp32 master copies" in capsys.readouterr().out
+    weights = [p for p in run.unwrapped.parameters() if p.requires_grad]
+    masters = [p for g in run.optimizer.param_groups for p in g["params"]]
+    assert {p.dtype for p in masters} == {torch.float32} and len(masters) == len(weights)
+    before = [m.detach().clone() for m in masters]
+    rollout = run.source.rollout(1).batch
+    update = run.updater.update(rollout, torch.linspace(-1, 1, len(rollout)), run.updater.reference(rollout))
+    assert update.grad_norm > 0 and run.updater.skipped_steps == 0
+    moved = [float((m - b).abs().max()) for m, b in zip(masters, before, strict=True)]
+    assert all(1e-7 < d < 1e-5 for d in moved)  # every master took AdamW's first step, about lr
+    assert all(torch.equal(w, m.to(torch.bfloat16)) for w, m in zip(weights, masters, strict=True))
+    assert all(w.grad is None for w in weights) and all(m.grad is None for m in masters)
+    groups = run.optimizer.param_groups  # restored after each one-master step
+    assert len(groups) == 1 and len(groups[0]["params"]) == len(masters)
 
 
 @pytest.fixture
@@ -157,3 +173,16 @@ def test_model_dtype_auto_is_bf16_on_a_bf16_gpu_only(monkeypatch, tmp_path, cuda
     assert built["dtype"] == want
     trl = from_trl({"model_name_or_path": "m", "dataset_name": "d.jsonl"}, "trl.yaml")
     assert validate_config({**trl, "rewards": {"functions": [{"name": "int"}]}}).model.dtype == "float32"
+
+
+def test_master_weights_under_fsdp2_are_refused_with_the_reason():
+    from types import SimpleNamespace
+
+    from leangrpo.train.distributed import Sharded
+    from leangrpo.train.precision import precise_optimizer
+
+    cfg = make_cfg(optim={"master_weights": True})
+    sharded = Sharded(SimpleNamespace(device=torch.device("cpu")))  # type: ignore[arg-type]
+    weight = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    with pytest.raises(UserError, match=r"^optim.master_weights cannot run with FSDP2 \(its sharded"):
+        precise_optimizer([weight], cfg, sharded, print)

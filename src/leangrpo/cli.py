@@ -112,11 +112,14 @@ def train(
         cfg = resume_config(config_path, list(overrides), resume, trust_run_code)
     else:
         cfg = load_admitted(config_path, overrides, trust_run_code)
-    from leangrpo.commands.plan import check_generation_length, memory_startup_warning
+    from leangrpo.commands import plan
     from leangrpo.train.trainer import train as run_training
 
-    check_generation_length(cfg)
-    if warning := memory_startup_warning(cfg):
+    plan.check_generation_length(cfg)
+    cfg, share_line = plan.planned_vllm_share(cfg, plan.gpu_memory())
+    if share_line and int(os.environ.get("RANK", "0")) == 0:
+        click.echo(share_line)
+    if warning := plan.memory_startup_warning(cfg):
         click.echo(f"warning: {warning}", err=True)
     final = run_training(cfg, overwrite=overwrite, resume=bool(resume))
     if int(os.environ.get("RANK", "0")) == 0:
@@ -302,7 +305,10 @@ def demo(
     "--async-rollouts", is_flag=True, default=None,
     help="grpo.async_rollouts: HF generates on a snapshot of the trainable weights during the update.",
 )  # fmt: skip
-@click.option("--vllm-gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True))
+@click.option(
+    "--vllm-gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
+    help="vLLM's share of the card (default: what the trainer leaves, as `leangrpo train` plans it).",
+)  # fmt: skip
 @click.option("--activation-offload", is_flag=True, default=None, help="Saved activations in pinned CPU RAM.")
 @click.option(
     "--device", type=click.Choice(["cuda", "cpu"]), help="cpu plans RAM (the runtime, no CUDA overhead)."
@@ -436,6 +442,11 @@ def accelerate_config(kind: str) -> None:
 @click.option("--max-model-len", type=_POSITIVE, help="Context window (default: the model's).")
 @click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=click.FloatRange(0, 1))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0))
+@click.option(
+    "--nccl-timeout", default=600.0, show_default=True, type=click.FloatRange(0, min_open=True),
+    help="Seconds an NCCL weight update waits for the trainer (forming the group, then each tensor); past "
+    "it the server refuses every request in one line until restarted.",
+)  # fmt: skip
 @click.option("--trust-remote-code", is_flag=True, help="Let the model repository's own code run.")
 @_user_errors
 def vllm_serve(model: str, **options: Any) -> None:

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from leangrpo.config.schema import Config, CPUConfig, DataConfig, RewardSpec, TaskConfig
+from leangrpo.config.schema import (
+    UNPLANNED_VLLM_SHARE,
+    Config,
+    CPUConfig,
+    DataConfig,
+    RewardSpec,
+    TaskConfig,
+)
 from leangrpo.data.rewards import load_rewards
 from leangrpo.data.rewards.registry import foreign_rewards
 from leangrpo.data.rows import PromptFormat
@@ -196,12 +203,15 @@ def _vllm_engine(
     seed: int,
     trust_remote_code: bool,
 ) -> RolloutEngine:
-    """A vLLM engine that loads the checkpoint, then takes the weights evaluated (adapter merged)."""
+    """A vLLM engine that loads the checkpoint, then takes the weights evaluated (adapter merged); in
+    `dtype`, by default the evaluated model's own (not vLLM's fp32 build)."""
     assert lm.name_or_path is not None, "from_pretrained sets it"
+    share = cfg.grpo.vllm_gpu_memory_utilization if cfg else None
+    dtype = dtype or str(lm.dtype).removeprefix("torch.")
     generator = VLLMEngine(
         lm.name_or_path, tokenizer, eos_token_ids(tokenizer, lm),
-        max_model_len=max_model_len, dtype=dtype or "float32", seed=seed, trust_remote_code=trust_remote_code,
-        gpu_memory_utilization=cfg.grpo.vllm_gpu_memory_utilization if cfg else 0.3,
+        max_model_len=max_model_len, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code,
+        gpu_memory_utilization=share or UNPLANNED_VLLM_SHARE,
     )  # fmt: skip
     generator.sync_weights(lm)
     return generator

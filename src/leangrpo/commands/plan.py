@@ -22,7 +22,7 @@ from functools import reduce
 from pathlib import Path
 from typing import Any, Literal
 
-from leangrpo.config.schema import Config
+from leangrpo.config.schema import UNPLANNED_VLLM_SHARE, Config
 from leangrpo.core.errors import UserError
 from leangrpo.engines.registry import engine_name
 
@@ -285,7 +285,7 @@ class Knobs:
     packed_lm_head: bool = _knob("cpu.packed_lm_head")
     rollout: Literal["hf", "vllm"] = "hf"
     async_rollouts: bool = _knob("grpo.async_rollouts")  # HF: a snapshot generates during the update
-    vllm_gpu_memory_utilization: float = _knob("grpo.vllm_gpu_memory_utilization")
+    vllm_gpu_memory_utilization: float | None = _knob("grpo.vllm_gpu_memory_utilization")  # None: planned
     activation_offload: bool = _knob("model.activation_offload")
     device: Literal["cuda", "cpu"] = "cuda"
     fsdp: int = 1  # processes sharing the model under FSDP2 (1: not sharded); the plan is per process
@@ -335,11 +335,11 @@ def make_knobs(**values: Any) -> Knobs:
 
 def masters_on(k: Knobs) -> bool:
     """fp32 master copies of the weights (optim.master_weights), as train/precision.py decides: asked
-    for, or by default for bf16/fp16 full fine-tuning on a GPU without FSDP2 or optimizer_in_backward."""
+    for, or by default for bf16/fp16 full fine-tuning on a GPU without FSDP2."""
     if k.master_weights is not None:
         return k.master_weights and k.method == "full" and k.dtype != "float32"
     low_full = k.method == "full" and k.dtype != "float32"
-    return low_full and k.device == "cuda" and k.fsdp == 1 and not k.optimizer_in_backward
+    return low_full and k.device == "cuda" and k.fsdp == 1
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -802,13 +802,57 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
 
 
 def plan_for(shape: ModelShape, k: Knobs, memory: int | None) -> Estimate:
-    """estimate(), with vLLM's reservation (a share of `memory`) counted when that engine is chosen."""
+    """estimate(), with vLLM's reservation (a share of `memory`: the knob's, or `vllm_share`'s) counted
+    when that engine is chosen."""
     est = estimate(shape, k)
     if k.rollout == "vllm":
         if memory is None:
             raise PlanError("--rollout vllm reserves a share of the card: give --gpu-memory")
-        est.components["vllm reservation"] = int(k.vllm_gpu_memory_utilization * memory)
+        share = k.vllm_gpu_memory_utilization or vllm_share(est, memory)
+        est.components["vllm reservation"] = int(share * memory)
     return est
+
+
+VLLM_SHARE_CAP = 0.9  # vLLM's own default, for an engine that has the card to itself
+SHARE_MARGIN = 0.1  # of the card a planned share leaves free (plan's default margin: the plan is an estimate)
+
+
+def vllm_share(est: Estimate, memory: int) -> float:
+    """The share of `memory` a colocated vLLM gets when grpo.vllm_gpu_memory_utilization is null: what
+    the trainer's planned total (`est`, without a reservation) leaves, less SHARE_MARGIN of the card, in
+    hundredths, at most VLLM_SHARE_CAP; at least what vLLM needs for its weights (in model.dtype) and
+    the generation batch's KV cache, in which case the run is predicted not to fit and the start-up
+    warning says so."""
+    k, shape = est.knobs, est.shape
+    trainer = est.total - est.components.get("vllm reservation", 0)
+    need = shape.num_params() * k.e + kv_cache_bytes(shape, k.generation_batch, kv_capacity(k), k.e)
+    left = math.floor(100 * ((1 - SHARE_MARGIN) * memory - trainer) / memory) / 100
+    return min(VLLM_SHARE_CAP, max(left, math.ceil(100 * need / memory) / 100))
+
+
+def planned_vllm_share(cfg: Config, memory: int | None) -> tuple[Config, str | None]:
+    """`leangrpo train`'s share for a colocated vLLM left null (grpo.vllm_gpu_memory_utilization) on a
+    GPU of `memory` bytes: `vllm_share`'s, written into the config (the run's config.yaml keeps it) and
+    said in one line. The config as it is where the share is set, vLLM is not colocated, there is no GPU
+    (`memory` None) or the plan cannot read the model (the engine then takes UNPLANNED_VLLM_SHARE, said)."""
+    g = cfg.grpo
+    if g.vllm_gpu_memory_utilization is not None or engine_name(g) != "vllm" or memory is None:
+        return cfg, None
+    try:
+        est = estimate(resolve_shape(cfg.model.name_or_path), knobs_from_config(cfg))
+    except UserError:
+        return cfg, (
+            f"vLLM: grpo.vllm_gpu_memory_utilization {UNPLANNED_VLLM_SHARE} (TRL's default): the memory plan "
+            f"cannot read {cfg.model.name_or_path}"
+        )
+    share = vllm_share(est, memory)
+    planned = cfg.model_copy(update={"grpo": g.model_copy(update={"vllm_gpu_memory_utilization": share})})
+    trainer = est.total - est.components.get("vllm reservation", 0)
+    return planned, (
+        f"vLLM: grpo.vllm_gpu_memory_utilization {share:.2f} from the memory plan (the trainer is "
+        f"predicted to need {fmt_bytes(trainer)} of the GPU's {fmt_bytes(memory)}, {SHARE_MARGIN:.0%} of it "
+        f"kept free; at most {VLLM_SHARE_CAP})"
+    )
 
 
 def fits(est: Estimate, memory: int, margin: float) -> bool:
@@ -941,7 +985,9 @@ def yaml_snippet(k: Knobs, model: str) -> str:
     if k.method == "qlora-4bit":
         doc["model"]["load_in_4bit"] = True
     if k.rollout == "vllm":
-        doc["grpo"].update(use_vllm=True, vllm_gpu_memory_utilization=k.vllm_gpu_memory_utilization)
+        doc["grpo"]["use_vllm"] = True
+        if k.vllm_gpu_memory_utilization is not None:
+            doc["grpo"]["vllm_gpu_memory_utilization"] = k.vllm_gpu_memory_utilization
     return yaml.safe_dump(doc, sort_keys=False).rstrip()
 
 
@@ -1010,13 +1056,19 @@ def available_ram() -> int:
     return int(psutil.virtual_memory().available)
 
 
+def gpu_memory() -> int | None:
+    """This process's GPU's memory in bytes; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
 def memory_startup_warning(cfg: Any) -> str | None:
     """The `leangrpo train` hook: warn when the plan says the run will not fit the GPU or, in a
     one-process CPU run, the RAM available now (processes of a multi-process run share that RAM)."""
-    import torch
-
-    if torch.cuda.is_available():
-        card = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if (card := gpu_memory()) is not None:
         return startup_warning(cfg, card)
     one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1
     return startup_warning(cfg, available_ram(), "cpu") if one_process else None

@@ -277,6 +277,10 @@ class ToolsConfig(Section):
         return bool(self.functions or self.environment)
 
 
+UNPLANNED_VLLM_SHARE = 0.3
+"""grpo.vllm_gpu_memory_utilization left null where no memory plan set it (TRL's default)."""
+
+
 class GRPOSection(Section):
     """Sampling and the GRPO objective."""
 
@@ -437,8 +441,11 @@ class GRPOSection(Section):
     vllm_group_port: int = Field(
         51216, ge=1, le=65535, description="server mode on CUDA: port of the NCCL group weights go through"
     )
-    vllm_gpu_memory_utilization: float = Field(
-        0.3, description="share of the GPU's memory vLLM may take (weights + KV cache), in (0, 1]"
+    vllm_gpu_memory_utilization: float | None = Field(
+        None,
+        description="share of the GPU's memory colocated vLLM may take (weights + KV cache), in (0, 1]; "
+        "null: what `leangrpo train`'s memory plan leaves the trainer (at most 0.9), said at start-up; "
+        "0.3, TRL's default, where no plan is made (a model the plan cannot read, the Python API)",
     )
     vllm_enable_sleep_mode: bool = Field(
         False, description="CUDA only: vLLM frees its KV cache and weights during the update"
@@ -468,8 +475,8 @@ class GRPOSection(Section):
 
     @field_validator("vllm_gpu_memory_utilization")
     @classmethod
-    def _memory_share(cls, v: float) -> float:
-        if not 0 < v <= 1:
+    def _memory_share(cls, v: float | None) -> float | None:
+        if v is not None and not 0 < v <= 1:
             raise ValueError("must be in (0, 1]: a share of the GPU's memory")
         return v
 
@@ -656,7 +663,7 @@ class OptimConfig(Section):
         None,
         description="step bf16 trainable weights through fp32 master copies (4 bytes/param more), so "
         "updates below half a bf16 step accumulate; null: on for bf16 full fine-tuning on a GPU without "
-        "FSDP2 or optimizer_in_backward, off elsewhere",
+        "FSDP2 (which refuses them), off elsewhere",
     )
     max_nonfinite_steps: int = Field(3, ge=1, description="stop after this many skipped steps in a row")
     per_device_train_batch_size: int = Field(8, ge=1, description="completions per micro-batch")

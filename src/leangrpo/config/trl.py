@@ -207,7 +207,7 @@ _QUIET: dict[str, tuple[Any, ...]] = {
 
 _TRL_DEFAULTS_APPLIED = (
     "max_completion_length", "adam_beta2", "logging_steps", "save_steps", "save_total_limit",
-    "per_device_eval_batch_size", "project",
+    "per_device_eval_batch_size", "project", "vllm_gpu_memory_utilization",
 )  # fmt: skip
 """Fields whose leangrpo default differs from TRL's: a TRL config (flat YAML or `GRPOConfig`) that leaves
 them unset gets TRL's default, so that `GRPOConfig().max_completion_length` reads what the run uses."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor
 
+from leangrpo.config.schema import UNPLANNED_VLLM_SHARE
 from leangrpo.engines.tools import Toolbox
 from leangrpo.engines.types import (
     EngineError,
@@ -236,7 +237,8 @@ class VLLMEngine:
         g = cfg.grpo
         return cls(
             resolve_model_path(cfg.model.name_or_path), tokenizer, eos, max_model_len=run_context(cfg),
-            dtype=cfg.model.dtype, seed=cfg.seed, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+            dtype=cfg.model.dtype, seed=cfg.seed,
+            gpu_memory_utilization=g.vllm_gpu_memory_utilization or UNPLANNED_VLLM_SHARE,
             sleep_mode=g.vllm_enable_sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
         )  # fmt: skip
 

@@ -10,7 +10,10 @@ The routes speak vLLM's own (OpenAI-compatible) names and payloads where vLLM ha
   `seed` may also be a list, one per prompt (leangrpo's one extension: each completion its own seed);
 - `GET /model_info`: what the trainer checks before training (architecture, vocabulary, shapes);
 - weight updates: `POST /load_weights` (a safetensors file on a shared filesystem, CPU or GPU), or NCCL
-  (`/init_communicator`, `/update_named_params`, `/close_communicator`; CUDA only, not tested here).
+  (`/init_communicator`, `/update_named_params`, `/close_communicator`; CUDA only, not run on a GPU here).
+  An NCCL update waits `--nccl-timeout` seconds at most for the trainer (forming the group, then each
+  tensor): a trainer that dies mid-broadcast leaves the server refusing every request in one line
+  (restart it), not waiting forever with its engine's lock held.
 
 On a shared network: it listens on 127.0.0.1 unless `--host` says otherwise; with a key (`--api-key` or
 LEANGRPO_VLLM_API_KEY) every route answers 401 to a request without it; `/load_weights` reads only regular
@@ -27,6 +30,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,14 +87,24 @@ class NamedParams(BaseModel):
 class Served:
     """The engine and what each route does with it; one request at a time uses it (`lock`)."""
 
-    def __init__(self, model: str, llm: Any, tensor_parallel_size: int, weights_dir: Path):
-        """`weights_dir`: the only directory /load_weights reads from."""
+    def __init__(
+        self, model: str, llm: Any, tensor_parallel_size: int, weights_dir: Path, nccl_timeout: float = 600.0
+    ):
+        """`weights_dir`: the only directory /load_weights reads from. `nccl_timeout`: seconds an NCCL
+        weight update waits for the trainer (forming the group, then each tensor)."""
         self.model, self.llm, self.world_size = model, llm, tensor_parallel_size
-        self.weights_dir = weights_dir
+        self.weights_dir, self.nccl_timeout = weights_dir, nccl_timeout
         self.lock = threading.Lock()
         self.communicator: Any = None
+        self.broken: str | None = None  # why the engine can no longer serve (an update cut short)
+
+    def usable(self) -> None:
+        """One VLLMError line once an update was cut short: the engine holds partly updated weights."""
+        if self.broken is not None:
+            raise VLLMError(self.broken)
 
     def health(self) -> dict[str, str]:
+        self.usable()
         return {"status": "ok"}
 
     def models(self) -> dict[str, Any]:
@@ -111,6 +125,7 @@ class Served:
     def complete(self, body: Completion) -> dict[str, Any]:
         """Each prompt's `n` completions, prompt-major as vLLM's server returns them; a seed list gives
         each prompt its own seed (with n > 1, its completions take seed, seed + 1...)."""
+        self.usable()
         seeds = body.seed if isinstance(body.seed, list) else [body.seed] * len(body.prompt)
         if len(seeds) != len(body.prompt):
             raise VLLMError(f"{len(seeds)} seeds for {len(body.prompt)} prompts")
@@ -130,6 +145,7 @@ class Served:
     def load_weights(self, body: WeightsFile) -> dict[str, str]:
         """Reload every weight from the trainer's file (and, when partial, the served checkpoint): a file in
         the server's weights directory, nothing else."""
+        self.usable()
         path = owned_file(body.path, self.weights_dir)
         base = checkpoint_files(self.model) if body.partial else []
         with self.lock:
@@ -142,34 +158,70 @@ class Served:
         return {"status": "ok"}
 
     def init_communicator(self, body: Communicator) -> dict[str, str]:
-        """Join the trainer's NCCL group as rank 1 (CUDA only; not tested here)."""
+        """Join the trainer's NCCL group as rank 1 (CUDA only; not run on a GPU here), waiting
+        `nccl_timeout` seconds at most for the trainer to form it (the store's timeout)."""
+        self.usable()
         if self.world_size != 1 or not torch.cuda.is_available():
             raise VLLMError("NCCL weight updates need CUDA and --tensor-parallel-size 1; use /load_weights")
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
 
-        group = StatelessProcessGroup.create(body.host, body.port, rank=1, world_size=body.world_size)
+        group = StatelessProcessGroup.create(
+            body.host, body.port, rank=1, world_size=body.world_size, store_timeout=int(self.nccl_timeout)
+        )
         self.communicator = PyNcclCommunicator(group, device=torch.device("cuda:0"))
         return {"status": "ok"}
 
     def update_named_params(self, body: NamedParams) -> dict[str, str]:
-        """Receive the announced tensors from the trainer's broadcast, one at a time, into the reload."""
+        """Receive the announced tensors from the trainer's broadcast, one at a time, into the reload. Each
+        waits `nccl_timeout` seconds at most: past it the trainer is taken for dead, the group is dropped
+        and the server answers every later request with one line saying to restart it (its engine holds
+        partly updated weights, and the receive left pending cannot be cancelled: vLLM's NCCL wrapper has
+        no abort)."""
+        self.usable()
         if self.communicator is None:
             raise VLLMError("no NCCL group: POST /init_communicator first")
 
         def received() -> Iterator[tuple[str, Tensor]]:
-            for name, dtype, shape in body.params:
+            for i, (name, dtype, shape) in enumerate(body.params):
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
-                self.communicator.broadcast(tensor, src=0)
+                what = f"tensor {i + 1} of {len(body.params)} ({name})"
+                wait_for_tensor(self._receive(tensor), self.nccl_timeout, what)
                 yield name, tensor
 
         with self.lock:
-            reload_weights(self.llm, weights_iterator=received())
+            try:
+                reload_weights(self.llm, weights_iterator=received())
+            except VLLMError as e:
+                self.communicator = None
+                self.broken = f"{e}; the engine holds partly updated weights: restart leangrpo vllm-serve"
+                print(f"leangrpo vllm-serve: {self.broken}", flush=True)
+                raise VLLMError(self.broken) from None
         return {"status": "ok"}
+
+    def _receive(self, tensor: Tensor) -> Callable[[], bool]:
+        """Start receiving `tensor` from the trainer (rank 0) on a stream of its own; returns whether it
+        has arrived, a poll that never blocks (NCCL alone would wait forever)."""
+        stream, arrived = torch.cuda.Stream(), torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            self.communicator.broadcast(tensor, src=0, stream=stream)
+            arrived.record(stream)
+        return arrived.query
 
     def close_communicator(self) -> dict[str, str]:
         self.communicator = None
         return {"status": "ok"}
+
+
+def wait_for_tensor(arrived: Callable[[], bool], timeout: float, what: str) -> None:
+    """Return once `arrived()`; one VLLMError line after `timeout` seconds without it."""
+    deadline = time.monotonic() + timeout
+    while not arrived():
+        if time.monotonic() > deadline:
+            raise VLLMError(
+                f"the trainer sent no {what} within {timeout:g} s of a weight update (--nccl-timeout)"
+            )
+        time.sleep(0.01)
 
 
 def owned_file(path: str, weights_dir: Path) -> str:
@@ -303,6 +355,7 @@ def serve(
     trust_remote_code: bool = False,
     api_key: str | None = None,
     weights_dir: str | None = None,
+    nccl_timeout: float = 600.0,
 ) -> None:
     """Load `model` into vLLM and answer HTTP requests on host:port until stopped (with `api_key`: only
     requests carrying it); weight files are read from `weights_dir` only (default: a new private one)."""
@@ -322,5 +375,5 @@ def serve(
     owned = own_weights_dir(weights_dir)
     keyed = "with a key" if api_key else "without a key"
     print(f"leangrpo vllm-serve: {model} on http://{host}:{port} ({keyed}; weights from {owned})", flush=True)
-    app = build_app(Served(model, llm, tensor_parallel_size, owned), api_key)
+    app = build_app(Served(model, llm, tensor_parallel_size, owned, nccl_timeout), api_key)
     uvicorn.run(app, host=host, port=port, log_level="warning")

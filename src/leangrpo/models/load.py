@@ -155,16 +155,21 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
 
 
 def load_model_and_tokenizer(
-    cfg: ModelConfig, model: PreTrainedModel | None = None, tokenizer: PreTrainedTokenizerBase | None = None
+    cfg: ModelConfig,
+    model: PreTrainedModel | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    weights: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the policy as configured: dtype, gradient checkpointing, LoRA when enabled. ``model`` and
-    ``tokenizer``: objects a Python caller already holds, used instead of loading ``cfg.name_or_path``."""
+    ``tokenizer``: objects a Python caller already holds, used instead of loading ``cfg.name_or_path``.
+    ``weights=False``: the model's structure only, its parameters on the meta device (no memory), for a
+    process that receives them from another (FSDP2's rank 0); buffers are built as usual."""
 
     if model is None or tokenizer is None:
         path = resolve_model_path(cfg.name_or_path)
         _check_local(path)
         tokenizer = tokenizer or load_tokenizer(path, cfg.trust_remote_code)
-        model = model or load_base(path, cfg)
+        model = model or (load_base(path, cfg) if weights else empty_base(path, cfg))
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.gradient_checkpointing:
@@ -225,6 +230,25 @@ def load_base(path: str, cfg: ModelConfig, dtype: str | None = None) -> PreTrain
         # every gradient through the base weights would be silently dropped (tests/test_quantized.py).
         for module in quantized:
             module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def empty_base(path: str, cfg: ModelConfig) -> PreTrainedModel:
+    """`load_base`'s model without its weights: parameters on the meta device, buffers (rotary
+    frequencies) computed on the CPU as from_pretrained computes them."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": DTYPES[cfg.dtype], "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"cannot build model from {path!r}: {describe(e)}") from None
+    model.tie_weights()  # as from_pretrained ties them: the same parameters as the loaded model
     return model
 
 

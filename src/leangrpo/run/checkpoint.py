@@ -363,9 +363,13 @@ def _load_weights(path: Path, ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def load_trainable(model: torch.nn.Module, ckpt: Path) -> None:
-    """Load a checkpoint's trainable weights into `model` (the adapter into a peft model)."""
+    """Load a checkpoint's trainable weights into `model` (the adapter into a peft model). A model built
+    empty (parameters on meta: an FSDP2 process other than rank 0) reads nothing: rank 0 sends it its
+    shards of the weights rank 0 loaded."""
     from leangrpo.models.load import is_peft
 
+    if any(p.is_meta for p in model.parameters()):
+        return
     weights = [ckpt / "adapter_model.safetensors"] if is_peft(model) else sorted(ckpt.glob("*.safetensors"))
     if not weights or not weights[0].is_file():
         missing = weights[0].name if weights else "*.safetensors"

@@ -96,6 +96,11 @@ class Replicated:
     def __init__(self, acc: Accelerator):
         self.acc = acc
 
+    @property
+    def loads_weights(self) -> bool:
+        """Whether this process reads the model's weights from disk (`Sharded`: rank 0 only)."""
+        return True
+
     def describe(self) -> str:
         n = self.acc.num_processes
         return f"{n} processes, data parallel (DDP)" if n > 1 else "1 process"
@@ -152,14 +157,19 @@ class Sharded(Replicated):
     def describe(self) -> str:
         return f"{self.acc.num_processes} processes, sharded (FSDP2)"
 
+    @property
+    def loads_weights(self) -> bool:
+        """Rank 0 only: the others build the model empty and take their shards from it (`wrap`)."""
+        return bool(self.acc.is_main_process)
+
     def wrap(self, policy: Policy) -> nn.Module:
-        """Sharded where it was loaded (host memory), then only this process's shards moved to its device:
-        the whole model never is on one device, nor stays whole in host memory. The head is checked on
-        the device with only the root's group (embeddings, final norm, head) gathered; each layer gathers
-        itself in its forward."""
+        """Sharded, then only this process's shards on its device: the whole model never is on one device,
+        and in host memory only on rank 0, which loaded it and sends each process its shards (`_shard`;
+        the others built it empty, `loads_weights`). The head is checked on the device with only the
+        root's group (embeddings, final norm, head) gathered; each layer gathers itself in its forward."""
         from torch.distributed.fsdp import FSDPModule
 
-        _shard(policy).to(self.acc.device)
+        _shard(policy, self.acc.device, self.any_process(_is_empty(policy)))
         assert isinstance(policy, FSDPModule)
         policy.unshard()
         try:
@@ -260,9 +270,21 @@ def setup(acc: Accelerator) -> Replicated:
     return Sharded(acc) if fsdp_requested() and acc.num_processes > 1 else Replicated(acc)
 
 
-def _shard(policy: nn.Module) -> nn.Module:
-    """`fully_shard` each decoder layer, then the root. The root's lazy init runs now rather than at its
-    first forward, because generation reaches the layers without going through the root."""
+def _is_empty(module: nn.Module) -> bool:
+    """True for a model built without its weights (parameters on the meta device: `weights=False`)."""
+    return any(p.is_meta for p in module.parameters())
+
+
+def _shard(policy: nn.Module, device: torch.device, from_rank0: bool) -> nn.Module:
+    """`fully_shard` each decoder layer, then the root, then only this process's shards on `device`.
+
+    `from_rank0`: a process holds the weights (rank 0, which loaded them) and the others an empty model
+    (parameters on meta): the empty ones get their shards' memory on `device`, and every process
+    takes its shards of rank 0's weights, broadcast one tensor at a time (`set_model_state_dict`,
+    `broadcast_from_rank0`). So the whole model sits in host memory on rank 0 only, never on the others.
+    The root's lazy init runs now rather than at its first forward, because generation reaches the
+    layers without going through the root."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
     no_split = set(getattr(_base_model(policy), "_no_split_modules", None) or [])
@@ -271,9 +293,23 @@ def _shard(policy: nn.Module) -> nn.Module:
         raise UserError(
             f"FSDP: {type(_base_model(policy)).__name__} names no decoder layer class (_no_split_modules)"
         )
+    empty = _is_empty(policy)
+    whole = policy.state_dict() if from_rank0 and not empty else {}  # rank 0's loaded tensors, not copies
     for layer in layers:
         fully_shard(layer)
     fully_shard(policy)
+    if empty:  # memory for this process's shards; the buffers (not sent) are kept as they were built
+        buffers = {name: b.clone() for name, b in policy.named_buffers()}
+        policy.to_empty(device=device)
+        with torch.no_grad():
+            for name, b in policy.named_buffers():
+                b.copy_(buffers[name])
+    else:
+        policy.to(device)
+    if from_rank0:
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(policy, whole, options=options)
+        del whole
     policy._get_fsdp_state()._lazy_init()  # type: ignore[operator]  # fully_shard adds it to the class
     return policy
 

@@ -4,7 +4,7 @@ the backward, and (CUDA only) activation offload. The CPU-only ones live in lean
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,10 +52,19 @@ class StepInBackward:
     Each step is the optimizer's own `step()` shown one parameter group holding only that parameter, so
     a step costs one parameter's work, not a scan of them all. The non-finite check stays on the device
     for torch's fused AdamW (its `found_inf` skips the step in the kernel); 8-bit AdamW has no such
-    input, so there it reads each gradient's norm on the host (on CUDA one synchronisation a parameter)."""
+    input, so there it reads each gradient's norm on the host (on CUDA one synchronisation a parameter).
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]):
-        self.optimizer, self.active = optimizer, False
+    `stepped` maps a hooked parameter to the tensor the optimizer holds in its place (its fp32 master,
+    `optim.master_weights`); the optimizer's step hooks move that one parameter's gradient in and its
+    weight out."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Iterable[torch.nn.Parameter],
+        stepped: Mapping[torch.Tensor, torch.nn.Parameter] | None = None,
+    ):
+        self.optimizer, self.active, self.stepped = optimizer, False, stepped or {}
         self.group = {p: g for g in optimizer.param_groups for p in g["params"]}
         self.checks_on_device = isinstance(optimizer, torch.optim.AdamW) and bool(
             optimizer.defaults.get("fused")
@@ -75,7 +84,8 @@ class StepInBackward:
         self.squared_norm += torch.where(self.found_inf > 0, 0.0, norm.square())
         if self.checks_on_device or not self.found_inf.item():
             groups = self.optimizer.param_groups
-            self.optimizer.param_groups = [{**self.group[param], "params": [param]}]
+            held = self.stepped.get(param, param)
+            self.optimizer.param_groups = [{**self.group[held], "params": [held]}]
             try:
                 self.optimizer.step()
             finally:

@@ -4,7 +4,7 @@ rounding away (issue 53, item 4)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,24 +33,32 @@ class MasterWeights:
     def __init__(self, params: list[torch.nn.Parameter]):
         self.weights = params
         self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+        self.master_of: dict[torch.Tensor, torch.nn.Parameter] = dict(zip(params, self.masters, strict=True))
+        self.weight_of: dict[torch.Tensor, torch.nn.Parameter] = dict(zip(self.masters, params, strict=True))
 
     def attach(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """`optimizer` (built on `masters`) with the hooks that connect it to the weights."""
-        optimizer.register_step_pre_hook(lambda *_: self._gradients_in())
-        optimizer.register_step_post_hook(lambda *_: self._weights_out())
+        """`optimizer` (built on `masters`) with the hooks that connect it to the weights. A step moves
+        the masters of the optimizer's param groups as they are at that step: all of them, or the one
+        `StepInBackward` shows it, so an in-backward step costs one parameter's copies."""
+        optimizer.register_step_pre_hook(lambda opt, *_: self._gradients_in(self._stepped(opt)))
+        optimizer.register_step_post_hook(lambda opt, *_: self._weights_out(self._stepped(opt)))
         optimizer.register_state_dict_post_hook(self._save)
         optimizer.register_load_state_dict_pre_hook(self._load)
         return optimizer
 
-    @torch.no_grad()
-    def _gradients_in(self) -> None:
-        for weight, master in zip(self.weights, self.masters, strict=True):
-            master.grad = None if weight.grad is None else weight.grad.float()
+    def _stepped(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return [m for g in optimizer.param_groups for m in g["params"]]
 
     @torch.no_grad()
-    def _weights_out(self) -> None:
-        for weight, master in zip(self.weights, self.masters, strict=True):
-            weight.copy_(master)
+    def _gradients_in(self, masters: Sequence[torch.Tensor]) -> None:
+        for master in masters:
+            grad = self.weight_of[master].grad
+            master.grad = None if grad is None else grad.float()
+
+    @torch.no_grad()
+    def _weights_out(self, masters: Sequence[torch.Tensor]) -> None:
+        for master in masters:
+            self.weight_of[master].copy_(master)
             master.grad = None
 
     def _save(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +70,7 @@ class MasterWeights:
         saved = state.pop(STATE_KEY, None)  # none in a checkpoint saved without masters: keep the weights'
         for master, value in zip(self.masters, saved or [], strict=True):
             master.copy_(value)
-        self._weights_out()
+        self._weights_out(self.masters)
         return state
 
 
@@ -80,33 +88,33 @@ def set_tf32(cfg: Config, device: torch.device, write: Callable[[str], None]) ->
 
 def precise_optimizer(
     params: list[torch.nn.Parameter], cfg: Config, dist: Replicated, write: Callable[[str], None]
-) -> torch.optim.Optimizer:
+) -> tuple[torch.optim.Optimizer, dict[torch.Tensor, torch.nn.Parameter] | None]:
     """The run's precision on its device (`set_tf32`) and the optimizer of the trainable `params`: on
     fp32 masters (`MasterWeights`) where `optim.master_weights` says so (null: for bf16 full fine-tuning
-    on a GPU, without FSDP2 or optimizer_in_backward), else on `params` themselves; says which in one
-    line for bf16 weights."""
+    on a GPU without FSDP2), else on `params` themselves; says which in one line for bf16 weights.
+    Returns the optimizer and, with masters, each weight's master (what `StepInBackward` steps).
+
+    FSDP2 refuses masters: its optimizer state is gathered and restored by the model's parameter names
+    (`get_optimizer_state_dict`), and masters are not the model's parameters."""
     set_tf32(cfg, dist.acc.device, write)
     low = sorted({str(p.dtype).removeprefix("torch.") for p in params if p.dtype != torch.float32})
     if not low:
-        return build_optimizer(params, cfg.optim)
-    asked = cfg.optim.master_weights
-    blocker = (
-        "FSDP2"
-        if isinstance(dist, Sharded)
-        else "optim.optimizer_in_backward"
-        if cfg.optim.optimizer_in_backward
-        else None
-    )
-    if asked and blocker:
-        raise UserError(f"optim.master_weights cannot run with {blocker}; set optim.master_weights: false")
-    use = asked if asked is not None else dist.acc.device.type == "cuda" and blocker is None
+        return build_optimizer(params, cfg.optim), None
+    asked, sharded = cfg.optim.master_weights, isinstance(dist, Sharded)
+    if asked and sharded:
+        raise UserError(
+            "optim.master_weights cannot run with FSDP2 (its sharded optimizer state is named by the "
+            "model's parameters, which fp32 masters are not); set optim.master_weights: false"
+        )
+    use = asked if asked is not None else dist.acc.device.type == "cuda" and not sharded
     if not use:
-        why = "optim.master_weights: false" if asked is False else blocker or "the default on CPU"
+        default = "FSDP2" if sharded else "the default on CPU"
+        why = "optim.master_weights: false" if asked is False else default
         write(
             f"precision: the {'/'.join(low)} weights are stepped in {'/'.join(low)} ({why}); updates below "
             "half their rounding step are lost (optim.master_weights: true keeps fp32 copies)"
         )
-        return build_optimizer(params, cfg.optim)
+        return build_optimizer(params, cfg.optim), None
     write(f"precision: {'/'.join(low)} weights stepped through fp32 master copies (optim.master_weights)")
     masters = MasterWeights(params)
-    return masters.attach(build_optimizer(masters.masters, cfg.optim))
+    return masters.attach(build_optimizer(masters.masters, cfg.optim)), masters.master_of

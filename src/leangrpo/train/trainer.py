@@ -151,7 +151,7 @@ class Trainer:
         read each prompt once (`grpo.share_prompt`)."""
         g, micro = self.cfg.grpo, self.cfg.optim.per_device_train_batch_size
         model, self.tokenizer = load_model_and_tokenizer(
-            self.cfg.model, self.extras.model, self.extras.tokenizer
+            self.cfg.model, self.extras.model, self.extras.tokenizer, weights=self.dist.loads_weights
         )
         if self.levers is not None:
             with self.acc.main_process_first():  # one process measures for cpu.matmul: auto, the rest read it
@@ -175,8 +175,8 @@ class Trainer:
         (`optim.optimizer_in_backward`) and its learning-rate schedule over every update of the run."""
         optim = self.cfg.optim
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = precise_optimizer(params, self.cfg, self.dist, self._write)
-        in_backward = StepInBackward(optimizer, params) if optim.optimizer_in_backward else None
+        optimizer, masters = precise_optimizer(params, self.cfg, self.dist, self._write)
+        in_backward = StepInBackward(optimizer, params, masters) if optim.optimizer_in_backward else None
         scheduler = build_scheduler(optimizer, optim, optim.max_steps * self.cfg.updates_per_step)
         return Optimization(self.policy, optimizer, in_backward, scheduler)
 
