@@ -188,6 +188,7 @@ def test_later_slices_use_the_old_log_probs_once_the_policy_moved(
         )  # fmt: skip
         losses.append(loss.item())
     assert metrics["loss"] == pytest.approx((sum(losses[:2]) + sum(losses[2:])) / 2, rel=1e-5, abs=1e-9)
+    assert metrics["step_time"] == pytest.approx(metrics["step_seconds"] / 2)  # TRL's: per optimizer step
 
 
 def test_plan_counts_the_whole_generation(tmp_path):

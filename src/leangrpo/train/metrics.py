@@ -123,7 +123,7 @@ class StepRecorder:
             "skipped_steps": skipped_steps,
             "tokens_per_s": float(lengths.sum()) / step_seconds,
             "step_seconds": step_seconds,
-            "step_time": step_seconds / cfg.grpo.num_iterations,  # TRL's: seconds per optimizer step
+            "step_time": step_seconds / cfg.updates_per_step,  # TRL's: seconds per optimizer step
             "num_tokens": self.tokens_seen,  # TRL's: prompt and completion tokens so far, every process's
             "peak_memory_mb": peak_memory_mb(),
             **reward_metrics(scores.names, per_func),
