@@ -38,6 +38,12 @@ def weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
+def reference(ckpt: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's moved reference (grpo.sync_ref_model), keyed like the saved model's weights."""
+    saved = torch.load(ckpt / "reference.pt", weights_only=True)
+    return {k.removeprefix("lm."): v for k, v in saved.items()}
+
+
 def test_sharded_step_equals_one_process_and_halves_the_bytes(tmp_path, tiny_model_dir):
     proc = torchrun(
         TESTS / "fsdp_worker.py",
@@ -63,14 +69,17 @@ def test_sharded_step_equals_one_process_and_halves_the_bytes(tmp_path, tiny_mod
 
 
 def test_fsdp_run_resumes_exactly_and_exports_a_plain_model(tmp_path, tiny_model_dir, gsm8k_dir):
-    """Full fine-tuning with a KL reference (sharded frozen copy) and num_iterations = 2: the run from its
-    step-2 checkpoint ends with the uninterrupted run's weights; the final model loads without FSDP."""
-    run = tmp_path / "run"
+    """Full fine-tuning with a KL reference (sharded frozen copy) synced toward the policy at the end of
+    every step (sync_ref_model, 2 optimizer steps a step) and num_iterations = 2: each checkpoint's
+    reference is the mix of its weights and the previous reference; the run from its step-2 checkpoint
+    ends with the uninterrupted run's weights and reference; the final model loads without FSDP."""
+    run, alpha = tmp_path / "run", 0.25
     cfg = write_config(
         tmp_path / "c.yaml", tiny_model_dir, gsm8k_dir / "train.jsonl", run,
-        grpo={"beta": 0.04, "num_iterations": 2},
+        grpo={"beta": 0.04, "num_iterations": 2, "sync_ref_model": True, "ref_model_mixup_alpha": alpha,
+              "ref_model_sync_steps": 2},
         optim={"max_steps": 3, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
-        logging={"save_steps": 2},
+        logging={"save_steps": 1, "save_total_limit": None},
     )  # fmt: skip
     proc = launch("-c", str(cfg), port=29542)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -87,6 +96,14 @@ def test_fsdp_run_resumes_exactly_and_exports_a_plain_model(tmp_path, tiny_model
     assert any(not torch.equal(straight[k], start[k]) for k in start)  # it trained
     for k in straight:
         torch.testing.assert_close(again[k], straight[k], rtol=0, atol=1e-6)
+    ref = start
+    for step in (1, 2, 3):
+        moved, policy = reference(run / f"checkpoint-{step}"), weights(run / f"checkpoint-{step}")
+        for k, v in moved.items():
+            torch.testing.assert_close(v, alpha * policy[k] + (1 - alpha) * ref[k], rtol=0, atol=1e-6)
+        ref = moved
+    for k, v in reference(resumed / "checkpoint-3").items():
+        torch.testing.assert_close(v, ref[k], rtol=0, atol=1e-6)
     out = run_cli("eval", "--model", str(run), "--data", str(gsm8k_dir), "--limit", "2",
                   "--max-new-tokens", "4", "--out", str(tmp_path / "e.json"))  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
@@ -182,3 +199,18 @@ def test_only_rank_0_holds_the_whole_model_in_host_memory(tmp_path, real_tokeniz
     print({"model_bytes": model_bytes, "ranks": ranks})
     assert ranks[1]["shard_bytes"] == pytest.approx(model_bytes / 2, rel=0.02)
     assert ranks[1]["rss_rise"] < 2.5 * model_bytes
+
+
+def test_sharded_reference_sync_mixes_shard_by_shard(tmp_path, tiny_model_dir):
+    """grpo.sync_ref_model under FSDP2: after the policy's AdamW step, the sharded reference mixed toward it
+    (each process its own shards) equals the mix of the gathered whole tensors and one process's unsharded
+    mix, and the next reference pass computes with it; a checkpoint's whole tensors load back exactly."""
+    proc = torchrun(
+        TESTS / "fsdp_refsync_worker.py", str(tiny_model_dir), str(tmp_path), port=29571,
+        env_extra={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "fsdp_refsync.json").read_text())
+    assert r["same_names"] and r["moved"] > 1e-3  # the policy moved away from the reference
+    assert r["mix_error"] < 1e-6 and r["one_process_error"] < 1e-5 and r["logp_error"] < 1e-4
+    assert r["restore_error"] == 0.0

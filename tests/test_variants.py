@@ -171,17 +171,6 @@ def test_sync_ref_model_mixes_the_reference_toward_the_policy(tmp_path, tiny_mod
     assert moved > 0 and trainer.updater.optimizer_steps == 4
 
 
-def test_sync_ref_model_is_refused_under_fsdp(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
-    """A sharded reference does not move (yet): one line, before any step."""
-    import leangrpo.train.trainer as trainer_mod
-    from leangrpo.core.errors import TrainingError
-    from leangrpo.train import distributed
-
-    monkeypatch.setattr(trainer_mod.distributed, "setup", distributed.Sharded)
-    with pytest.raises(TrainingError, match="^grpo.sync_ref_model is for runs without FSDP"):
-        make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, grpo={"beta": 0.04, "sync_ref_model": True})
-
-
 def test_sync_ref_model_needs_a_reference_copy():
     """As TRL: beta = 0 (no reference) and LoRA (the reference is the adapter off) are refused."""
     base = {"model": {"name_or_path": "x"}, "data": {"path": "x.jsonl"}}

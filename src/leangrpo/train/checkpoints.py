@@ -121,15 +121,12 @@ class Checkpoints:
             self.write(f"resuming from {ckpt} at step {state['step']}")
             save_config(self.cfg, self.run_dir / "config.yaml")
         if self.reference is not None:
-            saved = load_extra(ckpt, REFERENCE_FILE)
-            with torch.no_grad():
-                for name, p in self.reference.named_parameters():
-                    p.copy_(saved[name])
+            self.dist.load_frozen_state(self.reference, load_extra(ckpt, REFERENCE_FILE))
         set_rng_state(rank_state["rng"])  # last: nothing may draw random numbers after this
         return state
 
     def _reference_file(self) -> dict[str, Any]:
-        """The moving reference's weights, for the checkpoint (whole on every process: no FSDP)."""
+        """The moving reference's weights, whole (gathered under FSDP), for the checkpoint."""
         if self.reference is None:
             return {}
-        return {REFERENCE_FILE: {name: p.detach().cpu() for name, p in self.reference.named_parameters()}}
+        return {REFERENCE_FILE: self.dist.frozen_state(self.reference)}

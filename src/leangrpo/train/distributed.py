@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import os
 import shlex
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -148,6 +148,21 @@ class Replicated:
     ) -> None:
         optimizer.load_state_dict(state)
 
+    def mix_into(self, target: nn.Module, source: nn.Module, alpha: float) -> None:
+        """target = alpha·source + (1 - alpha)·target in place, parameter by parameter (same names):
+        grpo.sync_ref_model's move of the reference toward the policy."""
+        _mix(target.named_parameters(), dict(source.named_parameters()), alpha)
+
+    def frozen_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """A frozen module's parameters, whole and on CPU, for a checkpoint."""
+        return {name: p.detach().cpu() for name, p in module.named_parameters()}
+
+    def load_frozen_state(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Restore `frozen_state`'s parameters (the whole tensors, given to every process)."""
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.copy_(state[name])
+
 
 class Sharded(Replicated):
     """FSDP2: each decoder layer (the model's `_no_split_modules`) is its own shard group, the rest
@@ -264,6 +279,33 @@ class Sharded(Replicated):
         options = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(policy, optimizer, optim_state_dict=state, options=options)
 
+    def mix_into(self, target: nn.Module, source: nn.Module, alpha: float) -> None:
+        """Shard by shard: the two are sharded alike (`place_frozen`), so each process mixes its own local
+        shards, with no communication. Both are resharded first: a root left gathered by a no-grad
+        forward would otherwise take the mix into a gathered copy that its next reshard drops."""
+        _reshard(target, source)
+        shards = ((name, _local(p)) for name, p in target.named_parameters())
+        _mix(shards, {name: _local(p) for name, p in source.named_parameters()}, alpha)
+
+    def frozen_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Gathered as the policy is for `saveable` (offloaded to CPU, complete on the main process only),
+        keyed like the unsharded module's parameters, so checkpoints hold the same file either way."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = cast("dict[str, torch.Tensor]", get_model_state_dict(module, options=options))
+        names = {name for name, _ in module.named_parameters()}
+        return {name: t for name, t in state.items() if name in names}
+
+    def load_frozen_state(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Each process keeps its own shards of the whole tensors, loaded into the registered (sharded)
+        parameters (`state` is left as it was: torch replaces the entries of the dict it is given)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        _reshard(module)
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(module, dict(state), options=options)
+
 
 def setup(acc: Accelerator) -> Replicated:
     """Sharded when launched with an FSDP2 accelerate config and more than one process, else replicated."""
@@ -312,6 +354,31 @@ def _shard(policy: nn.Module, device: torch.device, from_rank0: bool) -> nn.Modu
         del whole
     policy._get_fsdp_state()._lazy_init()  # type: ignore[operator]  # fully_shard adds it to the class
     return policy
+
+
+def _reshard(*modules: nn.Module) -> None:
+    """Every shard group of `modules` back to its shards (FSDP2 leaves a root gathered after a no-grad
+    forward), so that their registered parameters are the sharded DTensors."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in (m for top in modules for m in top.modules()):
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _mix(target: Iterable[tuple[str, torch.Tensor]], source: dict[str, torch.Tensor], alpha: float) -> None:
+    """target = alpha·source + (1 - alpha)·target for each named tensor, in the target's dtype."""
+    with torch.no_grad():
+        for name, t in target:
+            t.mul_(1.0 - alpha).add_(source[name].to(t.dtype), alpha=alpha)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's shard of an FSDP2 parameter (a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(t, DTensor), "resharded FSDP2 parameters are DTensors"
+    return t.to_local()
 
 
 def _as_policy(module: nn.Module) -> Policy:

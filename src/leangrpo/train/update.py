@@ -102,10 +102,6 @@ def build_reference(
         return None, None
     dtype = None if g.reference_dtype == "auto" else getattr(torch, g.reference_dtype)
     sharded = isinstance(dist, Sharded)
-    if g.sync_ref_model and sharded:
-        raise TrainingError(
-            "grpo.sync_ref_model is for runs without FSDP: a sharded reference does not move yet"
-        )
     if asked and (reference_store is None or sharded):
         raise TrainingError(
             f"cpu.reference_on_disk is for CPU runs without FSDP (this run: {dist.acc.device.type}, "
@@ -285,15 +281,12 @@ class Updater:
     def _sync_reference(self) -> None:
         """After an optimizer step: every `ref_model_sync_steps` of them, the reference moves toward the
         policy, ref = alpha·policy + (1 - alpha)·ref (TRL's SyncRefModelCallback, TR-DPO), in place
-        (in its file with cpu.reference_on_disk)."""
+        (in its file with cpu.reference_on_disk; shard by shard under FSDP)."""
         g = self.cfg.grpo
         self.optimizer_steps += 1
         if not g.sync_ref_model or self.ref_policy is None or self.optimizer_steps % g.ref_model_sync_steps:
             return
-        policy, alpha = dict(self.unwrapped.named_parameters()), g.ref_model_mixup_alpha
-        with torch.no_grad():
-            for name, ref in self.ref_policy.named_parameters():
-                ref.mul_(1.0 - alpha).add_(policy[name].to(ref.dtype), alpha=alpha)
+        self.dist.mix_into(self.ref_policy, self.unwrapped, g.ref_model_mixup_alpha)
         if self.ref_pages is not None:
             self.ref_pages.drop_pages()
 
