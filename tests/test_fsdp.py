@@ -192,7 +192,7 @@ def test_only_rank_0_holds_the_whole_model_in_host_memory(tmp_path, real_tokeniz
     del model
     proc = torchrun(
         TESTS / "fsdp_load_worker.py", str(model_dir), str(gsm8k_dir / "train.jsonl"), str(tmp_path),
-        port=29545, env_extra={"OMP_NUM_THREADS": "1", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
+        port=29546, env_extra={"OMP_NUM_THREADS": "1", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"load-{r}.json").read_text()) for r in (0, 1)]
