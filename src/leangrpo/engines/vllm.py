@@ -235,7 +235,11 @@ class VLLMEngine:
         )  # fmt: skip
 
     def generate(
-        self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
+        self,
+        prompt_texts: list[str],
+        sampling: Sampling,
+        toolboxes: list[Toolbox] | None = None,
+        images: list[list[Any]] | None = None,
     ) -> RolloutBatch:
         """`sampling.num_generations` completions per prompt, as `hf.generate` draws them, with vLLM's
         log-prob of each sampled token. Each completion is its own request seeded from torch's RNG (or

@@ -130,7 +130,11 @@ class VLLMServerEngine:
         )  # fmt: skip
 
     def generate(
-        self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
+        self,
+        prompt_texts: list[str],
+        sampling: Sampling,
+        toolboxes: list[Toolbox] | None = None,
+        images: list[list[Any]] | None = None,
     ) -> RolloutBatch:
         """As VLLMEngine.generate, each completion its own request and seed (drawn here, from torch's RNG or
         the rollout's own, `sampling.seed`)."""

@@ -158,14 +158,17 @@ def load_model_and_tokenizer(
     cfg: ModelConfig, model: PreTrainedModel | None = None, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the policy as configured: dtype, gradient checkpointing, LoRA when enabled. ``model`` and
-    ``tokenizer``: objects a Python caller already holds, used instead of loading ``cfg.name_or_path``."""
+    ``tokenizer``: objects a Python caller already holds, used instead of loading ``cfg.name_or_path``;
+    a vision-language model's processor stands for its own tokenizer here (rollouts encode images with it)."""
+    if getattr(tokenizer, "image_processor", None) is not None:
+        tokenizer = cast("PreTrainedTokenizerBase", tokenizer).tokenizer
 
     if model is None or tokenizer is None:
         path = resolve_model_path(cfg.name_or_path)
         _check_local(path)
         tokenizer = tokenizer or load_tokenizer(path, cfg.trust_remote_code)
         model = model or load_base(path, cfg)
-    if model.config.pad_token_id is None:
+    if getattr(model.config, "pad_token_id", None) is None:  # a VLM's top config may not have one
         model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.gradient_checkpointing:
         enable_checkpointing(model)
