@@ -80,3 +80,82 @@ def test_grpo_trainer_trains_a_tiny_vlm(tmp_path, tiny_vlm):
     changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert any("visual" in n or "vision" in n for n in changed), "the vision tower got no gradient"
     assert any("layers" in n and "vision" not in n and "visual" not in n for n in changed)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_loss_and_gradient_match_trl_on_image_prompts(tiny_vlm, real_tokenizer_dir, loss_type):
+    """The loss and every weight's gradient (vision tower included) from leangrpo's log-probs of image
+    prompts equal TRL 1.16's `_compute_loss` on log-probs that TRL's way computes: the model's own forward
+    over prompt + completion with the processor's pixel inputs (and Qwen-VL's token types, the
+    completion's zero), `selective_log_softmax` of its logits. Two images, two completions each, of 1 to 6
+    tokens, on noise images (a solid colour's identical patches leave the patch embedding's gradient to
+    cancellation); prompts of one length (no left padding, whose positions TRL counts from the pad)."""
+    import copy
+
+    import torch
+    from test_models import assert_grads_close
+    from test_trl import BETA, EPS, EPS_HIGH, trl_loss
+    from trl.trainer.utils import selective_log_softmax
+
+    from leangrpo.core.grpo import BatchTotals, LossSpec, grpo_loss
+    from leangrpo.engines.types import RolloutBatch
+    from leangrpo.engines.vision import encode
+    from leangrpo.train.policy import Policy, micro_batch_logprobs
+
+    model, processor = tiny_vlm
+    theirs_model = copy.deepcopy(model)
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}],
+        tokenize=False, add_generation_prompt=True,
+    )  # fmt: skip
+    noise = torch.randint(
+        0, 256, (2, 56, 56, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+    )
+    images = [[Image.fromarray(a.numpy())] for a in noise]
+    prompt_ids, prompt_mask, vision = encode(processor, [text, text], images, None, 2)
+    g = torch.Generator().manual_seed(0)
+    n, c, temperature = 4, 6, 0.7
+    completion_ids = torch.randint(5, 1000, (n, c), generator=g)
+    mask = (torch.arange(c) < torch.tensor([[6], [1], [4], [6]])).long()
+    rollout = RolloutBatch(
+        prompt_ids, prompt_mask, completion_ids, mask, torch.zeros(n, dtype=torch.bool), [""] * n
+    )
+    rollout.vision = vision
+    logp, _ = micro_batch_logprobs(Policy(model, temperature), rollout, slice(None))
+
+    enc = processor(text=[text, text], images=images, return_tensors="pt")
+    pixels = {
+        k: v.repeat_interleave(2, 0) for k, v in enc.items() if k not in ("input_ids", "attention_mask")
+    }
+    if "image_grid_thw" in pixels:  # patches of each image, per completion (TRL's row order)
+        split = enc["pixel_values"].chunk(2)
+        pixels["pixel_values"] = torch.cat([split[i // 2] for i in range(n)])
+    if "mm_token_type_ids" in pixels:
+        pixels["mm_token_type_ids"] = torch.cat(
+            [pixels["mm_token_type_ids"], torch.zeros_like(completion_ids)], 1
+        )
+    logits = theirs_model(
+        input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=torch.cat([prompt_mask, mask], 1),
+        **pixels,
+    ).logits[:, -c - 1 : -1]  # fmt: skip
+    theirs = selective_log_softmax(logits / temperature, completion_ids)
+    old = (theirs.detach() + torch.randn(n, c, generator=g) * 0.3) * mask
+    ref = (theirs.detach() + torch.randn(n, c, generator=g) * 0.5) * mask
+    adv = torch.randn(n, generator=g)
+    spec = LossSpec(loss_type, EPS, EPS_HIGH, c, beta=BETA)
+    loss, _ = grpo_loss(logp, old, ref, adv, mask, spec, BatchTotals(n, float(mask.sum())))
+    trl, _ = trl_loss(
+        theirs, old, ref, adv, mask, loss_type=loss_type, bias_correction_kl=False, accumulation_steps=1,
+        num_items=mask.sum(), max_len=c,
+    )  # fmt: skip
+    assert loss.item() == pytest.approx(trl.item(), rel=1e-5)
+    loss.backward()
+    trl.backward()
+    named = dict(theirs_model.named_parameters())
+    vision_grads = 0
+    for name, p in model.named_parameters():
+        if named[name].grad is None or name.endswith("k_proj.bias"):  # a key bias cancels in the softmax:
+            continue  # its gradient is rounding noise
+        assert_grads_close(p.grad, named[name].grad, name)
+        vision_grads += "visual" in name or "vision" in name
+    assert vision_grads

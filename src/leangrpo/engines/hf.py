@@ -258,7 +258,7 @@ class ResumedTurns:
             self.generator,
             drawn,
             cache,
-            None if vision is None else vision.collate(slice(None), ids),
+            None if vision is None else vision.collate(slice(None), ids, ids.shape[1]),
         )
         # each step but the last fed its token: the cache holds that many positions (the lean decode loop
         # writes them into the buffers without moving the layers' own length)

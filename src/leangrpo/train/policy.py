@@ -330,7 +330,9 @@ def micro_batch_logprobs(
     else:
         input_ids = torch.cat([prompt_ids, completion_ids], 1)
         attention_mask = torch.cat([prompt_mask, completion_mask], 1)
-    vision = None if rollout.vision is None or input_ids is None else rollout.vision.collate(rows, input_ids)
+    vision = None
+    if rollout.vision is not None and input_ids is not None:
+        vision = rollout.vision.collate(rows, input_ids, prompt_ids.shape[1])
     assert rollout.vision is None or (group == 1 and not packed), "image prompts run neither layout"
     out = policy(
         input_ids,
