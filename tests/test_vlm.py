@@ -135,7 +135,8 @@ def test_loss_and_gradient_match_trl_on_image_prompts(tiny_vlm, real_tokenizer_d
             [pixels["mm_token_type_ids"], torch.zeros_like(completion_ids)], 1
         )
     logits = theirs_model(
-        input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=torch.cat([prompt_mask, mask], 1),
+        input_ids=torch.cat([prompt_ids, completion_ids], 1),
+        attention_mask=torch.cat([prompt_mask, mask], 1),
         **pixels,
     ).logits[:, -c - 1 : -1]  # fmt: skip
     theirs = selective_log_softmax(logits / temperature, completion_ids)

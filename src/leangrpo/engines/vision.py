@@ -56,9 +56,9 @@ class VisionInputs:
         return VisionInputs([r for p in parts for r in p.rows], parts[0].token_types)
 
     def collate(self, rows: slice, input_ids: Tensor, prompt_width: int) -> dict[str, Tensor]:
-        """The forward's keyword arguments for the completions at `rows`, whose sequences are `input_ids`, their
-        first `prompt_width` columns the prompts: the token types mark the prompts' image tokens, and are 0
-        over the completions (as TRL extends them with zeros: a completion holds no image)."""
+        """The forward's keyword arguments for the completions at `rows`, whose sequences are `input_ids`,
+        their first `prompt_width` columns the prompts: the token types mark the prompts' image tokens, and
+        are 0 over the completions (as TRL extends them with zeros: a completion holds no image)."""
         picked = self.rows[rows]
         out = {key: torch.cat([r[key] for r in picked]) for key in picked[0]}
         for key, marks in self.token_types.items():
