@@ -191,11 +191,23 @@ def require_bitsandbytes(option: str) -> None:
         )
 
 
+def _auto_class(path: str, trust_remote_code: bool) -> Any:
+    """transformers' auto class for the checkpoint at `path`: image-text-to-text for a vision-language model
+    (its config has a vision_config), else a causal LM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001  # loading the model then says what is wrong, in one line
+        return AutoModelForCausalLM
+    vision = getattr(config, "vision_config", None) is not None
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
+
+
 def load_base(path: str, cfg: ModelConfig, dtype: str | None = None) -> PreTrainedModel:
     """The causal LM at `path` in `dtype` (default cfg.dtype), its Linears quantized to 4 bits by
-    bitsandbytes when cfg.load_in_4bit (the embeddings and lm_head stay in `dtype`, the compute dtype)."""
-    from transformers import AutoModelForCausalLM
-
+    bitsandbytes when cfg.load_in_4bit (the embeddings and lm_head stay in `dtype`, the compute dtype).
+    A vision-language model loads whole (`_auto_class`)."""
     torch_dtype = DTYPES[dtype or cfg.dtype]
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
@@ -211,7 +223,7 @@ def load_base(path: str, cfg: ModelConfig, dtype: str | None = None) -> PreTrain
             bnb_4bit_compute_dtype=torch_dtype,
         )
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = _auto_class(path, cfg.trust_remote_code).from_pretrained(path, **kwargs)
     except Exception as e:  # noqa: BLE001
         raise ModelError(f"cannot load model from {path!r}: {describe(e)}") from None
     if cfg.load_in_4bit:
@@ -240,9 +252,15 @@ def enable_checkpointing(model: PreTrainedModel) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+# A vision-language model's vision tower, by the names transformers gives it (Qwen-VL's `visual`, Idefics3 and
+# SmolVLM's `vision_model`, LLaVA and Gemma 3's `vision_tower`): no LoRA there unless model.lora.vision_tower
+VISION_TOWER = r"(.*\.)?(visual|vision_model|vision_tower)(\..*)?"
+
+
 def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
     """Wrap the model with a peft LoRA adapter. LoRA on lm_head is refused: the chunked log-prob
-    path reads the lm_head weight directly and would silently ignore the adapter."""
+    path reads the lm_head weight directly and would silently ignore the adapter. A vision tower gets
+    none unless `cfg.vision_tower` (it stays frozen, as the base weights do)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -251,6 +269,7 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
         lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # peft annotates it int; it only divides it by r
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
+        exclude_modules=None if cfg.vision_tower else VISION_TOWER,
         task_type="CAUSAL_LM",
     )
     head = model.get_output_embeddings()
