@@ -236,3 +236,42 @@ def test_vlm_on_vllm_is_refused_in_one_line(tmp_path, tiny_vlm, monkeypatch):
     trainer = GRPOTrainer(model, varied, args, colour_rows(), processing_class=processor)
     with pytest.raises(UserError, match="^image prompts on vLLM are not supported yet"):
         trainer.train()
+
+
+def test_cli_trains_a_tiny_smolvlm_from_a_yaml(tmp_path, real_tokenizer_dir):
+    """`leangrpo train -c` on a JSON Lines file whose image column holds paths: the Idefics3 (SmolVLM)
+    checkpoint loads as image-text-to-text, its processor with AutoProcessor from the same directory."""
+    import json
+
+    import yaml
+    from click.testing import CliRunner
+    from conftest import make_tiny_idefics3
+
+    from leangrpo.cli import main
+
+    model, processor = make_tiny_idefics3(real_tokenizer_dir)
+    model.save_pretrained(tmp_path / "model")
+    processor.save_pretrained(tmp_path / "model")
+    lines = []
+    for i, row in enumerate(colour_rows(4)):
+        row["image"].save(tmp_path / f"{i}.png")
+        lines.append(
+            json.dumps(
+                {"prompt": row["prompt"], "image": str(tmp_path / f"{i}.png"), "colour": row["colour"]}
+            )
+        )
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = {
+        "model": {"name_or_path": str(tmp_path / "model"), "lora": {"enabled": True, "r": 4}},
+        "data": {"path": str(tmp_path / "rows.jsonl")},
+        "rewards": {"functions": [{"name": "test_vlm:varied"}]},
+        "grpo": {"num_generations": 2, "max_completion_length": 4},
+        "optim": {"per_device_train_batch_size": 4, "max_steps": 2},
+        "logging": {"progress_bar": False},
+        "output_dir": str(tmp_path / "run"),
+    }
+    (tmp_path / "vlm.yaml").write_text(yaml.safe_dump(cfg))
+    result = CliRunner().invoke(main, ["train", "-c", str(tmp_path / "vlm.yaml")])
+    assert result.exit_code == 0, result.output
+    assert "grpo.share_prompt: off, a vision-language model" in result.output
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
