@@ -200,8 +200,7 @@ def _auto_class(path: str, trust_remote_code: bool) -> Any:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception:  # noqa: BLE001  # loading the model then says what is wrong, in one line
         return AutoModelForCausalLM
-    vision = getattr(config, "vision_config", None) is not None
-    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    return AutoModelForImageTextToText if _has_vision(config) else AutoModelForCausalLM
 
 
 def load_base(path: str, cfg: ModelConfig, dtype: str | None = None) -> PreTrainedModel:
@@ -257,6 +256,11 @@ def enable_checkpointing(model: PreTrainedModel) -> None:
 VISION_TOWER = r"(.*\.)?(visual|vision_model|vision_tower)(\..*)?"
 
 
+def _has_vision(model: Any) -> bool:
+    """A vision-language model (or its config): the config has a vision_config."""
+    return getattr(getattr(model, "config", model), "vision_config", None) is not None
+
+
 def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
     """Wrap the model with a peft LoRA adapter. LoRA on lm_head is refused: the chunked log-prob
     path reads the lm_head weight directly and would silently ignore the adapter. A vision tower gets
@@ -269,7 +273,7 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
         lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # peft annotates it int; it only divides it by r
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
-        exclude_modules=None if cfg.vision_tower else VISION_TOWER,
+        exclude_modules=VISION_TOWER if _has_vision(model) and not cfg.vision_tower else None,
         task_type="CAUSAL_LM",
     )
     head = model.get_output_embeddings()
