@@ -275,3 +275,61 @@ def test_cli_trains_a_tiny_smolvlm_from_a_yaml(tmp_path, real_tokenizer_dir):
     assert result.exit_code == 0, result.output
     assert "grpo.share_prompt: off, a vision-language model" in result.output
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def first_letter_half(completions, colour, **kwargs):
+    """1 when the completion's first letter is in the colour's half of the alphabet (red: a-m, blue: n-z)."""
+    out = []
+    for completion, name in zip(completions, colour, strict=True):
+        text = completion[0]["content"] if isinstance(completion, list) else completion  # conversational
+        first = text.strip().lower()[:1]
+        out.append(float(first.isalpha() and (first <= "m") == (name == "red")))
+    return out
+
+
+def _learning_run(tmp_path, family: str, tokenizer_dir, shuffled: bool) -> list[float]:
+    """Each step's mean reward over 10 steps of a fresh tiny VLM (fixed seeds) on 16 rows, red and blue;
+    `shuffled`: each row shows a colour drawn at random, whatever its label (the control)."""
+    import random
+
+    import torch
+    from conftest import VLM_FAMILIES
+
+    from leangrpo import GRPOConfig, GRPOTrainer
+
+    model, processor = VLM_FAMILIES[family](tokenizer_dir)
+    tok = processor.tokenizer
+    letters = [i for c in "abcdefghijklmnopqrstuvwxyz" for i in tok.convert_tokens_to_ids([c, "Ġ" + c])]
+    with torch.no_grad():  # sampling favours single letters, as make_tiny_model's (tied: the lm_head too)
+        model.get_input_embeddings().weight[letters] *= 20
+    rng = random.Random(0)
+    labels = ["red", "blue"] * 8
+    shown = [rng.choice(["red", "blue"]) for _ in labels] if shuffled else labels
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "Colour?"}],
+            "image": Image.new("RGB", (56, 56), COLOURS[s]),
+            "colour": c,
+        }
+        for c, s in zip(labels, shown, strict=True)
+    ]
+    args = GRPOConfig(
+        output_dir=str(tmp_path / f"{family}-{shuffled}"), max_steps=10, per_device_train_batch_size=64,
+        num_generations=8, max_completion_length=1, beta=0.0, learning_rate=1e-3,
+        lr_scheduler_type="constant", warmup_ratio=0.0, seed=0, logging_steps=1, report_to="none",
+    )  # fmt: skip
+    trainer = GRPOTrainer(model, first_letter_half, args, rows, processing_class=processor)
+    trainer.train()
+    return [h["reward"] for h in trainer.state.log_history if "reward" in h]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["idefics3", "qwen2.5-vl"])
+def test_a_tiny_vlm_learns_what_only_the_image_says(tmp_path, real_tokenizer_dir, family):
+    """The images reach the policy: which half of the alphabet to answer in is the image's colour. From
+    chance (0.5), the reward rises to 1 within 10 steps (measured: 1.0 from step 7 on both families); with
+    each row's image drawn at random (the shuffled-image control), no answer beats chance (0.38-0.62)."""
+    real = _learning_run(tmp_path, family, real_tokenizer_dir, shuffled=False)
+    control = _learning_run(tmp_path, family, real_tokenizer_dir, shuffled=True)
+    assert real[0] < 0.7 and min(real[-3:]) >= 0.9, real
+    assert max(control[-3:]) <= 0.7, control
