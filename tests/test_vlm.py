@@ -333,3 +333,41 @@ def test_a_tiny_vlm_learns_what_only_the_image_says(tmp_path, real_tokenizer_dir
     control = _learning_run(tmp_path, family, real_tokenizer_dir, shuffled=True)
     assert real[0] < 0.7 and min(real[-3:]) >= 0.9, real
     assert max(control[-3:]) <= 0.7, control
+
+
+def test_the_plan_counts_the_vision_tower(tmp_path, real_tokenizer_dir):
+    """`leangrpo plan` reads a Qwen2.5-VL config.json: its decoder as Qwen2's, and every tensor of its vision
+    tower, counted exactly as the model holds them (the tiny model's own parameters); in the weights of
+    full fine-tuning, LoRA (frozen) and QLoRA (its Linears in 4 bits), trained only by full fine-tuning."""
+    from conftest import make_tiny_qwen_vl
+
+    from leangrpo.commands.plan import estimate, make_knobs, resolve_shape
+
+    model, _ = make_tiny_qwen_vl(real_tokenizer_dir)
+    model.save_pretrained(tmp_path)
+    shape = resolve_shape(str(tmp_path))
+    tower = sum(p.numel() for n, p in model.named_parameters() if ".visual." in f".{n}")
+    assert sum(n for _, n in shape.vision_tensors) == tower
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
+    text = resolve_shape("Qwen/Qwen2.5-3B")
+    vl = resolve_shape("Qwen/Qwen2.5-VL-3B-Instruct")  # offline: a built-in shape
+    assert vl.num_params() - text.num_params() == sum(n for _, n in vl.vision_tensors) > 6e8
+    for method in ("full", "lora", "qlora-4bit"):
+        knobs = make_knobs(method=method, max_prompt_length=512, max_completion_length=256)
+        assert estimate(vl, knobs).total > estimate(text, knobs).total, method
+
+
+def test_the_qwen2_5_vl_3b_qlora_config_validates_and_its_plan_fits_24_gb():
+    """configs/geometry_qwen2.5_vl_3b_qlora.yaml: what its header quotes is what the plan predicts."""
+    from pathlib import Path
+
+    from leangrpo.commands.plan import estimate, fmt_bytes, knobs_from_config, resolve_shape
+    from leangrpo.run.resolve import load_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "geometry_qwen2.5_vl_3b_qlora.yaml"
+    cfg = load_config(path)
+    assert cfg.model.load_in_4bit and cfg.model.lora.enabled and not cfg.model.lora.vision_tower
+    est = estimate(resolve_shape(cfg.model.name_or_path), knobs_from_config(cfg))
+    assert est.total <= 0.9 * 24 * 2**30
+    header = path.read_text()
+    assert f"predicts {fmt_bytes(est.peak)} of tensors" in header and f"{fmt_bytes(est.total)} with" in header
