@@ -371,3 +371,28 @@ def test_the_qwen2_5_vl_3b_qlora_config_validates_and_its_plan_fits_24_gb():
     assert est.total <= 0.9 * 24 * 2**30
     header = path.read_text()
     assert f"predicts {fmt_bytes(est.peak)} of tensors" in header and f"{fmt_bytes(est.total)} with" in header
+
+
+def test_evaluation_during_training_reads_the_images(tmp_path, tiny_vlm, monkeypatch):
+    """An eval_dataset of image rows: evaluation's generation gets the images, as the rollout does."""
+    from leangrpo import GRPOConfig, GRPOTrainer
+    from leangrpo.engines import hf
+
+    seen: list[int] = []
+    real = hf.HFEngine.generate
+
+    def generate(self, prompt_texts, sampling, toolboxes=None, images=None):
+        seen.append(sum(len(i) for i in images or []))
+        return real(self, prompt_texts, sampling, toolboxes, images)
+
+    monkeypatch.setattr(hf.HFEngine, "generate", generate)
+    model, processor = tiny_vlm
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=2, report_to="none", eval_strategy="steps", eval_steps=1,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model, varied, args, colour_rows(4), eval_dataset=colour_rows(3), processing_class=processor
+    )
+    trainer.train()
+    assert len(seen) >= 2 and all(seen), seen  # the step's rollout, then evaluation's, every prompt's image

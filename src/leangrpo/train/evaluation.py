@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from leangrpo.config.schema import step_interval
 from leangrpo.core.errors import UserError
 from leangrpo.data.rewards import soft_format_reward, strict_format_reward
-from leangrpo.data.rows import PromptFormat
+from leangrpo.data.rows import PromptFormat, prompt_images
 from leangrpo.run.rundir import atomic_file, claim, write_text_atomic
 from leangrpo.train.scoring import RewardFuncs
 
@@ -146,11 +146,13 @@ def sampled_rewards(
     from leangrpo.data.rewards import RewardContext, reward_inputs, score_completions
     from leangrpo.data.rows import has_chat_template
     from leangrpo.engines.hf import HFEngine
+    from leangrpo.engines.vision import image_processor, text_tokenizer
     from leangrpo.train.metrics import length_metrics, reward_metrics
 
     if not rows:
         raise EvalError("no rows to evaluate")
-    k, engine = sampling.num_generations, HFEngine(model, tokenizer)
+    processor, tokenizer = image_processor(tokenizer), text_tokenizer(tokenizer)  # TRL's processing_class
+    k, engine = sampling.num_generations, HFEngine(model, tokenizer, processor=processor)
     calls = _Calls(on_call)
     with _left_padded(tokenizer), torch.inference_mode():
         done, _ = _generate_all(
@@ -279,6 +281,7 @@ def _generate_all(
         )
         for i, prompt in enumerate(prompts)
     ]
+    images = [prompt_images(prompt) for prompt in prompts]
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
     order = sorted(range(len(rows)), key=lambda i: lengths[i])
     out: Completions = [[] for _ in texts]
@@ -288,7 +291,8 @@ def _generate_all(
         boxes: list[Toolbox] | None = None
         if episodes is not None:
             boxes = [episodes.toolboxes[i * per_prompt + k] for i in idx for k in range(per_prompt)]
-        batch = engine.generate([texts[i] for i in idx], sampling, boxes)
+        pictures = [images[i] for i in idx] if any(images) else None  # image prompts (docs/vlm.md)
+        batch = engine.generate([texts[i] for i in idx], sampling, boxes, pictures)
         lengths, ends = batch.lengths().tolist(), batch.completion_mask.sum(dim=1).tolist()
         truncated = batch.truncated.tolist()
         for j, i in enumerate(idx):
