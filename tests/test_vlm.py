@@ -396,3 +396,47 @@ def test_evaluation_during_training_reads_the_images(tmp_path, tiny_vlm, monkeyp
     )
     trainer.train()
     assert len(seen) >= 2 and all(seen), seen  # the step's rollout, then evaluation's, every prompt's image
+
+
+def test_rollout_encodes_each_groups_images_once_and_samples_as_generate_does(tiny_vlm, monkeypatch):
+    """The HF engine's rollout of image prompts runs the vision tower on each prompt's images once, not once
+    a completion (`prefill_images_once_per_group`), and samples exactly what generate() samples when it
+    encodes every row's images itself (no cache to prefill), from the same seed."""
+    import torch
+
+    from leangrpo.engines import hf
+    from leangrpo.engines.types import Sampling
+
+    model, processor = tiny_vlm
+    tower = model.model.visual if hasattr(model.model, "visual") else model.model.vision_model
+    encoded: list[int] = []
+    tower.register_forward_pre_hook(
+        lambda module, args, kwargs: encoded.append(len(args[0] if args else next(iter(kwargs.values())))),
+        with_kwargs=True,
+    )
+    texts = [
+        processor.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )  # fmt: skip
+        for q in ("Which colour is this picture?", "Colour?")
+    ]
+    noise = torch.randint(
+        0, 256, (2, 56, 56, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(2)
+    )
+    images = [[Image.fromarray(a.numpy())] for a in noise]
+    sampling = Sampling(num_generations=4, max_prompt_length=None, max_completion_length=6, seed=3)
+
+    def rollout():
+        encoded.clear()
+        batch = hf.generate(model, processor.tokenizer, texts, sampling, images=images, processor=processor)
+        return batch, sum(encoded)
+
+    grouped, once = rollout()
+    monkeypatch.setattr(hf, "kv_cache", lambda model, capacity: None)  # generate() encodes every row's images
+    every_row, each = rollout()
+    assert each == 4 * once > 0
+    assert torch.equal(grouped.completion_ids, every_row.completion_ids)
+    assert len(set(map(tuple, grouped.completion_ids.tolist()))) > 2  # samples, not one repeated sequence
+    assert grouped.vision is not None and len(grouped.vision.rows) == 8

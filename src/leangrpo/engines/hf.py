@@ -126,8 +126,8 @@ def generate(
     turn resumed from the KV cache of the turns before (`ResumedTurns`) unless `reuse_cache` is False.
     `sampler_logprobs`: the batch carries each sampled token's log-prob under the distribution it was
     drawn from (what vLLM returns), for the importance-sampling correction. `images` (one list a prompt):
-    image prompts, which `processor` encodes; generate() then reads each completion's pixel inputs (no
-    prefill once a group, no lean decode loop: both run the text decoder alone)."""
+    image prompts, which `processor` encodes; each group's images are encoded once into the KV cache
+    (`prefill_images_once_per_group`), and the lean decode loop is off (it runs the text decoder alone)."""
     device = next(model.parameters()).device
     vision = None
     if images is not None:
@@ -258,7 +258,7 @@ class ResumedTurns:
             self.generator,
             drawn,
             cache,
-            None if vision is None else vision.collate(slice(None), ids, ids.shape[1]),
+            vision,
         )
         # each step but the last fed its token: the cache holds that many positions (the lean decode loop
         # writes them into the buffers without moving the layers' own length)
@@ -325,13 +325,13 @@ def sample(
     generator: torch.Generator | None = None,
     drawn: list[Tensor] | None = None,
     cache: DynamicCache | None = None,
-    pixels: dict[str, Tensor] | None = None,
+    vision: VisionInputs | None = None,
 ) -> Tensor:
     """The completion ids generate() samples after left-padded prompts (each group's rows adjacent), padded
     after their EOS; drawn from `generator` (None: torch's global RNG). `drawn`: each position's sampled
     log-probs ([rows, 1]) are appended to it (sampling only). `cache`: a KV cache of room enough, possibly
-    holding the prompts' first tokens (a resumed turn); by default a fresh one. `pixels`: the rows' pixel
-    inputs (image prompts), given to generate(), which encodes the images in its first forward."""
+    holding the prompts' first tokens (a resumed turn); by default a fresh one. `vision`: the rows' pixel
+    inputs (image prompts): each group's images are encoded once (`prefill`), not by the lean decode loop."""
     if cache is None:
         check_room(model, prompt_ids.shape[0], prompt_ids.shape[1] + sampling.max_completion_length)
     processors = logits_processors(sampling, generator, drawn)
@@ -345,9 +345,9 @@ def sample(
     )
     was_training = model.training
     model.eval()  # uses the KV cache (disabled under gradient checkpointing in train mode), no dropout
-    if cache is None and not pixels:  # image prompts: generate()'s own cache (no prefill, no lean loop)
+    if cache is None:
         cache = kv_cache(model, prompt_ids.shape[1] + sampling.max_completion_length)
-    own_loop = cache is not None and prompt_ids.shape[1] > 1 and not sampling.generation_kwargs
+    own_loop = cache is not None and prompt_ids.shape[1] > 1 and not sampling.generation_kwargs and not vision
     with only_generation_config(model, gen_cfg):
         completion_ids = None
         if levers is not None and own_loop and cache is not None:
@@ -356,10 +356,7 @@ def sample(
             )
         if completion_ids is None:
             with levers.around_generate(model, len(prompt_ids)) if levers is not None else nullcontext():
-                if cache is not None and (
-                    sampling.num_generations > 1 or shared_prefix(prompt_ids[:, :-1], prompt_mask[:, :-1])
-                ):
-                    prefill_once_per_group(model, prompt_ids, prompt_mask, sampling.num_generations, cache)
+                pixels = prefill(model, prompt_ids, prompt_mask, sampling.num_generations, cache, vision)
                 # generate(): a causal LM (or the peft model standing in for one) has it, PreTrainedModel
                 # does not declare it
                 out = cast("GenerationMixin", model).generate(
@@ -368,7 +365,7 @@ def sample(
                     generation_config=gen_cfg,
                     logits_processor=LogitsProcessorList(processors),
                     **({CACHE_KWARG: cache} if cache is not None else {}),
-                    **(pixels or {}),
+                    **pixels,
                 )
             completion_ids = out[:, prompt_ids.shape[1] :]
     model.train(was_training)
@@ -533,6 +530,55 @@ def kv_cache(model: PreTrainedModel, capacity: int) -> DynamicCache | None:
         PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers
     ]
     return cache
+
+
+def prefill(
+    model: PreTrainedModel,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    group: int,
+    cache: DynamicCache | None,
+    vision: VisionInputs | None,
+) -> dict[str, Tensor]:
+    """Fill `cache` before generate() as far as it pays (`prefill_once_per_group`, and for image prompts
+    `prefill_images_once_per_group`); returns what generate() must still be given: the rows' pixel inputs
+    when there is no cache to fill (generate() then encodes each row's images)."""
+    if vision is not None:
+        if cache is None:
+            return vision.collate(slice(None), prompt_ids, prompt_ids.shape[1])
+        prefill_images_once_per_group(model, prompt_ids, prompt_mask, group, cache, vision)
+    elif cache is not None and (group > 1 or shared_prefix(prompt_ids[:, :-1], prompt_mask[:, :-1])):
+        prefill_once_per_group(model, prompt_ids, prompt_mask, group, cache)
+    return {}
+
+
+@torch.no_grad()
+def prefill_images_once_per_group(
+    model: PreTrainedModel,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    group: int,
+    cache: DynamicCache,
+    vision: VisionInputs,
+) -> None:
+    """`prefill_once_per_group` for image prompts: the vision-language model's inner model (vision tower,
+    projector, decoder) runs each group's prompt but its last token once, so its images are encoded once,
+    not once a completion; the cache is then repeated for the group's rows, and so is the state the model
+    keeps for the decode steps (Qwen-VL's `rope_deltas`, one offset a row). generate() then runs from the
+    last prompt token without pixel inputs, the images already in the cache. Positions as in
+    `Policy._vision_states`."""
+    base = peft_base(model) if is_peft(model) else model
+    ids, mask = prompt_ids[::group, :-1], prompt_mask[::group, :-1]
+    firsts = vision.select(list(range(0, len(vision.rows), group)))
+    inputs = firsts.collate(slice(None), ids, ids.shape[1])
+    if not firsts.token_types:
+        inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    base.model(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE_KWARG: cache}, **inputs)
+    if group > 1:
+        cache.batch_repeat_interleave(group)
+        deltas = getattr(base.model, "rope_deltas", None)
+        if deltas is not None:
+            base.model.rope_deltas = deltas.repeat_interleave(group, dim=0)
 
 
 # The fewest prompt tokens all rows must share before `prefill_once_per_group` runs them once for the batch:
