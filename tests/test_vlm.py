@@ -328,7 +328,8 @@ def _learning_run(tmp_path, family: str, tokenizer_dir, shuffled: bool) -> list[
 def test_a_tiny_vlm_learns_what_only_the_image_says(tmp_path, real_tokenizer_dir, family):
     """The images reach the policy: which half of the alphabet to answer in is the image's colour. From
     chance (0.5), the reward rises to 1 within 10 steps (measured: 1.0 from step 7 on both families); with
-    each row's image drawn at random (the shuffled-image control), no answer beats chance (0.38-0.62)."""
+    each row's image drawn at random (the shuffled-image control), no answer beats chance (0.38-0.62,
+    docs/vlm.md)."""
     real = _learning_run(tmp_path, family, real_tokenizer_dir, shuffled=False)
     control = _learning_run(tmp_path, family, real_tokenizer_dir, shuffled=True)
     assert real[0] < 0.7 and min(real[-3:]) >= 0.9, real
