@@ -291,8 +291,8 @@ def _generate_all(
         boxes: list[Toolbox] | None = None
         if episodes is not None:
             boxes = [episodes.toolboxes[i * per_prompt + k] for i in idx for k in range(per_prompt)]
-        pictures = [images[i] for i in idx] if any(images) else None  # image prompts (docs/vlm.md)
-        batch = engine.generate([texts[i] for i in idx], sampling, boxes, pictures)
+        pictures = {"images": [images[i] for i in idx]} if any(images) else {}  # image prompts only
+        batch = engine.generate([texts[i] for i in idx], sampling, boxes, **pictures)
         lengths, ends = batch.lengths().tolist(), batch.completion_mask.sum(dim=1).tolist()
         truncated = batch.truncated.tolist()
         for j, i in enumerate(idx):

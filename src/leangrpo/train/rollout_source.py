@@ -251,7 +251,8 @@ class RolloutSource:
 
         def generate(engine: RolloutEngine) -> Rollout:
             toolboxes = None if episodes is None else episodes.toolboxes
-            batch = engine.generate(texts, sampling, toolboxes, images)
+            # images only for image prompts: an engine written for text prompts takes no images argument
+            batch = engine.generate(texts, sampling, toolboxes, **({"images": images} if images else {}))
             batch = batch.to(device)
             if episodes is not None and episodes.environments is not None and batch.tool_use is not None:
                 batch.tool_use.columns["environments"] = episodes.environments  # TRL gives them to rewards
