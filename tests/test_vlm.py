@@ -60,6 +60,11 @@ def test_image_rows_take_trls_shapes():
     assert prompt_images(question["prompt"]) == [red]
     assert rows[0]["prompt"][0]["content"][0]["type"] == "image"
     assert prompt_text(rows[0]["prompt"]) == "What?"
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}
+    ]
+    [text_only] = load_rows(data, Task(), [{"prompt": parts}]).rows
+    assert text_only["prompt"] == [{"role": "user", "content": "Hi there"}]  # any chat template renders it
     with pytest.raises(DataError, match="conversational prompt"):
         load_rows(data, Task(), [{"prompt": "plain text", "image": red}])
 

@@ -93,7 +93,7 @@ def _pil(image: Any) -> Any:
 def with_images(messages: list[Message], images: list[Any]) -> list[Message]:
     """The messages in TRL's multimodal shape (`prepare_multimodal_messages`): every content a list of parts.
     Image parts without their image (placeholders) take `images` in order; without placeholders, the images
-    open the first user message of text. Text messages without images are returned as they are."""
+    open the first user message of text. Messages without images stay (or become) text messages."""
     parts = any(isinstance(m["content"], list) for m in messages)
     if not images and not parts:
         return messages
@@ -121,6 +121,8 @@ def with_images(messages: list[Message], images: list[Any]) -> list[Message]:
         out.append({**message, "content": content})
     if queue:
         raise BadRow("the row's images have no user message of text to go in")
+    if not prompt_images(out):  # text parts only: plain messages, which any chat template renders
+        return [{**m, "content": "".join(p["text"] for p in m["content"])} for m in out]
     return out
 
 
