@@ -113,12 +113,9 @@ def build_engine(
     if processor is None:
         return engine_kind(cfg).build(cfg, model, tokenizer, levers)
     if engine_name(cfg.grpo) != "hf":
-        from leangrpo.engines.vision import VisionError
+        from leangrpo.engines.vision import refuse_on_vllm
 
-        raise VisionError(
-            "image prompts on vLLM are not supported yet (docs/vlm.md): set grpo.use_vllm: false to train "
-            "a vision-language model with HF generate"
-        )
+        refuse_on_vllm([])  # the rows have images (a processor to encode them)
     from leangrpo.engines.hf import HFEngine
 
     return HFEngine(model, tokenizer, levers, processor)

@@ -124,6 +124,15 @@ def token_types(processor: Any, enc: Any) -> dict[str, dict[int, int]]:
     return {key: marks for key in TOKEN_TYPE_FIELDS if key in enc}
 
 
+def refuse_on_vllm(images: list[list[Any]] | None) -> None:
+    """vLLM's multimodal inputs are not done yet: image prompts on a vLLM engine are one line."""
+    if images is not None:
+        raise VisionError(
+            "image prompts on vLLM are not supported yet (docs/vlm.md): set grpo.use_vllm: false to train "
+            "a vision-language model with HF generate"
+        )
+
+
 def vision_processor(rows: list[dict[str, Any]], processing_class: Any, model: ModelConfig) -> Any | None:
     """The processor that encodes the rows' images: None when no row has any; the one given as the
     processing class, else the model's own (`AutoProcessor`); refused in one line when that is a tokenizer."""

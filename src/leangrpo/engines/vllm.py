@@ -28,6 +28,7 @@ from leangrpo.engines.types import (
     finish_batch,
     with_tools,
 )
+from leangrpo.engines.vision import refuse_on_vllm
 from leangrpo.models.load import is_peft, linear_weight, resolve_model_path
 
 if TYPE_CHECKING:
@@ -252,7 +253,8 @@ class VLLMEngine:
         the next call may come before any `sync_weights` (dynamic sampling's extra rounds, evaluation's
         batches, pass@k) and must sample from the last synced weights. Level 2 would discard them, and
         vLLM would then sample from uninitialised memory. The cost: a host copy of the weights, and their
-        transfer each way per call."""
+        transfer each way per call. `images`: refused (vLLM's multimodal inputs are not done yet)."""
+        refuse_on_vllm(images)
         if self.sleeping:
             self.llm.wake_up(tags=sorted(self.sleeping))
             self.sleeping.clear()
