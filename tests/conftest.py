@@ -203,3 +203,121 @@ def make_tool_model(out: Path, tokenizer_dir: Path, max_steps: int = 300, margin
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)  # as the model ships, unprepared
     model.save_pretrained(out)
     return out
+
+
+# Tiny random vision-language models, built from configs offline, with real processors: an image processor
+# made from its defaults (PIL backend: no torchvision here) and SmolLM2's tokenizer given the model family's
+# image tokens and a chat template that renders TRL's content parts the family's way.
+QWEN_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for m in messages %}{{ m['role'] | capitalize }}:"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def _vlm_tokenizer(tokenizer_dir: Path, tokens: list[str], template: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": tokens})
+    tok.chat_template = template
+    return tok
+
+
+def make_tiny_qwen_vl(tokenizer_dir: Path, seed: int = 0):
+    """A tiny random Qwen2.5-VL (1 vision block, 2 text layers) and its processor: 56×56 images, 16 patches
+    merged into 4 image tokens."""
+    import torch
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessorPil,
+    )
+
+    class Processor(Qwen2_5_VLProcessor):
+        def check_argument_for_proper_class(self, name, arg):  # no video processor without torchvision
+            return None
+
+    tok = _vlm_tokenizer(
+        tokenizer_dir,
+        ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
+        QWEN_VL_TEMPLATE,
+    )
+    image = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)
+    processor = Processor(image_processor=image, tokenizer=tok, chat_template=QWEN_VL_TEMPLATE)
+    ids = tok.convert_tokens_to_ids
+    text = dict(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 4], "rope_theta": 10000.0},
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+    )  # fmt: skip
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        fullatt_block_indexes=[0], window_size=56, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+    )  # fmt: skip
+    cfg = Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return Qwen2_5_VLForConditionalGeneration(cfg), processor
+
+
+def make_tiny_idefics3(tokenizer_dir: Path, seed: int = 0):
+    """A tiny random Idefics3 (SmolVLM's architecture: a SigLIP tower, pixel shuffle, a Llama) and its
+    processor: 32×32 images, no splitting, 4 image tokens."""
+    import torch
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+    )
+
+    tokens = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+    tok = _vlm_tokenizer(tokenizer_dir, tokens, IDEFICS3_TEMPLATE)
+    image = Idefics3ImageProcessorPil(
+        do_image_splitting=False, size={"longest_edge": 32}, max_image_size={"longest_edge": 32}
+    )
+    processor = Idefics3Processor(
+        image_processor=image, tokenizer=tok, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE
+    )
+    text = dict(
+        model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+    )  # fmt: skip
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
+    cfg = Idefics3Config(
+        text_config=text, vision_config=vision, scale_factor=2,
+        image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return Idefics3ForConditionalGeneration(cfg), processor
+
+
+VLM_FAMILIES = {"qwen2.5-vl": make_tiny_qwen_vl, "idefics3": make_tiny_idefics3}
+
+
+@pytest.fixture(params=sorted(VLM_FAMILIES))
+def tiny_vlm(request, real_tokenizer_dir):
+    """(model, processor) of each tiny VLM family, fresh for each test (training changes its weights)."""
+    return VLM_FAMILIES[request.param](real_tokenizer_dir)

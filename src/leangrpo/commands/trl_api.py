@@ -267,8 +267,9 @@ class GRPOTrainer:
 
     @property
     def processing_class(self) -> Any:
-        """The tokenizer: the one given, or the model's own (loaded on first access, then used by the run)."""
-        if self._run is not None:
+        """The tokenizer: the one given, or the model's own (loaded on first access, then used by the run); a
+        processor given (a VLM's) stays the processing class, as in TRL."""
+        if self._run is not None and getattr(self._extras.tokenizer, "image_processor", None) is None:
             return self._run.tokenizer
         if self._extras.tokenizer is None:
             from leangrpo.models.load import load_tokenizer, resolve_model_path

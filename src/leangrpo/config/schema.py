@@ -77,6 +77,11 @@ class LoraConfig(Section):
         "peft's default for the architecture (q_proj and v_proj for Llama and Qwen), as a TRL LoraConfig "
         "without target_modules",
     )
+    vision_tower: bool = Field(
+        False,
+        description="vision-language models: LoRA on the vision tower's Linears too; false: on the language "
+        "model (and the projector outside the tower) only, the vision tower frozen (docs/vlm.md)",
+    )
 
 
 class ModelConfig(Section):

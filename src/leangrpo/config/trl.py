@@ -178,7 +178,7 @@ _NOTED = {
     "cache_implementation": "generation speed only",
     "vllm_model_impl": "speed only",
     "vllm_tensor_parallel_size": "one vLLM engine per process (memory and speed only)",
-    "log_multimodal": "images are not supported",
+    "log_multimodal": "completions.jsonl logs the prompts' text, not their images",
     "num_completions_to_print": "samples go to completions.jsonl",
     "log_unique_prompts": "samples go to completions.jsonl",
     "log_completions_hub_repo": "nothing is pushed",

@@ -72,6 +72,8 @@ class Packing:
 
 def unsupported_reason(config: Any) -> str | None:
     """Why a model cannot use the shared-prompt layout, or None when it can."""
+    if getattr(config, "vision_config", None) is not None:
+        return "a vision-language model (its layouts run the text decoder alone, which sees no image)"
     impl = getattr(config, "_attn_implementation", None)
     if impl not in ("sdpa", ATTENTION):
         return f"attn_implementation={impl!r} (needs 'sdpa')"

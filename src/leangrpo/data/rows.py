@@ -16,7 +16,9 @@ from leangrpo.core.errors import UserError
 if TYPE_CHECKING:
     from leangrpo.config.schema import DataConfig
 
-Message = dict[str, str]  # one chat message: {"role": ..., "content": ...}
+# one chat message: {"role": ..., "content": ...}, the content text or (image prompts) TRL's content parts,
+# [{"type": "image", "image": <PIL image>}, {"type": "text", "text": ...}]
+Message = dict[str, Any]
 # What rendering one chat template may take: a model's template comes with the model, so a loop in it
 # (nested range(100000)) must end in one line, not hang chat, eval or a run. A real prompt takes milliseconds.
 TEMPLATE_SECONDS = 10.0
@@ -49,11 +51,102 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 def prompt_text(prompt: str | list[Message]) -> str:
-    """What a logged sample shows of a prompt: the text, or the last user message's content."""
+    """What a logged sample shows of a prompt: the text, or the last user message's content (its text
+    parts, for content parts)."""
     if isinstance(prompt, str):
         return prompt
     user = [m for m in prompt if m["role"] == "user"] or prompt
-    return str(user[-1]["content"])
+    content = user[-1]["content"]
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def column_images(record: Mapping[str, Any]) -> list[Any]:
+    """A row's images from TRL's `images` (a list) or `image` (one) column, as PIL images (a path is
+    opened); none for a row without them."""
+    images = record.get("images") if "images" in record else record.get("image")
+    if images is None:
+        return []
+    return [_pil(image) for image in (images if isinstance(images, list) else [images])]
+
+
+def _pil(image: Any) -> Any:
+    """An image as PIL: a PIL image as it is, a path opened, `datasets`' undecoded {"bytes", "path"} read."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image
+    try:
+        if isinstance(image, dict) and image.get("bytes") is not None:
+            import io
+
+            return Image.open(io.BytesIO(image["bytes"])).convert("RGB")
+        path = image.get("path") if isinstance(image, dict) else image
+        if isinstance(path, str):
+            return Image.open(path).convert("RGB")
+    except OSError as e:
+        raise BadRow(f"cannot read an image: {e}") from None
+    raise BadRow(f"an image is a {type(image).__name__}, not a PIL image, a path or {{'bytes': ...}}")
+
+
+def with_images(messages: list[Message], images: list[Any]) -> list[Message]:
+    """The messages in TRL's multimodal shape (`prepare_multimodal_messages`): every content a list of parts.
+    Image parts without their image (placeholders) take `images` in order; without placeholders, the images
+    open the first user message of text. Messages without images stay (or become) text messages."""
+    parts = any(isinstance(m["content"], list) for m in messages)
+    if not images and not parts:
+        return messages
+    queue = list(images)
+    placeholders = sum(
+        1
+        for m in messages
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if isinstance(p, dict) and p.get("type") == "image" and p.get("image") is None
+    )
+    if placeholders and placeholders != len(queue):
+        raise BadRow(f"{placeholders} image placeholders in the messages for {len(queue)} images")
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            first = message["role"] == "user" and not placeholders and bool(queue)
+            heads = [{"type": "image", "image": queue.pop(0)} for _ in range(len(queue))] if first else []
+            content = [*heads, {"type": "text", "text": content}]
+        elif isinstance(content, list):
+            content = [_part(p, queue) for p in content]
+        else:
+            raise BadRow(f"a {message['role']} message's content is a {type(content).__name__}")
+        out.append({**message, "content": content})
+    if queue:
+        raise BadRow("the row's images have no user message of text to go in")
+    if not prompt_images(out):  # text parts only: plain messages, which any chat template renders
+        return [{**m, "content": "".join(p["text"] for p in m["content"])} for m in out]
+    return out
+
+
+def _part(part: Any, queue: list[Any]) -> dict[str, Any]:
+    """One content part: text, or an image (its image as PIL; a placeholder takes the next of `queue`)."""
+    if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
+        raise BadRow(f"a content part must be {{'type': 'text' | 'image', ...}}, got {part!r:.60}")
+    if part["type"] == "image":
+        image = part.get("image")
+        return {"type": "image", "image": _pil(queue.pop(0) if image is None else image)}
+    return part
+
+
+def prompt_images(prompt: str | list[Message]) -> list[Any]:
+    """The images of a prompt's content parts, in order (none for a text prompt)."""
+    if isinstance(prompt, str):
+        return []
+    return [
+        p["image"]
+        for m in prompt
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p.get("type") == "image"
+    ]
 
 
 def render_chat(tokenizer: Any, messages: list[Any], **kwargs: Any) -> Any:

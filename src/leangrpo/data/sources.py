@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from leangrpo.core.errors import UserError
-from leangrpo.data.rows import BadRow, Message
+from leangrpo.data.rows import BadRow, Message, column_images, with_images
 
 if TYPE_CHECKING:
     import datasets
@@ -284,19 +284,20 @@ def _make_row(
 def _prompt(record: dict[str, Any], column: str, system_prompt: str | None) -> str | list[Message]:
     """The row's prompt in TRL's shape: chat messages, or (a text ``prompt`` column) plain text."""
     value = record.get(column)
-    parts = isinstance(value, list) and any(
-        isinstance(m, dict) and isinstance(m.get("content"), list) for m in value
-    )
-    if parts or record.keys() & {"image", "images"}:
-        raise DataError("image prompts (an image column, or messages of content parts) are not supported yet")
+    images = column_images(record)
     if isinstance(value, list):
         if not value or not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value):
             raise BadRow(f"{column!r} is a list but not chat messages ({{'role': ..., 'content': ...}})")
         if system_prompt and value[0]["role"] != "system":
-            return [{"role": "system", "content": system_prompt}, *value]
-        return value
+            value = [{"role": "system", "content": system_prompt}, *value]
+        return with_images(value, images)
     text = _required_text(record, column)
-    return text if column == "prompt" else _messages(text, system_prompt)
+    if column == "prompt" and images:
+        raise BadRow(
+            "an image row needs a conversational prompt (chat messages or a question column), as in TRL; "
+            "this prompt is plain text"
+        )
+    return text if column == "prompt" else with_images(_messages(text, system_prompt), images)
 
 
 def _required_text(record: dict[str, Any], column: str) -> str:

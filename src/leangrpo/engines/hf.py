@@ -39,6 +39,8 @@ from leangrpo.engines.types import (
     left_padded,
     with_tools,
 )
+from leangrpo.engines.vision import VisionError, VisionInputs
+from leangrpo.engines.vision import encode as encode_vision
 from leangrpo.models.load import is_peft, peft_base
 
 if TYPE_CHECKING:
@@ -50,16 +52,25 @@ class HFEngine(PolicyEngine):
     (and no gap between sampler and trainer to correct: its batches carry no sampler log-probs)."""
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None = None
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        levers: GenerateLevers | None = None,
+        processor: Any | None = None,
     ):
-        self.model, self.tokenizer, self.levers = model, tokenizer, levers
+        """`processor`: a vision-language model's, which encodes image prompts."""
+        self.model, self.tokenizer, self.levers, self.processor = model, tokenizer, levers, processor
 
     def generate(
-        self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
+        self,
+        prompt_texts: list[str],
+        sampling: Sampling,
+        toolboxes: list[Toolbox] | None = None,
+        images: list[list[Any]] | None = None,
     ) -> RolloutBatch:
         return generate(
             self.model, self.tokenizer, prompt_texts, sampling, levers=self.levers, toolboxes=toolboxes,
-            sampler_logprobs=self.sampler_logprobs,
+            sampler_logprobs=self.sampler_logprobs, images=images, processor=self.processor,
         )  # fmt: skip
 
 
@@ -73,11 +84,15 @@ class SnapshotEngine(HFEngine):
     holds_weights = sampler_logprobs = True
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None = None
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        levers: GenerateLevers | None = None,
+        processor: Any | None = None,
     ):
         frozen = {id(t): t for t in (*model.parameters(), *model.buffers()) if not t.requires_grad}
         snapshot = copy.deepcopy(model, frozen).eval()
-        super().__init__(snapshot.requires_grad_(False), tokenizer, levers)
+        super().__init__(snapshot.requires_grad_(False), tokenizer, levers, processor)
 
     def sync_weights(
         self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
@@ -103,24 +118,38 @@ def generate(
     toolboxes: list[Toolbox] | None = None,
     sampler_logprobs: bool = False,
     reuse_cache: bool = True,
+    images: list[list[Any]] | None = None,
+    processor: Any | None = None,
 ) -> RolloutBatch:
     """Sample `sampling.num_generations` completions per prompt. Tokens after the first EOS are masked out.
     `levers`: the device's speed levers (leangrpo.cpu's on CPU), which sample the same distribution.
     `toolboxes` (one per completion): rollouts go on after each turn that calls tools (`with_tools`), each
     turn resumed from the KV cache of the turns before (`ResumedTurns`) unless `reuse_cache` is False.
     `sampler_logprobs`: the batch carries each sampled token's log-prob under the distribution it was
-    drawn from (what vLLM returns), for the importance-sampling correction."""
+    drawn from (what vLLM returns), for the importance-sampling correction. `images` (one list a prompt):
+    image prompts, which `processor` encodes; each group's images are encoded once into the KV cache
+    (`prefill_images_once_per_group`), and the lean decode loop is off (it runs the text decoder alone)."""
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = encode_prompts(
-        tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
-    )
+    vision = None
+    if images is not None:
+        if processor is None or toolboxes is not None:
+            raise VisionError("image prompts need the model's processor (processing_class), and no tools")
+        prompt_ids, prompt_mask, vision = encode_vision(
+            processor, prompt_texts, images, sampling.max_prompt_length, sampling.num_generations
+        )
+        vision = vision.to(device)
+    else:
+        prompt_ids, prompt_mask = encode_prompts(
+            tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
+        )
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     eos = eos_token_ids(tokenizer, model)
     rng = sampling.generator(device)  # one stream for every turn of the rollout
     reuse = reuse_cache and toolboxes is not None
     turns = ResumedTurns(model, tokenizer, sampling, eos, levers, reuse, rng, sampler_logprobs)
-    completion_ids, logprobs = turns.first(prompt_ids, prompt_mask)
+    completion_ids, logprobs = turns.first(prompt_ids, prompt_mask, vision)
     batch = finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, sampling, logprobs)
+    batch.vision = vision
     if toolboxes is None:
         return batch
     return with_tools(batch, tokenizer, toolboxes, sampling, turns, eos, model_length(model))
@@ -156,11 +185,14 @@ class ResumedTurns:
         self.slots: list[Tensor] = []  # and the cache positions that hold them
         self.encoded = 0  # positions run through the model so far (prefill and decode)
 
-    def first(self, prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor | None]:
-        """The first turns' completion ids and their log-probs, the rows' cache kept (with `reuse`)."""
+    def first(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, vision: VisionInputs | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """The first turns' completion ids and their log-probs, the rows' cache kept (with `reuse`);
+        `vision`: the prompts' pixel inputs."""
         capacity = prompt_ids.shape[1] + self.sampling.max_completion_length
         check_room(self.model, prompt_ids.shape[0], capacity)
-        return self._sample(prompt_ids, prompt_mask, self.sampling, self._new_cache(capacity))
+        return self._sample(prompt_ids, prompt_mask, self.sampling, self._new_cache(capacity), vision)
 
     def __call__(
         self, sequences: list[list[int]], max_new: int
@@ -205,7 +237,12 @@ class ResumedTurns:
         return cache
 
     def _sample(
-        self, ids: Tensor, mask: Tensor, sampling: Sampling, cache: DynamicCache | None
+        self,
+        ids: Tensor,
+        mask: Tensor,
+        sampling: Sampling,
+        cache: DynamicCache | None,
+        vision: VisionInputs | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Completion ids after `ids` (their first tokens possibly in `cache`) and their log-probs (with
         `logprobs`); the rows' cache kept."""
@@ -222,6 +259,7 @@ class ResumedTurns:
             self.generator,
             drawn,
             cache,
+            vision,
         )
         # each step but the last fed its token: the cache holds that many positions (the lean decode loop
         # writes them into the buffers without moving the layers' own length)
@@ -288,11 +326,13 @@ def sample(
     generator: torch.Generator | None = None,
     drawn: list[Tensor] | None = None,
     cache: DynamicCache | None = None,
+    vision: VisionInputs | None = None,
 ) -> Tensor:
     """The completion ids generate() samples after left-padded prompts (each group's rows adjacent), padded
     after their EOS; drawn from `generator` (None: torch's global RNG). `drawn`: each position's sampled
     log-probs ([rows, 1]) are appended to it (sampling only). `cache`: a KV cache of room enough, possibly
-    holding the prompts' first tokens (a resumed turn); by default a fresh one."""
+    holding the prompts' first tokens (a resumed turn); by default a fresh one. `vision`: the rows' pixel
+    inputs (image prompts): each group's images are encoded once (`prefill`), not by the lean decode loop."""
     if cache is None:
         check_room(model, prompt_ids.shape[0], prompt_ids.shape[1] + sampling.max_completion_length)
     processors = logits_processors(sampling, generator, drawn)
@@ -310,7 +350,7 @@ def sample(
     model.eval()  # uses the KV cache (disabled under gradient checkpointing in train mode), no dropout
     if cache is None:
         cache = kv_cache(model, prompt_ids.shape[1] + sampling.max_completion_length)
-    own_loop = cache is not None and prompt_ids.shape[1] > 1 and not sampling.generation_kwargs
+    own_loop = cache is not None and prompt_ids.shape[1] > 1 and not sampling.generation_kwargs and not vision
     with only_generation_config(model, gen_cfg):
         completion_ids = None
         if levers is not None and own_loop and cache is not None:
@@ -319,10 +359,7 @@ def sample(
             )
         if completion_ids is None:
             with levers.around_generate(model, len(prompt_ids)) if levers is not None else nullcontext():
-                if cache is not None and (
-                    sampling.num_generations > 1 or shared_prefix(prompt_ids[:, :-1], prompt_mask[:, :-1])
-                ):
-                    prefill_once_per_group(model, prompt_ids, prompt_mask, sampling.num_generations, cache)
+                pixels = prefill(model, prompt_ids, prompt_mask, sampling.num_generations, cache, vision)
                 # generate(): a causal LM (or the peft model standing in for one) has it, PreTrainedModel
                 # does not declare it
                 out = cast("GenerationMixin", model).generate(
@@ -331,6 +368,7 @@ def sample(
                     generation_config=gen_cfg,
                     logits_processor=LogitsProcessorList(processors),
                     **({CACHE_KWARG: cache} if cache is not None else {}),
+                    **pixels,
                 )
             completion_ids = out[:, prompt_ids.shape[1] :]
     model.train(was_training)
@@ -495,6 +533,55 @@ def kv_cache(model: PreTrainedModel, capacity: int) -> DynamicCache | None:
         PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers
     ]
     return cache
+
+
+def prefill(
+    model: PreTrainedModel,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    group: int,
+    cache: DynamicCache | None,
+    vision: VisionInputs | None,
+) -> dict[str, Tensor]:
+    """Fill `cache` before generate() as far as it pays (`prefill_once_per_group`, and for image prompts
+    `prefill_images_once_per_group`); returns what generate() must still be given: the rows' pixel inputs
+    when there is no cache to fill (generate() then encodes each row's images)."""
+    if vision is not None:
+        if cache is None:
+            return vision.collate(slice(None), prompt_ids, prompt_ids.shape[1])
+        prefill_images_once_per_group(model, prompt_ids, prompt_mask, group, cache, vision)
+    elif cache is not None and (group > 1 or shared_prefix(prompt_ids[:, :-1], prompt_mask[:, :-1])):
+        prefill_once_per_group(model, prompt_ids, prompt_mask, group, cache)
+    return {}
+
+
+@torch.no_grad()
+def prefill_images_once_per_group(
+    model: PreTrainedModel,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    group: int,
+    cache: DynamicCache,
+    vision: VisionInputs,
+) -> None:
+    """`prefill_once_per_group` for image prompts: the vision-language model's inner model (vision tower,
+    projector, decoder) runs each group's prompt but its last token once, so its images are encoded once,
+    not once a completion; the cache is then repeated for the group's rows, and so is the state the model
+    keeps for the decode steps (Qwen-VL's `rope_deltas`, one offset a row). generate() then runs from the
+    last prompt token without pixel inputs, the images already in the cache. Positions as in
+    `Policy._vision_states`."""
+    base = peft_base(model) if is_peft(model) else model
+    ids, mask = prompt_ids[::group, :-1], prompt_mask[::group, :-1]
+    firsts = vision.select(list(range(0, len(vision.rows), group)))
+    inputs = firsts.collate(slice(None), ids, ids.shape[1])
+    if not firsts.token_types:
+        inputs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    base.model(input_ids=ids, attention_mask=mask, use_cache=True, **{CACHE_KWARG: cache}, **inputs)
+    if group > 1:
+        cache.batch_repeat_interleave(group)
+        deltas = getattr(base.model, "rope_deltas", None)
+        if deltas is not None:
+            base.model.rope_deltas = deltas.repeat_interleave(group, dim=0)
 
 
 # The fewest prompt tokens all rows must share before `prefill_once_per_group` runs them once for the batch:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -101,11 +101,24 @@ def engine_kind(cfg: Config) -> EngineKind:
 
 
 def build_engine(
-    cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None
+    cfg: Config,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    levers: GenerateLevers | None,
+    processor: Any | None = None,
 ) -> RolloutEngine:
     """The engine `cfg` picks (vLLM's holds the checkpoint's weights until its first sync; a server is
-    waited for and checked against `model`)."""
-    return engine_kind(cfg).build(cfg, model, tokenizer, levers)
+    waited for and checked against `model`). `processor`: a vision-language model's, for image prompts,
+    which only HF generate takes so far (vLLM's multimodal inputs are not done: refused in one line)."""
+    if processor is None:
+        return engine_kind(cfg).build(cfg, model, tokenizer, levers)
+    if engine_name(cfg.grpo) != "hf":
+        from leangrpo.engines.vision import refuse_on_vllm
+
+        refuse_on_vllm([])  # the rows have images (a processor to encode them)
+    from leangrpo.engines.hf import HFEngine
+
+    return HFEngine(model, tokenizer, levers, processor)
 
 
 def async_engine(
@@ -118,4 +131,5 @@ def async_engine(
     one that reads the policy, a snapshot of them (a copy of the trainable weights)."""
     from leangrpo.engines.hf import SnapshotEngine
 
-    return engine if engine.holds_weights else SnapshotEngine(model, tokenizer, levers)
+    processor = getattr(engine, "processor", None)  # an HFEngine's, for image prompts
+    return engine if engine.holds_weights else SnapshotEngine(model, tokenizer, levers, processor)

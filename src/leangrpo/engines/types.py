@@ -17,6 +17,7 @@ from torch import Tensor
 from leangrpo.core.errors import UserError
 from leangrpo.core.grpo import mask_after_eos
 from leangrpo.engines.tools import Toolbox, ToolError, ToolUse, TurnGenerator, tool_loop, turn_message
+from leangrpo.engines.vision import VisionInputs
 
 if TYPE_CHECKING:
     from transformers import (
@@ -45,6 +46,7 @@ class RolloutBatch:
     # the model's (a single-turn rollout)
     model_mask: Tensor | None = None
     tool_use: ToolUse | None = None  # what each rollout did with its tools (rollouts with tools only)
+    vision: VisionInputs | None = None  # the prompts' pixel inputs, one entry a completion (image prompts)
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -67,23 +69,29 @@ class RolloutBatch:
         return self.loss_mask.sum(dim=1)
 
     def to(self, device: torch.device) -> RolloutBatch:
-        return self._map(lambda t: t.to(device), self.completion_texts, self.tool_use)
+        vision = None if self.vision is None else self.vision.to(device)
+        return self._map(lambda t: t.to(device), self.completion_texts, self.tool_use, vision)
 
     def select(self, rows: Tensor) -> RolloutBatch:
         """The completions at `rows` [K], in that order."""
         indices = rows.tolist()
         use = None if self.tool_use is None else self.tool_use.select(indices)
-        return self._map(lambda t: t[rows], [self.completion_texts[i] for i in indices], use)
+        vision = None if self.vision is None else self.vision.select(indices)
+        return self._map(lambda t: t[rows], [self.completion_texts[i] for i in indices], use, vision)
 
     def _map(
-        self, f: Callable[[Tensor], Tensor], texts: list[str], use: ToolUse | None = None
+        self,
+        f: Callable[[Tensor], Tensor],
+        texts: list[str],
+        use: ToolUse | None = None,
+        vision: VisionInputs | None = None,
     ) -> RolloutBatch:
-        """Every tensor through `f`, with `texts` and `use`."""
+        """Every tensor through `f`, with `texts`, `use` and `vision`."""
         logp = None if self.sampling_logprobs is None else f(self.sampling_logprobs)
         model_mask = None if self.model_mask is None else f(self.model_mask)
         return RolloutBatch(
             f(self.prompt_ids), f(self.prompt_mask), f(self.completion_ids), f(self.completion_mask),
-            f(self.truncated), texts, logp, model_mask, use,
+            f(self.truncated), texts, logp, model_mask, use, vision,
         )  # fmt: skip
 
     @staticmethod
@@ -98,6 +106,7 @@ class RolloutBatch:
 
         logps = [b.sampling_logprobs for b in batches if b.sampling_logprobs is not None]
         uses = [b.tool_use for b in batches if b.tool_use is not None]
+        visions = [b.vision for b in batches if b.vision is not None]
         multi_turn = any(b.model_mask is not None for b in batches)
         # a batch without a model mask: every token is the model's
         model_masks = [b.completion_mask if b.model_mask is None else b.model_mask for b in batches]
@@ -111,6 +120,7 @@ class RolloutBatch:
             None if len(logps) < len(batches) else cat(logps, C, left=False),
             cat(model_masks, C, left=False) if multi_turn else None,
             ToolUse.cat(uses) if len(uses) == len(batches) else None,
+            VisionInputs.cat(visions) if visions else None,
         )
 
 
@@ -179,10 +189,14 @@ class RolloutEngine(Protocol):
     sampler_logprobs: bool
 
     def generate(
-        self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
+        self,
+        prompt_texts: list[str],
+        sampling: Sampling,
+        toolboxes: list[Toolbox] | None = None,
+        images: list[list[Any]] | None = None,
     ) -> RolloutBatch:
         """Completions of each prompt; with `toolboxes` (one per completion), multi-turn rollouts that
-        call those tools."""
+        call those tools; with `images` (one list a prompt), image prompts of a vision-language model."""
         ...
 
     def sync_weights(

@@ -29,6 +29,7 @@ from leangrpo.engines.types import (
     finish_batch,
     with_tools,
 )
+from leangrpo.engines.vision import refuse_on_vllm
 from leangrpo.models.load import is_peft, linear_weight, resolve_model_path
 
 if TYPE_CHECKING:
@@ -243,7 +244,11 @@ class VLLMEngine:
         )  # fmt: skip
 
     def generate(
-        self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
+        self,
+        prompt_texts: list[str],
+        sampling: Sampling,
+        toolboxes: list[Toolbox] | None = None,
+        images: list[list[Any]] | None = None,
     ) -> RolloutBatch:
         """`sampling.num_generations` completions per prompt, as `hf.generate` draws them, with vLLM's
         log-prob of each sampled token. Each completion is its own request seeded from torch's RNG (or
@@ -256,7 +261,8 @@ class VLLMEngine:
         the next call may come before any `sync_weights` (dynamic sampling's extra rounds, evaluation's
         batches, pass@k) and must sample from the last synced weights. Level 2 would discard them, and
         vLLM would then sample from uninitialised memory. The cost: a host copy of the weights, and their
-        transfer each way per call."""
+        transfer each way per call. `images`: refused (vLLM's multimodal inputs are not done yet)."""
+        refuse_on_vllm(images)
         if self.sleeping:
             self.llm.wake_up(tags=sorted(self.sleeping))
             self.sleeping.clear()

@@ -33,6 +33,7 @@ import torch
 from leangrpo.core.errors import stop_asked
 from leangrpo.engines.tools import Toolbox
 from leangrpo.engines.types import RolloutBatch, Sampling
+from leangrpo.engines.vision import refuse_on_vllm
 from leangrpo.engines.vllm import (
     VLLMError,
     applied_weights,
@@ -130,10 +131,15 @@ class VLLMServerEngine:
         )  # fmt: skip
 
     def generate(
-        self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
+        self,
+        prompt_texts: list[str],
+        sampling: Sampling,
+        toolboxes: list[Toolbox] | None = None,
+        images: list[list[Any]] | None = None,
     ) -> RolloutBatch:
         """As VLLMEngine.generate, each completion its own request and seed (drawn here, from torch's RNG or
-        the rollout's own, `sampling.seed`)."""
+        the rollout's own, `sampling.seed`); `images` refused."""
+        refuse_on_vllm(images)
         return sampled_batch(
             self.tokenizer, self.eos, prompt_texts, sampling, toolboxes, self._sample, self.max_model_len
         )

@@ -161,16 +161,19 @@ def load_model_and_tokenizer(
     weights: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the policy as configured: dtype, gradient checkpointing, LoRA when enabled. ``model`` and
-    ``tokenizer``: objects a Python caller already holds, used instead of loading ``cfg.name_or_path``.
+    ``tokenizer``: objects a Python caller already holds, used instead of loading ``cfg.name_or_path``;
+    a vision-language model's processor stands for its own tokenizer here (rollouts encode images with it).
     ``weights=False``: the model's structure only, its parameters on the meta device (no memory), for a
     process that receives them from another (FSDP2's rank 0); buffers are built as usual."""
+    if getattr(tokenizer, "image_processor", None) is not None:
+        tokenizer = cast("PreTrainedTokenizerBase", tokenizer).tokenizer
 
     if model is None or tokenizer is None:
         path = resolve_model_path(cfg.name_or_path)
         _check_local(path)
         tokenizer = tokenizer or load_tokenizer(path, cfg.trust_remote_code)
         model = model or (load_base(path, cfg) if weights else empty_base(path, cfg))
-    if model.config.pad_token_id is None:
+    if getattr(model.config, "pad_token_id", None) is None:  # a VLM's top config may not have one
         model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.gradient_checkpointing:
         enable_checkpointing(model)
@@ -193,11 +196,22 @@ def require_bitsandbytes(option: str) -> None:
         )
 
 
+def _auto_class(path: str, trust_remote_code: bool) -> Any:
+    """transformers' auto class for the checkpoint at `path`: image-text-to-text for a vision-language model
+    (its config has a vision_config), else a causal LM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001  # loading the model then says what is wrong, in one line
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText if _has_vision(config) else AutoModelForCausalLM
+
+
 def load_base(path: str, cfg: ModelConfig, dtype: str | None = None) -> PreTrainedModel:
     """The causal LM at `path` in `dtype` (default cfg.dtype), its Linears quantized to 4 bits by
-    bitsandbytes when cfg.load_in_4bit (the embeddings and lm_head stay in `dtype`, the compute dtype)."""
-    from transformers import AutoModelForCausalLM
-
+    bitsandbytes when cfg.load_in_4bit (the embeddings and lm_head stay in `dtype`, the compute dtype).
+    A vision-language model loads whole (`_auto_class`)."""
     torch_dtype = DTYPES[dtype or cfg.dtype]
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
@@ -213,7 +227,7 @@ def load_base(path: str, cfg: ModelConfig, dtype: str | None = None) -> PreTrain
             bnb_4bit_compute_dtype=torch_dtype,
         )
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = _auto_class(path, cfg.trust_remote_code).from_pretrained(path, **kwargs)
     except Exception as e:  # noqa: BLE001
         raise ModelError(f"cannot load model from {path!r}: {describe(e)}") from None
     if cfg.load_in_4bit:
@@ -261,9 +275,20 @@ def enable_checkpointing(model: PreTrainedModel) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+# A vision-language model's vision tower, by the names transformers gives it (Qwen-VL's `visual`, Idefics3 and
+# SmolVLM's `vision_model`, LLaVA and Gemma 3's `vision_tower`): no LoRA there unless model.lora.vision_tower
+VISION_TOWER = r"(.*\.)?(visual|vision_model|vision_tower)(\..*)?"
+
+
+def _has_vision(model: Any) -> bool:
+    """A vision-language model (or its config): the config has a vision_config."""
+    return getattr(getattr(model, "config", model), "vision_config", None) is not None
+
+
 def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
     """Wrap the model with a peft LoRA adapter. LoRA on lm_head is refused: the chunked log-prob
-    path reads the lm_head weight directly and would silently ignore the adapter."""
+    path reads the lm_head weight directly and would silently ignore the adapter. A vision tower gets
+    none unless `cfg.vision_tower` (it stays frozen, as the base weights do)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -272,6 +297,7 @@ def apply_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
         lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # peft annotates it int; it only divides it by r
         lora_dropout=cfg.dropout,
         target_modules=cfg.target_modules,
+        exclude_modules=VISION_TOWER if _has_vision(model) and not cfg.vision_tower else None,
         task_type="CAUSAL_LM",
     )
     head = model.get_output_embeddings()

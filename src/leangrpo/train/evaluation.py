@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from leangrpo.config.schema import step_interval
 from leangrpo.core.errors import UserError
 from leangrpo.data.rewards import soft_format_reward, strict_format_reward
-from leangrpo.data.rows import PromptFormat
+from leangrpo.data.rows import PromptFormat, prompt_images
 from leangrpo.run.rundir import atomic_file, claim, write_text_atomic
 from leangrpo.train.scoring import RewardFuncs
 
@@ -150,11 +150,13 @@ def sampled_rewards(
     from leangrpo.data.rewards import RewardContext, reward_inputs, score_completions
     from leangrpo.data.rows import has_chat_template
     from leangrpo.engines.hf import HFEngine
+    from leangrpo.engines.vision import image_processor, text_tokenizer
     from leangrpo.train.metrics import length_metrics, reward_metrics
 
     if not rows:
         raise EvalError("no rows to evaluate")
-    k, engine = sampling.num_generations, HFEngine(model, tokenizer)
+    processor, tokenizer = image_processor(tokenizer), text_tokenizer(tokenizer)  # TRL's processing_class
+    k, engine = sampling.num_generations, HFEngine(model, tokenizer, processor=processor)
     calls, kls = _Calls(on_call), []
     agent = agent if agent is not None and agent.uses_tools else None
     with _left_padded(tokenizer), torch.inference_mode():
@@ -295,6 +297,7 @@ def _generate_all(
     ]
     row_texts = [texts[i : i + per_prompt // per_text] for i in range(0, len(texts), per_prompt // per_text)]
     lengths = [len(ids) for ids in tokenizer([t[0] for t in row_texts], add_special_tokens=False).input_ids]
+    images = [prompt_images(row["prompt"]) for row in rows]  # image prompts have no tools (refused)
     order = sorted(range(len(rows)), key=lambda i: lengths[i])
     out: Completions = [[] for _ in rows]
     uses: list[ToolUse | None] = [None] * len(rows)
@@ -304,7 +307,8 @@ def _generate_all(
         if episodes is not None:
             boxes = [episodes.toolboxes[i * per_prompt + k] for i in idx for k in range(per_prompt)]
         call = [text for i in idx for text in row_texts[i]]
-        batch = engine.generate(call, replace(sampling, num_generations=per_text), boxes)
+        pictures = {"images": [images[i] for i in idx]} if any(images) else {}  # image prompts only
+        batch = engine.generate(call, replace(sampling, num_generations=per_text), boxes, **pictures)
         if on_batch is not None:
             on_batch(batch)
         _collect(batch, idx, per_prompt, out, uses)

@@ -26,6 +26,7 @@ from leangrpo.core.logprobs import (
     logit_transform,
     token_logprobs,
 )
+from leangrpo.engines.vision import TOKEN_TYPE_FIELDS
 from leangrpo.models.load import is_peft, peft_base
 
 if TYPE_CHECKING:
@@ -123,6 +124,7 @@ class Policy(nn.Module):
         group: int = 1,
         with_entropy: bool = False,
         packing: shared_prompt.Packing | None = None,
+        vision: dict[str, Tensor] | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Log-probs of the completion tokens, each given everything before it, at the sampling
         temperature unless `temperature` is given (1.0 for supervised targets); `with_entropy`: and the
@@ -132,11 +134,16 @@ class Policy(nn.Module):
         returns [B, C]. group > 1: the shared-prompt layout of `shared_prompt.pack` ([R, P + group·C])
         with the [R, P] prompt mask; returns [R·group, C]. `packing`: the packed layout
         (`shared_prompt.packed`), which holds the tokens (`input_ids` and `attention_mask` unused);
-        returns [N, C], 0 where a completion has ended.
+        returns [N, C], 0 where a completion has ended. `vision`: the rows' pixel inputs (image prompts,
+        group = 1 only), for a vision-language model's whole forward.
         """
-        hidden, targets = self._completion_states(
-            input_ids, attention_mask, num_completion_tokens, group, packing
-        )
+        if vision is not None:
+            assert input_ids is not None and attention_mask is not None and group == 1 and packing is None
+            hidden, targets = self._vision_states(input_ids, attention_mask, num_completion_tokens, vision)
+        else:
+            hidden, targets = self._completion_states(
+                input_ids, attention_mask, num_completion_tokens, group, packing
+            )
         lm_head = self.base.get_output_embeddings()
         temperature = self.temperature if temperature is None else temperature
         bias = getattr(lm_head, "bias", None)
@@ -187,6 +194,21 @@ class Policy(nn.Module):
         hidden = self._laid_out(input_ids, mask, position_ids, shared_prompt.Layout(group))
         hidden = hidden.reshape(-1, hidden.shape[-1])[predictors]
         return hidden, input_ids[:, attention_mask.shape[1] :].reshape(-1, C)
+
+    def _vision_states(
+        self, input_ids: Tensor, attention_mask: Tensor, C: int, vision: dict[str, Tensor]
+    ) -> tuple[Tensor, Tensor]:
+        """`_completion_states` of image prompts: the vision-language model's own inner model (vision tower,
+        projector, the decoder given the image features) instead of its text decoder alone. Positions as
+        generate() numbers them: counting real tokens, or the model's own (Qwen-VL's 3-D rope, from the ids,
+        the mask and the image grid: no position_ids given)."""
+        inputs = {k: v[:, :-1] if k in TOKEN_TYPE_FIELDS else v for k, v in vision.items()}
+        if not any(k in vision for k in TOKEN_TYPE_FIELDS):
+            inputs["position_ids"] = (attention_mask[:, :-1].cumsum(-1) - 1).clamp(min=0)
+        hidden = self.base.model(
+            input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=False, **inputs
+        ).last_hidden_state[:, -C:]
+        return hidden, input_ids[:, -C:]
 
     def _laid_out(
         self,
@@ -308,7 +330,20 @@ def micro_batch_logprobs(
     else:
         input_ids = torch.cat([prompt_ids, completion_ids], 1)
         attention_mask = torch.cat([prompt_mask, completion_mask], 1)
-    out = policy(input_ids, attention_mask, num_completion, temperature, group, with_entropy, packing=packing)
+    vision = None
+    if rollout.vision is not None and input_ids is not None:
+        vision = rollout.vision.collate(rows, input_ids, prompt_ids.shape[1])
+    assert rollout.vision is None or (group == 1 and not packed), "image prompts run neither layout"
+    out = policy(
+        input_ids,
+        attention_mask,
+        num_completion,
+        temperature,
+        group,
+        with_entropy,
+        packing=packing,
+        vision=vision,
+    )
     if with_entropy:
         logp, entropy = out
         return logp, completion_mask, entropy

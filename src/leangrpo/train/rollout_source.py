@@ -14,7 +14,7 @@ import torch
 
 from leangrpo.core import grpo
 from leangrpo.data.rewards import RewardScores
-from leangrpo.data.rows import PromptFormat
+from leangrpo.data.rows import PromptFormat, prompt_images
 from leangrpo.data.sources import PromptSampler
 from leangrpo.engines.registry import async_engine, build_engine
 from leangrpo.engines.types import (
@@ -25,6 +25,7 @@ from leangrpo.engines.types import (
     eos_token_ids,
     rollout_func_batch,
 )
+from leangrpo.engines.vision import vision_processor
 from leangrpo.train.rollouts import AsyncRollouts, Generation, Job, Rollout, Taken, agreed, rollout_seed
 
 if TYPE_CHECKING:
@@ -53,7 +54,11 @@ class RolloutFuncEngine(PolicyEngine):
         self.device = device
 
     def generate(
-        self, prompt_texts: list[str], sampling: Sampling, toolboxes: list[Toolbox] | None = None
+        self,
+        prompt_texts: list[str],
+        sampling: Sampling,
+        toolboxes: list[Toolbox] | None = None,
+        images: list[list[Any]] | None = None,
     ) -> RolloutBatch:
         prompts = [self.prompts[text] for text in prompt_texts for _ in range(sampling.num_generations)]
         output = self.rollout_func(prompts, self.trainer)
@@ -130,6 +135,9 @@ class RolloutSource:
             for seed, shuffle in ((cfg.seed, cfg.data.shuffle_dataset), (cfg.seed + 2, True))
         )
         self._engine: RolloutEngine | None = None  # built at the first rollout, after any resume or SFT
+        self.processor = vision_processor(
+            rows, trainer.extras.tokenizer, cfg.model
+        )  # image prompts: the processor
         self._rollouts: AsyncRollouts | None = None  # grpo.async_rollouts: built with the engine
 
     @property
@@ -141,7 +149,9 @@ class RolloutSource:
         """The rollout engine (HF generate, or a vLLM engine built once and fed the current weights)."""
         if self._engine is None:
             gen = self.gen
-            self._engine = build_engine(self.cfg, self.unwrapped.lm, gen.tokenizer, gen.levers)
+            self._engine = build_engine(
+                self.cfg, self.unwrapped.lm, gen.tokenizer, gen.levers, self.processor
+            )
         return self._engine
 
     @property
@@ -241,9 +251,12 @@ class RolloutSource:
         seed = rollout_seed(cfg.seed, step, round_, self.acc.process_index)
         sampling = replace(self.sampling, seed=seed, num_generations=per_text)
         device = self.acc.device
+        images = [prompt_images(r["prompt"]) for r in rows] if self.processor is not None else None
 
         def generate(engine: RolloutEngine) -> Rollout:
-            batch = engine.generate(texts, sampling, None if episodes is None else episodes.toolboxes)
+            toolboxes = None if episodes is None else episodes.toolboxes
+            # images only for image prompts: an engine written for text prompts takes no images argument
+            batch = engine.generate(texts, sampling, toolboxes, **({"images": images} if images else {}))
             batch = batch.to(device)
             if episodes is not None and episodes.environments is not None and batch.tool_use is not None:
                 batch.tool_use.columns["environments"] = episodes.environments  # TRL gives them to rewards
