@@ -437,6 +437,11 @@ def accelerate_config(kind: str) -> None:
 @click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=click.FloatRange(0, 1))
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(0))
 @click.option("--trust-remote-code", is_flag=True, help="Let the model repository's own code run.")
+@click.option(
+    "--max-lora-rank", type=click.IntRange(1, 512),
+    help="Serve LoRA adapters up to this rank (rounded up to one vLLM accepts): a LoRA trainer then sends "
+    "its adapter alone at each sync, not the merged layers.",
+)  # fmt: skip
 @_user_errors
 def vllm_serve(model: str, **options: Any) -> None:
     """Serve MODEL with vLLM for `grpo.vllm_mode: server` runs: generation, weight updates, health
