@@ -39,12 +39,13 @@ from leangrpo.models.load import apply_lora, load_tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_server(model: Path) -> tuple[str, subprocess.Popen]:
+def start_server(model: Path, *options: str) -> tuple[str, subprocess.Popen]:
+    """`leangrpo vllm-serve` on `model` (fp32, 512 tokens) with `options`, in a process of its own."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = ["vllm-serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    args += ["--dtype", "float32", "--max-model-len", "512"]
+    args += ["--dtype", "float32", "--max-model-len", "512", *options]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     return f"http://127.0.0.1:{port}", subprocess.Popen([sys.executable, "-m", "leangrpo", *args], env=env)
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from leangrpo.config.schema import LoraConfig
 from leangrpo.engines.hf import generate
 from leangrpo.engines.types import Sampling, eos_token_ids
-from leangrpo.engines.vllm import VLLMEngine, VLLMError, applied_weights, served_lora_rank
+from leangrpo.engines.vllm import VLLMEngine, VLLMError, applied_weights
 from leangrpo.models.load import apply_lora, load_tokenizer
 from leangrpo.run.resolve import validate_config
 from leangrpo.train.policy import Policy, batch_logprobs
@@ -170,16 +170,21 @@ def adapter_bytes(model):
     return sum(p.nbytes for name, p in model.named_parameters() if "lora_" in name)
 
 
-def test_lora_sync_sends_the_adapter_alone_and_vllm_samples_the_trainers_policy(model_dir, tokenizer):
+def test_lora_sync_sends_the_adapter_alone_and_vllm_samples_the_trainers_policy(model_dir, tokenizer, caplog):
     """A LoRA run's engine serves the adapter through vLLM's LoRA: each sync hands over the adapter's
     tensors alone (their bytes, not the merged layers'), and after every sync vLLM samples the updated
     policy: HF's greedy output, and the trainer's log-probs within LOGPROB_ATOL. Before a sync it keeps
-    the adapter of the one before."""
+    the adapter of the one before. The difference from TRL (which sends merged weights) is said at start."""
     lora = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0}
-    engine = VLLMEngine.from_config(
-        config(model_dir, lora), tokenizer, eos_token_ids(tokenizer, load(model_dir))
-    )
+    with caplog.at_level("INFO", logger="leangrpo.engines.vllm"):
+        engine = VLLMEngine.from_config(
+            config(model_dir, lora), tokenizer, eos_token_ids(tokenizer, load(model_dir))
+        )
     assert engine.lora_rank == 8  # vLLM's smallest max_lora_rank that holds r=4
+    assert [r.getMessage() for r in caplog.records if r.name == "leangrpo.engines.vllm"] == [
+        "vLLM weight sync: the LoRA adapter alone, which vLLM serves (max_lora_rank 8); TRL sends the "
+        "merged weights"
+    ]
     model = with_lora(model_dir)
     for update in range(3):
         before = greedy_pair(engine, model, tokenizer)[0] if update else None
@@ -205,6 +210,8 @@ def test_an_adapter_vllm_cannot_serve_goes_merged_said_once(model_dir, tokenizer
     """The fallback: an adapter above the engine's max_lora_rank is sent merged, said in one line once,
     and vLLM still samples the trainer's policy; a rank above vLLM's own limit is said when the engine is
     built, which then serves no adapter."""
+    from leangrpo.engines.vllm import served_lora_rank
+
     lora = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0}
     engine = VLLMEngine.from_config(
         config(model_dir, lora), tokenizer, eos_token_ids(tokenizer, load(model_dir))
@@ -223,7 +230,7 @@ def test_an_adapter_vllm_cannot_serve_goes_merged_said_once(model_dir, tokenizer
         torch.testing.assert_close(
             sampled.sampling_logprobs, trainer_logprobs(model, sampled), atol=LOGPROB_ATOL, rtol=0
         )
-    said = [r.getMessage() for r in caplog.records if r.name == "leangrpo.engines.vllm"]
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert said == [
         "vLLM weight sync: the adapted layers go merged, not the adapter alone: rank 16 is above the "
         "engine's max_lora_rank 8"
@@ -298,6 +305,36 @@ def test_train_fail_and_resume_with_vllm_from_the_cli(tmp_path, model_dir, gsm8k
         assert r["vllm/is_ratio_mean"] == pytest.approx(1.0, abs=1e-3) and r["vllm/is_clipped_frac"] == 0
     assert rows[0]["grad_norm"] > 0 and (run / "model" / "model.safetensors").is_file()
     assert {p.name for p in (run / "eval").glob("*.json")} == {"step-0.json", "step-3.json"}
+
+
+def test_lora_training_syncs_the_adapter_alone_from_the_cli(tmp_path, model_dir, gsm8k_dir):
+    """`leangrpo train` under LoRA with use_vllm: every step's sync sends the adapter alone (logged as
+    vllm/sync_*), and the sampler's gap to the trainer stays at float32 noise, so vLLM sampled each
+    step with the adapter just trained (at this learning rate a missed sync shows far above 1e-3)."""
+    from click.testing import CliRunner
+    from test_e2e import read_metrics, write_config
+
+    from leangrpo.cli import main
+
+    run = tmp_path / "run"
+    cfg = write_config(
+        tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run,
+        model={"lora": {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0}},
+        grpo={"use_vllm": True, "num_generations": 4, "max_completion_length": 8, "max_prompt_length": 192},
+        optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 3,
+               "learning_rate": 5e-2},
+        logging={"progress_bar": False},
+    )  # fmt: skip
+    trained = CliRunner().invoke(main, ["train", "-c", str(cfg)])
+    assert trained.exit_code == 0, trained.output
+    rows = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["vllm/sync_adapter_only"] == 1 and r["vllm/sync_bytes"] == adapter_bytes(
+            with_lora(model_dir)
+        )
+        assert 0 < r["vllm/sync_seconds"] <= r["time/sync"]
+        assert r["vllm/logprob_diff_max"] < 1e-3, r
 
 
 def train_async(tmp_path, model_dir, gsm8k_dir, **grpo):

@@ -129,7 +129,7 @@ def test_greedy_output_after_an_update_equals_the_trainers(server, model_dir, to
     assert len({tuple(r.tolist()) for r in sampled.completion_ids[:3]}) > 1  # a group's samples differ
 
 
-def test_lora_sync_sends_the_adapter_alone_to_a_lora_server(lora_server, model_dir, tokenizer):  # noqa: F811
+def test_lora_sync_sends_the_adapter_alone_to_a_lora_server(lora_server, model_dir, tokenizer, caplog):  # noqa: F811
     """To a server of LoRA adapters, each sync of a LoRA policy sends its adapter alone (a file of its
     tensors' bytes and a header), and after every sync the server samples the updated policy: HF's
     greedy output, and the trainer's log-probs within LOGPROB_ATOL; before a sync, the adapter before."""
@@ -138,8 +138,13 @@ def test_lora_sync_sends_the_adapter_alone_to_a_lora_server(lora_server, model_d
     from test_vllm_engine import adapter_bytes, move_adapter, with_lora
 
     model = with_lora(model_dir)
-    engine = client(lora_server[0], model, str(model_dir), tokenizer)
+    with caplog.at_level("INFO", logger="leangrpo.engines.vllm"):
+        engine = client(lora_server[0], model, str(model_dir), tokenizer)
     assert engine.lora_rank == 8 and engine.merged_why is None  # --max-lora-rank 5, rounded up
+    assert [r.getMessage() for r in caplog.records if r.name == "leangrpo.engines.vllm"] == [
+        "vLLM weight sync: the LoRA adapter alone, which vLLM serves (max_lora_rank 8); TRL sends the "
+        "merged weights"
+    ]
     before = None
     for update in range(3):
         move_adapter(model, update)

@@ -206,8 +206,8 @@ def reload_weights(llm: Any, method: str | Callable[..., None] = "reload_weights
 
 def served_lora_rank(lora: LoraConfig) -> int | None:
     """The `max_lora_rank` an engine needs to serve the run's adapter, the smallest of LORA_RANKS that holds
-    it; None without LoRA, and for a rank above vLLM's limit, said in one line (syncs then send the adapted
-    layers merged)."""
+    it; None without LoRA. Either way said in one line: a rank above vLLM's limit means syncs send the
+    adapted layers merged."""
     if not lora.enabled:
         return None
     rank = next((r for r in LORA_RANKS if r >= lora.r), None)
@@ -216,7 +216,18 @@ def served_lora_rank(lora: LoraConfig) -> int | None:
             f"vLLM weight sync: the adapted layers go merged, not the adapter alone: LoRA rank {lora.r} is "
             f"above the {LORA_RANKS[-1]} vLLM can serve"
         )
+    else:
+        say_adapter_sync(rank)
     return rank
+
+
+def say_adapter_sync(rank: int) -> None:
+    """The start-up line of a LoRA run whose syncs send the adapter alone (a deliberate difference: TRL's
+    GRPOTrainer sends the merged weights)."""
+    logger.info(
+        f"vLLM weight sync: the LoRA adapter alone, which vLLM serves (max_lora_rank {rank}); TRL sends "
+        "the merged weights"
+    )
 
 
 def adapter_refusal(model: PeftModel, max_rank: int | None) -> str | None:

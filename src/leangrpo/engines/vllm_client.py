@@ -45,6 +45,7 @@ from leangrpo.engines.vllm import (
     run_context,
     sampled_batch,
     sampling_fields,
+    say_adapter_sync,
 )
 from leangrpo.models.load import is_peft
 
@@ -124,7 +125,8 @@ class VLLMServerEngine:
         self.communicator: Any = None  # the NCCL group (CUDA), opened at the first sync
         self.lora_rank: int | None = info.get("max_lora_rank")
         self.merged_why: str | None = None  # why syncs of a peft model send it merged, once said
-        self._sends_adapter(model)  # said at start
+        if self._sends_adapter(model) and self.lora_rank is not None:  # either way said at start
+            say_adapter_sync(self.lora_rank)
         self.adapters = 0  # adapters the server loaded
         self.last_sync: SyncStats | None = None
 
