@@ -230,7 +230,11 @@ def test_an_adapter_vllm_cannot_serve_goes_merged_said_once(model_dir, tokenizer
         torch.testing.assert_close(
             sampled.sampling_logprobs, trainer_logprobs(model, sampled), atol=LOGPROB_ATOL, rtol=0
         )
-    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "leangrpo.engines.vllm" and r.levelname == "WARNING"
+    ]
     assert said == [
         "vLLM weight sync: the adapted layers go merged, not the adapter alone: rank 16 is above the "
         "engine's max_lora_rank 8"
@@ -239,7 +243,11 @@ def test_an_adapter_vllm_cannot_serve_goes_merged_said_once(model_dir, tokenizer
     caplog.clear()
     with caplog.at_level("WARNING", logger="leangrpo.engines.vllm"):
         assert served_lora_rank(LoraConfig(enabled=True, r=1024)) is None
-    assert [r.getMessage() for r in caplog.records] == [
+    assert [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "leangrpo.engines.vllm" and r.levelname == "WARNING"
+    ] == [
         "vLLM weight sync: the adapted layers go merged, not the adapter alone: LoRA rank 1024 is above "
         "the 512 vLLM can serve"
     ]
