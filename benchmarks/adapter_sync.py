@@ -52,7 +52,7 @@ def measure(engine: RolloutEngine, model: torch.nn.Module, repeats: int) -> tupl
         assert engine.last_sync is not None
         seconds.append(engine.last_sync.seconds)
         size = engine.last_sync.bytes
-    batch = engine.generate(PROMPTS, Sampling(num_generations=2, max_completion_length=16))
+    batch = engine.generate(PROMPTS, Sampling(num_generations=2, max_prompt_length=32, max_completion_length=16))
     trainer = batch_logprobs(Policy(model, 1.0), batch, micro_batch=len(PROMPTS) * 2)  # type: ignore[arg-type]
     assert batch.sampling_logprobs is not None
     gap = float(((batch.sampling_logprobs - trainer) * batch.completion_mask).abs().max())

@@ -212,10 +212,7 @@ def served_lora_rank(lora: LoraConfig) -> int | None:
         return None
     rank = next((r for r in LORA_RANKS if r >= lora.r), None)
     if rank is None:
-        logger.warning(
-            f"vLLM weight sync: the adapted layers go merged, not the adapter alone: LoRA rank {lora.r} is "
-            f"above the {LORA_RANKS[-1]} vLLM can serve"
-        )
+        say_merged(f"LoRA rank {lora.r} is above the {LORA_RANKS[-1]} vLLM can serve")
     else:
         say_adapter_sync(rank)
     return rank
@@ -228,6 +225,12 @@ def say_adapter_sync(rank: int) -> None:
         f"vLLM weight sync: the LoRA adapter alone, which vLLM serves (max_lora_rank {rank}); TRL sends "
         "the merged weights"
     )
+
+
+def say_merged(why: str) -> str:
+    """`why`, said in one line: syncs of the run's peft model send merged layers, not the adapter alone."""
+    logger.warning(f"vLLM weight sync: the adapted layers go merged, not the adapter alone: {why}")
+    return why
 
 
 def adapter_refusal(model: PeftModel, max_rank: int | None) -> str | None:
@@ -472,8 +475,7 @@ class VLLMEngine:
 
     def _merge_because(self, why: str | None) -> None:
         if why is not None:
-            self.merged_why = why
-            logger.warning(f"vLLM weight sync: the adapted layers go merged, not the adapter alone: {why}")
+            self.merged_why = say_merged(why)
 
     def _sync_adapter(self, model: PeftModel) -> list[int] | None:
         """Load the adapter into vLLM; its bytes, or None when vLLM refused the first one (the caller then

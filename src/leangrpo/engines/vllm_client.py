@@ -17,7 +17,6 @@ once. The key in LEANGRPO_VLLM_API_KEY, when set, goes with every request (`vllm
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import socket
@@ -46,6 +45,7 @@ from leangrpo.engines.vllm import (
     sampled_batch,
     sampling_fields,
     say_adapter_sync,
+    say_merged,
 )
 from leangrpo.models.load import is_peft
 
@@ -65,7 +65,6 @@ API_KEY_ENV = "LEANGRPO_VLLM_API_KEY"
 """The shared key `leangrpo vllm-serve --api-key` requires, sent by the client as `Authorization: Bearer`."""
 CONNECT_TIMEOUT = 10.0
 """Seconds to open a connection to the server."""
-logger = logging.getLogger("leangrpo.engines.vllm")
 
 
 def server_url(base_url: str | None, host: str, port: int) -> str:
@@ -218,8 +217,7 @@ class VLLMServerEngine:
 
     def _merge_because(self, why: str | None) -> None:
         if why is not None:
-            self.merged_why = why
-            logger.warning(f"vLLM weight sync: the adapted layers go merged, not the adapter alone: {why}")
+            self.merged_why = say_merged(why)
 
     def _send_adapter(self, model: PeftModel) -> int:
         """The adapter's tensors as one safetensors file in the server's weights directory, loaded there as
