@@ -8,7 +8,8 @@ A LoRA model (all-linear, rank `--rank`, random weights of the `--model` archite
 benchmarks/rollout_vllm.py) is synced `--repeats` times into each engine through `sync_weights`, after a
 small update of its B matrices each time; the rows are what the run's vllm/sync_bytes and vllm/sync_seconds
 log (the median over the repeats after the first), and the gap of vLLM's sampled log-probs to the trainer's
-after the last sync. Merged: an engine without LoRA (the fallback); adapter: one that serves it (colocated:
+after the last sync, and the seconds vLLM then takes to generate 2 prompts × 8 × 64 tokens (LoRA layers on
+or off). Merged: an engine without LoRA (the fallback); adapter: one that serves it (colocated:
 `lora_rank`; server: `--max-lora-rank`). Prints a markdown table and the 1-minute load average before and
 after.
 """
@@ -19,6 +20,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -38,9 +40,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 PROMPTS = ["The cat sat on the", "Once upon a time, in a land far away, there lived a"]
 
 
-def measure(engine: RolloutEngine, model: torch.nn.Module, repeats: int) -> tuple[float, float, float]:
-    """(MB, median seconds, largest |sampler - trainer| log-prob gap after the last sync) of `repeats` syncs,
-    the first left out of the median (it builds what later ones reuse)."""
+def measure(engine: RolloutEngine, model: torch.nn.Module, repeats: int) -> tuple[float, float, float, float]:
+    """(MB, median seconds, largest |sampler - trainer| log-prob gap after the last sync, seconds to generate
+    2 prompts × 8 × 64 tokens after it) of `repeats` syncs, the first left out of the median (it builds what
+    later ones reuse)."""
     seconds, size = [], 0
     for i in range(repeats):
         torch.manual_seed(i)
@@ -52,11 +55,17 @@ def measure(engine: RolloutEngine, model: torch.nn.Module, repeats: int) -> tupl
         assert engine.last_sync is not None
         seconds.append(engine.last_sync.seconds)
         size = engine.last_sync.bytes
-    batch = engine.generate(PROMPTS, Sampling(num_generations=2, max_prompt_length=32, max_completion_length=16))
+    batch = engine.generate(
+        PROMPTS, Sampling(num_generations=2, max_prompt_length=32, max_completion_length=16)
+    )
     trainer = batch_logprobs(Policy(model, 1.0), batch, micro_batch=len(PROMPTS) * 2)  # type: ignore[arg-type]
     assert batch.sampling_logprobs is not None
     gap = float(((batch.sampling_logprobs - trainer) * batch.completion_mask).abs().max())
-    return size / 1e6, statistics.median(seconds[1:] or seconds), gap
+    start = time.perf_counter()
+    engine.generate(
+        PROMPTS, Sampling(num_generations=8, max_prompt_length=32, max_completion_length=64, ignore_eos=True)
+    )
+    return size / 1e6, statistics.median(seconds[1:] or seconds), gap, time.perf_counter() - start
 
 
 def main() -> None:
@@ -89,10 +98,10 @@ def main() -> None:
             proc.terminate()
             proc.wait()
     print(f"load after: {os.getloadavg()[0]:.1f}")
-    print("| sync | MB sent | s per sync (median) | max log-prob gap after |")
-    print("|---|---|---|---|")
-    for mode, mb, seconds, gap in rows:
-        print(f"| {mode} | {mb:.2f} | {seconds:.3f} | {gap:.1e} |")
+    print("| sync | MB sent | s per sync (median) | max log-prob gap after | generate s (16 × 64 tokens) |")
+    print("|---|---|---|---|---|")
+    for mode, mb, seconds, gap, generate in rows:
+        print(f"| {mode} | {mb:.2f} | {seconds:.3f} | {gap:.1e} | {generate:.2f} |")
 
 
 if __name__ == "__main__":
