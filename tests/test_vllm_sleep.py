@@ -54,7 +54,9 @@ def engine(monkeypatch, tiny_model_dir):
 
     llm = FakeLLM()
     monkeypatch.setattr(vllm, "build_llm", lambda *a, **k: llm)
-    monkeypatch.setattr(vllm, "sample_tokens", lambda llm, prompts, fields, seeds: llm.sample(prompts))
+    monkeypatch.setattr(
+        vllm, "sample_tokens", lambda llm, prompts, fields, seeds, adapter=None: llm.sample(prompts)
+    )
     tok = load_tokenizer(str(tiny_model_dir))
     return vllm.VLLMEngine(str(tiny_model_dir), tok, [tok.eos_token_id], max_model_len=64, sleep_mode=True)
 

@@ -448,6 +448,11 @@ def accelerate_config(kind: str) -> None:
     "it the server refuses every request in one line until restarted.",
 )  # fmt: skip
 @click.option("--trust-remote-code", is_flag=True, help="Let the model repository's own code run.")
+@click.option(
+    "--max-lora-rank", type=click.IntRange(1, 512),
+    help="Serve LoRA adapters up to this rank (rounded up to one vLLM accepts): a LoRA trainer then sends "
+    "its adapter alone at each sync, not the merged layers.",
+)  # fmt: skip
 @_user_errors
 def vllm_serve(model: str, **options: Any) -> None:
     """Serve MODEL with vLLM for `grpo.vllm_mode: server` runs: generation, weight updates, health

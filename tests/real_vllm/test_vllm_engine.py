@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from leangrpo.config.schema import LoraConfig
 from leangrpo.engines.hf import generate
 from leangrpo.engines.types import Sampling, eos_token_ids
-from leangrpo.engines.vllm import VLLMEngine, VLLMError
+from leangrpo.engines.vllm import VLLMEngine, VLLMError, applied_weights
 from leangrpo.models.load import apply_lora, load_tokenizer
 from leangrpo.run.resolve import validate_config
 from leangrpo.train.policy import Policy, batch_logprobs
@@ -34,10 +34,11 @@ def model_dir(tmp_path_factory, real_tokenizer_dir):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-vllm"), real_tokenizer_dir, num_attention_heads=2)
 
 
-def config(model_dir, **grpo):
+def config(model_dir, lora=None, **grpo):
+    """A run's config (`lora`: its model.lora section)."""
     return validate_config(
         {
-            "model": {"name_or_path": str(model_dir)},
+            "model": {"name_or_path": str(model_dir), **({"lora": lora} if lora else {})},
             "data": {"path": "unused.jsonl"},
             "rewards": {"functions": [{"name": "int"}]},
             "grpo": {"use_vllm": True, "max_prompt_length": 32, "max_completion_length": 12, **grpo},
@@ -150,6 +151,108 @@ def test_weight_sync_makes_vllm_generate_with_the_updated_policy(engine, model_d
     )
 
 
+def with_lora(model_dir, r=4):
+    """The tiny model under a LoRA adapter of rank `r` on every Linear (B zero: the base model's output)."""
+    return apply_lora(load(model_dir), LoraConfig(enabled=True, r=r, alpha=2 * r, dropout=0.0)).eval()
+
+
+def move_adapter(model, seed):
+    """An update of the adapter alone (its B matrices), large enough to change the greedy output, of the
+    scale the merged sync's tests use."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+
+
+def adapter_bytes(model):
+    return sum(p.nbytes for name, p in model.named_parameters() if "lora_" in name)
+
+
+def test_lora_sync_sends_the_adapter_alone_and_vllm_samples_the_trainers_policy(model_dir, tokenizer, caplog):
+    """A LoRA run's engine serves the adapter through vLLM's LoRA: each sync hands over the adapter's
+    tensors alone (their bytes, not the merged layers'), and after every sync vLLM samples the updated
+    policy: HF's greedy output, and the trainer's log-probs within LOGPROB_ATOL. Before a sync it keeps
+    the adapter of the one before. The difference from TRL (which sends merged weights) is said at start."""
+    lora = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0}
+    with caplog.at_level("INFO", logger="leangrpo.engines.vllm"):
+        engine = VLLMEngine.from_config(
+            config(model_dir, lora), tokenizer, eos_token_ids(tokenizer, load(model_dir))
+        )
+    assert engine.lora_rank == 8  # vLLM's smallest max_lora_rank that holds r=4
+    assert [r.getMessage() for r in caplog.records if r.name == "leangrpo.engines.vllm"] == [
+        "vLLM weight sync: the LoRA adapter alone, which vLLM serves (max_lora_rank 8); TRL sends the "
+        "merged weights"
+    ]
+    model = with_lora(model_dir)
+    for update in range(3):
+        before = greedy_pair(engine, model, tokenizer)[0] if update else None
+        move_adapter(model, update)
+        if before is not None:  # not synced yet: the adapter of the sync before
+            torch.testing.assert_close(
+                greedy_pair(engine, model, tokenizer)[0].completion_ids, before.completion_ids
+            )
+        engine.sync_weights(model)
+        assert engine.last_sync is not None and engine.last_sync.adapter_only
+        assert engine.last_sync.bytes == adapter_bytes(model) and engine.last_sync.seconds > 0
+        synced, hf = greedy_pair(engine, model, tokenizer)
+        torch.testing.assert_close(synced.completion_ids, hf.completion_ids)
+        if before is not None:
+            assert not torch.equal(synced.completion_ids, before.completion_ids)  # the update shows
+        sampled = engine.generate(PROMPTS, Sampling(num_generations=2, temperature=0.7, **LENGTHS))
+        want = trainer_logprobs(model, sampled, temperature=0.7)
+        torch.testing.assert_close(sampled.sampling_logprobs, want, atol=LOGPROB_ATOL, rtol=0)
+    engine.close()
+
+
+def test_an_adapter_vllm_cannot_serve_goes_merged_said_once(model_dir, tokenizer, caplog):
+    """The fallback: an adapter above the engine's max_lora_rank is sent merged, said in one line once,
+    and vLLM still samples the trainer's policy; a rank above vLLM's own limit is said when the engine is
+    built, which then serves no adapter."""
+    from leangrpo.engines.vllm import served_lora_rank
+
+    lora = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0}
+    engine = VLLMEngine.from_config(
+        config(model_dir, lora), tokenizer, eos_token_ids(tokenizer, load(model_dir))
+    )
+    model = with_lora(model_dir, r=16)  # above the engine's max_lora_rank 8
+    merged = sum(t.nbytes for _, t in applied_weights(model))
+    for update in range(2):
+        move_adapter(model, update)
+        with caplog.at_level("WARNING", logger="leangrpo.engines.vllm"):
+            engine.sync_weights(model)
+        assert engine.last_sync is not None and not engine.last_sync.adapter_only
+        assert engine.last_sync.bytes == merged > 10 * adapter_bytes(model)
+        synced, hf = greedy_pair(engine, model, tokenizer)
+        torch.testing.assert_close(synced.completion_ids, hf.completion_ids)
+        sampled = engine.generate(PROMPTS, Sampling(num_generations=2, **LENGTHS))
+        torch.testing.assert_close(
+            sampled.sampling_logprobs, trainer_logprobs(model, sampled), atol=LOGPROB_ATOL, rtol=0
+        )
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "leangrpo.engines.vllm" and r.levelname == "WARNING"
+    ]
+    assert said == [
+        "vLLM weight sync: the adapted layers go merged, not the adapter alone: rank 16 is above the "
+        "engine's max_lora_rank 8"
+    ]
+    engine.close()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="leangrpo.engines.vllm"):
+        assert served_lora_rank(LoraConfig(enabled=True, r=1024)) is None
+    assert [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "leangrpo.engines.vllm" and r.levelname == "WARNING"
+    ] == [
+        "vLLM weight sync: the adapted layers go merged, not the adapter alone: LoRA rank 1024 is above "
+        "the 512 vLLM can serve"
+    ]
+
+
 def test_bad_inputs_get_one_line(model_dir, tmp_path, tokenizer):
     cfg = config(model_dir, vllm_enable_sleep_mode=True)
     if not torch.cuda.is_available():
@@ -210,6 +313,36 @@ def test_train_fail_and_resume_with_vllm_from_the_cli(tmp_path, model_dir, gsm8k
         assert r["vllm/is_ratio_mean"] == pytest.approx(1.0, abs=1e-3) and r["vllm/is_clipped_frac"] == 0
     assert rows[0]["grad_norm"] > 0 and (run / "model" / "model.safetensors").is_file()
     assert {p.name for p in (run / "eval").glob("*.json")} == {"step-0.json", "step-3.json"}
+
+
+def test_lora_training_syncs_the_adapter_alone_from_the_cli(tmp_path, model_dir, gsm8k_dir):
+    """`leangrpo train` under LoRA with use_vllm: every step's sync sends the adapter alone (logged as
+    vllm/sync_*), and the sampler's gap to the trainer stays at float32 noise, so vLLM sampled each
+    step with the adapter just trained (at this learning rate a missed sync shows far above 1e-3)."""
+    from click.testing import CliRunner
+    from test_e2e import read_metrics, write_config
+
+    from leangrpo.cli import main
+
+    run = tmp_path / "run"
+    cfg = write_config(
+        tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run,
+        model={"lora": {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0}},
+        grpo={"use_vllm": True, "num_generations": 4, "max_completion_length": 8, "max_prompt_length": 192},
+        optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 3,
+               "learning_rate": 5e-2},
+        logging={"progress_bar": False},
+    )  # fmt: skip
+    trained = CliRunner().invoke(main, ["train", "-c", str(cfg)])
+    assert trained.exit_code == 0, trained.output
+    rows = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["vllm/sync_adapter_only"] == 1 and r["vllm/sync_bytes"] == adapter_bytes(
+            with_lora(model_dir)
+        )
+        assert 0 < r["vllm/sync_seconds"] <= r["time/sync"]
+        assert r["vllm/logprob_diff_max"] < 1e-3, r
 
 
 def train_async(tmp_path, model_dir, gsm8k_dir, **grpo):

@@ -26,14 +26,15 @@ def model_dir(tmp_path_factory, real_tokenizer_dir):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-vllm"), real_tokenizer_dir, num_attention_heads=2)
 
 
-def launch_run(tmp_path, model_dir, gsm8k_dir, launch, port, **grpo):
-    """`accelerate launch` of 2 processes training 3 steps with vLLM (`grpo`: more of its settings); the
+def launch_run(tmp_path, model_dir, gsm8k_dir, launch, port, model=None, **grpo):
+    """`accelerate launch` of 2 processes training 3 steps with vLLM (`grpo`: more of its settings, `model`
+    of the model section's); the
     steps' metrics, after checking that both processes ran and every step's trainer/sampler log-prob gap,
     the largest over both processes, stayed at float32 noise: only so if each process's engine got the
     weights of the step before (at this learning rate an update moves the log-probs far more)."""
     run = tmp_path / "run"
     cfg = write_config(
-        tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run,
+        tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run, model=model or {},
         grpo={"use_vllm": True, "num_generations": 4, "max_completion_length": 8, "max_prompt_length": 192,
               **grpo},
         optim={"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "max_steps": 3,
@@ -58,7 +59,18 @@ def launch_run(tmp_path, model_dir, gsm8k_dir, launch, port, **grpo):
         assert r["vllm/logprob_diff_max"] < 1e-3, r  # both processes' engines, the largest gap
         assert r["vllm/is_ratio_mean"] == pytest.approx(1.0, abs=1e-3) and r["vllm/is_clipped_frac"] == 0
     assert rows[0]["grad_norm"] > 0 and (run / "model" / "model.safetensors").is_file()
-    return rows
+    return rows, proc.stderr
+
+
+@pytest.mark.parametrize(("launch", "port", "adapter_only"), [("ddp", 29564, 1), ("fsdp2", 29565, 0)])
+def test_each_process_syncs_its_lora_engine(tmp_path, model_dir, gsm8k_dir, launch, port, adapter_only):
+    """LoRA: under DDP each process's engine takes the adapter alone; under FSDP2 the merged layers, one
+    shard group at a time, as said at start. Every step's gap stays at float32 noise (`launch_run`)."""
+    lora = {"lora": {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0}}
+    rows, stderr = launch_run(tmp_path, model_dir, gsm8k_dir, launch, port, model=lora)
+    assert all(r["vllm/sync_adapter_only"] == adapter_only for r in rows), rows
+    said = "the adapted layers go merged, not the adapter alone: the weights are sharded (FSDP2)"
+    assert (said in stderr) == (launch == "fsdp2")
 
 
 @pytest.mark.parametrize(("launch", "port"), [("ddp", 29561), ("fsdp2", 29562)])

@@ -42,13 +42,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):  # noqa: F811
-    """`leangrpo vllm-serve` on the tiny model, in a process of its own: (url, process)."""
+def serve(model_dir, *options):  # noqa: F811
+    """`leangrpo vllm-serve` on the tiny model, in a process of its own, until the fixture ends: (url,
+    process)."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     args = ["vllm-serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
-    args += ["--dtype", "float32", "--max-model-len", "256"]
+    args += ["--dtype", "float32", "--max-model-len", "256", *options]
     proc = subprocess.Popen([sys.executable, "-m", "leangrpo", *args], env=env)
     yield f"http://127.0.0.1:{port}", proc
     proc.send_signal(signal.SIGINT)
@@ -56,6 +56,18 @@ def server(model_dir):  # noqa: F811
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):  # noqa: F811
+    """A server without LoRA: a LoRA trainer sends it the adapted layers merged."""
+    yield from serve(model_dir)
+
+
+@pytest.fixture(scope="module")
+def lora_server(model_dir):  # noqa: F811
+    """A server of LoRA adapters up to rank 8."""
+    yield from serve(model_dir, "--max-lora-rank", "5")
 
 
 def client(url, model, name, tokenizer, timeout=180.0):  # noqa: F811
@@ -69,9 +81,10 @@ def greedy_pair(engine, model, tokenizer):  # noqa: F811
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_greedy_output_after_an_update_equals_the_trainers(server, model_dir, tokenizer, lora):  # noqa: F811
+def test_greedy_output_after_an_update_equals_the_trainers(server, model_dir, tokenizer, lora, caplog):  # noqa: F811
     """The server samples from the weights pushed to it: before the push its greedy output is the old
-    policy's, after it HF's on the updated one (LoRA: only the adapted layers are sent)."""
+    policy's, after it HF's on the updated one (LoRA, to a server without it: only the adapted layers are
+    sent, merged, as said in one line)."""
     model = load(model_dir)
     engine = client(server[0], model, str(model_dir), tokenizer)
     engine.sync_weights(model)
@@ -92,7 +105,18 @@ def test_greedy_output_after_an_update_equals_the_trainers(server, model_dir, to
     stale, hf = greedy_pair(engine, model, tokenizer)
     torch.testing.assert_close(stale.completion_ids, before.completion_ids)  # not pushed yet
     assert not torch.equal(hf.completion_ids, before.completion_ids)  # the update changed the output
-    engine.sync_weights(model)
+    with caplog.at_level("WARNING", logger="leangrpo.engines.vllm"):
+        engine.sync_weights(model)
+    said = [r.getMessage() for r in caplog.records if r.name == "leangrpo.engines.vllm"]
+    assert said == (
+        [
+            "vLLM weight sync: the adapted layers go merged, not the adapter alone: the vLLM server at "
+            f"{server[0]} serves no LoRA (start it with --max-lora-rank)"
+        ]
+        if lora
+        else []
+    )
+    assert engine.last_sync is not None and not engine.last_sync.adapter_only and engine.last_sync.bytes > 0
     synced, hf = greedy_pair(engine, model, tokenizer)
     torch.testing.assert_close(synced.completion_ids, hf.completion_ids)
     torch.manual_seed(1)
@@ -103,6 +127,45 @@ def test_greedy_output_after_an_update_equals_the_trainers(server, model_dir, to
     again = engine.generate(PROMPTS, Sampling(num_generations=3, temperature=0.7, **LENGTHS))
     assert torch.equal(again.completion_ids, sampled.completion_ids)
     assert len({tuple(r.tolist()) for r in sampled.completion_ids[:3]}) > 1  # a group's samples differ
+
+
+def test_lora_sync_sends_the_adapter_alone_to_a_lora_server(lora_server, model_dir, tokenizer, caplog):  # noqa: F811
+    """To a server of LoRA adapters, each sync of a LoRA policy sends its adapter alone (a file of its
+    tensors' bytes and a header), and after every sync the server samples the updated policy: HF's
+    greedy output, and the trainer's log-probs within LOGPROB_ATOL; before a sync, the adapter before."""
+    from pathlib import Path
+
+    from test_vllm_engine import adapter_bytes, move_adapter, with_lora
+
+    model = with_lora(model_dir)
+    with caplog.at_level("INFO", logger="leangrpo.engines.vllm"):
+        engine = client(lora_server[0], model, str(model_dir), tokenizer)
+    assert engine.lora_rank == 8 and engine.merged_why is None  # --max-lora-rank 5, rounded up
+    assert [r.getMessage() for r in caplog.records if r.name == "leangrpo.engines.vllm"] == [
+        "vLLM weight sync: the LoRA adapter alone, which vLLM serves (max_lora_rank 8); TRL sends the "
+        "merged weights"
+    ]
+    before = None
+    for update in range(3):
+        move_adapter(model, update)
+        if before is not None:  # not pushed yet: the adapter of the sync before
+            torch.testing.assert_close(greedy_pair(engine, model, tokenizer)[0].completion_ids, before)
+        engine.sync_weights(model)
+        sync = engine.last_sync
+        assert sync is not None and sync.adapter_only
+        assert adapter_bytes(model) < sync.bytes < adapter_bytes(model) + 20_000, sync  # + the file's header
+        synced, hf = greedy_pair(engine, model, tokenizer)
+        torch.testing.assert_close(synced.completion_ids, hf.completion_ids)
+        assert before is None or not torch.equal(synced.completion_ids, before)  # the update shows
+        before = synced.completion_ids
+        sampled = engine.generate(PROMPTS, Sampling(num_generations=2, temperature=0.7, **LENGTHS))
+        want = trainer_logprobs(model, sampled, temperature=0.7)
+        torch.testing.assert_close(sampled.sampling_logprobs, want, atol=LOGPROB_ATOL, rtol=0)
+    # the server's weights directory holds the served adapter's own directory, nothing else
+    assert [p.name for p in Path(engine.weights_dir).iterdir()] == [
+        "adapter-" + str(lora_server[1].pid) + "-3"
+    ]
+    engine.close()
 
 
 def test_mismatch_and_no_server_are_refused_in_one_line(server, model_dir, tokenizer):  # noqa: F811

@@ -177,16 +177,36 @@ class EngineError(UserError, RuntimeError):
     """The engine failed while generating or taking weights (the trainer then checkpoints and stops)."""
 
 
+@dataclass(frozen=True)
+class SyncStats:
+    """One weight sync into an engine holding its own copy: the bytes handed over (the adapter's tensors,
+    or the weights sent merged or whole), the seconds it took, and which of the two it was."""
+
+    bytes: int
+    seconds: float
+    adapter_only: bool
+
+    def metrics(self) -> dict[str, float]:
+        """The step's vllm/sync_* metrics (docs/vllm.md)."""
+        return {
+            "vllm/sync_bytes": float(self.bytes),
+            "vllm/sync_seconds": self.seconds,
+            "vllm/sync_adapter_only": float(self.adapter_only),
+        }
+
+
 class RolloutEngine(Protocol):
     """What the trainer generates with, and what it needs to know of it. `holds_weights`: the engine
     keeps a copy of the weights of its own, which `sync_weights` replaces with the model's current ones
     (`weights`: those weights as the caller streams them, when they are not whole in `model`, as under
     FSDP2); otherwise it reads the policy itself and `sync_weights` does nothing. `sampler_logprobs`: its
     batches carry the sampler's log-prob of each token (the importance-sampling correction weighs the gap
-    to the trainer's). `close` lets go of what the engine holds beyond its memory."""
+    to the trainer's). `last_sync`: what its latest `sync_weights` moved (None: nothing synced). `close`
+    lets go of what the engine holds beyond its memory."""
 
     holds_weights: bool
     sampler_logprobs: bool
+    last_sync: SyncStats | None
 
     def generate(
         self,
@@ -211,6 +231,7 @@ class PolicyEngine:
     no sampler log-probs (the trainer's are the sampler's), nothing to close."""
 
     holds_weights = sampler_logprobs = False
+    last_sync: SyncStats | None = None
 
     def sync_weights(
         self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None

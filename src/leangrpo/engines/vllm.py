@@ -4,16 +4,22 @@ One `vllm.LLM` is created once per run in each training process (several process
 tensor-parallel 1, `_executor`). It samples with the same settings, prompt tokens and EOS rule
 as the HF path, returns its own sampling log-probs (for the importance-sampling correction in
 grpo.py), and receives the policy's weights after every update: full fine-tuning streams each
-parameter into vLLM's copy, LoRA streams each adapted Linear with its adapter merged in.
+parameter into vLLM's copy; LoRA hands vLLM the adapter alone, served through its LoRA support
+(`adapter_refusal` says when it cannot: then each adapted Linear is streamed with its adapter merged in).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
+import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -25,6 +31,7 @@ from leangrpo.engines.types import (
     EngineError,
     RolloutBatch,
     Sampling,
+    SyncStats,
     encode_prompts,
     finish_batch,
     with_tools,
@@ -33,11 +40,16 @@ from leangrpo.engines.vision import refuse_on_vllm
 from leangrpo.models.load import is_peft, linear_weight, resolve_model_path
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from leangrpo.config.schema import Config
+    from leangrpo.config.schema import Config, LoraConfig
 
 INSTALL = 'pip install "leangrpo[vllm]"'
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM 0.32 accepts (a capacity: an adapter of a lower rank is served too)."""
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+logger = logging.getLogger("leangrpo.engines.vllm")
 
 
 class VLLMError(EngineError):
@@ -109,10 +121,13 @@ def build_llm(
     sleep_mode: bool = False,
     trust_remote_code: bool = False,
     tensor_parallel_size: int = 1,
+    max_lora_rank: int | None = None,
 ) -> Any:
     """A `vllm.LLM` on `path` set up to sample as the trainer does (colocated, or in `leangrpo vllm-serve`);
-    a model vLLM cannot load is one VLLMError line."""
+    with `max_lora_rank`, it serves one LoRA adapter at a time of up to that rank (`load_adapter`). A model
+    vLLM cannot load is one VLLMError line."""
     vllm = import_vllm()
+    lora = {} if max_lora_rank is None else dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
     try:
         llm = vllm.LLM(
             model=path,
@@ -131,6 +146,7 @@ def build_llm(
             enable_prefix_caching=True,
             enforce_eager=not torch.cuda.is_available(),  # CUDA graphs pay off on GPUs only
             distributed_executor_backend=_executor(),
+            **lora,
         )
     except Exception as e:  # vLLM raises many types for a model it cannot run
         raise VLLMError(f"vLLM could not load {path}: {_last_line(e)}") from e
@@ -161,10 +177,11 @@ def sampling_fields(sampling: Sampling, eos: list[int]) -> dict[str, Any]:
 
 
 def sample_tokens(
-    llm: Any, prompts: list[list[int]], fields: dict[str, Any], seeds: list[int | None]
+    llm: Any, prompts: list[list[int]], fields: dict[str, Any], seeds: list[int | None], adapter: Any = None
 ) -> tuple[list[list[int]], list[list[float]]]:
     """One completion of each token list (its own request and seed) and vLLM's log-prob of each token (of
-    the distribution it drew from: after a structured-outputs mask too)."""
+    the distribution it drew from: after a structured-outputs mask too); `adapter`: the LoRARequest of the
+    adapter to sample with (`load_adapter`), None for the bare model."""
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -173,7 +190,7 @@ def sample_tokens(
     requests = [{"prompt_token_ids": ids} for ids in prompts]
     params = [SamplingParams(seed=seed, detokenize=False, **fields) for seed in seeds]
     with _failure("generating"):
-        outputs = llm.generate(requests, params, use_tqdm=False)
+        outputs = llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
     completions = [out.outputs[0] for out in outputs]
     return [list(c.token_ids) for c in completions], [
         [step[token].logprob for step, token in zip(c.logprobs, c.token_ids, strict=True)]
@@ -193,6 +210,151 @@ def reload_weights(llm: Any, method: str | Callable[..., None] = "reload_weights
         llm.collective_rpc(method, kwargs={**kwargs, "is_checkpoint_format": True})
         llm.apply_model(_repack_tied_head)
     llm.reset_prefix_cache()
+
+
+def served_lora_rank(lora: LoraConfig) -> int | None:
+    """The `max_lora_rank` an engine needs to serve the run's adapter, the smallest of LORA_RANKS that holds
+    it; None without LoRA. Either way said in one line: a rank above vLLM's limit means syncs send the
+    adapted layers merged."""
+    if not lora.enabled:
+        return None
+    rank = next((r for r in LORA_RANKS if r >= lora.r), None)
+    if rank is None:
+        say_merged(f"LoRA rank {lora.r} is above the {LORA_RANKS[-1]} vLLM can serve")
+    else:
+        say_adapter_sync(rank)
+    return rank
+
+
+def say_adapter_sync(rank: int) -> None:
+    """The start-up line of a LoRA run whose syncs send the adapter alone (a deliberate difference: TRL's
+    GRPOTrainer sends the merged weights)."""
+    logger.info(
+        f"vLLM weight sync: the LoRA adapter alone, which vLLM serves (max_lora_rank {rank}); TRL sends "
+        "the merged weights"
+    )
+
+
+def say_merged(why: str) -> str:
+    """`why`, said in one line: syncs of the run's peft model send merged layers, not the adapter alone."""
+    logger.warning(f"vLLM weight sync: the adapted layers go merged, not the adapter alone: {why}")
+    return why
+
+
+def adapter_refusal(model: PeftModel, max_rank: int | None) -> str | None:
+    """Why vLLM cannot serve `model`'s adapter as it stands (None: it can). vLLM's LoRA serves one plain
+    adapter, the A and B of Linears, up to `max_rank` (None: an engine built without LoRA): not DoRA's
+    magnitudes, modules trained whole, trained biases, or LoRA on other layers (embeddings). A target module
+    vLLM's LoRA does not support shows when it loads the adapter (`load_adapter`)."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    if max_rank is None:
+        return "the vLLM engine was started without LoRA"
+    if len(model.active_adapters) != 1:
+        return f"{len(model.active_adapters)} adapters are active, vLLM serves one"
+    config = model.peft_config[model.active_adapters[0]]
+    if not isinstance(config, PeftLoraConfig):
+        return f"a {type(config).__name__} adapter is not a LoRA one"
+    rank = max([config.r, *(config.rank_pattern or {}).values()])
+    not_linear = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and not _over_linear(m)]
+    reasons = {
+        f"rank {rank} is above the engine's max_lora_rank {max_rank}": rank > max_rank,
+        "DoRA's magnitudes have no place in vLLM's LoRA": config.use_dora,
+        f"modules_to_save {sorted(config.modules_to_save or [])} are trained whole": bool(
+            config.modules_to_save
+        ),
+        f"bias={config.bias!r} trains biases": config.bias != "none",
+        f"LoRA on a layer that is not a Linear ({not_linear[:1]})": bool(not_linear),
+        "LoRA on parameters (target_parameters)": bool(getattr(config, "target_parameters", None)),
+    }
+    return next((why for why, refused in reasons.items() if refused), None)
+
+
+def _over_linear(module: torch.nn.Module) -> bool:
+    return isinstance(getattr(module, "base_layer", None), torch.nn.Linear)
+
+
+def adapter_config(model: PeftModel) -> dict[str, Any]:
+    """The active adapter's adapter_config.json, as JSON values (peft keeps sets and enums)."""
+    config = model.peft_config[model.active_adapters[0]].to_dict()
+    return cast("dict[str, Any]", json.loads(json.dumps(config, default=_json_value)))
+
+
+def _json_value(value: Any) -> Any:
+    return sorted(value) if isinstance(value, set) else str(value)
+
+
+def adapter_tensors(model: PeftModel) -> dict[str, Tensor]:
+    """The active adapter's tensors (its A and B matrices), named as peft saves them, on the CPU."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name=model.active_adapters[0])
+    return {name: tensor.detach().contiguous().cpu() for name, tensor in state.items()}
+
+
+def write_adapter(directory: Path, config: dict[str, Any], tensors: dict[str, Tensor] | None = None) -> None:
+    """`directory` as a peft adapter directory that vLLM loads: its config, and its tensors (None: their
+    file is already there)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(mode=0o700)
+    if tensors is not None:
+        save_file(tensors, str(directory / ADAPTER_FILE))
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(config))
+
+
+def load_adapter(llm: Any, directory: Path, adapter_id: int) -> Any:
+    """Load the adapter in `directory` into `llm` under a new `adapter_id` (vLLM keeps one: the previous
+    adapter is dropped) and return its LoRARequest, which requests then name. A new id per sync, not the
+    same one reloaded in place: vLLM re-reads an in-place adapter for every request. The prefix cache is
+    dropped, as after a reload."""
+    from vllm.lora.request import LoRARequest
+
+    request = LoRARequest(f"leangrpo-{adapter_id}", adapter_id, str(directory))
+    with _failure("loading the adapter"):
+        llm.llm_engine.add_lora(request)
+    llm.reset_prefix_cache()
+    return request
+
+
+class ServedAdapter:
+    """The adapter a LoRA-enabled vLLM engine samples with (`request`, None: the bare model). Each load is a
+    new adapter directory under `root` and a new id; the previous directory goes once the new one is in."""
+
+    def __init__(self, llm: Any, root: Path):
+        self.llm, self.root = llm, root
+        self.request: Any = None
+        self.loads = 0
+
+    def load(self, config: dict[str, Any], tensors: dict[str, Tensor] | Path) -> None:
+        """Serve the adapter of `config` and `tensors` (or a safetensors file of them, moved in) now on."""
+        self.loads += 1
+        directory = self.root / f"adapter-{os.getpid()}-{self.loads}"
+        write_adapter(directory, config, tensors if isinstance(tensors, dict) else None)
+        try:
+            if isinstance(tensors, Path):
+                os.replace(tensors, directory / ADAPTER_FILE)
+            request = load_adapter(self.llm, directory, self.loads)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        self.drop()
+        self.request = request
+
+    def drop(self) -> None:
+        """Sample with the bare model again (its whole weights were just reloaded)."""
+        if self.request is not None:
+            shutil.rmtree(self.request.lora_path, ignore_errors=True)
+        self.request = None
+
+
+def adapter_root() -> Path:
+    """A private directory (mode 700) for the adapters a colocated engine loads, removed at exit."""
+    import atexit
+
+    made = Path(tempfile.mkdtemp(prefix="leangrpo-vllm-adapter-"))
+    atexit.register(shutil.rmtree, made, True)
+    return made
 
 
 def run_context(cfg: Config) -> int | None:
@@ -221,15 +383,21 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.3,
         sleep_mode: bool = False,
         trust_remote_code: bool = False,
+        lora_rank: int | None = None,
     ):
-        """`path`: a model directory (or hub id) for vLLM to load; `sync_weights` replaces its weights."""
-        self.tokenizer, self.eos, self.sleep_mode = tokenizer, eos, sleep_mode
+        """`path`: a model directory (or hub id) for vLLM to load; `sync_weights` replaces its weights.
+        `lora_rank`: vLLM serves a LoRA adapter of up to that rank, which syncs of a peft model then send
+        alone (None: they send the adapted layers merged)."""
+        self.tokenizer, self.eos, self.sleep_mode, self.lora_rank = tokenizer, eos, sleep_mode, lora_rank
         self.llm = build_llm(
             path, max_model_len=max_model_len, dtype=dtype, seed=seed,
             gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
-            trust_remote_code=trust_remote_code,
+            trust_remote_code=trust_remote_code, max_lora_rank=lora_rank,
         )  # fmt: skip
         self.sleeping: set[str] = set()  # what vLLM holds asleep now: "weights", "kv_cache"
+        self.adapter = ServedAdapter(self.llm, adapter_root()) if lora_rank is not None else None
+        self.merged_why: str | None = None  # why syncs of a peft model send it merged, once said
+        self.last_sync: SyncStats | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: PreTrainedTokenizerBase, eos: list[int]) -> VLLMEngine:
@@ -241,6 +409,7 @@ class VLLMEngine:
             dtype=cfg.model.dtype, seed=cfg.seed,
             gpu_memory_utilization=g.vllm_gpu_memory_utilization or UNPLANNED_VLLM_SHARE,
             sleep_mode=g.vllm_enable_sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
+            lora_rank=served_lora_rank(cfg.model.lora),
         )  # fmt: skip
 
     def generate(
@@ -281,20 +450,60 @@ class VLLMEngine:
         """One completion of each token list (its own request, seeded from `rng`: None is torch's global
         RNG) and vLLM's log-prob of each token."""
         seeds = torch.randint(2**31 - 1, (len(prompts),), generator=rng).tolist()
-        return sample_tokens(self.llm, prompts, sampling_fields(sampling, self.eos), seeds)
+        adapter = None if self.adapter is None else self.adapter.request
+        return sample_tokens(self.llm, prompts, sampling_fields(sampling, self.eos), seeds, adapter)
 
     def sync_weights(
         self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
     ) -> None:
-        """Load `model`'s current weights into vLLM's copy, one tensor at a time (`reload_weights`).
-        `weights`: those weights as the caller streams them (FSDP2 gathers them one shard group at a
-        time); default `applied_weights(model)`, every weight, LoRA ones merged. Asleep (sleep mode), the
+        """Give vLLM `model`'s current weights; `last_sync` says what went and how long it took. A peft
+        model's adapter goes alone, as an adapter vLLM serves (the base in vLLM is the checkpoint both
+        loaded, and stays frozen), unless vLLM cannot serve it (`adapter_refusal`, or vLLM refusing the
+        first one), which is said once. Otherwise the weights are reloaded one tensor at a time
+        (`reload_weights`): `weights` as the caller streams them (FSDP2 gathers them one shard group at a
+        time), default `applied_weights(model)`, every weight, LoRA ones merged. Asleep (sleep mode), the
         weights wake for it and the KV cache sleeps on until the next `generate`."""
+        start = time.perf_counter()
         if "weights" in self.sleeping:
             self.llm.wake_up(tags=["weights"])
             self.sleeping.discard("weights")
         with torch.no_grad():
-            reload_weights(self.llm, weights_iterator=applied_weights(model) if weights is None else weights)
+            adapter = self._adapter_only(model, weights)
+            sent = self._sync_adapter(cast("PeftModel", model)) if adapter else None
+            if sent is None:
+                sent = [0]
+                stream = applied_weights(model) if weights is None else weights
+                reload_weights(self.llm, weights_iterator=_counted(stream, sent))
+                if self.adapter is not None:
+                    self.adapter.drop()
+        self.last_sync = SyncStats(sent[0], time.perf_counter() - start, adapter and self.merged_why is None)
+
+    def _adapter_only(self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None) -> bool:
+        """Whether this sync sends `model`'s adapter alone; the first reason it cannot is said once."""
+        if not is_peft(model) or self.adapter is None:
+            return False
+        if self.merged_why is None:
+            sharded = "the weights are sharded (FSDP2), and only merged layers are gathered"
+            self._merge_because(sharded if weights is not None else adapter_refusal(model, self.lora_rank))
+        return self.merged_why is None
+
+    def _merge_because(self, why: str | None) -> None:
+        if why is not None:
+            self.merged_why = say_merged(why)
+
+    def _sync_adapter(self, model: PeftModel) -> list[int] | None:
+        """Load the adapter into vLLM; its bytes, or None when vLLM refused the first one (the caller then
+        sends the layers merged, from now on)."""
+        assert self.adapter is not None
+        tensors = adapter_tensors(model)
+        try:
+            self.adapter.load(adapter_config(model), tensors)
+        except VLLMError as e:
+            if self.adapter.loads > 1:
+                raise
+            self._merge_because(f"vLLM refused it ({e})")
+            return None
+        return [sum(t.nbytes for t in tensors.values())]
 
     def close(self) -> None:
         """In a job of several processes, leave the groups the engines formed over them, while the job's own
@@ -325,6 +534,13 @@ def _executor() -> str | None:
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(dist.get_rank()), str(dist.get_world_size())
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     return "external_launcher"
+
+
+def _counted(weights: Iterable[tuple[str, Tensor]], total: list[int]) -> Iterator[tuple[str, Tensor]]:
+    """`weights`, adding each tensor's bytes to `total[0]` as it goes by."""
+    for name, tensor in weights:
+        total[0] += tensor.nbytes
+        yield name, tensor
 
 
 def leave_vllm_groups() -> None:

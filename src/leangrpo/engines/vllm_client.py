@@ -4,7 +4,8 @@ vLLM's own server.
 
 The client samples as the colocated engine does (the same prompt tokens, SamplingParams fields, EOS set
 and per-completion seeds from torch's RNG) and pushes the policy's weights after every update: a
-safetensors file in a directory the server can read (CPU, or any machine sharing it), or NCCL on CUDA.
+safetensors file in a directory the server can read (CPU, or any machine sharing it), or NCCL on CUDA;
+a LoRA policy's adapter alone, as such a file, where the server serves LoRA (`--max-lora-rank`).
 It needs neither vLLM nor a GPU on the trainer's side for the file transport, and it may be called from
 a background thread (its HTTP client is thread-safe; one weight update at a time).
 
@@ -25,26 +26,32 @@ import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 import torch
 
 from leangrpo.core.errors import stop_asked
 from leangrpo.engines.tools import Toolbox
-from leangrpo.engines.types import RolloutBatch, Sampling
+from leangrpo.engines.types import RolloutBatch, Sampling, SyncStats
 from leangrpo.engines.vision import refuse_on_vllm
 from leangrpo.engines.vllm import (
     VLLMError,
+    adapter_config,
+    adapter_refusal,
+    adapter_tensors,
     applied_weights,
     import_vllm,
     run_context,
     sampled_batch,
     sampling_fields,
+    say_adapter_sync,
+    say_merged,
 )
 from leangrpo.models.load import is_peft
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from torch import Tensor
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -116,6 +123,12 @@ class VLLMServerEngine:
         self.weights_dir = info.get("weights_dir")
         self.sync_lock, self.group_port = threading.Lock(), group_port
         self.communicator: Any = None  # the NCCL group (CUDA), opened at the first sync
+        self.lora_rank: int | None = info.get("max_lora_rank")
+        self.merged_why: str | None = None  # why syncs of a peft model send it merged, once said
+        if self._sends_adapter(model) and self.lora_rank is not None:  # either way said at start
+            say_adapter_sync(self.lora_rank)
+        self.adapters = 0  # adapters the server loaded
+        self.last_sync: SyncStats | None = None
 
     @classmethod
     def from_config(
@@ -169,29 +182,78 @@ class VLLMServerEngine:
         self, model: PreTrainedModel, weights: Iterable[tuple[str, Tensor]] | None = None
     ) -> None:
         """Push `model`'s weights to the server; under several processes (DDP), the first one pushes and
-        the others wait for it. A LoRA model sends only its adapted layers, merged: the server takes the
-        rest from its own copy of the base checkpoint. `weights` is for in-process engines under FSDP2,
-        which server mode refuses: the weights are read from `model`."""
+        the others wait for it (`last_sync` says what went, on the first). A LoRA model sends its adapter
+        alone where the server serves LoRA (`_adapter_refusal`, said once at start); otherwise only its
+        adapted layers, merged: the server takes the rest from its own copy of the base checkpoint.
+        `weights` is for in-process engines under FSDP2, which server mode refuses: the weights are read
+        from `model`."""
         import torch.distributed as dist
 
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        start, adapter, sent = time.perf_counter(), self._sends_adapter(model), 0
         if not several or dist.get_rank() == 0:
             with self.sync_lock, torch.no_grad():
-                if model.device.type == "cuda":
-                    self._send_nccl(model)
-                else:
-                    self._send_file(model)
+                if adapter:
+                    sent = self._send_adapter(cast("PeftModel", model))
+                if not sent and model.device.type == "cuda":
+                    sent = self._send_nccl(model)
+                elif not sent:
+                    sent = self._send_file(model)
         if several:
             dist.barrier()
+        self.last_sync = SyncStats(sent, time.perf_counter() - start, adapter and self.merged_why is None)
+
+    def _sends_adapter(self, model: PreTrainedModel) -> bool:
+        """Whether syncs of `model` send its adapter alone; the first reason they cannot is said once."""
+        if not is_peft(model):
+            return False
+        if self.merged_why is None:
+            self._merge_because(self._adapter_refusal(model))
+        return self.merged_why is None
+
+    def _adapter_refusal(self, model: PeftModel) -> str | None:
+        """Why syncs of `model` cannot send its adapter alone to this server (None: they can)."""
+        if not self.leangrpo:
+            return None  # generation only: the first sync stops the run (`_send_file`)
+        if self.lora_rank is None:
+            return f"the vLLM server at {self.url} serves no LoRA (start it with --max-lora-rank)"
+        if not self.weights_dir or not Path(self.weights_dir).is_dir():
+            return f"the server's weights directory {self.weights_dir!r} (where the adapter goes) is not here"
+        return adapter_refusal(model, self.lora_rank)
+
+    def _merge_because(self, why: str | None) -> None:
+        if why is not None:
+            self.merged_why = say_merged(why)
+
+    def _send_adapter(self, model: PeftModel) -> int:
+        """The adapter's tensors as one safetensors file in the server's weights directory, loaded there as
+        an adapter (`/load_adapter`, which moves the file into the adapter's own directory); its bytes, or
+        0 when the server refused the first one (this sync and the later ones then send merged layers)."""
+        from safetensors.torch import save_file
+
+        path = self.new_weights_file()
+        try:
+            save_file(adapter_tensors(model), str(path))
+            size = path.stat().st_size
+            self._call("POST", "/load_adapter", json={"path": str(path), "config": adapter_config(model)})
+        except VLLMError as e:
+            if self.adapters:
+                raise
+            self._merge_because(f"the server refused it ({e})")
+            return 0
+        finally:
+            path.unlink(missing_ok=True)
+        self.adapters += 1
+        return size
 
     def close(self) -> None:
         """The HTTP connections go; the server and its weights stay for the next run."""
         self.http.close()
 
-    def _send_file(self, model: PreTrainedModel) -> None:
+    def _send_file(self, model: PreTrainedModel) -> int:
         """One safetensors file, new, in the server's weights directory (which this side must see at the
         same path: the same machine or a shared filesystem), loaded by the server through vLLM's in-place
-        reload, then deleted."""
+        reload, then deleted; its bytes."""
         from safetensors.torch import save_file
 
         if not self.leangrpo:
@@ -203,11 +265,13 @@ class VLLMServerEngine:
         path = self.new_weights_file()
         save_file(weights_to_send(model, partial), str(path))
         try:
+            size = path.stat().st_size
             self._call("POST", "/load_weights", json={"path": str(path), "partial": partial})
         finally:
             path.unlink(missing_ok=True)
+        return size
 
-    def _send_nccl(self, model: PreTrainedModel) -> None:
+    def _send_nccl(self, model: PreTrainedModel) -> int:
         """CUDA: every weight broadcast on an NCCL group with the server, as TRL's server takes them.
         NOT TESTED on a GPU (benchmarks/gpu_check.py does not reach it); needs vLLM beside the trainer.
 
@@ -237,15 +301,18 @@ class VLLMServerEngine:
         stream.wait_stream(torch.cuda.current_stream(model.device))  # the update's weights are written
         with ThreadPoolExecutor(max_workers=1) as pool:  # the server receives while this side sends
             loaded = pool.submit(self._call, "POST", "/update_named_params", json={"params": params})
+            size = 0
             with torch.cuda.stream(stream):
                 for _, tensor in applied_weights(model):
                     self.communicator.broadcast(tensor.contiguous(), src=0, stream=stream)
+                    size += tensor.nbytes
                 sent.record(stream)
             try:
                 wait_for_broadcast(sent.query, loaded, timeout, self.stop, self.url)
             except VLLMError:
                 self.communicator = None
                 raise
+        return size
 
     def new_weights_file(self) -> Path:
         """A new, empty file of a name of its own in the server's weights directory (never a link)."""
@@ -382,6 +449,8 @@ def checked_info(info: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"model {info['model']!r:.60}, max_model_len {info['max_model_len']!r:.60}")
     if not isinstance(info.get("weights_dir"), (str, type(None))):
         raise ValueError(f"weights_dir {info['weights_dir']!r:.60}")
+    if not _count(info.get("max_lora_rank"), none=True):
+        raise ValueError(f"max_lora_rank {info['max_lora_rank']!r:.60}")
     return info
 
 

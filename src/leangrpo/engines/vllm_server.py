@@ -13,7 +13,9 @@ The routes speak vLLM's own (OpenAI-compatible) names and payloads where vLLM ha
   (`/init_communicator`, `/update_named_params`, `/close_communicator`; CUDA only, not run on a GPU here).
   An NCCL update waits `--nccl-timeout` seconds at most for the trainer (forming the group, then each
   tensor): a trainer that dies mid-broadcast leaves the server refusing every request in one line
-  (restart it), not waiting forever with its engine's lock held.
+  (restart it), not waiting forever with its engine's lock held;
+- a LoRA adapter (with `--max-lora-rank`): `POST /load_adapter`, its tensors' safetensors file (as for
+  /load_weights) and its adapter_config.json values; completions then sample with it.
 
 On a shared network: it listens on 127.0.0.1 unless `--host` says otherwise; with a key (`--api-key` or
 LEANGRPO_VLLM_API_KEY) every route answers 401 to a request without it; `/load_weights` reads only regular
@@ -39,7 +41,14 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import Tensor
 
-from leangrpo.engines.vllm import VLLMError, build_llm, reload_weights, sample_tokens
+from leangrpo.engines.vllm import (
+    LORA_RANKS,
+    ServedAdapter,
+    VLLMError,
+    build_llm,
+    reload_weights,
+    sample_tokens,
+)
 from leangrpo.engines.vllm_client import API_KEY_ENV, SHAPE_FIELDS
 from leangrpo.models.load import resolve_model_path
 
@@ -70,6 +79,14 @@ class WeightsFile(BaseModel):
     partial: bool = False
 
 
+class AdapterFile(BaseModel):
+    """A LoRA adapter: the safetensors file of its tensors the trainer wrote (moved into the adapter's own
+    directory), and its adapter_config.json values."""
+
+    path: str
+    config: dict[str, Any]
+
+
 class Communicator(BaseModel):
     """Where the trainer (rank 0) opens the NCCL group the weights are broadcast on."""
 
@@ -88,12 +105,21 @@ class Served:
     """The engine and what each route does with it; one request at a time uses it (`lock`)."""
 
     def __init__(
-        self, model: str, llm: Any, tensor_parallel_size: int, weights_dir: Path, nccl_timeout: float = 600.0
+        self,
+        model: str,
+        llm: Any,
+        tensor_parallel_size: int,
+        weights_dir: Path,
+        max_lora_rank: int | None = None,
+        nccl_timeout: float = 600.0,
     ):
-        """`weights_dir`: the only directory /load_weights reads from. `nccl_timeout`: seconds an NCCL
-        weight update waits for the trainer (forming the group, then each tensor)."""
+        """`weights_dir`: the only directory /load_weights and /load_adapter read from (the adapters' own
+        directories go there too). `max_lora_rank`: the rank of adapters `llm` serves (None: none).
+        `nccl_timeout`: seconds an NCCL weight update waits for the trainer (forming the group, then each
+        tensor)."""
         self.model, self.llm, self.world_size = model, llm, tensor_parallel_size
-        self.weights_dir, self.nccl_timeout = weights_dir, nccl_timeout
+        self.weights_dir, self.max_lora_rank, self.nccl_timeout = weights_dir, max_lora_rank, nccl_timeout
+        self.adapter = None if max_lora_rank is None else ServedAdapter(llm, weights_dir)
         self.lock = threading.Lock()
         self.communicator: Any = None
         self.broken: str | None = None  # why the engine can no longer serve (an update cut short)
@@ -116,7 +142,7 @@ class Served:
         shape = {key: getattr(config.hf_config, key, None) for key in SHAPE_FIELDS}
         return {
             "model": self.model, "max_model_len": config.max_model_len, **shape,
-            "weights_dir": str(self.weights_dir),
+            "weights_dir": str(self.weights_dir), "max_lora_rank": self.max_lora_rank,
         }  # fmt: skip
 
     def get_world_size(self) -> dict[str, int]:
@@ -133,7 +159,8 @@ class Served:
         seeds = [None if s is None else s + k for s in seeds for k in range(body.n)]
         fields = {**(body.model_extra or {}), "max_tokens": body.max_tokens, "logprobs": 0}
         with self.lock:
-            ids, logprobs = sample_tokens(self.llm, prompts, fields, seeds)
+            adapter = None if self.adapter is None else self.adapter.request
+            ids, logprobs = sample_tokens(self.llm, prompts, fields, seeds, adapter)
         return {"object": "text_completion", "model": self.model, "choices": [
             {"index": i, "text": "", "prompt_token_ids": prompt, "token_ids": tokens,
              "logprobs": None if body.logprobs is None else {
@@ -150,7 +177,23 @@ class Served:
         base = checkpoint_files(self.model) if body.partial else []
         with self.lock:
             reload_weights(self.llm, _reload_from_file, path=path, base=base)
+            self._bare()
         return {"status": "ok"}
+
+    def load_adapter(self, body: AdapterFile) -> dict[str, str]:
+        """Sample with the trainer's adapter from now on: its file (in the server's weights directory,
+        nothing else) moves into a new adapter directory there, loaded under a new id."""
+        path = owned_file(body.path, self.weights_dir)
+        if self.adapter is None:
+            raise VLLMError("this server serves no LoRA adapter: start it with --max-lora-rank")
+        with self.lock:
+            self.adapter.load(body.config, Path(path))
+        return {"status": "ok"}
+
+    def _bare(self) -> None:
+        """Whole weights were reloaded (LoRA merged into them): sample with no adapter."""
+        if self.adapter is not None:
+            self.adapter.drop()
 
     def reset_prefix_cache(self) -> dict[str, str]:
         with self.lock:
@@ -197,6 +240,7 @@ class Served:
                 self.broken = f"{e}; the engine holds partly updated weights: restart leangrpo vllm-serve"
                 print(f"leangrpo vllm-serve: {self.broken}", flush=True)
                 raise VLLMError(self.broken) from None
+            self._bare()
         return {"status": "ok"}
 
     def _receive(self, tensor: Tensor) -> Callable[[], bool]:
@@ -305,6 +349,7 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
         ("GET", "/health", served.health), ("GET", "/v1/models", served.models),
         ("GET", "/model_info", served.model_info), ("GET", "/get_world_size", served.get_world_size),
         ("POST", "/v1/completions", served.complete), ("POST", "/load_weights", served.load_weights),
+        ("POST", "/load_adapter", served.load_adapter),
         ("POST", "/reset_prefix_cache", served.reset_prefix_cache),
         ("POST", "/init_communicator", served.init_communicator),
         ("POST", "/update_named_params", served.update_named_params),
@@ -356,9 +401,11 @@ def serve(
     api_key: str | None = None,
     weights_dir: str | None = None,
     nccl_timeout: float = 600.0,
+    max_lora_rank: int | None = None,
 ) -> None:
     """Load `model` into vLLM and answer HTTP requests on host:port until stopped (with `api_key`: only
-    requests carrying it); weight files are read from `weights_dir` only (default: a new private one)."""
+    requests carrying it); weight files are read from `weights_dir` only (default: a new private one).
+    `max_lora_rank`: also serve LoRA adapters up to that rank (rounded up to one of vLLM's)."""
     require_server_packages()
     if data_parallel_size != 1:
         raise VLLMError(
@@ -367,13 +414,14 @@ def serve(
         )
     import uvicorn
 
+    lora_rank = None if max_lora_rank is None else next(r for r in LORA_RANKS if r >= max_lora_rank)
     llm = build_llm(
         resolve_model_path(model), max_model_len=max_model_len, dtype=dtype, seed=seed,
         gpu_memory_utilization=gpu_memory_utilization, trust_remote_code=trust_remote_code,
-        tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_size=tensor_parallel_size, max_lora_rank=lora_rank,
     )  # fmt: skip
     owned = own_weights_dir(weights_dir)
     keyed = "with a key" if api_key else "without a key"
     print(f"leangrpo vllm-serve: {model} on http://{host}:{port} ({keyed}; weights from {owned})", flush=True)
-    app = build_app(Served(model, llm, tensor_parallel_size, owned, nccl_timeout), api_key)
+    app = build_app(Served(model, llm, tensor_parallel_size, owned, lora_rank, nccl_timeout), api_key)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -128,9 +128,10 @@ class Replicated:
         """Whole weights on every process for generation and evaluation: they always are."""
         yield
 
-    def engine_weights(self, policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weights a colocated vLLM engine loads (`applied_weights`): whole on every process."""
-        return applied_weights(self.acc.unwrap_model(policy).lm)
+    def engine_weights(self, policy: nn.Module) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """None: the weights are whole on every process, so a colocated vLLM engine reads what it needs
+        from the model itself (a LoRA adapter alone, or `applied_weights`)."""
+        return None
 
     def clip_grad_norm(self, policy: nn.Module, max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))

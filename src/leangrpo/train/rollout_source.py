@@ -198,16 +198,22 @@ class RolloutSource:
 
     def rollout(self, step: int, round_: int = 0) -> Rollout:
         """The step's prompts (`round_` > 0: dynamic sampling's extra draws) and G sampled completions of
-        each; with async rollouts, the batch generated in the background (started now if it was not)."""
-        if self.cfg.grpo.async_rollouts:
-            return self._take(step)
+        each; with async rollouts, the batch generated in the background (started now if it was not).
+        The step's first batch carries the engine's last weight sync as vllm/sync_* metrics."""
         agent = self.gen.agent
-        if agent is not None and agent.rollout_func is not None:
-            return agreed(self.gen.dist.any_process, lambda: self._rollout_func(self.step_rows(step, round_)))
-        job = self.job(step, round_)
-        with self.generating():
-            rollout = agreed(self.gen.dist.any_process, lambda: job(self.engine))
-        self.release_memory()
+        if self.cfg.grpo.async_rollouts:
+            rollout = self._take(step)
+        elif agent is not None and agent.rollout_func is not None:
+            rollout = agreed(
+                self.gen.dist.any_process, lambda: self._rollout_func(self.step_rows(step, round_))
+            )
+        else:
+            job = self.job(step, round_)
+            with self.generating():
+                rollout = agreed(self.gen.dist.any_process, lambda: job(self.engine))
+            self.release_memory()
+        if round_ == 0 and self.engine.last_sync is not None:
+            rollout.metrics.update(self.engine.last_sync.metrics())
         return rollout
 
     def step_rows(self, step: int, round_: int = 0) -> list[dict[str, Any]]:
