@@ -214,3 +214,17 @@ def test_sharded_reference_sync_mixes_shard_by_shard(tmp_path, tiny_model_dir):
     assert r["same_names"] and r["moved"] > 1e-3  # the policy moved away from the reference
     assert r["mix_error"] < 1e-6 and r["one_process_error"] < 1e-5 and r["logp_error"] < 1e-4
     assert r["restore_error"] == 0.0
+
+
+def test_reference_pass_leaves_the_reference_sharded(tmp_path, tiny_model_dir):
+    """After `Updater.reference`, none of the sharded reference's weights stay gathered: without a reshard
+    its root (embeddings, final norm, head) stays whole on every process until the next pass."""
+    proc = torchrun(
+        TESTS / "fsdp_refpass_worker.py", str(tiny_model_dir), str(tmp_path), port=29587,
+        env_extra={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "fsdp_refpass.json").read_text())
+    print(r)
+    assert r["finite"] and r["root_bytes"] > 0
+    assert r["before"] == 0 and r["after"] == 0

@@ -292,6 +292,34 @@ def test_fit_searches_g_then_completion_then_batch():
         )
 
 
+def test_fit_keeps_the_generation_buffer(gsm8k_dir):
+    """With grpo.steps_per_generation, --fit keeps the generation (64 completions) and its 4 optimizer
+    steps: the smaller micro-batch it finds takes more slices and accumulation, printed in its YAML."""
+
+    def buffer(k):  # completions a generation, optimizer steps it makes
+        slices = k.steps_per_generation or k.gradient_accumulation_steps
+        return (
+            k.per_device_train_batch_size * slices,
+            slices * k.num_iterations // k.gradient_accumulation_steps,
+        )
+
+    shape = plan.resolve_shape("Qwen/Qwen2.5-1.5B")
+    wanted = plan.make_knobs(
+        num_generations=8, per_device_train_batch_size=8, gradient_accumulation_steps=2,
+        steps_per_generation=8, max_completion_length=512, gradient_checkpointing=False,
+    )  # fmt: skip
+    assert buffer(wanted) == (64, 4)
+    assert plan.search_fit(shape, wanted, 80 * 2**30, 0.1).knobs == wanted  # it fits as it is
+    k = plan.search_fit(shape, wanted, 40 * 2**30, 0.1).knobs
+    assert k is not None and k.num_generations == 8 and k.per_device_train_batch_size < 8
+    assert buffer(k) == (64, 4)
+    assert "(steps_per_generation 16: generation batch 64)" in plan.render(plan.estimate(shape, k), None, 0.1)
+    snippet = yaml.safe_load(plan.yaml_snippet(k, "Qwen/Qwen2.5-1.5B"))
+    snippet.update(data={"path": str(gsm8k_dir / "train.jsonl")}, rewards={"functions": [{"name": "x"}]})
+    cfg = validate_config(snippet)
+    assert (cfg.generation_batch_size, cfg.updates_per_step) == (64, 4)
+
+
 def run_plan(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "leangrpo", "plan", *args],

@@ -347,9 +347,18 @@ class Knobs:
     @property
     def generation_batch(self) -> int:
         """Completions generated at once (hf.generate gets the whole generation batch)."""
-        return self.per_device_train_batch_size * (
-            self.steps_per_generation or self.gradient_accumulation_steps
-        )
+        return self.per_device_train_batch_size * self.slices
+
+    @property
+    def slices(self) -> int:
+        """Micro-batches one generation feeds per iteration: steps_per_generation, by default the
+        accumulation (TRL's rule)."""
+        return self.steps_per_generation or self.gradient_accumulation_steps
+
+    @property
+    def updates_per_generation(self) -> int:
+        """Optimizer steps one generation makes (TRL's generation buffer; whole in a valid config)."""
+        return self.slices * self.num_iterations // self.gradient_accumulation_steps
 
     @property
     def e(self) -> int:
@@ -935,8 +944,14 @@ def search_fit(
 ) -> FitResult:
     """The largest configuration that fits: for each method from the requested one down to QLoRA, the
     largest G, then the largest completion length, then the largest micro-batch (each at most the
-    requested value, prompts per step kept). Memory grows with each of them, so one pass each suffices."""
-    prompts = max(1, k.generation_batch // k.num_generations)
+    requested value). Memory grows with each of them, so one pass each suffices. The prompts per step
+    and the optimizer steps per generation (the generation buffer, grpo.steps_per_generation) are kept:
+    a smaller micro-batch takes more of them to cover the generation and each optimizer step."""
+    prompts, updates = max(1, k.generation_batch // k.num_generations), k.updates_per_generation
+    # the G whose generation splits into whole optimizer steps, and those into whole micro-batches
+    generations = [
+        g for g in _descending(k.num_generations, 2) if prompts * g * k.num_iterations % updates == 0
+    ]
     methods = METHODS[METHODS.index(k.method) :]
     if k.device == "cpu":
         methods = tuple(m for m in methods if m != "qlora-4bit")
@@ -945,21 +960,23 @@ def search_fit(
 
         def knobs(g: int, c: int, b: int = 1, method: Method = method) -> Knobs:
             n = prompts * g
+            slices, accumulation = n // b, n * k.num_iterations // updates // b
             return replace(k, method=method, num_generations=g, max_completion_length=c,
-                           per_device_train_batch_size=b, gradient_accumulation_steps=n // b,
-                           steps_per_generation=None)  # fmt: skip
+                           per_device_train_batch_size=b, gradient_accumulation_steps=accumulation,
+                           steps_per_generation=None if slices == accumulation else slices)  # fmt: skip
 
         def ok(kn: Knobs) -> bool:
             return fits(plan_for(shape, kn, memory), memory, margin)
 
         c_min = min(min_completion, k.max_completion_length)
-        g = next((g for g in _descending(k.num_generations, 2) if ok(knobs(g, c_min))), None)
+        g = next((g for g in generations if ok(knobs(g, c_min))), None)
         if g is None:
-            smallest = plan_for(shape, knobs(2, c_min), memory)
+            smallest = plan_for(shape, knobs(generations[-1], c_min), memory)
             continue
         c = next(c for c in _descending(k.max_completion_length, c_min) if ok(knobs(g, c)))
-        n = prompts * g
-        b = next(b for b in _divisors_desc(n, k.per_device_train_batch_size) if ok(knobs(g, c, b)))
+        n = prompts * g  # a micro-batch divides the generation and each optimizer step's completions
+        sizes = _divisors_desc(math.gcd(n, n * k.num_iterations // updates), k.per_device_train_batch_size)
+        b = next(b for b in sizes if ok(knobs(g, c, b)))
         best = knobs(g, c, b)
         return FitResult(best, plan_for(shape, best, memory))
     assert smallest is not None
@@ -970,7 +987,7 @@ def no_fit_message(smallest: Estimate, memory: int) -> str:
     """Why nothing fits: the smallest setting tried, its need, and the part that dominates it."""
     k, part = smallest.knobs, smallest.dominant()
     return (
-        f"nothing fits in {fmt_bytes(memory)}: even {k.method} with G=2, completion "
+        f"nothing fits in {fmt_bytes(memory)}: even {k.method} with G={k.num_generations}, completion "
         f"{k.max_completion_length}, micro-batch 1 needs {fmt_bytes(smallest.total)} "
         f"({smallest.phase} phase), "
         f"dominated by {part} ({fmt_bytes(smallest.components[part])})"
@@ -978,7 +995,7 @@ def no_fit_message(smallest: Estimate, memory: int) -> str:
 
 
 def _divisors_desc(n: int, upper: int) -> list[int]:
-    """Micro-batch sizes that divide the generation batch n, at most `upper`, largest first."""
+    """Micro-batch sizes that divide n, at most `upper`, largest first."""
     return [d for d in range(min(n, upper), 0, -1) if n % d == 0]
 
 
@@ -1017,6 +1034,8 @@ def yaml_snippet(k: Knobs, model: str) -> str:
         "optim": {"per_device_train_batch_size": k.per_device_train_batch_size,
                   "gradient_accumulation_steps": k.gradient_accumulation_steps},
     }  # fmt: skip
+    if k.slices != k.gradient_accumulation_steps:  # the generation buffer
+        doc["grpo"]["steps_per_generation"] = k.slices
     if k.max_prompt_length is not None:  # a limit the user set; none is added (prompts are not cut)
         doc["grpo"]["max_prompt_length"] = k.max_prompt_length
     if k.activation_offload:
@@ -1157,6 +1176,13 @@ def _assumed(k: Knobs) -> str:
     return "" if k.max_prompt_length else " (assumed: no max_prompt_length, --prompt-length sets one)"
 
 
+def _buffer(k: Knobs) -> str:
+    """Said after the accumulation when a generation feeds more than one optimizer step's micro-batches."""
+    if k.slices == k.gradient_accumulation_steps:
+        return ""
+    return f" (steps_per_generation {k.slices}: generation batch {k.generation_batch})"
+
+
 def render(est: Estimate, memory: int | None, margin: float) -> str:
     """The breakdown table, the peak and its phase, and the verdict against `memory`."""
     k, s = est.knobs, est.shape
@@ -1176,7 +1202,8 @@ def render(est: Estimate, memory: int | None, margin: float) -> str:
         f"hidden {s.hidden_size}, vocab {s.vocab_size}{_vision_note(s)}",
         f"method {k.method}, {k.dtype}, trainable {est.trainable_params / 1e6:,.2f}M params, "
         f"G={k.num_generations}, micro-batch {k.per_device_train_batch_size} x "
-        f"{k.gradient_accumulation_steps} accumulation, prompt {k.prompt_tokens}{_assumed(k)} + completion "
+        f"{k.gradient_accumulation_steps} accumulation{_buffer(k)}, "
+        f"prompt {k.prompt_tokens}{_assumed(k)} + completion "
         f"{k.max_completion_length} tokens, beta={k.beta}, optimizer {k.optimizer}, rollout {k.rollout}, "
         f"device {k.device}"
         + (f"; FSDP2 over {k.fsdp} processes, bytes per process" if k.fsdp > 1 else "")

@@ -119,6 +119,9 @@ class Replicated:
         module.to(self.acc.device).prepare()
         return module
 
+    def release_frozen(self, module: nn.Module) -> None:
+        """After a frozen module's pass: free what the pass left gathered. Nothing here (always whole)."""
+
     def sync_gradients(self, policy: nn.Module, sync: bool) -> Any:
         """Within gradient accumulation, only the last micro-batch's backward synchronises."""
         return nullcontext() if sync else self.acc.no_sync(policy)
@@ -197,6 +200,12 @@ class Sharded(Replicated):
     def place_frozen(self, module: Policy) -> nn.Module:
         """The frozen reference is sharded like the policy, so it costs 1/N of its weights per process."""
         return self.wrap(module)
+
+    def release_frozen(self, module: nn.Module) -> None:
+        """Back to its shards: FSDP2 keeps a root gathered after its forward for the backward, which a
+        frozen module never runs, so its embeddings, final norm and head would stay whole on every
+        process between passes."""
+        _reshard(module)
 
     def sync_gradients(self, policy: nn.Module, sync: bool) -> Any:
         policy.set_requires_gradient_sync(sync)  # type: ignore[operator]

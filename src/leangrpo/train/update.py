@@ -211,10 +211,12 @@ class Updater:
 
     def _reference_logprobs(self, rollout: RolloutBatch, group: int) -> Tensor:
         """The reference's log-probs of `rollout` (laid out in prompt groups of `group`): the frozen copy's
-        for full fine-tuning, the policy's with its adapter off for LoRA."""
+        for full fine-tuning (left sharded after under FSDP2: `release_frozen`), the policy's with its adapter
+        off for LoRA."""
         micro = self.cfg.optim.per_device_train_batch_size
         if self.ref_policy is not None:
             ref_logp = batch_logprobs(self.ref_policy, rollout, micro, group, self.packed)
+            self.dist.release_frozen(self.ref_policy)
             if self.ref_pages is not None:
                 self.ref_pages.drop_pages()
             return ref_logp
