@@ -175,14 +175,27 @@ def test_model_dtype_auto_is_bf16_on_a_bf16_gpu_only(monkeypatch, tmp_path, cuda
     assert validate_config({**trl, "rewards": {"functions": [{"name": "int"}]}}).model.dtype == "float32"
 
 
-def test_master_weights_under_fsdp2_are_refused_with_the_reason():
+def test_fsdp2_master_weights_default_like_one_process_and_say_so():
+    """Under FSDP2 optim.master_weights keeps fp32 shards (no longer refused): null is on for a GPU and
+    off on CPU, as without FSDP2; with fp32 shards the optimizer steps them as they are, in one line."""
     from types import SimpleNamespace
 
     from leangrpo.train.distributed import Sharded
     from leangrpo.train.precision import precise_optimizer
 
-    cfg = make_cfg(optim={"master_weights": True})
-    sharded = Sharded(SimpleNamespace(device=torch.device("cpu")))  # type: ignore[arg-type]
-    weight = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
-    with pytest.raises(UserError, match=r"^optim.master_weights cannot run with FSDP2 \(its sharded"):
-        precise_optimizer([weight], cfg, sharded, print)
+    def sharded(device: str, asked: bool | None) -> Sharded:
+        return Sharded(SimpleNamespace(device=torch.device(device)), asked)  # type: ignore[arg-type]
+
+    assert sharded("cuda", None).master_weights and not sharded("cpu", None).master_weights
+    assert sharded("cpu", True).master_weights and not sharded("cuda", False).master_weights
+    dist, lines = sharded("cpu", True), []
+    dist.compute_dtype = torch.bfloat16  # as `wrap` leaves it for a bf16 policy
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer, masters = precise_optimizer(
+        [weight], make_cfg(optim={"master_weights": True}), dist, lines.append
+    )
+    assert masters is None and optimizer.param_groups[0]["params"] == [weight]
+    assert lines == [
+        "precision: bfloat16 compute, fp32 sharded weights stepped by the optimizer (FSDP2 "
+        "MixedPrecisionPolicy, gradients reduced in fp32; optim.master_weights)"
+    ]

@@ -674,8 +674,8 @@ class OptimConfig(Section):
     master_weights: bool | None = Field(
         None,
         description="step bf16 trainable weights through fp32 master copies (4 bytes/param more), so "
-        "updates below half a bf16 step accumulate; null: on for bf16 full fine-tuning on a GPU without "
-        "FSDP2 (which refuses them), off elsewhere",
+        "updates below half a bf16 step accumulate (under FSDP2: fp32 shards computed in bf16); null: on "
+        "for bf16 full fine-tuning on a GPU, off elsewhere",
     )
     max_nonfinite_steps: int = Field(3, ge=1, description="stop after this many skipped steps in a row")
     per_device_train_batch_size: int = Field(8, ge=1, description="completions per micro-batch")

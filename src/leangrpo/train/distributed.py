@@ -24,6 +24,8 @@ from torch import nn
 from leangrpo.core.errors import UserError
 from leangrpo.engines.vllm import applied_weights
 
+MASTERS_KEY = "leangrpo_master_weights"  # where fp32 master weights travel in an optimizer state dict
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from transformers import PreTrainedModel
@@ -171,7 +173,18 @@ class Replicated:
 class Sharded(Replicated):
     """FSDP2: each decoder layer (the model's `_no_split_modules`) is its own shard group, the rest
     (embeddings, final norm, LM head) the root's. Weights, gradients and optimizer state are split across
-    processes; a layer's full weights exist only during its own forward and backward."""
+    processes; a layer's full weights exist only during its own forward and backward.
+
+    fp32 master weights the FSDP2 way (`optim.master_weights`; null: on a GPU): a policy whose trainable
+    weights are bf16 is sharded in fp32 and gathered in bf16 for compute (FSDP2's `MixedPrecisionPolicy`,
+    gradients reduced in fp32), so the optimizer steps fp32 shards and updates below half a bf16 step
+    accumulate. `compute_dtype` is then bf16: checkpoints and the export hold bf16 weights, the fp32
+    shards travel in the optimizer state (`MASTERS_KEY`), as `MasterWeights`' masters do."""
+
+    def __init__(self, acc: Accelerator, master_weights: bool | None = None):
+        super().__init__(acc)
+        self.master_weights = master_weights if master_weights is not None else acc.device.type == "cuda"
+        self.compute_dtype: torch.dtype | None = None  # bf16 once `wrap` kept a policy's shards in fp32
 
     def describe(self) -> str:
         return f"{self.acc.num_processes} processes, sharded (FSDP2)"
@@ -188,7 +201,7 @@ class Sharded(Replicated):
         root's group (embeddings, final norm, head) gathered; each layer gathers itself in its forward."""
         from torch.distributed.fsdp import FSDPModule
 
-        _shard(policy, self.acc.device, self.any_process(_is_empty(policy)))
+        _shard(policy, self.acc.device, self.any_process(_is_empty(policy)), self._mixed_precision(policy))
         assert isinstance(policy, FSDPModule)
         policy.unshard()
         try:
@@ -196,6 +209,25 @@ class Sharded(Replicated):
         finally:
             policy.reshard()
         return policy
+
+    def _mixed_precision(self, policy: Policy) -> Any:
+        """FSDP2's policy for `policy`: with master weights and bf16 full fine-tuning, the module cast to
+        fp32 (the shards the optimizer steps) and gathered in bf16, gradients reduced in fp32; else
+        None (gathered in the weights' own dtype). A frozen module (the reference) stays as it is."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from leangrpo.models.load import is_peft
+
+        trained = {p.dtype for p in policy.parameters() if p.requires_grad}
+        if not self.master_weights or torch.bfloat16 not in trained or is_peft(policy.lm):
+            return None  # LoRA: the adapter is fp32 already (peft) and the frozen base stays as it is
+        self.compute_dtype = torch.bfloat16
+        policy.to(torch.float32)
+        # inputs are not cast: a layer's hidden states are bf16 already (the gathered embeddings are), and
+        # casting rebuilds dataclass inputs, so the shared-prompt layout would never see its `used` flag
+        return MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
 
     def place_frozen(self, module: Policy) -> nn.Module:
         """The frozen reference is sharded like the policy, so it costs 1/N of its weights per process."""
@@ -265,27 +297,40 @@ class Sharded(Replicated):
 
     def saveable(self, policy: nn.Module) -> PreTrainedModel | None:
         """An unsharded copy of the causal LM on the main process, built from the gathered full state dict
-        (offloaded to CPU, so no process holds two copies on its device)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(policy, options=options)
+        (offloaded to CPU, so no process holds two copies on its device), in the compute dtype (bf16
+        weights from fp32 shards: the model's dtype, as without FSDP)."""
+        state = _whole_state(policy)
         if not self.acc.is_main_process:
             return None
-        return _unsharded_copy(_as_policy(policy).lm, {k.removeprefix("lm."): v for k, v in state.items()})
+        lm, dtype = _as_policy(policy).lm, self.compute_dtype
+        state = {k.removeprefix("lm."): v if dtype is None else v.to(dtype) for k, v in state.items()}
+        return _unsharded_copy(lm, state, dtype)
 
     def optimizer_state(self, policy: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The full optimizer state keyed by parameter name (gathered; complete on the main process)."""
+        """The full optimizer state keyed by parameter name (gathered; complete on the main process), with
+        the whole fp32 weights under `MASTERS_KEY` when shards are kept in fp32 (the checkpoint's model
+        files hold them rounded to bf16)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(policy, optimizer, options=options)
+        state = get_optimizer_state_dict(policy, optimizer, options=options)
+        return state if self.compute_dtype is None else {**state, MASTERS_KEY: _whole_state(policy)}
 
     def load_optimizer_state(
         self, policy: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        """`optimizer_state`'s state back (each process reads it whole), and the fp32 weights it holds
+        into the shards: a resumed run continues them, not their bf16 rounding."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
+        state = dict(state)
+        masters = state.pop(MASTERS_KEY, None)
+        if masters is not None and self.compute_dtype is not None:
+            set_model_state_dict(policy, masters, options=StateDictOptions(full_state_dict=True))
         options = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(policy, optimizer, optim_state_dict=state, options=options)
 
@@ -300,10 +345,7 @@ class Sharded(Replicated):
     def frozen_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Gathered as the policy is for `saveable` (offloaded to CPU, complete on the main process only),
         keyed like the unsharded module's parameters, so checkpoints hold the same file either way."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = cast("dict[str, torch.Tensor]", get_model_state_dict(module, options=options))
+        state = _whole_state(module)
         names = {name for name, _ in module.named_parameters()}
         return {name: t for name, t in state.items() if name in names}
 
@@ -317,9 +359,20 @@ class Sharded(Replicated):
         set_model_state_dict(module, dict(state), options=options)
 
 
-def setup(acc: Accelerator) -> Replicated:
-    """Sharded when launched with an FSDP2 accelerate config and more than one process, else replicated."""
-    return Sharded(acc) if fsdp_requested() and acc.num_processes > 1 else Replicated(acc)
+def setup(acc: Accelerator, master_weights: bool | None = None) -> Replicated:
+    """Sharded when launched with an FSDP2 accelerate config and more than one process, else replicated
+    (`master_weights`: optim.master_weights, which a sharded policy keeps as fp32 shards)."""
+    if fsdp_requested() and acc.num_processes > 1:
+        return Sharded(acc, master_weights)
+    return Replicated(acc)
+
+
+def _whole_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A sharded module's full state dict, gathered to CPU (complete on the main process)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return cast("dict[str, torch.Tensor]", get_model_state_dict(module, options=options))
 
 
 def _is_empty(module: nn.Module) -> bool:
@@ -327,8 +380,9 @@ def _is_empty(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
 
-def _shard(policy: nn.Module, device: torch.device, from_rank0: bool) -> nn.Module:
-    """`fully_shard` each decoder layer, then the root, then only this process's shards on `device`.
+def _shard(policy: nn.Module, device: torch.device, from_rank0: bool, mixed: Any = None) -> nn.Module:
+    """`fully_shard` each decoder layer, then the root (`mixed`: their `MixedPrecisionPolicy`, if any),
+    then only this process's shards on `device`.
 
     `from_rank0`: a process holds the weights (rank 0, which loaded them) and the others an empty model
     (parameters on meta): the empty ones get their shards' memory on `device`, and every process
@@ -347,9 +401,10 @@ def _shard(policy: nn.Module, device: torch.device, from_rank0: bool) -> nn.Modu
         )
     empty = _is_empty(policy)
     whole = policy.state_dict() if from_rank0 and not empty else {}  # rank 0's loaded tensors, not copies
+    kwargs = {} if mixed is None else {"mp_policy": mixed}
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(policy)
+        fully_shard(layer, **kwargs)
+    fully_shard(policy, **kwargs)
     if empty:  # memory for this process's shards; the buffers (not sent) are kept as they were built
         buffers = {name: b.clone() for name, b in policy.named_buffers()}
         policy.to_empty(device=device)
@@ -403,8 +458,11 @@ def _base_model(policy: nn.Module) -> nn.Module:
     return _as_policy(policy).base
 
 
-def _unsharded_copy(lm: PreTrainedModel, state: dict[str, Any]) -> PreTrainedModel:
-    """A plain (unsharded) model of `lm`'s class and config (its LoRA adapter too), holding `state`.
+def _unsharded_copy(
+    lm: PreTrainedModel, state: dict[str, Any], dtype: torch.dtype | None = None
+) -> PreTrainedModel:
+    """A plain (unsharded) model of `lm`'s class and config (its LoRA adapter too), holding `state`, in
+    `dtype` (default `lm`'s).
 
     Built on the meta device, then given the gathered tensors. Buffers that are not in the state dict
     (non-persistent ones, e.g. rotary frequencies) come from `lm`, where FSDP leaves them whole."""
@@ -412,7 +470,7 @@ def _unsharded_copy(lm: PreTrainedModel, state: dict[str, Any]) -> PreTrainedMod
 
     base = peft_base(lm) if is_peft(lm) else lm
     with torch.device("meta"):
-        clone = type(base)._from_config(base.config, dtype=base.dtype)
+        clone = type(base)._from_config(base.config, dtype=dtype or base.dtype)
         if is_peft(lm):
             from peft import get_peft_model
 

@@ -9,15 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from leangrpo.core.errors import UserError
-from leangrpo.train.distributed import Sharded
+from leangrpo.train.distributed import MASTERS_KEY, Sharded
 from leangrpo.train.optim import build_optimizer
 
 if TYPE_CHECKING:
     from leangrpo.config.schema import Config
     from leangrpo.train.distributed import Replicated
 
-STATE_KEY = "leangrpo_master_weights"  # where the masters travel in the optimizer's state dict
+STATE_KEY = MASTERS_KEY  # where the masters travel in the optimizer's state dict
 
 
 class MasterWeights:
@@ -91,25 +90,26 @@ def precise_optimizer(
 ) -> tuple[torch.optim.Optimizer, dict[torch.Tensor, torch.nn.Parameter] | None]:
     """The run's precision on its device (`set_tf32`) and the optimizer of the trainable `params`: on
     fp32 masters (`MasterWeights`) where `optim.master_weights` says so (null: for bf16 full fine-tuning
-    on a GPU without FSDP2), else on `params` themselves; says which in one line for bf16 weights.
-    Returns the optimizer and, with masters, each weight's master (what `StepInBackward` steps).
+    on a GPU), else on `params` themselves; says which in one line for bf16 weights. Returns the
+    optimizer and, with masters, each weight's master (what `StepInBackward` steps).
 
-    FSDP2 refuses masters: its optimizer state is gathered and restored by the model's parameter names
-    (`get_optimizer_state_dict`), and masters are not the model's parameters."""
+    Under FSDP2 the masters are the fp32 shards themselves (`Sharded`, gathered in bf16 for compute): its
+    optimizer state is gathered and restored by the model's parameter names, which separate masters
+    would not be."""
     set_tf32(cfg, dist.acc.device, write)
+    if isinstance(dist, Sharded) and dist.compute_dtype is not None:
+        write(
+            "precision: bfloat16 compute, fp32 sharded weights stepped by the optimizer (FSDP2 "
+            "MixedPrecisionPolicy, gradients reduced in fp32; optim.master_weights)"
+        )
+        return build_optimizer(params, cfg.optim), None
     low = sorted({str(p.dtype).removeprefix("torch.") for p in params if p.dtype != torch.float32})
     if not low:
         return build_optimizer(params, cfg.optim), None
-    asked, sharded = cfg.optim.master_weights, isinstance(dist, Sharded)
-    if asked and sharded:
-        raise UserError(
-            "optim.master_weights cannot run with FSDP2 (its sharded optimizer state is named by the "
-            "model's parameters, which fp32 masters are not); set optim.master_weights: false"
-        )
-    use = asked if asked is not None else dist.acc.device.type == "cuda" and not sharded
+    asked = cfg.optim.master_weights
+    use = asked if asked is not None else dist.acc.device.type == "cuda"
     if not use:
-        default = "FSDP2" if sharded else "the default on CPU"
-        why = "optim.master_weights: false" if asked is False else default
+        why = "optim.master_weights: false" if asked is False else "the default on CPU"
         write(
             f"precision: the {'/'.join(low)} weights are stepped in {'/'.join(low)} ({why}); updates below "
             "half their rounding step are lost (optim.master_weights: true keeps fp32 copies)"

@@ -80,7 +80,7 @@ class Trainer:
         # model.dtype, and accelerate's autocast or fp16 loss scaling would act on an optimizer it does
         # not own (never unscaled).
         self.acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no")
-        self.dist = distributed.setup(self.acc)
+        self.dist = distributed.setup(self.acc, cfg.optim.master_weights)
         self.levers = cpu_levers(self.acc.device, cfg.cpu)
         if self.levers is not None:
             self.levers.before_loading()
