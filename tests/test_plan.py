@@ -559,7 +559,7 @@ def test_fsdp_plans_shards_per_process_and_the_gathered_model():
     FSDP2 step in test_fsdp), generation holds the whole model next to the shards, the CLI says so."""
     shape = plan.resolve_shape("Qwen/Qwen2.5-7B")
     one = plan.estimate(shape, plan.make_knobs(beta=0.04, master_weights=False))  # FSDP2 runs none
-    four = plan.estimate(shape, plan.make_knobs(beta=0.04, fsdp=4))
+    four = plan.estimate(shape, plan.make_knobs(beta=0.04, fsdp=4, master_weights=False))
     for part in ("weights", "optimizer state", "reference model"):
         assert four.components[part] == pytest.approx(one.components[part] / 4, abs=1)
     assert four.components["FSDP gathered"] == one.components["weights"]
@@ -570,6 +570,21 @@ def test_fsdp_plans_shards_per_process_and_the_gathered_model():
     res = CliRunner().invoke(main, ["plan", "--model", "Qwen/Qwen2.5-7B", "--fsdp", "2", "--optimizer",
                                     "adamw_8bit"])  # fmt: skip
     assert res.exit_code != 0 and "adamw_8bit" in res.output.strip().splitlines()[-1]
+
+
+def test_fsdp_plans_bf16_full_fine_tuning_with_fp32_shards():
+    """FSDP2's master weights (train/distributed.py): by default on a GPU the bf16 policy's shards,
+    gradients and AdamW state are fp32 (÷ N), with no separate master copy, and generation gathers the
+    model in bf16."""
+    shape = plan.resolve_shape("Qwen/Qwen2.5-7B")
+    one = plan.estimate(shape, plan.make_knobs(beta=0.04))  # one process: bf16 weights and fp32 masters
+    four = plan.estimate(shape, plan.make_knobs(beta=0.04, fsdp=4))
+    assert four.components["weights"] == pytest.approx(shape.num_params() * 4 / 4, abs=1)
+    assert not four.components.get("fp32 master weights")
+    assert four.components["optimizer state"] == pytest.approx(one.components["optimizer state"] / 4, abs=1)
+    assert four.components["FSDP gathered"] == one.components["weights"]  # gathered in bf16
+    off = plan.estimate(shape, plan.make_knobs(beta=0.04, fsdp=4, master_weights=False))
+    assert off.components["weights"] == pytest.approx(shape.num_params() * 2 / 4, abs=1)
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -395,12 +395,17 @@ def make_knobs(**values: Any) -> Knobs:
 
 
 def masters_on(k: Knobs) -> bool:
-    """fp32 master copies of the weights (optim.master_weights), as train/precision.py decides: asked
-    for, or by default for bf16/fp16 full fine-tuning on a GPU without FSDP2."""
+    """fp32 master weights (optim.master_weights), as train/precision.py decides: asked for, or by
+    default for bf16/fp16 full fine-tuning on a GPU (under FSDP2 the shards themselves: `fp32_shards`)."""
     if k.master_weights is not None:
         return k.master_weights and k.method == "full" and k.dtype != "float32"
-    low_full = k.method == "full" and k.dtype != "float32"
-    return low_full and k.device == "cuda" and k.fsdp == 1
+    return k.method == "full" and k.dtype != "float32" and k.device == "cuda"
+
+
+def fp32_shards(k: Knobs) -> bool:
+    """FSDP2 keeps the masters as its shards (train/distributed.py): fp32 weights and gradients, gathered
+    in model.dtype for compute, and no separate master copy."""
+    return masters_on(k) and k.fsdp > 1
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -697,7 +702,7 @@ def resident(shape: ModelShape, k: Knobs) -> Resident:
     if k.fsdp > 1 and (k.method == "qlora-4bit" or k.optimizer == "adamw_8bit"):
         raise PlanError("--fsdp: leangrpo's FSDP2 runs neither 4-bit weights nor adamw_8bit")
     tensors = trainable_tensors(shape, k)
-    tb = trainable_bytes_per_param(k)
+    tb = 4 if fp32_shards(k) else trainable_bytes_per_param(k)
     grads = sum(n for _, n in tensors) * tb
     ref_bytes = DTYPE_BYTES["bfloat16"] if k.reference_dtype == "bfloat16" else k.e
     ref = shape.num_params() * ref_bytes if (k.beta > 0 and k.method == "full") else 0  # LoRA: adapter off
@@ -706,14 +711,14 @@ def resident(shape: ModelShape, k: Knobs) -> Resident:
     n = k.fsdp
     layer_numel = sum(c for _, c in shape.layer_tensors())
     return Resident(
-        weights=weight_bytes(shape, k),
+        weights=shape.num_params() * 4 if fp32_shards(k) else weight_bytes(shape, k),
         adapters=grads if k.method != "full" else 0,
         grads=grads,
         # with optimizer_in_backward only the tensor being stepped: each is freed once its step is taken
         step_grads=max(t for _, t in tensors) * tb if k.optimizer_in_backward else math.ceil(grads / n),
         # the optimizer steps the fp32 masters when there are any: its state is fp32 too
         optim=optimizer_bytes(tensors, 4 if masters_on(k) else tb, k.optimizer),
-        masters=sum(n for _, n in tensors) * 4 if masters_on(k) else 0,
+        masters=sum(n for _, n in tensors) * 4 if masters_on(k) and not fp32_shards(k) else 0,
         ref=ref,
         resident_ref=0 if reference_on_disk(k) else ref,  # on disk: read in by its own pass only
         # the root group (embeddings, final norm, LM head) stays gathered through forward and backward,
@@ -839,8 +844,8 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
     }  # fmt: skip
     phases = {"update": update_peak(shape, k, r, rows)}
     if k.rollout == "hf":
-        if n > 1:  # generation gathers the whole model on every process, next to the shards
-            components["FSDP gathered"] = r.weights + r.adapters
+        if n > 1:  # generation gathers the whole model on every process (in model.dtype), next to the shards
+            components["FSDP gathered"] = weight_bytes(shape, k) + r.adapters
         generating = ("FSDP gathered", "KV cache", "generation workspace", "packed weights")
         phases["generation"] = r.persistent + sum(components.get(c, 0) for c in generating)
     else:  # each process's colocated vLLM reserves a fixed share of its card for weights and KV cache
