@@ -230,7 +230,7 @@ def sample_tokens(
 def reload_weights(llm: Any, method: str | Callable[..., None] = "reload_weights", **kwargs: Any) -> None:
     """Reload `llm`'s weights in place, checkpoint-format, through the workers' `method` (vLLM's own, with
     `weights_iterator=`, or a function of the worker), and drop its prefix cache (cached prompt states were
-    computed with the old weights).
+    computed with the old weights, `drop_caches`).
 
     vLLM's in-place reload redoes its own per-layer processing (the CPU backend, for one, repacks each
     Linear for oneDNN), so every weight of a layer must be sent: a layer sent in part would be rebuilt with
@@ -238,7 +238,15 @@ def reload_weights(llm: Any, method: str | Callable[..., None] = "reload_weights
     with _failure("loading the updated weights"):
         llm.collective_rpc(method, kwargs={**kwargs, "is_checkpoint_format": True})
         llm.apply_model(_repack_tied_head)
+    drop_caches(llm)
+
+
+def drop_caches(llm: Any) -> None:
+    """Drop what vLLM computed with the old weights: its prefix cache (prompt states) and its encoder cache
+    (image embeddings of a vision-language model, which vLLM would otherwise reuse for an image it saw
+    before the sync, or miss in a cache half reset: "Encoder cache miss")."""
     llm.reset_prefix_cache()
+    llm.llm_engine.reset_encoder_cache()
 
 
 def served_lora_rank(lora: LoraConfig, sync: str = "adapter") -> int | None:
@@ -339,14 +347,14 @@ def write_adapter(directory: Path, config: dict[str, Any], tensors: dict[str, Te
 def load_adapter(llm: Any, directory: Path, adapter_id: int) -> Any:
     """Load the adapter in `directory` into `llm` under a new `adapter_id` (vLLM keeps one: the previous
     adapter is dropped) and return its LoRARequest, which requests then name. A new id per sync, not the
-    same one reloaded in place: vLLM re-reads an in-place adapter for every request. The prefix cache is
-    dropped, as after a reload."""
+    same one reloaded in place: vLLM re-reads an in-place adapter for every request. The caches are
+    dropped, as after a reload (`drop_caches`)."""
     from vllm.lora.request import LoRARequest
 
     request = LoRARequest(f"leangrpo-{adapter_id}", adapter_id, str(directory))
     with _failure("loading the adapter"):
         llm.llm_engine.add_lora(request)
-    llm.reset_prefix_cache()
+    drop_caches(llm)
     return request
 
 
