@@ -274,9 +274,10 @@ def make_tiny_qwen_vl(tokenizer_dir: Path, seed: int = 0):
     return Qwen2_5_VLForConditionalGeneration(cfg), processor
 
 
-def make_tiny_idefics3(tokenizer_dir: Path, seed: int = 0):
+def make_tiny_idefics3(tokenizer_dir: Path, seed: int = 0, num_attention_heads: int = 4):
     """A tiny random Idefics3 (SmolVLM's architecture: a SigLIP tower, pixel shuffle, a Llama) and its
-    processor: 32×32 images, no splitting, 4 image tokens."""
+    processor: 32×32 images, no splitting, 4 image tokens. vLLM's CPU attention needs 2 heads (head
+    dimension 32)."""
     import torch
     from transformers import (
         Idefics3Config,
@@ -295,7 +296,8 @@ def make_tiny_idefics3(tokenizer_dir: Path, seed: int = 0):
     )
     text = dict(
         model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+        num_attention_heads=num_attention_heads, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=True,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
     )  # fmt: skip
     vision = dict(

@@ -226,20 +226,24 @@ def test_qlora_trains_a_tiny_vlm_loaded_from_its_directory(tmp_path, tiny_vlm):
     assert trainer.state.log_history[0]["reward"] >= 0
 
 
-def test_vlm_on_vllm_is_refused_in_one_line(tmp_path, tiny_vlm, monkeypatch):
-    """VLM on vLLM is not done (docs/vlm.md): one line when the engine is built. vLLM's own check (that it
-    imports) is passed over here, where vLLM is not installed."""
+def test_vlm_on_a_vllm_server_is_refused_in_one_line(tmp_path, tiny_vlm, monkeypatch):
+    """VLM on a vLLM server is not done (docs/vlm.md; colocated is: tests/real_vllm/test_vllm_vlm.py): one
+    line when the engine is built. The server's own check is passed over here, where vLLM is not
+    installed."""
     from dataclasses import replace
 
     from leangrpo import GRPOConfig, GRPOTrainer
     from leangrpo.core.errors import UserError
     from leangrpo.engines import registry
 
-    monkeypatch.setitem(registry.ENGINES, "vllm", replace(registry.ENGINES["vllm"], check=lambda *a: None))
+    server = replace(registry.ENGINES["vllm_server"], check=lambda *a: None)
+    monkeypatch.setitem(registry.ENGINES, "vllm_server", server)
     model, processor = tiny_vlm
-    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, use_vllm=True, report_to="none")
+    args = GRPOConfig(
+        output_dir=str(tmp_path), max_steps=1, use_vllm=True, vllm_mode="server", report_to="none"
+    )
     trainer = GRPOTrainer(model, varied, args, colour_rows(), processing_class=processor)
-    with pytest.raises(UserError, match="^image prompts on vLLM are not supported yet"):
+    with pytest.raises(UserError, match="^image prompts on a vLLM server are not supported yet"):
         trainer.train()
 
 

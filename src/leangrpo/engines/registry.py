@@ -53,12 +53,16 @@ def _hf(
 
 
 def _vllm(
-    cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None
+    cfg: Config,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    levers: GenerateLevers | None,
+    processor: Any | None = None,
 ) -> RolloutEngine:
     from leangrpo.engines.types import eos_token_ids
     from leangrpo.engines.vllm import VLLMEngine
 
-    return VLLMEngine.from_config(cfg, tokenizer, eos_token_ids(tokenizer, model))
+    return VLLMEngine.from_config(cfg, tokenizer, eos_token_ids(tokenizer, model), processor)
 
 
 def _vllm_server(
@@ -109,9 +113,11 @@ def build_engine(
 ) -> RolloutEngine:
     """The engine `cfg` picks (vLLM's holds the checkpoint's weights until its first sync; a server is
     waited for and checked against `model`). `processor`: a vision-language model's, for image prompts,
-    which only HF generate takes so far (vLLM's multimodal inputs are not done: refused in one line)."""
+    which HF generate and a colocated vLLM take (a vLLM server does not yet: refused in one line)."""
     if processor is None:
         return engine_kind(cfg).build(cfg, model, tokenizer, levers)
+    if engine_name(cfg.grpo) == "vllm":
+        return _vllm(cfg, model, tokenizer, levers, processor)
     if engine_name(cfg.grpo) != "hf":
         from leangrpo.engines.vision import refuse_on_vllm
 

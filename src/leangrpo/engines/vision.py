@@ -125,11 +125,11 @@ def token_types(processor: Any, enc: Any) -> dict[str, dict[int, int]]:
 
 
 def refuse_on_vllm(images: list[list[Any]] | None) -> None:
-    """vLLM's multimodal inputs are not done yet: image prompts on a vLLM engine are one line."""
+    """A vLLM server's multimodal inputs are not done yet: image prompts on it are one line."""
     if images is not None:
         raise VisionError(
-            "image prompts on vLLM are not supported yet (docs/vlm.md): set grpo.use_vllm: false to train "
-            "a vision-language model with HF generate"
+            "image prompts on a vLLM server are not supported yet (docs/vlm.md): set grpo.vllm_mode: "
+            "colocate, or grpo.use_vllm: false to generate with HF"
         )
 
 

@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +36,8 @@ from leangrpo.engines.types import (
     finish_batch,
     with_tools,
 )
-from leangrpo.engines.vision import refuse_on_vllm
+from leangrpo.engines.vision import VisionError
+from leangrpo.engines.vision import encode as encode_vision
 from leangrpo.models.load import is_peft, linear_weight, resolve_model_path
 
 if TYPE_CHECKING:
@@ -70,10 +71,12 @@ def import_vllm() -> Any:
     return vllm
 
 
+Prompt = list[int] | dict[str, Any]
+"""A vLLM prompt: its token ids, or an image prompt's text with its images (`image_requests`)."""
 Sampler = Callable[
-    [list[list[int]], Sampling, torch.Generator | None], tuple[list[list[int]], list[list[float]]]
+    [Sequence[Prompt], Sampling, torch.Generator | None], tuple[list[list[int]], list[list[float]]]
 ]
-"""One completion of each token list, and the sampler's log-prob of each of its tokens; the requests'
+"""One completion of each prompt, and the sampler's log-prob of each of its tokens; the requests'
 seeds are drawn from the generator (None: torch's global RNG)."""
 
 
@@ -85,16 +88,29 @@ def sampled_batch(
     toolboxes: list[Toolbox] | None,
     sample: Sampler,
     max_model_len: int,
+    images: list[list[Any]] | None = None,
+    processor: Any | None = None,
 ) -> RolloutBatch:
     """`sampling.num_generations` completions per prompt drawn by `sample` (a vLLM engine, in this process
     or behind a server), as `hf.generate` lays them out, with the sampler's log-probs. `toolboxes`
-    (one per completion): rollouts go on after each turn that calls tools (`with_tools`)."""
-    prompt_ids, prompt_mask = encode_prompts(
-        tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
-    )
-    rows = zip(prompt_ids, prompt_mask.bool(), strict=True)
+    (one per completion): rollouts go on after each turn that calls tools (`with_tools`). `images` (one
+    list a prompt): image prompts of a vision-language model, which `processor` encodes for the trainer
+    (`image_requests`)."""
+    vision = None
+    if images is not None:
+        if processor is None or toolboxes is not None:
+            raise VisionError("image prompts need the model's processor (processing_class), and no tools")
+        prompt_ids, prompt_mask, vision = encode_vision(
+            processor, prompt_texts, images, sampling.max_prompt_length, sampling.num_generations
+        )
+        prompts: list[Prompt] = image_requests(prompt_texts, images, sampling.num_generations)
+    else:
+        prompt_ids, prompt_mask = encode_prompts(
+            tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
+        )
+        prompts = [ids[mask].tolist() for ids, mask in zip(prompt_ids, prompt_mask.bool(), strict=True)]
     rng = sampling.generator(torch.device("cpu"))  # one stream for every turn of the rollouts
-    ids, logprobs = sample([ids[mask].tolist() for ids, mask in rows], sampling, rng)
+    ids, logprobs = sample(prompts, sampling, rng)
     width = max(map(len, ids))
     completion_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
     sampling_logprobs = torch.zeros(len(ids), width)
@@ -102,6 +118,7 @@ def sampled_batch(
         completion_ids[row, : len(tokens)] = torch.tensor(tokens)
         sampling_logprobs[row, : len(tokens)] = torch.tensor(logps)
     batch = finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, sampling, sampling_logprobs)
+    batch.vision = vision
     if toolboxes is None:
         return batch
 
@@ -109,6 +126,18 @@ def sampled_batch(
         return sample(sequences, replace(sampling, max_completion_length=max_new), rng)
 
     return with_tools(batch, tokenizer, toolboxes, sampling, next_turns, eos, max_model_len)
+
+
+def image_requests(prompt_texts: list[str], images: list[list[Any]], repeat: int) -> list[Prompt]:
+    """vLLM's requests for image prompts, each `repeat` times: the chat-rendered text with its images, from
+    which vLLM's own processor (of the same checkpoint) expands each image's placeholder into its image
+    tokens, as the trainer's processor does (`vision.encode`). Token ids already expanded would be expanded
+    again by vLLM 0.32; ids before expansion sample the same as the text."""
+    return [
+        {"prompt": text, "multi_modal_data": {"image": imgs}}
+        for text, imgs in zip(prompt_texts, images, strict=True)
+        for _ in range(repeat)
+    ]
 
 
 def build_llm(
@@ -177,9 +206,9 @@ def sampling_fields(sampling: Sampling, eos: list[int]) -> dict[str, Any]:
 
 
 def sample_tokens(
-    llm: Any, prompts: list[list[int]], fields: dict[str, Any], seeds: list[int | None], adapter: Any = None
+    llm: Any, prompts: Sequence[Prompt], fields: dict[str, Any], seeds: list[int | None], adapter: Any = None
 ) -> tuple[list[list[int]], list[list[float]]]:
-    """One completion of each token list (its own request and seed) and vLLM's log-prob of each token (of
+    """One completion of each prompt (its own request and seed) and vLLM's log-prob of each token (of
     the distribution it drew from: after a structured-outputs mask too); `adapter`: the LoRARequest of the
     adapter to sample with (`load_adapter`), None for the bare model."""
     from vllm import SamplingParams
@@ -187,7 +216,7 @@ def sample_tokens(
 
     if isinstance(structured := fields.get("structured_outputs"), dict):
         fields = {**fields, "structured_outputs": StructuredOutputsParams(**structured)}
-    requests = [{"prompt_token_ids": ids} for ids in prompts]
+    requests = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(seed=seed, detokenize=False, **fields) for seed in seeds]
     with _failure("generating"):
         outputs = llm.generate(requests, params, use_tqdm=False, lora_request=adapter)
@@ -201,7 +230,7 @@ def sample_tokens(
 def reload_weights(llm: Any, method: str | Callable[..., None] = "reload_weights", **kwargs: Any) -> None:
     """Reload `llm`'s weights in place, checkpoint-format, through the workers' `method` (vLLM's own, with
     `weights_iterator=`, or a function of the worker), and drop its prefix cache (cached prompt states were
-    computed with the old weights).
+    computed with the old weights, `drop_caches`).
 
     vLLM's in-place reload redoes its own per-layer processing (the CPU backend, for one, repacks each
     Linear for oneDNN), so every weight of a layer must be sent: a layer sent in part would be rebuilt with
@@ -209,7 +238,15 @@ def reload_weights(llm: Any, method: str | Callable[..., None] = "reload_weights
     with _failure("loading the updated weights"):
         llm.collective_rpc(method, kwargs={**kwargs, "is_checkpoint_format": True})
         llm.apply_model(_repack_tied_head)
+    drop_caches(llm)
+
+
+def drop_caches(llm: Any) -> None:
+    """Drop what vLLM computed with the old weights: its prefix cache (prompt states) and its encoder cache
+    (image embeddings of a vision-language model, which vLLM would otherwise reuse for an image it saw
+    before the sync, or miss in a cache half reset: "Encoder cache miss")."""
     llm.reset_prefix_cache()
+    llm.llm_engine.reset_encoder_cache()
 
 
 def served_lora_rank(lora: LoraConfig, sync: str = "adapter") -> int | None:
@@ -310,14 +347,14 @@ def write_adapter(directory: Path, config: dict[str, Any], tensors: dict[str, Te
 def load_adapter(llm: Any, directory: Path, adapter_id: int) -> Any:
     """Load the adapter in `directory` into `llm` under a new `adapter_id` (vLLM keeps one: the previous
     adapter is dropped) and return its LoRARequest, which requests then name. A new id per sync, not the
-    same one reloaded in place: vLLM re-reads an in-place adapter for every request. The prefix cache is
-    dropped, as after a reload."""
+    same one reloaded in place: vLLM re-reads an in-place adapter for every request. The caches are
+    dropped, as after a reload (`drop_caches`)."""
     from vllm.lora.request import LoRARequest
 
     request = LoRARequest(f"leangrpo-{adapter_id}", adapter_id, str(directory))
     with _failure("loading the adapter"):
         llm.llm_engine.add_lora(request)
-    llm.reset_prefix_cache()
+    drop_caches(llm)
     return request
 
 
@@ -388,11 +425,14 @@ class VLLMEngine:
         sleep_mode: bool = False,
         trust_remote_code: bool = False,
         lora_rank: int | None = None,
+        processor: Any | None = None,
     ):
         """`path`: a model directory (or hub id) for vLLM to load; `sync_weights` replaces its weights.
         `lora_rank`: vLLM serves a LoRA adapter of up to that rank, which syncs of a peft model then send
-        alone (None: they send the adapted layers merged)."""
+        alone (None: they send the adapted layers merged). `processor`: a vision-language model's, which
+        encodes image prompts for the trainer (vLLM encodes them with its own)."""
         self.tokenizer, self.eos, self.sleep_mode, self.lora_rank = tokenizer, eos, sleep_mode, lora_rank
+        self.processor = processor
         self.llm = build_llm(
             path, max_model_len=max_model_len, dtype=dtype, seed=seed,
             gpu_memory_utilization=gpu_memory_utilization, sleep_mode=sleep_mode,
@@ -404,16 +444,18 @@ class VLLMEngine:
         self.last_sync: SyncStats | None = None
 
     @classmethod
-    def from_config(cls, cfg: Config, tokenizer: PreTrainedTokenizerBase, eos: list[int]) -> VLLMEngine:
+    def from_config(
+        cls, cfg: Config, tokenizer: PreTrainedTokenizerBase, eos: list[int], processor: Any | None = None
+    ) -> VLLMEngine:
         """The training run's engine: its model, dtype, seed, context window (long enough for the
-        evaluation during training too) and vLLM settings."""
+        evaluation during training too), vLLM settings and a vision-language model's processor."""
         g = cfg.grpo
         return cls(
             resolve_model_path(cfg.model.name_or_path), tokenizer, eos, max_model_len=run_context(cfg),
             dtype=cfg.model.dtype, seed=cfg.seed,
             gpu_memory_utilization=g.vllm_gpu_memory_utilization or UNPLANNED_VLLM_SHARE,
             sleep_mode=g.vllm_enable_sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
-            lora_rank=served_lora_rank(cfg.model.lora, g.vllm_lora_sync),
+            lora_rank=served_lora_rank(cfg.model.lora, g.vllm_lora_sync), processor=processor,
         )  # fmt: skip
 
     def generate(
@@ -434,24 +476,25 @@ class VLLMEngine:
         the next call may come before any `sync_weights` (dynamic sampling's extra rounds, evaluation's
         batches, pass@k) and must sample from the last synced weights. Level 2 would discard them, and
         vLLM would then sample from uninitialised memory. The cost: a host copy of the weights, and their
-        transfer each way per call. `images`: refused (vLLM's multimodal inputs are not done yet)."""
-        refuse_on_vllm(images)
+        transfer each way per call. `images` (one list a prompt): image prompts, sent to vLLM as their text
+        and images (`image_requests`)."""
         if self.sleeping:
             self.llm.wake_up(tags=sorted(self.sleeping))
             self.sleeping.clear()
         max_model_len = self.llm.llm_engine.model_config.max_model_len
         batch = sampled_batch(
-            self.tokenizer, self.eos, prompt_texts, sampling, toolboxes, self._sample, max_model_len
-        )
+            self.tokenizer, self.eos, prompt_texts, sampling, toolboxes, self._sample, max_model_len,
+            images, self.processor,
+        )  # fmt: skip
         if self.sleep_mode:  # the update then has the GPU to itself
             self.llm.sleep(level=1)
             self.sleeping = {"weights", "kv_cache"}
         return batch
 
     def _sample(
-        self, prompts: list[list[int]], sampling: Sampling, rng: torch.Generator | None
+        self, prompts: Sequence[Prompt], sampling: Sampling, rng: torch.Generator | None
     ) -> tuple[list[list[int]], list[list[float]]]:
-        """One completion of each token list (its own request, seeded from `rng`: None is torch's global
+        """One completion of each prompt (its own request, seeded from `rng`: None is torch's global
         RNG) and vLLM's log-prob of each token."""
         seeds = torch.randint(2**31 - 1, (len(prompts),), generator=rng).tolist()
         adapter = None if self.adapter is None else self.adapter.request
@@ -575,11 +618,19 @@ def _last_line(e: BaseException) -> str:
 
 def _repack_tied_head(vllm_model: torch.nn.Module) -> None:
     """A tied lm_head is skipped by vLLM's loader, yet its CPU backend keeps its own packed copy of the
-    embedding for the output matmul: rebuild that copy from the reloaded embedding (a no-op on GPUs)."""
+    embedding for the output matmul: rebuild that copy from the reloaded embedding (a no-op on GPUs). The
+    embedding is wherever the model keeps it (a VLM's `model.text_model.embed_tokens`, say)."""
     head = getattr(vllm_model, "lm_head", None)
-    embed = getattr(getattr(vllm_model, "model", None), "embed_tokens", None)
-    if head is not None and embed is not None and head.weight.data_ptr() == embed.weight.data_ptr():
+    if head is None:
+        return
+    tied = head.weight.data_ptr()
+    if any(m is not head and _weight_at(m) == tied for m in vllm_model.modules()):
         head.quant_method.process_weights_after_loading(head)
+
+
+def _weight_at(module: torch.nn.Module) -> int | None:
+    weight = getattr(module, "weight", None)
+    return weight.data_ptr() if isinstance(weight, Tensor) else None
 
 
 def applied_weights(

@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -36,6 +36,7 @@ from leangrpo.engines.tools import Toolbox
 from leangrpo.engines.types import RolloutBatch, Sampling, SyncStats
 from leangrpo.engines.vision import refuse_on_vllm
 from leangrpo.engines.vllm import (
+    Prompt,
     VLLMError,
     adapter_config,
     adapter_refusal,
@@ -158,8 +159,9 @@ class VLLMServerEngine:
         )
 
     def _sample(
-        self, prompts: list[list[int]], sampling: Sampling, rng: torch.Generator | None
+        self, prompts: Sequence[Prompt], sampling: Sampling, rng: torch.Generator | None
     ) -> tuple[list[list[int]], list[list[float]]]:
+        """Token lists only: image prompts are refused before (`refuse_on_vllm`)."""
         seeds = torch.randint(2**31 - 1, (len(prompts),), generator=rng).tolist()
         body = {"model": self.served, **sampling_fields(sampling, self.eos)}
         if self.leangrpo:  # one request, a seed per prompt
