@@ -377,7 +377,7 @@ def test_trainer_sets_the_allocator_before_loading_anything(tmp_path, tiny_model
     monkeypatch.setattr(
         trainer_mod,
         "load_model_and_tokenizer",
-        lambda cfg, *given: events.append("load") or real_load(cfg, *given),
+        lambda cfg, *given, **kw: events.append("load") or real_load(cfg, *given, **kw),
     )
     cfg = make_cfg(
         model={"name_or_path": str(tiny_model_dir)},

@@ -69,6 +69,21 @@ def test_image_rows_take_trls_shapes():
         load_rows(data, Task(), [{"prompt": "plain text", "image": red}])
 
 
+def test_a_batch_mixing_image_and_text_prompts_is_one_line(tiny_vlm):
+    """Rows with and without images in one batch: refused, since the micro-batch's pixel inputs would be
+    joined from the first row's keys only (the image rows scored without their pixels)."""
+    from leangrpo.engines.vision import VisionError, encode
+
+    _, processor = tiny_vlm
+    image = Image.new("RGB", (56, 56), (255, 0, 0))
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}],
+        tokenize=False, add_generation_prompt=True,
+    )  # fmt: skip
+    with pytest.raises(VisionError, match="^a batch mixes prompts with images and prompts without"):
+        encode(processor, ["plain text", text], [[], [image]], None, 2)
+
+
 def test_grpo_trainer_trains_a_tiny_vlm(tmp_path, tiny_vlm):
     import torch
 

@@ -82,6 +82,11 @@ def encode(
     """Left-padded prompt ids and mask, each prompt `repeat` times (one row a completion), and their pixel
     inputs. Each prompt goes through the processor alone, so its pixel inputs are its own; a prompt the
     image tokens make longer than `max_prompt_length` is refused (cutting would cut an image)."""
+    if any(images) and not all(images):
+        raise VisionError(
+            "a batch mixes prompts with images and prompts without: not supported yet (their pixel inputs "
+            "are not joined, so the log-probs would miss the images); give every row an image"
+        )
     tokenizer = processor.tokenizer
     ids: list[list[int]] = []
     rows: list[dict[str, Tensor]] = []
