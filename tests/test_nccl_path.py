@@ -77,6 +77,13 @@ class FakeLLM:
     def reset_prefix_cache(self):
         pass
 
+    @property
+    def llm_engine(self):
+        return self  # vllm.LLM's engine, for its encoder cache
+
+    def reset_encoder_cache(self) -> None:
+        pass
+
 
 def test_a_trainer_dying_mid_broadcast_ends_the_servers_wait_and_says_restart(tmp_path, monkeypatch):
     """The server's side (issue 53, item 7): the trainer sends the first tensor and dies. The reload

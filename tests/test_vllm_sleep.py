@@ -19,7 +19,9 @@ class FakeLLM:
 
     def __init__(self) -> None:
         self.weights, self.kv_cache = "loaded", "awake"  # weights: loaded, on_cpu, discarded
-        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64))
+        self.llm_engine = SimpleNamespace(
+            model_config=SimpleNamespace(max_model_len=64), reset_encoder_cache=lambda: None
+        )
         self.generated: list[str] = []
 
     def sleep(self, level: int) -> None:
