@@ -33,14 +33,13 @@ from leangrpo.engines.types import (
     PolicyEngine,
     RolloutBatch,
     Sampling,
-    encode_prompts,
+    encode_rollout_prompts,
     eos_token_ids,
     finish_batch,
     left_padded,
     with_tools,
 )
-from leangrpo.engines.vision import VisionError, VisionInputs
-from leangrpo.engines.vision import encode as encode_vision
+from leangrpo.engines.vision import VisionInputs
 from leangrpo.models.load import is_peft, peft_base
 
 if TYPE_CHECKING:
@@ -130,18 +129,10 @@ def generate(
     image prompts, which `processor` encodes; each group's images are encoded once into the KV cache
     (`prefill_images_once_per_group`), and the lean decode loop is off (it runs the text decoder alone)."""
     device = next(model.parameters()).device
-    vision = None
-    if images is not None:
-        if processor is None or toolboxes is not None:
-            raise VisionError("image prompts need the model's processor (processing_class), and no tools")
-        prompt_ids, prompt_mask, vision = encode_vision(
-            processor, prompt_texts, images, sampling.max_prompt_length, sampling.num_generations
-        )
-        vision = vision.to(device)
-    else:
-        prompt_ids, prompt_mask = encode_prompts(
-            tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
-        )
+    prompt_ids, prompt_mask, vision = encode_rollout_prompts(
+        tokenizer, prompt_texts, sampling, images, processor, toolboxes
+    )
+    vision = None if vision is None else vision.to(device)
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     eos = eos_token_ids(tokenizer, model)
     rng = sampling.generator(device)  # one stream for every turn of the rollout

@@ -275,6 +275,28 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) ->
 MAX_CHARS_PER_TOKEN = 64
 
 
+def encode_rollout_prompts(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_texts: list[str],
+    sampling: Sampling,
+    images: list[list[Any]] | None,
+    processor: Any | None,
+    toolboxes: list[Any] | None,
+) -> tuple[Tensor, Tensor, VisionInputs | None]:
+    """A rollout's left-padded prompt ids and mask, each prompt `sampling.num_generations` times, and with
+    `images` (one list a prompt) their pixel inputs, which the model's `processor` encodes (no tools)."""
+    from leangrpo.engines.vision import VisionError, encode
+
+    if images is None:
+        ids, mask = encode_prompts(
+            tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
+        )
+        return ids, mask, None
+    if processor is None or toolboxes is not None:
+        raise VisionError("image prompts need the model's processor (processing_class), and no tools")
+    return encode(processor, prompt_texts, images, sampling.max_prompt_length, sampling.num_generations)
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompt_texts: list[str], max_prompt_length: int | None, repeat: int
 ) -> tuple[Tensor, Tensor]:

@@ -32,12 +32,10 @@ from leangrpo.engines.types import (
     RolloutBatch,
     Sampling,
     SyncStats,
-    encode_prompts,
+    encode_rollout_prompts,
     finish_batch,
     with_tools,
 )
-from leangrpo.engines.vision import VisionError
-from leangrpo.engines.vision import encode as encode_vision
 from leangrpo.models.load import is_peft, linear_weight, resolve_model_path
 
 if TYPE_CHECKING:
@@ -96,19 +94,14 @@ def sampled_batch(
     (one per completion): rollouts go on after each turn that calls tools (`with_tools`). `images` (one
     list a prompt): image prompts of a vision-language model, which `processor` encodes for the trainer
     (`image_requests`)."""
-    vision = None
-    if images is not None:
-        if processor is None or toolboxes is not None:
-            raise VisionError("image prompts need the model's processor (processing_class), and no tools")
-        prompt_ids, prompt_mask, vision = encode_vision(
-            processor, prompt_texts, images, sampling.max_prompt_length, sampling.num_generations
-        )
-        prompts: list[Prompt] = image_requests(prompt_texts, images, sampling.num_generations)
-    else:
-        prompt_ids, prompt_mask = encode_prompts(
-            tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
-        )
-        prompts = [ids[mask].tolist() for ids, mask in zip(prompt_ids, prompt_mask.bool(), strict=True)]
+    prompt_ids, prompt_mask, vision = encode_rollout_prompts(
+        tokenizer, prompt_texts, sampling, images, processor, toolboxes
+    )
+    prompts: list[Prompt] = (
+        [ids[mask].tolist() for ids, mask in zip(prompt_ids, prompt_mask.bool(), strict=True)]
+        if images is None
+        else image_requests(prompt_texts, images, sampling.num_generations)
+    )
     rng = sampling.generator(torch.device("cpu"))  # one stream for every turn of the rollouts
     ids, logprobs = sample(prompts, sampling, rng)
     width = max(map(len, ids))
