@@ -786,17 +786,18 @@ def test_a_cut_prompt_keeps_its_question_and_generation_header(tool_tokenizer):
 
 
 def spy_on_prompts(monkeypatch) -> list[tuple[list[str], int | None]]:
-    """What the HF engine tokenizes for each rollout batch: its prompt texts and its limit."""
-    import leangrpo.engines.hf as hf
+    """What the HF engine tokenizes for each rollout batch (through `encode_rollout_prompts`): its prompt
+    texts and its limit."""
+    import leangrpo.engines.types as types
 
     seen: list[tuple[list[str], int | None]] = []
-    real = hf.encode_prompts
+    real = types.encode_prompts
 
     def spy(tokenizer, texts, limit, repeat):
         seen.append((list(texts), limit))
         return real(tokenizer, texts, limit, repeat)
 
-    monkeypatch.setattr(hf, "encode_prompts", spy)
+    monkeypatch.setattr(types, "encode_prompts", spy)
     return seen
 
 
