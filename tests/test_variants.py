@@ -10,7 +10,7 @@ import torch
 
 from leangrpo.core import grpo
 from leangrpo.data.rewards import RewardScores
-from leangrpo.engines.types import RolloutBatch
+from leangrpo.engines.types import RolloutBatch, SyncStats
 from leangrpo.run.resolve import validate_config
 from leangrpo.train.scoring import Scorer
 from leangrpo.train.trainer import Trainer
@@ -253,7 +253,10 @@ def test_dynamic_sampling_stops_after_max_resample_rounds(tmp_path, tiny_model_d
     rewards = {"functions": [{"name": "toy_rewards:record_prompts"}]}  # always 0: no group is informative
     grpo_section = {"dynamic_sampling": True, "max_resample_rounds": 2}
     trainer = make_trainer(tmp_path, tiny_model_dir, gsm8k_dir, rewards=rewards, grpo=grpo_section)
+    # an engine holding weights reports its step's sync on the first batch; resampling keeps it
+    trainer.source.engine.last_sync = SyncStats(bytes=1234, seconds=0.5, adapter_only=True)
     metrics = trainer.step(1)
+    assert metrics["vllm/sync_bytes"] == 1234.0 and metrics["vllm/sync_adapter_only"] == 1.0
     assert metrics["dynamic_sampling/rounds"] == 2 and metrics["dynamic_sampling/prompts_drawn"] == 6
     assert metrics["dynamic_sampling/filled"] == 2 and metrics["dynamic_sampling/groups_dropped"] == 4
     assert metrics["frac_reward_zero_std"] == 1.0 and metrics["loss"] == 0.0

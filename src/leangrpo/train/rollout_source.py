@@ -333,7 +333,7 @@ class RolloutSource:
         """DAPO's dynamic sampling: while this process (or any other: they generate together) has fewer
         informative groups than the batch holds, and at most `max_resample_rounds` times, draw and score
         another batch of prompts; then keep the first informative groups (`grpo.fill_groups`). The batch
-        to train on carries its dynamic_sampling/* metrics, summed over processes."""
+        to train on carries the first batch's metrics and dynamic_sampling/*, summed over processes."""
         g, any_process = self.cfg.grpo, self.gen.dist.any_process
         drawn, informative = [(rollout, scores)], [scorer.informative(scores)]
         while len(drawn) <= g.max_resample_rounds and any_process(
@@ -354,7 +354,8 @@ class RolloutSource:
         filled = int((~flags[groups]).sum())
         counts = torch.tensor([len(flags), int((~flags).sum()) - filled, filled], device=self.acc.device)
         prompts, dropped, filled = self.acc.reduce(counts, "sum").tolist()
-        metrics = {
+        metrics = {  # the first round's own metrics (vllm/sync_*) stay: the later rounds do not sync
+            **rollout.metrics,
             "dynamic_sampling/rounds": len(drawn) - 1,
             "dynamic_sampling/prompts_drawn": prompts,
             "dynamic_sampling/groups_dropped": dropped,
