@@ -85,6 +85,8 @@ def test_a_batch_mixing_image_and_text_prompts_is_one_line(tiny_vlm):
 
 
 def test_grpo_trainer_trains_a_tiny_vlm(tmp_path, tiny_vlm):
+    import json
+
     import torch
 
     from leangrpo import GRPOConfig, GRPOTrainer
@@ -100,6 +102,8 @@ def test_grpo_trainer_trains_a_tiny_vlm(tmp_path, tiny_vlm):
     changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert any("visual" in n or "vision" in n for n in changed), "the vision tower got no gradient"
     assert any("layers" in n and "vision" not in n and "visual" not in n for n in changed)
+    saved = json.loads((tmp_path / "run" / "model" / "processor_config.json").read_text())  # TRL's save_model
+    assert saved["image_processor"] == json.loads(processor.image_processor.to_json_string())
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
@@ -262,9 +266,9 @@ def test_vlm_on_a_vllm_server_is_refused_in_one_line(tmp_path, tiny_vlm, monkeyp
         trainer.train()
 
 
-def test_cli_trains_a_tiny_smolvlm_from_a_yaml(tmp_path, real_tokenizer_dir):
-    """`leangrpo train -c` on a JSON Lines file whose image column holds paths: the Idefics3 (SmolVLM)
-    checkpoint loads as image-text-to-text, its processor with AutoProcessor from the same directory."""
+def _cli_run(tmp_path, real_tokenizer_dir):
+    """`leangrpo train -c` of a tiny Idefics3 (SmolVLM) saved with its processor, LoRA, on a JSON Lines file
+    whose image column holds paths; the CLI's result."""
     import json
 
     import yaml
@@ -291,14 +295,56 @@ def test_cli_trains_a_tiny_smolvlm_from_a_yaml(tmp_path, real_tokenizer_dir):
         "rewards": {"functions": [{"name": "test_vlm:varied"}]},
         "grpo": {"num_generations": 2, "max_completion_length": 4},
         "optim": {"per_device_train_batch_size": 4, "max_steps": 2},
-        "logging": {"progress_bar": False},
+        "logging": {"progress_bar": False, "save_steps": 1},
         "output_dir": str(tmp_path / "run"),
     }
     (tmp_path / "vlm.yaml").write_text(yaml.safe_dump(cfg))
-    result = CliRunner().invoke(main, ["train", "-c", str(tmp_path / "vlm.yaml")])
+    return CliRunner().invoke(main, ["train", "-c", str(tmp_path / "vlm.yaml")])
+
+
+def test_cli_trains_a_tiny_smolvlm_from_a_yaml(tmp_path, real_tokenizer_dir):
+    """The Idefics3 (SmolVLM) checkpoint loads as image-text-to-text, its processor with AutoProcessor from
+    the same directory."""
+    result = _cli_run(tmp_path, real_tokenizer_dir)
     assert result.exit_code == 0, result.output
     assert "grpo.share_prompt: off, a vision-language model" in result.output
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_a_vlm_runs_saves_and_exports_hold_its_processor(tmp_path, real_tokenizer_dir):
+    """As TRL's save_model saves its processing class: the final model (merged and its adapter), each
+    checkpoint and both exports hold the processor (image processor, tokenizer, chat template), which
+    AutoProcessor loads back; the merged export reloads whole (vision tower included) and reads an image
+    prompt through that processor."""
+    import torch
+    from click.testing import CliRunner
+    from transformers import AutoProcessor
+
+    from leangrpo.cli import main
+    from leangrpo.run.trained import load_trained
+
+    assert _cli_run(tmp_path, real_tokenizer_dir).exit_code == 0
+    run, saved = tmp_path / "run", AutoProcessor.from_pretrained(tmp_path / "model")
+    for name, flags in (("merged", ["--merge"]), ("adapter", [])):
+        result = CliRunner().invoke(main, ["export", str(run), "--out", str(tmp_path / name), *flags])
+        assert result.exit_code == 0, result.output
+    folders = [run / "model", run / "model" / "adapter", run / "checkpoint-1", run / "checkpoint-2"]
+    for folder in [*folders, tmp_path / "merged", tmp_path / "adapter"]:
+        processor = AutoProcessor.from_pretrained(folder)
+        assert type(processor).__name__ == "Idefics3Processor", folder
+        assert (
+            processor.image_seq_len == saved.image_seq_len and processor.chat_template == saved.chat_template
+        )
+        assert processor.image_processor.to_dict() == saved.image_processor.to_dict(), folder
+    model, _, _ = load_trained(str(tmp_path / "merged"))
+    assert type(model).__name__ == "Idefics3ForConditionalGeneration"
+    processor = AutoProcessor.from_pretrained(tmp_path / "merged")
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
+    )
+    inputs = processor(text=[text], images=[[colour_rows(1)[0]["image"]]], return_tensors="pt")
+    with torch.no_grad():
+        assert torch.isfinite(model(**inputs).logits).all()
 
 
 def first_letter_half(completions, colour, **kwargs):
