@@ -428,6 +428,52 @@ def test_the_plan_counts_the_vision_tower(tmp_path, real_tokenizer_dir):
         assert estimate(vl, knobs).total > estimate(text, knobs).total, method
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_plan_counts_the_vision_towers_activations_and_images(
+    tmp_path, real_tokenizer_dir, dtype, checkpointing
+):
+    """The plan reads max_pixels from the saved processor (56×56: 4 image tokens, 16 patches an image),
+    says so in one line, and predicts the bytes the tiny Qwen2.5-VL's vision tower keeps for backward over
+    a micro-batch's images (full fine-tuning; none under LoRA, the tower frozen), against the tensors
+    autograd saves. With checkpointing, a block's input is held by the checkpoint, outside autograd's saved
+    tensors: within 5%."""
+    import torch
+    from click.testing import CliRunner
+    from conftest import make_tiny_qwen_vl
+
+    from leangrpo.cli import main
+    from leangrpo.commands import plan
+    from leangrpo.models.load import enable_checkpointing
+
+    model, processor = make_tiny_qwen_vl(real_tokenizer_dir)
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    shape = plan.resolve_shape(str(tmp_path))
+    result = CliRunner().invoke(main, ["plan", "--model", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "images: one a prompt, square, at max_pixels=3,136 (processor_config.json)" in result.output
+    assert "4 image tokens of its 512, 16 patches through the vision tower" in result.output
+    model = model.to(getattr(torch, dtype)).train()
+    if checkpointing:
+        enable_checkpointing(model)
+    images = [Image.new("RGB", (56, 56), COLOURS[c]) for c in ("red", "blue", "green")]
+    enc = processor.image_processor(images=images, return_tensors="pt")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model.visual(enc["pixel_values"].to(model.dtype), grid_thw=enc["image_grid_thw"])
+    saved = sum(n for ptr, n in seen.items() if ptr not in params)
+    knobs = plan.make_knobs(method="full", dtype=dtype, gradient_checkpointing=checkpointing)
+    assert plan.vision_saved_bytes(shape, knobs, 3) == pytest.approx(saved, rel=0.05 if checkpointing else 0)
+    assert plan.vision_saved_bytes(shape, plan.make_knobs(method="lora"), 3) == 0
+
+
 def test_the_qwen2_5_vl_3b_qlora_config_validates_and_its_plan_fits_24_gb():
     """configs/geometry_qwen2.5_vl_3b_qlora.yaml: what its header quotes is what the plan predicts."""
     from pathlib import Path
