@@ -440,16 +440,12 @@ def test_the_plan_counts_the_vision_towers_activations_and_images(
     tensors: within 5%."""
     import torch
     from click.testing import CliRunner
-    from conftest import make_tiny_qwen_vl
 
     from leangrpo.cli import main
     from leangrpo.commands import plan
     from leangrpo.models.load import enable_checkpointing
 
-    model, processor = make_tiny_qwen_vl(real_tokenizer_dir)
-    model.save_pretrained(tmp_path)
-    processor.save_pretrained(tmp_path)
-    shape = plan.resolve_shape(str(tmp_path))
+    model, processor, shape = _planned_tiny_qwen_vl(tmp_path, real_tokenizer_dir)
     result = CliRunner().invoke(main, ["plan", "--model", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "images: one a prompt, square, at max_pixels=3,136 (processor_config.json)" in result.output
@@ -459,6 +455,30 @@ def test_the_plan_counts_the_vision_towers_activations_and_images(
         enable_checkpointing(model)
     images = [Image.new("RGB", (56, 56), COLOURS[c]) for c in ("red", "blue", "green")]
     enc = processor.image_processor(images=images, return_tensors="pt")
+    saved = _saved_bytes(
+        model, lambda: model.model.visual(enc["pixel_values"].to(model.dtype), grid_thw=enc["image_grid_thw"])
+    )
+    knobs = plan.make_knobs(method="full", dtype=dtype, gradient_checkpointing=checkpointing)
+    assert plan.vision_saved_bytes(shape, knobs, 3) == pytest.approx(saved, rel=0.05 if checkpointing else 0)
+    assert plan.vision_saved_bytes(shape, plan.make_knobs(method="lora"), 3) == 0
+
+
+def _planned_tiny_qwen_vl(folder, tokenizer_dir):
+    """The tiny Qwen2.5-VL and its processor, saved in `folder`, and the plan's shape of that folder."""
+    from conftest import make_tiny_qwen_vl
+
+    from leangrpo.commands import plan
+
+    model, processor = make_tiny_qwen_vl(tokenizer_dir)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model, processor, plan.resolve_shape(str(folder))
+
+
+def _saved_bytes(model, forward) -> int:
+    """Bytes autograd keeps for backward through `forward()` (distinct storages, the weights excluded)."""
+    import torch
+
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -467,11 +487,43 @@ def test_the_plan_counts_the_vision_towers_activations_and_images(
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model.visual(enc["pixel_values"].to(model.dtype), grid_thw=enc["image_grid_thw"])
-    saved = sum(n for ptr, n in seen.items() if ptr not in params)
-    knobs = plan.make_knobs(method="full", dtype=dtype, gradient_checkpointing=checkpointing)
-    assert plan.vision_saved_bytes(shape, knobs, 3) == pytest.approx(saved, rel=0.05 if checkpointing else 0)
-    assert plan.vision_saved_bytes(shape, plan.make_knobs(method="lora"), 3) == 0
+        forward()
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_plans_update_activations_of_a_vlm_match_its_whole_forward(tmp_path, real_tokenizer_dir, dtype):
+    """The update's forward of the whole tiny Qwen2.5-VL (full fine-tuning) on two image prompts, as the
+    trainer runs it (vision.encode, micro_batch_logprobs): what autograd saves is the plan's decoder
+    activations over the prompts, image tokens included, plus its vision activations, within 5% (the plan a
+    little above: its decoder formula is Qwen2's); the decoder's alone would miss a third of it."""
+    import torch
+
+    from leangrpo.commands import plan
+    from leangrpo.engines.types import RolloutBatch
+    from leangrpo.engines.vision import encode
+    from leangrpo.train.policy import Policy, micro_batch_logprobs
+
+    model, processor, shape = _planned_tiny_qwen_vl(tmp_path, real_tokenizer_dir)
+    model = model.to(getattr(torch, dtype)).train()
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
+    text = processor.apply_chat_template(chat, add_generation_prompt=True)
+    images = [[Image.new("RGB", (56, 56), COLOURS[c])] for c in ("red", "blue")]
+    ids, mask, vision = encode(processor, [text, text], images, None, 1)
+    (B, P), C = ids.shape, 5
+    completions = torch.randint(0, 1000, (B, C))
+    ones = torch.ones_like(completions)
+    rollout = RolloutBatch(ids, mask, completions, ones, ones[:, 0].bool(), [""] * B, vision=vision)
+    saved = _saved_bytes(
+        model, lambda: micro_batch_logprobs(Policy(model, 1.0, 1024, False), rollout, slice(None))
+    )
+    knobs = plan.make_knobs(
+        method="full", dtype=dtype, gradient_checkpointing=False, per_device_train_batch_size=B,
+        max_prompt_length=P, max_completion_length=C,
+    )  # fmt: skip
+    decoder = plan.decoder_activation_bytes(shape, knobs, plan.UpdateLayout.of(B, P, C), B * C)
+    assert decoder + plan.vision_saved_bytes(shape, knobs, B) == pytest.approx(saved, rel=0.05)
+    assert decoder < 0.7 * saved
 
 
 def test_the_qwen2_5_vl_3b_qlora_config_validates_and_its_plan_fits_24_gb():
