@@ -244,7 +244,12 @@ def make_tiny_qwen_vl(tokenizer_dir: Path, seed: int = 0):
     )
 
     class Processor(Qwen2_5_VLProcessor):
-        def check_argument_for_proper_class(self, name, arg):  # no video processor without torchvision
+        """Without a video processor (it needs torchvision), in checks and in what it saves."""
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template, **kwargs)
+
+        def check_argument_for_proper_class(self, name, arg):
             return None
 
     tok = _vlm_tokenizer(

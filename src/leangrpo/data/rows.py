@@ -3,7 +3,9 @@ generation starts from. Tasks and data sources both use it, so it imports neithe
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -165,16 +167,23 @@ def render_chat(tokenizer: Any, messages: list[Any], **kwargs: Any) -> Any:
 @contextmanager
 def _template_budget() -> Iterator[None]:
     """Trace the code jinja compiled the template into (only that: other frames run untraced), counting
-    its lines against the clock and what it yields against the size budget."""
+    its lines against the clock and what it yields against the size budget. The hook raises only in the
+    template's ordinary flow, never while a generator closes (Python would print "Exception ignored" with
+    a traceback and drop the exception): Ctrl-C is held meanwhile (`_held_ctrl_c`)."""
     deadline, left, lines = time.monotonic() + TEMPLATE_SECONDS, [TEMPLATE_CHARS], [0]
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
         lines[0] += 1
-        if event == "line" and lines[0] % 1024 == 0 and time.monotonic() > deadline:
-            raise ChatTemplateError(
-                f"the model's chat template ran past {TEMPLATE_SECONDS:g} s rendering one prompt (a loop "
-                "too long for a prompt?); fix or replace the tokenizer's chat_template"
-            )
+        # a line run while no exception is handled: not a generator's close (GeneratorExit) nor a finally
+        if event == "line" and (held[0] or lines[0] % 1024 == 0) and sys.exc_info()[1] is None:
+            if held[0]:
+                held[0] = False
+                raise KeyboardInterrupt
+            if time.monotonic() > deadline:
+                raise ChatTemplateError(
+                    f"the model's chat template ran past {TEMPLATE_SECONDS:g} s rendering one prompt (a loop "
+                    "too long for a prompt?); fix or replace the tokenizer's chat_template"
+                )
         if event == "return" and isinstance(arg, str):  # a yield of the render or a macro's result
             left[0] -= len(arg)
             if left[0] < 0:
@@ -187,12 +196,37 @@ def _template_budget() -> Iterator[None]:
     def calls(frame: FrameType, event: str, arg: Any) -> Any:
         return local if frame.f_code.co_filename == "<template>" else None
 
-    previous = sys.gettrace()
-    sys.settrace(calls)
+    with _held_ctrl_c() as held:
+        previous = sys.gettrace()
+        sys.settrace(calls)
+        try:
+            yield
+        finally:
+            sys.settrace(previous)
+
+
+@contextmanager
+def _held_ctrl_c() -> Iterator[list[bool]]:
+    """While a template renders, Ctrl-C (SIGINT under Python's own handler, which raises KeyboardInterrupt
+    wherever the interpreter is) only sets the flag yielded; the budget's hook raises KeyboardInterrupt at
+    the template's next ordinary line, or the end of rendering does. Other handlers (a run's StopSignals)
+    never raise, and other threads never see the signal: those stay as they are."""
+    held = [False]
+    python_own = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if not python_own or threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        held[0] = True
+
+    signal.signal(signal.SIGINT, hold)
     try:
-        yield
+        yield held
     finally:
-        sys.settrace(previous)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if held[0]:  # Ctrl-C came while rendering: it wins over whatever the render raised
+            raise KeyboardInterrupt
 
 
 @dataclass(frozen=True)

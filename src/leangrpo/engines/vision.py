@@ -6,15 +6,12 @@ rollout, one entry a completion, to the policy's forward (TRL's `pixel_values`, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from leangrpo.core.errors import UserError
-
-if TYPE_CHECKING:
-    from leangrpo.config.schema import ModelConfig
 
 # Per-token fields a processor returns beside the ids (Qwen-VL's image/video marks, Gemma 3's token types):
 # the forward needs them over prompt + completion, so they are rebuilt from the ids (`VisionInputs.collate`)
@@ -138,32 +135,18 @@ def refuse_on_vllm(images: list[list[Any]] | None) -> None:
         )
 
 
-def vision_processor(rows: list[dict[str, Any]], processing_class: Any, model: ModelConfig) -> Any | None:
-    """The processor that encodes the rows' images: None when no row has any; the one given as the
-    processing class, else the model's own (`AutoProcessor`); refused in one line when that is a tokenizer."""
+def vision_processor(rows: list[dict[str, Any]], processing_class: Any) -> Any | None:
+    """The processor that encodes the rows' images: None when no row has any; the run's processing class
+    (`models.load.processing_class`: the one given, else the model's own); refused in one line when that is
+    a tokenizer."""
     from leangrpo.data.rows import prompt_images
 
     if not any(prompt_images(row["prompt"]) for row in rows):
         return None
     processor = image_processor(processing_class)
-    if processor is None and processing_class is None:
-        processor = image_processor(_auto_processor(model))
     if processor is None:
         raise VisionError(
             "the rows have images, but no processor to encode them: pass the model's AutoProcessor as "
             "processing_class"
         )
     return processor
-
-
-def _auto_processor(model: ModelConfig) -> Any | None:
-    """The model's own processor, or None where it has none that loads."""
-    from transformers import AutoProcessor
-
-    from leangrpo.models.load import resolve_model_path
-
-    try:
-        path = resolve_model_path(model.name_or_path)
-        return AutoProcessor.from_pretrained(path, trust_remote_code=model.trust_remote_code)
-    except Exception:  # noqa: BLE001  # any failure: no processor, which vision_processor says in one line
-        return None

@@ -154,6 +154,37 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     return tok
 
 
+def load_processor(path: str, tokenizer: Any, trust_remote_code: bool = False) -> Any | None:
+    """The multimodal processor saved at `path` (AutoProcessor: a vision-language model's image processor
+    and chat template) holding `tokenizer` as its own, so that it encodes and saves as the run's; None where
+    none loads (a text model's folder)."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001  # no processor that loads: the caller goes on with the tokenizer
+        return None
+    if getattr(processor, "image_processor", None) is None:
+        return None
+    processor.tokenizer = tokenizer
+    return processor
+
+
+def load_processing(path: str, trust_remote_code: bool = False) -> Any:
+    """What is saved beside the weights at `path`: its processor (`load_processor`), else its tokenizer."""
+    tokenizer = load_tokenizer(path, trust_remote_code)
+    return load_processor(path, tokenizer, trust_remote_code) or tokenizer
+
+
+def processing_class(given: Any, tokenizer: Any, model: PreTrainedModel, cfg: ModelConfig) -> Any:
+    """A run's processing class, which it saves beside the weights as TRL's `save_model` does: the one a
+    Python caller gave, else a vision-language model's own processor (`load_processor`), else `tokenizer`."""
+    if given is not None or not _has_vision(model):
+        return tokenizer if given is None else given
+    path = resolve_model_path(cfg.name_or_path)
+    return load_processor(path, tokenizer, cfg.trust_remote_code) or tokenizer
+
+
 def load_model_and_tokenizer(
     cfg: ModelConfig,
     model: PreTrainedModel | None = None,
@@ -196,7 +227,7 @@ def require_bitsandbytes(option: str) -> None:
         )
 
 
-def _auto_class(path: str, trust_remote_code: bool) -> Any:
+def auto_model_class(path: str, trust_remote_code: bool) -> Any:
     """transformers' auto class for the checkpoint at `path`: image-text-to-text for a vision-language model
     (its config has a vision_config), else a causal LM."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
@@ -211,7 +242,7 @@ def _auto_class(path: str, trust_remote_code: bool) -> Any:
 def load_base(path: str, cfg: ModelConfig, dtype: str | None = None) -> PreTrainedModel:
     """The causal LM at `path` in `dtype` (default cfg.dtype), its Linears quantized to 4 bits by
     bitsandbytes when cfg.load_in_4bit (the embeddings and lm_head stay in `dtype`, the compute dtype).
-    A vision-language model loads whole (`_auto_class`)."""
+    A vision-language model loads whole (`auto_model_class`)."""
     torch_dtype = DTYPES[dtype or cfg.dtype]
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
@@ -227,7 +258,7 @@ def load_base(path: str, cfg: ModelConfig, dtype: str | None = None) -> PreTrain
             bnb_4bit_compute_dtype=torch_dtype,
         )
     try:
-        model = _auto_class(path, cfg.trust_remote_code).from_pretrained(path, **kwargs)
+        model = auto_model_class(path, cfg.trust_remote_code).from_pretrained(path, **kwargs)
     except Exception as e:  # noqa: BLE001
         raise ModelError(f"cannot load model from {path!r}: {describe(e)}") from None
     if cfg.load_in_4bit:
@@ -410,13 +441,14 @@ def copy_to(model: nn.Module, device: torch.device | str) -> nn.Module:
 
 def save_model(
     model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: Any,
     out_dir: str | Path,
     merge: bool,
     base_name: str,
 ) -> None:
     """Save the trainable weights (the adapter for LoRA, naming `base_name` as its base: see
-    `name_adapter_base`) and, with `merge`, a standalone full model.
+    `name_adapter_base`) and, with `merge`, a standalone full model; beside each, `tokenizer` (the run's
+    processing class: a vision-language model's processor, with its image processor and chat template).
 
     The merged model (adapter folded into a copy of the weights) loads with plain
     `AutoModelForCausalLM.from_pretrained` and with vLLM. Unless the base is quantized, the copy is merged

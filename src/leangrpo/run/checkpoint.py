@@ -176,11 +176,11 @@ def save_checkpoint(
 
     `model` (the whole causal LM, needed on rank 0 only) and `optimizer_state` come from the trainer's
     `distributed` strategy, which gathers them when sharded. The checkpoint holds the trainable weights
-    (`save_pretrained`: the adapter only for peft models, naming the base as the user did), the tokenizer,
-    the optimizer and scheduler states, every rank's RNG states (`rng`: this rank's to record, by default
-    the current one), the resolved config, `state` (step counters) and `extra` (file name → object for
-    torch.save). Older checkpoints beyond `logging.save_total_limit` are deleted after the new one is
-    complete. A failed write (disk full...) removes the partial files and raises a CheckpointError.
+    (`save_pretrained`: the adapter only for peft models, naming the base as the user did), the tokenizer
+    (a VLM's processor), the optimizer and scheduler states, every rank's RNG states (`rng`: this rank's to
+    record, by default the current one), the resolved config, `state` (step counters) and `extra` (file name
+    → object for torch.save). Older checkpoints beyond `logging.save_total_limit` are deleted after the new
+    one is complete. A failed write (disk full...) removes the partial files and raises a CheckpointError.
     """
     from leangrpo.models.load import name_adapter_base
     from leangrpo.run.resolve import save_config

@@ -14,6 +14,7 @@ from leangrpo.core.errors import UserError
 from leangrpo.models.load import (
     DTYPES,
     ModelError,
+    auto_model_class,
     describe,
     load_base,
     load_model_and_tokenizer,
@@ -34,7 +35,7 @@ class Trained:
     """Where a trained model's weights are, and the training config that made them."""
 
     source: Path
-    full: Path | None  # loads with AutoModelForCausalLM (full fine-tune, or the run's merged final model)
+    full: Path | None  # a whole model (full fine-tune, or the run's merged final model)
     adapter: Path | None  # a peft adapter over the config's model.name_or_path
     config: dict[str, Any]
     step: int
@@ -133,8 +134,6 @@ def load_trained(
     (see `locate`), or any model `load_model_and_tokenizer` takes, with an optional peft `adapter` merged
     in. `dtype` defaults to the training config's. `trust_remote_code` comes from the caller only, never
     from a file being loaded."""
-    from transformers import AutoModelForCausalLM
-
     trained = locate(source)
     if trained is None:
         cfg = ModelConfig(
@@ -150,7 +149,8 @@ def load_trained(
         weights = trained.full or trained.adapter
         try:
             if trained.full is not None:
-                model = AutoModelForCausalLM.from_pretrained(trained.full, **kwargs)
+                full = str(trained.full)  # a vision-language model loads whole, as in training
+                model = auto_model_class(full, trust_remote_code).from_pretrained(full, **kwargs)
             else:  # the base as it was trained on (4-bit for QLoRA), then the adapter merged in
                 base_cfg = ModelConfig.model_validate(
                     {**trained.config["model"], "trust_remote_code": trust_remote_code}

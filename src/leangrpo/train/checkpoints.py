@@ -27,7 +27,6 @@ from leangrpo.run.resolve import save_config
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-    from transformers import PreTrainedTokenizerBase
 
     from leangrpo.config.schema import Config
     from leangrpo.run.tracking import MetricsLogger
@@ -60,12 +59,14 @@ class Checkpoints:
         acc: Accelerator,
         dist: Replicated,
         opt: Optimization,
-        tokenizer: PreTrainedTokenizerBase,
+        processing: Any,
         write: Callable[[str], None],
         reference: torch.nn.Module | None = None,
     ):
-        """`reference`: the reference copy when it moves (grpo.sync_ref_model): checkpoints keep it."""
-        self.cfg, self.acc, self.dist, self.opt, self.tokenizer = cfg, acc, dist, opt, tokenizer
+        """`processing`: the run's processing class (a tokenizer, or a vision-language model's processor),
+        saved beside the weights. `reference`: the reference copy when it moves (grpo.sync_ref_model):
+        checkpoints keep it."""
+        self.cfg, self.acc, self.dist, self.opt, self.processing = cfg, acc, dist, opt, processing
         self.run_dir, self.write = Path(cfg.output_dir), write
         self.reference = reference if cfg.grpo.sync_ref_model else None
         self.last_save = time.monotonic()
@@ -97,7 +98,7 @@ class Checkpoints:
         self.check_finite(f"checkpoint-{step}")
         opt, dist = self.opt, self.dist
         ckpt = save_checkpoint(
-            self.run_dir, step, model=dist.saveable(opt.policy), tokenizer=self.tokenizer,
+            self.run_dir, step, model=dist.saveable(opt.policy), tokenizer=self.processing,
             optimizer_state=dist.optimizer_state(opt.policy, opt.optimizer), scheduler=opt.scheduler,
             cfg=self.cfg, state={"world_size": self.acc.num_processes, **state}, rank=self.acc.process_index,
             barrier=self.acc.wait_for_everyone, rng=rng, extra=self._reference_file(),

@@ -135,9 +135,7 @@ class RolloutSource:
             for seed, shuffle in ((cfg.seed, cfg.data.shuffle_dataset), (cfg.seed + 2, True))
         )
         self._engine: RolloutEngine | None = None  # built at the first rollout, after any resume or SFT
-        self.processor = vision_processor(
-            rows, trainer.extras.tokenizer, cfg.model
-        )  # image prompts: the processor
+        self.processor = vision_processor(rows, trainer.processing)  # image prompts: the processor
         self._rollouts: AsyncRollouts | None = None  # grpo.async_rollouts: built with the engine
 
     @property

@@ -25,7 +25,7 @@ from leangrpo.data.tasks import load_task
 from leangrpo.engines.agents import AgentSpec, agent_from_config
 from leangrpo.engines.tools import prepare_tokenizer
 from leangrpo.engines.types import EngineError
-from leangrpo.models.load import load_model_and_tokenizer
+from leangrpo.models.load import load_model_and_tokenizer, processing_class
 from leangrpo.run.checkpoint import load_trainable, resume_checkpoint, rng_state, save_final_model, what_holds
 from leangrpo.run.resolve import resolve_steps
 from leangrpo.run.rundir import RunDirError, drop_replaced
@@ -147,12 +147,13 @@ class Trainer:
         return resolve_steps(cfg, len(self.rows), self.acc.num_processes)
 
     def _load_model(self) -> PreTrainedModel:
-        """The policy model and tokenizer (prepared by the device's levers), and how many completions
-        read each prompt once (`grpo.share_prompt`)."""
+        """The policy model, tokenizer (prepared by the device's levers) and processing class (saved with
+        the weights), and how many completions read each prompt once (`grpo.share_prompt`)."""
         g, micro = self.cfg.grpo, self.cfg.optim.per_device_train_batch_size
         model, self.tokenizer = load_model_and_tokenizer(
             self.cfg.model, self.extras.model, self.extras.tokenizer, weights=self.dist.loads_weights
         )
+        self.processing = processing_class(self.extras.tokenizer, self.tokenizer, model, self.cfg.model)
         if self.levers is not None:
             with self.acc.main_process_first():  # one process measures for cpu.matmul: auto, the rest read it
                 note = self.levers.prepare(model)
@@ -191,7 +192,7 @@ class Trainer:
                 self.cfg, overwrite, resuming, self.acc.wait_for_everyone
             )
             self.checkpoints = Checkpoints(
-                self.cfg, self.acc, self.dist, opt, self.tokenizer, self._write, self.ref_policy
+                self.cfg, self.acc, self.dist, opt, self.processing, self._write, self.ref_policy
             )
             return {} if self.resume_from is None else self.checkpoints.restore(self.resume_from, self.logger)
 
@@ -256,7 +257,7 @@ class Trainer:
         self.checkpoints.check_finite("the final model")
         final, lm = self.run_dir / "model", self.dist.saveable(self.policy)
         if lm is not None:
-            save_final_model(lm, self.tokenizer, final, self.cfg.model.name_or_path)
+            save_final_model(lm, self.processing, final, self.cfg.model.name_or_path)
         return final
 
     def _steps(self) -> None:
