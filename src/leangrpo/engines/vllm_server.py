@@ -65,10 +65,11 @@ if TYPE_CHECKING:
 
 MAX_IMAGES = 4096
 """Images one /v1/completions request may carry (each counted once, however many prompts share it)."""
-MAX_IMAGE_BYTES, MAX_REQUEST_IMAGE_BYTES = 32 * 2**20, 512 * 2**20
+MAX_IMAGE_BYTES, MAX_REQUEST_IMAGE_BYTES = 128 * 2**20, 2**30
 """A PNG's bytes, and all of a request's together."""
-MAX_IMAGE_PIXELS, MAX_REQUEST_PIXELS = 4096 * 4096, 2**28
-"""An image's pixels, and all of a request's together: what the decoded images may take in memory."""
+MAX_IMAGE_PIXELS, MAX_REQUEST_PIXELS = 89_478_485, 2**29
+"""An image's pixels (PIL's own decompression-bomb threshold: a 24-megapixel photo passes), and all of a
+request's together: what the decoded images may take in memory (1.5 GiB as RGB)."""
 
 
 class Completion(BaseModel):
