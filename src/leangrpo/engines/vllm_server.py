@@ -5,7 +5,7 @@ The routes speak vLLM's own (OpenAI-compatible) names and payloads where vLLM ha
 `VLLMClient` can generate from this server and leangrpo's client from `trl vllm-serve` / `vllm serve`:
 
 - `GET /health`, `GET /v1/models`, `GET /get_world_size`, `POST /reset_prefix_cache`;
-- `POST /v1/completions`: token ids in (`prompt`), token ids and each sampled token's log-prob out
+- `POST /v1/completions`: token ids (or a text) in (`prompt`), token ids and each sampled token's log-prob out
   (`choices[i].token_ids`, `choices[i].logprobs.token_logprobs`), vLLM's SamplingParams fields in the body;
   leangrpo's extensions: `seed` may be a list, one per prompt (each completion its own seed), and image
   prompts of a vision-language model are their text with `images` (each image once, a base64 PNG as TRL's
