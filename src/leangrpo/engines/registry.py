@@ -66,12 +66,16 @@ def _vllm(
 
 
 def _vllm_server(
-    cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, levers: GenerateLevers | None
+    cfg: Config,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    levers: GenerateLevers | None,
+    processor: Any | None = None,
 ) -> RolloutEngine:
     from leangrpo.engines.types import eos_token_ids
     from leangrpo.engines.vllm_client import VLLMServerEngine
 
-    return VLLMServerEngine.from_config(cfg, model, tokenizer, eos_token_ids(tokenizer, model))
+    return VLLMServerEngine.from_config(cfg, model, tokenizer, eos_token_ids(tokenizer, model), processor)
 
 
 def _check_vllm(cfg: Config, device: str, sharded: bool) -> None:
@@ -113,15 +117,13 @@ def build_engine(
 ) -> RolloutEngine:
     """The engine `cfg` picks (vLLM's holds the checkpoint's weights until its first sync; a server is
     waited for and checked against `model`). `processor`: a vision-language model's, for image prompts,
-    which HF generate and a colocated vLLM take (a vLLM server does not yet: refused in one line)."""
+    which every engine takes."""
     if processor is None:
         return engine_kind(cfg).build(cfg, model, tokenizer, levers)
     if engine_name(cfg.grpo) == "vllm":
         return _vllm(cfg, model, tokenizer, levers, processor)
-    if engine_name(cfg.grpo) != "hf":
-        from leangrpo.engines.vision import refuse_on_vllm
-
-        refuse_on_vllm([])  # the rows have images (a processor to encode them)
+    if engine_name(cfg.grpo) == "vllm_server":
+        return _vllm_server(cfg, model, tokenizer, levers, processor)
     from leangrpo.engines.hf import HFEngine
 
     return HFEngine(model, tokenizer, levers, processor)

@@ -126,15 +126,6 @@ def token_types(processor: Any, enc: Any) -> dict[str, dict[int, int]]:
     return {key: marks for key in TOKEN_TYPE_FIELDS if key in enc}
 
 
-def refuse_on_vllm(images: list[list[Any]] | None) -> None:
-    """A vLLM server's multimodal inputs are not done yet: image prompts on it are one line."""
-    if images is not None:
-        raise VisionError(
-            "image prompts on a vLLM server are not supported yet (docs/vlm.md): set grpo.vllm_mode: "
-            "colocate, or grpo.use_vllm: false to generate with HF"
-        )
-
-
 def vision_processor(rows: list[dict[str, Any]], processing_class: Any) -> Any | None:
     """The processor that encodes the rows' images: None when no row has any; the run's processing class
     (`models.load.processing_class`: the one given, else the model's own); refused in one line when that is

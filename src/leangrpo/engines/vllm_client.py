@@ -7,7 +7,9 @@ and per-completion seeds from torch's RNG) and pushes the policy's weights after
 safetensors file in a directory the server can read (CPU, or any machine sharing it), or NCCL on CUDA;
 a LoRA policy's adapter alone, as such a file, where the server serves LoRA (`--max-lora-rank`).
 It needs neither vLLM nor a GPU on the trainer's side for the file transport, and it may be called from
-a background thread (its HTTP client is thread-safe; one weight update at a time).
+a background thread (its HTTP client is thread-safe; one weight update at a time). Image prompts of a
+vision-language model go to leangrpo's own server as their text and images (`image_fields`), which the
+model's processor also encodes for the trainer, as on a colocated vLLM.
 
 Every answer is untrusted: it is checked (a JSON object of the expected shape, token ids inside the
 vocabulary, one finite log-prob per token) and a bad one is one VLLMError line, as is an answer slower
@@ -17,6 +19,8 @@ once. The key in LEANGRPO_VLLM_API_KEY, when set, goes with every request (`vllm
 
 from __future__ import annotations
 
+import base64
+import io
 import math
 import os
 import socket
@@ -34,7 +38,6 @@ import torch
 from leangrpo.core.errors import stop_asked
 from leangrpo.engines.tools import Toolbox
 from leangrpo.engines.types import RolloutBatch, Sampling, SyncStats
-from leangrpo.engines.vision import refuse_on_vllm
 from leangrpo.engines.vllm import (
     Prompt,
     VLLMError,
@@ -62,7 +65,8 @@ SHAPE_FIELDS = (
     "architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "intermediate_size",
 )  # fmt: skip
-"""The model config fields `leangrpo vllm-serve` reports (/model_info), which must equal the trainer's."""
+"""The model config fields `leangrpo vllm-serve` reports (/model_info), which must equal the trainer's
+(`model_shape`)."""
 API_KEY_ENV = "LEANGRPO_VLLM_API_KEY"
 """The shared key `leangrpo vllm-serve --api-key` requires, sent by the client as `Authorization: Bearer`."""
 CONNECT_TIMEOUT = 10.0
@@ -104,17 +108,20 @@ class VLLMServerEngine:
         max_model_len: int = 0,
         group_port: int = 51216,
         stop: Callable[[], bool] = stop_asked,
+        processor: Any | None = None,
     ):
         """Wait up to `timeout` seconds for the server's /health, then refuse, in one line, a server that
         serves another model than `name_or_path` (`model`'s config) or a context below `max_model_len`.
-        Each request waits `read_timeout` seconds at most for its answer, or until `stop()` is true."""
+        Each request waits `read_timeout` seconds at most for its answer, or until `stop()` is true.
+        `processor`: a vision-language model's, which encodes image prompts for the trainer."""
         self.url, self.tokenizer, self.eos, self.stop = url, tokenizer, eos, stop
+        self.processor = processor
         key = os.environ.get(API_KEY_ENV)
         self.http = httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {key}"} if key else None,
             timeout=httpx.Timeout(read_timeout, connect=CONNECT_TIMEOUT),
         )  # fmt: skip
-        self.read_timeout, self.vocab_size = read_timeout, int(model.config.vocab_size)
+        self.read_timeout, self.vocab_size = read_timeout, int(model_shape(model.config)["vocab_size"])
         wait_for_health(self.http, url, timeout, name_or_path)
         info = self._info()
         self.leangrpo = "architectures" in info  # leangrpo's own server: seed lists, weight updates
@@ -133,15 +140,21 @@ class VLLMServerEngine:
 
     @classmethod
     def from_config(
-        cls, cfg: Config, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, eos: list[int]
+        cls,
+        cfg: Config,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        eos: list[int],
+        processor: Any | None = None,
     ) -> VLLMServerEngine:
-        """The training run's: the server `grpo.vllm_server_*` names, long enough for the evaluation too."""
+        """The training run's: the server `grpo.vllm_server_*` names, long enough for the evaluation too;
+        `processor`: a vision-language model's."""
         g = cfg.grpo
         url = server_url(g.vllm_server_base_url, g.vllm_server_host, g.vllm_server_port)
         return cls(
             url, model, cfg.model.name_or_path, tokenizer, eos, timeout=g.vllm_server_timeout,
             read_timeout=g.vllm_server_read_timeout, max_model_len=run_context(cfg) or 0,
-            group_port=g.vllm_group_port,
+            group_port=g.vllm_group_port, processor=processor,
         )  # fmt: skip
 
     def generate(
@@ -152,20 +165,26 @@ class VLLMServerEngine:
         images: list[list[Any]] | None = None,
     ) -> RolloutBatch:
         """As VLLMEngine.generate, each completion its own request and seed (drawn here, from torch's RNG or
-        the rollout's own, `sampling.seed`); `images` refused."""
-        refuse_on_vllm(images)
+        the rollout's own, `sampling.seed`); `images` (one list a prompt) only to leangrpo's own server."""
+        if images is not None and not self.leangrpo:
+            raise VLLMError(
+                f"the vLLM server at {self.url} is not leangrpo's: its /v1/completions takes no images; "
+                "start it with: leangrpo vllm-serve"
+            )
         return sampled_batch(
-            self.tokenizer, self.eos, prompt_texts, sampling, toolboxes, self._sample, self.max_model_len
-        )
+            self.tokenizer, self.eos, prompt_texts, sampling, toolboxes, self._sample, self.max_model_len,
+            images, self.processor,
+        )  # fmt: skip
 
     def _sample(
         self, prompts: Sequence[Prompt], sampling: Sampling, rng: torch.Generator | None
     ) -> tuple[list[list[int]], list[list[float]]]:
-        """Token lists only: image prompts are refused before (`refuse_on_vllm`)."""
+        """One completion of each prompt, token ids or (leangrpo's server only, `generate`) an image
+        prompt's text and images."""
         seeds = torch.randint(2**31 - 1, (len(prompts),), generator=rng).tolist()
         body = {"model": self.served, **sampling_fields(sampling, self.eos)}
         if self.leangrpo:  # one request, a seed per prompt
-            return self._complete({**body, "prompt": prompts, "seed": seeds})
+            return self._complete({**body, **image_fields(prompts), "seed": seeds})
         with ThreadPoolExecutor(max_workers=min(32, len(prompts))) as pool:  # vLLM's server batches them
             parts = list(
                 pool.map(lambda p, s: self._complete({**body, "prompt": [p], "seed": s}), prompts, seeds)
@@ -393,6 +412,39 @@ class VLLMServerEngine:
         return outcome[0]
 
 
+def image_fields(prompts: Sequence[Prompt]) -> dict[str, Any]:
+    """The /v1/completions fields of `prompts` for leangrpo's server: token ids as they are; image prompts
+    (`image_requests`) as their text, with each image once as a base64 PNG (TRL's `pil_to_base64`; the
+    group's completions share their prompt's images) and each prompt's images as indexes into them."""
+    if not any(isinstance(p, dict) for p in prompts):
+        return {"prompt": list(prompts)}
+    index: dict[int, int] = {}  # id(image) -> its place in `images`
+    images: list[str] = []
+    texts, picks = [], []
+    for prompt in prompts:
+        assert isinstance(prompt, dict)
+        picked = []
+        for image in prompt["multi_modal_data"]["image"]:
+            if id(image) not in index:
+                index[id(image)] = len(images)
+                images.append(png_base64(image))
+            picked.append(index[id(image)])
+        texts.append(prompt["prompt"])
+        picks.append(picked)
+    return {"prompt": texts, "images": images, "prompt_images": picks}
+
+
+def png_base64(image: Any) -> str:
+    """A PIL image as base64 PNG, lossless (the server's vLLM sees the trainer's pixels); one line when it
+    cannot be one."""
+    buffer = io.BytesIO()
+    try:
+        image.save(buffer, format="PNG")
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise VLLMError(f"an image prompt's image cannot be sent to the vLLM server as a PNG: {e}") from None
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
 def address_towards(url: str) -> str:
     """This machine's address on the interface that routes to the server at `url`, where the server can
     reach the trainer's NCCL group. `gethostbyname(gethostname())` is often 127.0.1.1 (Debian's
@@ -531,14 +583,21 @@ def wait_for_health(http: httpx.Client, url: str, timeout: float, name_or_path: 
         time.sleep(min(1.0, left))
 
 
+def model_shape(config: Any) -> dict[str, Any]:
+    """SHAPE_FIELDS of a model config: its architectures, and the rest from its text model's config (a
+    vision-language model's language model; a text model's own)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {key: getattr(config if key == "architectures" else text, key, None) for key in SHAPE_FIELDS}
+
+
 def check_model(info: dict[str, Any], config: Any, name_or_path: str, max_model_len: int, url: str) -> None:
     """Refuse, in one line, a server whose model is not the trainer's: another name (the last part of its
     path or hub id), architecture, vocabulary or shape, or a context window shorter than the run needs."""
     theirs, ours = Path(str(info["model"])).name, Path(name_or_path).name
     differ = [f"model {theirs} ≠ {ours}"] if theirs != ours else []
-    for key in SHAPE_FIELDS:
-        if key in info and info[key] != getattr(config, key, None):
-            differ.append(f"{key} {info[key]} ≠ {getattr(config, key, None)}")
+    for key, value in model_shape(config).items():
+        if key in info and info[key] != value:
+            differ.append(f"{key} {info[key]} ≠ {value}")
     if info.get("max_model_len") and info["max_model_len"] < max_model_len:
         differ.append(f"max_model_len {info['max_model_len']} < the {max_model_len} this run needs")
     if differ:

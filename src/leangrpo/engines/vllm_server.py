@@ -5,9 +5,12 @@ The routes speak vLLM's own (OpenAI-compatible) names and payloads where vLLM ha
 `VLLMClient` can generate from this server and leangrpo's client from `trl vllm-serve` / `vllm serve`:
 
 - `GET /health`, `GET /v1/models`, `GET /get_world_size`, `POST /reset_prefix_cache`;
-- `POST /v1/completions`: token ids in (`prompt`), token ids and each sampled token's log-prob out
+- `POST /v1/completions`: token ids (or a text) in (`prompt`), token ids and each sampled token's log-prob out
   (`choices[i].token_ids`, `choices[i].logprobs.token_logprobs`), vLLM's SamplingParams fields in the body;
-  `seed` may also be a list, one per prompt (leangrpo's one extension: each completion its own seed);
+  leangrpo's extensions: `seed` may be a list, one per prompt (each completion its own seed), and image
+  prompts of a vision-language model are their text with `images` (each image once, a base64 PNG as TRL's
+  `pil_to_base64` sends it) and `prompt_images` (each prompt's, as indexes into `images`), decoded within
+  bounds (`decoded_images`) and given to vLLM as `multi_modal_data`;
 - `GET /model_info`: what the trainer checks before training (architecture, vocabulary, shapes);
 - weight updates: `POST /load_weights` (a safetensors file on a shared filesystem, CPU or GPU), or NCCL
   (`/init_communicator`, `/update_named_params`, `/close_communicator`; CUDA only, not run on a GPU here).
@@ -26,7 +29,10 @@ names for the client. fastapi and uvicorn (vLLM's dependencies) are imported onl
 from __future__ import annotations
 
 import atexit
+import base64
+import binascii
 import hmac
+import io
 import os
 import shutil
 import stat
@@ -43,17 +49,27 @@ from torch import Tensor
 
 from leangrpo.engines.vllm import (
     LORA_RANKS,
+    Prompt,
     ServedAdapter,
     VLLMError,
     build_llm,
     reload_weights,
     sample_tokens,
 )
-from leangrpo.engines.vllm_client import API_KEY_ENV, SHAPE_FIELDS
+from leangrpo.engines.vllm_client import API_KEY_ENV, model_shape
 from leangrpo.models.load import resolve_model_path
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+    from PIL.Image import Image
+
+MAX_IMAGES = 4096
+"""Images one /v1/completions request may carry (each counted once, however many prompts share it)."""
+MAX_IMAGE_BYTES, MAX_REQUEST_IMAGE_BYTES = 128 * 2**20, 2**30
+"""A PNG's bytes, and all of a request's together."""
+MAX_IMAGE_PIXELS, MAX_REQUEST_PIXELS = 89_478_485, 2**29
+"""An image's pixels (PIL's own decompression-bomb threshold: a 24-megapixel photo passes), and all of a
+request's together: what the decoded images may take in memory (1.5 GiB as RGB)."""
 
 
 class Completion(BaseModel):
@@ -61,7 +77,9 @@ class Completion(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    prompt: list[list[int]]
+    prompt: list[list[int] | str]
+    images: list[str] | None = None  # base64 PNGs, each once
+    prompt_images: list[list[int]] | None = None  # each prompt's images, as indexes into `images`
     seed: int | list[int] | None = None
     n: int = 1
     max_tokens: int = 16
@@ -139,7 +157,7 @@ class Served:
 
     def model_info(self) -> dict[str, Any]:
         config = self.llm.llm_engine.model_config
-        shape = {key: getattr(config.hf_config, key, None) for key in SHAPE_FIELDS}
+        shape = model_shape(config.hf_config)
         return {
             "model": self.model, "max_model_len": config.max_model_len, **shape,
             "weights_dir": str(self.weights_dir), "max_lora_rank": self.max_lora_rank,
@@ -155,12 +173,13 @@ class Served:
         seeds = body.seed if isinstance(body.seed, list) else [body.seed] * len(body.prompt)
         if len(seeds) != len(body.prompt):
             raise VLLMError(f"{len(seeds)} seeds for {len(body.prompt)} prompts")
+        requests = [r for r in vllm_prompts(body) for _ in range(body.n)]
         prompts = [p for p in body.prompt for _ in range(body.n)]
         seeds = [None if s is None else s + k for s in seeds for k in range(body.n)]
         fields = {**(body.model_extra or {}), "max_tokens": body.max_tokens, "logprobs": 0}
         with self.lock:
             adapter = None if self.adapter is None else self.adapter.request
-            ids, logprobs = sample_tokens(self.llm, prompts, fields, seeds, adapter)
+            ids, logprobs = sample_tokens(self.llm, requests, fields, seeds, adapter)
         return {"object": "text_completion", "model": self.model, "choices": [
             {"index": i, "text": "", "prompt_token_ids": prompt, "token_ids": tokens,
              "logprobs": None if body.logprobs is None else {
@@ -255,6 +274,66 @@ class Served:
     def close_communicator(self) -> dict[str, str]:
         self.communicator = None
         return {"status": "ok"}
+
+
+def vllm_prompts(body: Completion) -> list[Prompt]:
+    """Each prompt of `body` as vLLM takes it: its token ids, or its text with its images (`decoded_images`)
+    as `multi_modal_data`. An image prompt is text: vLLM would expand the image tokens of ids again."""
+    images = decoded_images(body.images or [])
+    picks = body.prompt_images if body.prompt_images is not None else [[] for _ in body.prompt]
+    if len(picks) != len(body.prompt):
+        raise VLLMError(f"prompt_images has {len(picks)} lists for {len(body.prompt)} prompts")
+    prompts: list[Prompt] = []
+    for prompt, picked in zip(body.prompt, picks, strict=True):
+        if len(picked) > MAX_IMAGES or any(not 0 <= i < len(images) for i in picked):
+            raise VLLMError(f"prompt_images names images {picked[:8]} of the {len(images)} sent")
+        if isinstance(prompt, list) and picked:
+            raise VLLMError("a prompt with images must be its text, not token ids")
+        if isinstance(prompt, list):
+            prompts.append(prompt)
+        else:
+            mm = {"multi_modal_data": {"image": [images[i] for i in picked]}} if picked else {}
+            prompts.append({"prompt": prompt, **mm})
+    return prompts
+
+
+def decoded_images(encoded: list[str]) -> list[Image]:
+    """The request's images, each a base64 PNG, decoded within bounds (the server's input is untrusted):
+    at most MAX_IMAGES, each at most MAX_IMAGE_BYTES and MAX_IMAGE_PIXELS (read from the PNG's header,
+    before decoding), all at most MAX_REQUEST_IMAGE_BYTES and MAX_REQUEST_PIXELS; anything else is one
+    VLLMError line naming the image."""
+    if len(encoded) > MAX_IMAGES:
+        raise VLLMError(f"{len(encoded)} images in one request, over the {MAX_IMAGES} allowed")
+    if sum(map(len, encoded)) * 3 // 4 > MAX_REQUEST_IMAGE_BYTES:
+        raise VLLMError(f"the request's images are over {MAX_REQUEST_IMAGE_BYTES} bytes together")
+    images, pixels = [], 0
+    for i, data in enumerate(encoded):
+        image = png_image(data, f"image {i}")
+        pixels += image.width * image.height
+        if pixels > MAX_REQUEST_PIXELS:
+            raise VLLMError(f"the request's images are over {MAX_REQUEST_PIXELS} pixels together")
+        try:
+            image.load()
+        except (ValueError, OSError, SyntaxError) as e:  # PIL's errors for a broken or cut PNG
+            raise VLLMError(f"image {i} is not a PNG that decodes: {e}") from None
+        images.append(image)
+    return images
+
+
+def png_image(data: str, what: str) -> Image:
+    """The PNG in base64 `data`, opened (its header read, its pixels not yet decoded), within the bounds of
+    one image; one VLLMError line naming `what` otherwise."""
+    from PIL import Image
+
+    if len(data) * 3 // 4 > MAX_IMAGE_BYTES:
+        raise VLLMError(f"{what} is over {MAX_IMAGE_BYTES} bytes")
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)), formats=["PNG"])
+    except (binascii.Error, ValueError, OSError, Image.DecompressionBombError) as e:
+        raise VLLMError(f"{what} is not a base64 PNG: {e}") from None
+    if image.width * image.height > MAX_IMAGE_PIXELS:
+        raise VLLMError(f"{what} is {image.width}x{image.height}, over {MAX_IMAGE_PIXELS} pixels")
+    return image
 
 
 def wait_for_tensor(arrived: Callable[[], bool], timeout: float, what: str) -> None:
