@@ -196,7 +196,6 @@ _NOTED = {
 
 _REFUSED = {
     "neftune_noise_alpha": "NEFTune's embedding noise is not supported",
-    "router_aux_loss_coef": "the MoE router's auxiliary loss is not added",
 }
 """GRPOConfig fields refused (with this reason) when set to another value than TRL's default."""
 
