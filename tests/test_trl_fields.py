@@ -252,3 +252,27 @@ def test_optim_args_and_target_modules_are_noted_where_transformers_adamw_ignore
         assert str(e.value) == (
             f"t.yaml: optim_args={bad!r}: must be comma-separated key=value pairs, as transformers parses it"
         )
+
+
+def test_resume_from_checkpoint_is_read_where_trl_reads_it(tmp_path, caplog):
+    """`trl grpo` passes a config's resume_from_checkpoint to `trainer.train()` (`trl_resume`: the run to
+    resume); transformers' Trainer never reads `args.resume_from_checkpoint` itself, so the translation
+    (a `GRPOConfig`'s too) takes it silently and changes nothing."""
+    from leangrpo.run.resolve import trl_resume
+
+    with caplog.at_level(logging.WARNING, logger="leangrpo.config.trl"):
+        assert from_trl({"resume_from_checkpoint": "runs/x/checkpoint-4"}, "GRPOConfig") == from_trl({}, "t")
+    assert "resume_from_checkpoint" not in caplog.text
+    flat = tmp_path / "trl.yaml"
+    for value, run in (
+        ("runs/x/checkpoint-4", "runs/x"),
+        ("runs/x", "runs/x"),
+        (True, "latest"),
+        (None, None),
+    ):
+        flat.write_text(yaml.safe_dump({"model_name_or_path": "m", "resume_from_checkpoint": value}))
+        assert trl_resume(flat, []) == run
+    assert trl_resume(flat, ["--resume_from_checkpoint", "runs/y/checkpoint-2"]) == "runs/y"
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}}))
+    assert trl_resume(nested, []) is None and trl_resume(None, []) is None
