@@ -268,7 +268,8 @@ class Policy(nn.Module):
         the ids are), from a pass over all but the last token. With the router's auxiliary loss on and
         gradients on (the update): over every token, the model's load-balancing loss of the real ones kept
         in `aux_loss`, as the model's own forward computes it and TRL adds it."""
-        routed = self.balancing_loss is not None and torch.is_grad_enabled()
+        balancing_loss = self.balancing_loss if torch.is_grad_enabled() else None
+        routed = balancing_loss is not None
         n = input_ids.shape[1] - (0 if routed else 1)
         out = decoder(
             input_ids=input_ids[:, :n],
@@ -278,9 +279,8 @@ class Policy(nn.Module):
             **inputs,
             **({"output_router_logits": True} if routed else {}),
         )
-        if routed:
-            assert self.balancing_loss is not None
-            self.aux_loss = self.balancing_loss(out.router_logits, attention_mask)
+        if balancing_loss is not None:
+            self.aux_loss = balancing_loss(out.router_logits, attention_mask)
         end = input_ids.shape[1] - 1
         return cast("Tensor", out.last_hidden_state[:, end - C : end])
 
