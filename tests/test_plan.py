@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from leangrpo.cli import main
 from leangrpo.commands import plan
-from leangrpo.config.schema import LoraConfig
+from leangrpo.config.schema import GRPOSection, LoraConfig
 from leangrpo.engines.hf import CACHE_KWARG, kv_cache, prefill_once_per_group
 from leangrpo.engines.types import RolloutBatch
 from leangrpo.models.load import apply_lora
@@ -153,7 +153,9 @@ def test_plan_defaults_are_the_configs_and_the_steps():
 def test_shared_group_is_the_steps(batch, group, share):
     model, _ = tiny("llama")
     knobs = plan.Knobs(per_device_train_batch_size=batch, num_generations=group, share_prompt=share)
-    step = shared_prompt_group(model, batch, group)[0] if share else 1  # as the Trainer picks it
+    step = (
+        shared_prompt_group(model, batch, GRPOSection(num_generations=group))[0] if share else 1
+    )  # as the Trainer picks it
     assert plan.shared_group(knobs) == step
 
 

@@ -8,7 +8,10 @@ the TRL comparisons live in this one module.
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
+from contextlib import nullcontext
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -26,15 +29,17 @@ def trl_loss(
     eps=EPS, eps_high=EPS_HIGH, beta=BETA,
     importance_sampling_level="token", delta=None, entropy=None, top_entropy_quantile=1.0,
     sapo_temperatures=(1.0, 1.05), tool_mask=None, off_policy_mask_threshold=None, sampling=None,
-    is_ratio=None, vespo=(2.0, 3.0, 3.0, 2.0), control=None,
+    is_ratio=None, vespo=(2.0, 3.0, 3.0, 2.0), control=None, model=None, ids=None, router_aux_loss_coef=0.0,
 ):  # fmt: skip
     """TRL 1.16's `_compute_loss` on one micro-batch of one process: (loss, TRL's metrics dict).
 
     `sampling`: the sampler's log-probs; `is_ratio`: vLLM's importance-sampling weights (TRL's use_vllm
     path); `control`: the entropy bonus's state (entropy_coef, use_adaptive_entropy, its bounds and
-    TRL's window), read and written back, so that a sequence of calls runs TRL's adaptive control."""
+    TRL's window), read and written back, so that a sequence of calls runs TRL's adaptive control.
+    `model` (with `add_fused_lm_head`) and `ids` (prompt ids, prompt mask, completion ids): the log-probs,
+    entropies and MoE aux loss come from TRL's own forward of it instead (`logp` and `entropy` unused)."""
     metrics = defaultdict(list)
-    entropy = torch.zeros_like(logp) if entropy is None else entropy
+    entropy = torch.zeros_like(mask, dtype=torch.float) if entropy is None else entropy
     control = {} if control is None else control
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, entropy, None),
@@ -77,17 +82,26 @@ def trl_loss(
         _last_world_entropy=control.get("last", float("inf")),
         _entropy_window_stats=control.get("window"),
         _entropy_bonus_enabled=control.get("entropy_coef", 0.0) != 0.0 or control.get("adaptive", False),
-        aux_loss_enabled=False,
+        aux_loss_enabled=router_aux_loss_coef != 0.0,
+        router_aux_loss_coef=router_aux_loss_coef,
         _metrics={"train": metrics},
     )
+    if model is not None:
+        fake.accelerator.autocast = nullcontext
+        fake.accelerator.gather_for_metrics = lambda t: t
+        forward = trl_grpo.GRPOTrainer._get_per_token_logps_and_entropies.__wrapped__  # not profiled
+        fake._get_per_token_logps_and_entropies = partial(forward, fake)
     fake.get_high_entropy_mask = lambda *a: trl_grpo.GRPOTrainer.get_high_entropy_mask(fake, *a)
     fake.get_gamma_weights = trl_grpo.GRPOTrainer.get_gamma_weights
     fake.get_off_policy_mask = trl_grpo.GRPOTrainer.get_off_policy_mask
-    n, c = logp.shape
+    n, c = mask.shape
+    prompt_ids, prompt_mask, completion_ids = ids or (torch.zeros(n, 0, dtype=torch.long),) * 2 + (
+        torch.zeros(n, c, dtype=torch.long),
+    )
     inputs = {
-        "prompt_ids": torch.zeros(n, 0, dtype=torch.long),
-        "prompt_mask": torch.zeros(n, 0, dtype=torch.long),
-        "completion_ids": torch.zeros(n, c, dtype=torch.long),
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
         "completion_mask": mask,
         "advantages": adv,
         "old_per_token_logps": old,
@@ -97,7 +111,7 @@ def trl_loss(
         **({} if sampling is None else {"sampling_per_token_logps": sampling}),
         **({} if is_ratio is None else {"importance_sampling_ratio": is_ratio}),
     }
-    loss = trl_grpo.GRPOTrainer._compute_loss(fake, None, inputs)
+    loss = trl_grpo.GRPOTrainer._compute_loss(fake, model, inputs)
     control.update(
         entropy_coef=fake.entropy_coef, last=fake._last_world_entropy, window=fake._entropy_window_stats
     )
@@ -677,3 +691,151 @@ def test_packed_update_matches_trl(tiny_model_dir, loss_type):
     named = dict(trl_model.named_parameters())
     for name, p in ours_model.named_parameters():
         assert_grads_close(p.grad, named[name].grad, name)
+
+
+def tiny_moe(arch: str):
+    """A tiny random Mixture-of-Experts model (4 experts, 2 a token), its config's own router_aux_loss_coef
+    (0.001)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = {
+        "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts_per_tok": 2,
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+    torch.manual_seed(0)
+    if arch == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4))
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=8, moe_intermediate_size=16, num_experts=4))
+
+
+@pytest.mark.parametrize("coef", [None, 0.5])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_router_aux_loss_matches_trl(arch, coef):
+    """router_aux_loss_coef on a tiny random MoE model (None: the architecture's own coefficient): each
+    micro-batch's loss under gradient accumulation, and every weight's gradient, equal TRL's `_compute_loss`
+    with its own forward (`add_fused_lm_head`, `_get_per_token_logps_and_entropies`): the policy term plus
+    coef × the model's load-balancing loss over the real tokens / gradient_accumulation_steps. Prompts
+    without left padding, whose positions TRL would count from the pad."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from leangrpo.engines.types import RolloutBatch
+    from leangrpo.train.policy import Policy, micro_batch_logprobs, router_aux_loss_coef
+    from leangrpo.train.update import Updater
+
+    ours_model = tiny_moe(arch)
+    trl_model = copy.deepcopy(ours_model)
+    weight = router_aux_loss_coef(ours_model, coef)
+    assert weight == (0.001 if coef is None else coef)
+    temperature, accumulation = 0.7, 2
+    add_fused_lm_head(trl_model, temperature=temperature, outputs=("log_probs", "entropy"))
+    policy = Policy(ours_model, temperature, router_aux_coef=weight).train()
+    trl_model.train()
+    updater = SimpleNamespace(unwrapped=policy, aux_losses=[], cfg=SimpleNamespace(optim=SimpleNamespace(
+        gradient_accumulation_steps=accumulation)))  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    n, c = 6, 7
+    prompt_ids = torch.randint(1, 97, (n, 5), generator=g)
+    completion_ids = torch.randint(1, 97, (n, c), generator=g)
+    mask = (torch.arange(c) < torch.tensor([[7], [3], [5], [1], [7], [2]])).long()
+    prompt_mask = torch.ones_like(prompt_ids)
+    old = torch.randn(n, c, generator=g) * 0.1 - 2
+    adv = torch.randn(n, generator=g)
+    rollout = RolloutBatch(
+        prompt_ids, prompt_mask, completion_ids, mask, torch.zeros(n, dtype=torch.bool), [""] * n
+    )
+    for rows in (slice(0, 3), slice(3, 6)):
+        logp, _, entropy = micro_batch_logprobs(policy, rollout, rows, with_entropy=True)
+        loss, _ = grpo_loss(
+            logp, old[rows], None, adv[rows], mask[rows], LossSpec("dapo", EPS, EPS_HIGH, c, beta=0.0),
+            BatchTotals(n, float(mask.sum()), accumulation), entropy=entropy,
+        )  # fmt: skip
+        loss = Updater._with_router_aux(updater, loss)  # type: ignore[arg-type]
+        assert policy.aux_loss is None  # taken by this micro-batch's loss
+        ids = (prompt_ids[rows], prompt_mask[rows], completion_ids[rows])
+        trl, metrics = trl_loss(
+            None, old[rows], None, adv[rows], mask[rows], loss_type="dapo", bias_correction_kl=False,
+            accumulation_steps=accumulation, num_items=mask.sum(), max_len=c, beta=0.0, model=trl_model,
+            ids=ids, router_aux_loss_coef=weight,
+        )  # fmt: skip
+        assert len(metrics["aux_loss"]) == 1 and metrics["aux_loss"][0] > 0
+        assert updater.aux_losses.pop().item() == pytest.approx(metrics["aux_loss"][0], rel=1e-6)
+        assert loss.item() == pytest.approx(trl.item(), rel=1e-5, abs=1e-7)
+        loss.backward()
+        trl.backward()
+    named = dict(trl_model.named_parameters())
+    for name, p in ours_model.named_parameters():
+        torch.testing.assert_close(p.grad, named[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():  # the reference and old-policy passes route nothing
+        micro_batch_logprobs(policy, rollout, slice(0, 3))
+    assert policy.aux_loss is None
+
+
+def test_router_aux_loss_coef_is_trls_and_keeps_each_completions_prompt(tiny_model_dir):
+    """TRL's reading of router_aux_loss_coef: a flat config's value is grpo.router_aux_loss_coef; a nonzero
+    one for a model that returns no router logits is refused in one line (TRL's ValueError), None and 0 are
+    silent. With the loss on, every completion reads its own prompt copy, padded (the tokens TRL routes);
+    at 0 the layouts are the run's."""
+    from test_models import load_tiny
+
+    from leangrpo.config.schema import GRPOSection
+    from leangrpo.config.trl import from_trl
+    from leangrpo.core.errors import TrainingError
+    from leangrpo.train.policy import padding_free, router_aux_loss_coef, shared_prompt_group
+
+    assert from_trl({"router_aux_loss_coef": 0.5}, "t.yaml")["grpo"]["router_aux_loss_coef"] == 0.5
+    llama = load_tiny(tiny_model_dir)
+    assert router_aux_loss_coef(llama, None) == router_aux_loss_coef(llama, 0.0) == 0.0
+    with pytest.raises(
+        TrainingError, match="^grpo.router_aux_loss_coef is 0.5 but LlamaForCausalLM is not a "
+    ):
+        router_aux_loss_coef(llama, 0.5)
+    moe = tiny_moe("qwen3_moe")
+    on, off = GRPOSection(num_generations=3), GRPOSection(num_generations=3, router_aux_loss_coef=0.0)
+    reason = "the MoE router's load-balancing loss (router_aux_loss_coef) counts each completion's prompt"
+    assert shared_prompt_group(moe, 6, on) == (1, reason) and padding_free(moe, on) == (False, reason)
+    assert shared_prompt_group(moe, 6, off) == (3, None) and padding_free(moe, off) == (True, None)
+
+
+@pytest.mark.slow
+def test_a_flat_trl_config_trains_a_tiny_moe_with_its_router_aux_loss(tmp_path, real_tokenizer_dir):
+    """`leangrpo train -c` on a flat TRL config and a tiny random Qwen3-MoE: one step at the architecture's
+    coefficient (0.5 here) and one at router_aux_loss_coef 0: the first's loss is higher (the load-balancing
+    term is positive), and only its start-up lines say that each completion reads its own prompt copy."""
+    import json
+
+    import yaml
+    from click.testing import CliRunner
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from leangrpo.cli import main
+
+    tok = AutoTokenizer.from_pretrained(real_tokenizer_dir)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16, head_dim=8,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=2, router_aux_loss_coef=0.5, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    ))  # fmt: skip
+    model.save_pretrained(tmp_path / "moe")
+    tok.save_pretrained(tmp_path / "moe")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Count to {i}:"}) + "\n" for i in range(4)))
+    losses = {}
+    for name, coef in (("own", None), ("off", 0.0)):
+        flat = {
+            "model_name_or_path": str(tmp_path / "moe"), "dataset_name": str(data), "max_steps": 1,
+            "reward_funcs": ["toy_rewards.vowel_share"], "gradient_checkpointing": False,
+            "num_generations": 4, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+            "max_completion_length": 6, "logging_steps": 1, "output_dir": str(tmp_path / name),
+            "report_to": "none", "disable_tqdm": True, "save_strategy": "no", "router_aux_loss_coef": coef,
+        }  # fmt: skip
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(flat))
+        result = CliRunner().invoke(main, ["train", "-c", str(tmp_path / f"{name}.yaml")])
+        assert result.exit_code == 0, result.output
+        assert ("grpo.share_prompt: off, the MoE router's" in result.output) == (coef is None)
+        [row] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = row["loss"]
+        assert ("aux_loss" in row) == (coef is None)  # TRL's metric, with the loss
+    assert losses["own"] > losses["off"]

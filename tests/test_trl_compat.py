@@ -302,8 +302,8 @@ def test_flat_trl_yaml_is_ported_field_by_field(tmp_path):
     ("change", "message"),
     [
         (
-            {"optim_target_modules": ["x"], "neftune_noise_alpha": 5.0},
-            "neftune_noise_alpha=5.0: .*\n.*optim_target_modules=\\['x'\\]: ",
+            {"optim_args": "beta1", "optim": "sgd"},
+            "optim='sgd': .*\n.*optim_args='beta1': ",
         ),
         ({"max_steps": 41}, "max_steps=41: .*must be a multiple of 2"),
         ({"steps_per_generation": 3}, "max_steps=40: .*3 of them per generation batch.*multiple of 3"),
@@ -565,3 +565,37 @@ def test_evaluation_passes_completion_ids_to_trl_rewards(tiny_model_dir):
     for record in result.records:  # -(length - 1) / 4 past 1 token: the ids reached the reward
         assert record["rewards"]["overlong"] == pytest.approx(-max(record["length"] - 1, 0) / 4)
     assert any(record["length"] > 1 for record in result.records)
+
+
+@pytest.mark.slow
+def test_flat_trl_yaml_resume_from_checkpoint_resumes_the_run(tmp_path, tiny_model_dir):
+    """`trl grpo` passes resume_from_checkpoint to `trainer.train()`: `leangrpo train -c` resumes from it as
+    `--resume` does (a `checkpoint-N` folder's run; `true`: output_dir's run), and refuses it with
+    --overwrite in one line."""
+    from click.testing import CliRunner
+    from test_e2e import read_metrics
+
+    from leangrpo.cli import main
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Count to {i}:"}) + "\n" for i in range(6)))
+    run = tmp_path / "run"
+    flat = {
+        "model_name_or_path": str(tiny_model_dir), "dataset_name": str(data), "max_steps": 2,
+        "reward_funcs": ["toy_rewards.vowel_share"], "gradient_checkpointing": False, "num_generations": 4,
+        "per_device_train_batch_size": 4, "max_completion_length": 4, "save_steps": 1, "logging_steps": 1,
+        "output_dir": str(run), "report_to": "none", "disable_tqdm": True,
+    }  # fmt: skip
+    cli = CliRunner()
+    result = cli.invoke(main, ["train", "-c", str(write_yaml(tmp_path, flat))])
+    assert result.exit_code == 0, result.output
+    resumed = {**flat, "max_steps": 3, "resume_from_checkpoint": str(run / "checkpoint-2")}
+    result = cli.invoke(main, ["train", "-c", str(write_yaml(tmp_path, resumed)), "--overwrite"])
+    assert result.exit_code == 2 and "--resume (or resume_from_checkpoint) and --overwrite" in result.output
+    result = cli.invoke(main, ["train", "-c", str(write_yaml(tmp_path, resumed))])
+    assert result.exit_code == 0, result.output
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]  # steps 1-2 kept, 3 trained after them
+    latest = {**resumed, "max_steps": 4, "resume_from_checkpoint": True}
+    result = cli.invoke(main, ["train", "-c", str(write_yaml(tmp_path, latest))])
+    assert result.exit_code == 0, result.output
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]

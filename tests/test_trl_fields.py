@@ -47,6 +47,7 @@ def test_every_field_is_honoured_noted_or_refused(name, caplog):
         other = default + 1
     if asks_nothing(name, other):  # a value that asks for what leangrpo does: silent too
         other = "other"
+    other = {"optim_args": "beta1=0.5"}.get(name, other)  # one transformers parses
     with caplog.at_level(logging.WARNING, logger="leangrpo.config.trl"):
         if how == "refused":
             with pytest.raises(ConfigError, match=f"{name}=.*: {why[:20]}"):
@@ -85,7 +86,7 @@ def test_trl_precision_default_is_a_said_difference(fields, dtype, noted, caplog
 def test_refusals_come_all_at_once_one_line_each():
     with pytest.raises(ConfigError) as e:
         from_trl(
-            {"neftune_noise_alpha": 5.0, "optim_target_modules": ["attn"], "optim": "sgd", "no_such": 1},
+            {"optim_args": "beta1", "loss_type": "x", "optim": "sgd", "no_such": 1},
             "t.yaml",
         )
     lines = str(e.value).splitlines()
@@ -219,3 +220,59 @@ def test_widely_read_recipes_train_with_zero_edits(recipe, tmp_path, tiny_model_
     assert row["step"] == 1
     assert {"rewards/accuracy_reward/mean", "rewards/think_format_reward/mean"} <= set(row)
     assert (out / "model" / "config.json").is_file()
+
+
+def test_optim_args_and_target_modules_are_noted_where_transformers_adamw_ignores_them(caplog):
+    """transformers' `get_optimizer_cls_and_kwargs` gives adamw_torch and bitsandbytes' AdamW the same
+    optimizer with or without optim_args / optim_target_modules (they feed AnyPrecision, AdEMAMix, GaLore,
+    APOLLO): leangrpo trains the same and says so in one line each. optim_args transformers cannot parse
+    (its `_parse_optim_args` raises) is refused in one line."""
+    from transformers import Trainer, TrainingArguments
+
+    def optimizer(**fields):
+        args = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True, **fields)
+        return Trainer.get_optimizer_cls_and_kwargs(args)
+
+    extra = {"optim_args": "beta1=0.5, eps=1e-3", "optim_target_modules": ["attn"]}
+    for name in ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "adamw_8bit"):
+        assert optimizer(optim=name, **extra) == optimizer(optim=name), name
+        with caplog.at_level(logging.WARNING, logger="leangrpo.config.trl"):
+            assert from_trl({"optim": name, **extra}, "t.yaml") == from_trl({"optim": name}, "t.yaml")
+        notes = [r.message for r in caplog.records if "optim_" in r.message]
+        assert notes == [
+            "t.yaml: optim_args='beta1=0.5, eps=1e-3' ignored: " + handling("optim_args")[1],
+            "t.yaml: optim_target_modules=['attn'] ignored: " + handling("optim_target_modules")[1],
+        ]
+        caplog.clear()
+    for bad in ("beta1", "beta1=0.5,", "beta1=0.5=1"):
+        with pytest.raises(ValueError):
+            optimizer(optim="adamw_torch", optim_args=bad)
+        with pytest.raises(ConfigError) as e:
+            from_trl({"optim_args": bad}, "t.yaml")
+        assert str(e.value) == (
+            f"t.yaml: optim_args={bad!r}: must be comma-separated key=value pairs, as transformers parses it"
+        )
+
+
+def test_resume_from_checkpoint_is_read_where_trl_reads_it(tmp_path, caplog):
+    """`trl grpo` passes a config's resume_from_checkpoint to `trainer.train()` (`trl_resume`: the run to
+    resume); transformers' Trainer never reads `args.resume_from_checkpoint` itself, so the translation
+    (a `GRPOConfig`'s too) takes it silently and changes nothing."""
+    from leangrpo.run.resolve import trl_resume
+
+    with caplog.at_level(logging.WARNING, logger="leangrpo.config.trl"):
+        assert from_trl({"resume_from_checkpoint": "runs/x/checkpoint-4"}, "GRPOConfig") == from_trl({}, "t")
+    assert "resume_from_checkpoint" not in caplog.text
+    flat = tmp_path / "trl.yaml"
+    for value, run in (
+        ("runs/x/checkpoint-4", "runs/x"),
+        ("runs/x", "runs/x"),
+        (True, "latest"),
+        (None, None),
+    ):
+        flat.write_text(yaml.safe_dump({"model_name_or_path": "m", "resume_from_checkpoint": value}))
+        assert trl_resume(flat, []) == run
+    assert trl_resume(flat, ["--resume_from_checkpoint", "runs/y/checkpoint-2"]) == "runs/y"
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(yaml.safe_dump({"model": {"name_or_path": "m"}}))
+    assert trl_resume(nested, []) is None and trl_resume(None, []) is None

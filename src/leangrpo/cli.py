@@ -104,9 +104,12 @@ def train(
     overrides: tuple[str, ...],
 ) -> None:
     """Train with GRPO. OVERRIDES set any config field: grpo.num_generations=4 optim.learning_rate=1e-6"""
-    if resume and overwrite:
-        raise click.UsageError("--resume and --overwrite exclude each other")
+    from leangrpo.run.resolve import trl_resume
     from leangrpo.run.trust import load_admitted, resume_config
+
+    resume = resume or trl_resume(config_path, list(overrides))  # a TRL config's resume_from_checkpoint
+    if resume and overwrite:
+        raise click.UsageError("--resume (or resume_from_checkpoint) and --overwrite exclude each other")
 
     if resume:
         cfg = resume_config(config_path, list(overrides), resume, trust_run_code)

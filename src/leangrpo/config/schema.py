@@ -385,6 +385,11 @@ class GRPOSection(Section):
         description="a completion with a negative advantage whose mean KL from the sampling policy exceeds "
         "this keeps no policy term (DeepSeek-V3.2's off-policy sequence mask; e.g. 0.5); null: off",
     )
+    router_aux_loss_coef: float | None = Field(
+        None,
+        description="a Mixture-of-Experts model's load-balancing loss, times this, joins the loss (TRL's); "
+        "null: the architecture's own coefficient (its config's router_aux_loss_coef), 0: off",
+    )
     entropy_coef: float = Field(
         0.0,
         description="the loss less entropy_coef × the mean token entropy (the policy term's tokens), for "

@@ -88,6 +88,9 @@ _TRANSLATED = {
     "prompt (default num_generations, as TRL)",
     "model_init_kwargs": "dtype / torch_dtype, attn_implementation, trust_remote_code → model.*",
     "disable_tqdm": "logging.progress_bar = not disable_tqdm",
+    "resume_from_checkpoint": "`leangrpo train -c`: resumes that run (`true`: output_dir's) as --resume, as "
+    "`trl grpo` passes it to train(); a `GRPOConfig`'s is read only by train(resume_from_checkpoint=...), as "
+    "in TRL",
 }
 """GRPOConfig fields honoured by a translation (`_translate_special`), as the table shows them."""
 
@@ -185,15 +188,16 @@ _NOTED = {
     "use_transformers_continuous_batching": "generation speed only",
     "transformers_continuous_batching_config": "generation speed only",
     "use_transformers_paged": "generation speed only",
+    "optim_args": "transformers passes it to other optimizers (AnyPrecision, AdEMAMix, GaLore, ...), not to "
+    "AdamW (adam_beta1, adam_beta2, adam_epsilon, weight_decay)",
+    "optim_target_modules": "transformers reads it for GaLore and APOLLO only, not for AdamW",
 }
 """GRPOConfig fields ignored with a notice when set to another value than TRL's default."""
 
 _REFUSED = {
-    "optim_args": "AdamW takes adam_beta1, adam_beta2, adam_epsilon and weight_decay",
-    "optim_target_modules": "GaLore-style optimizers are not supported",
-    "neftune_noise_alpha": "NEFTune's embedding noise is not supported",
-    "resume_from_checkpoint": "use `leangrpo train --resume RUN_DIR` or train(resume_from_checkpoint=...)",
-    "router_aux_loss_coef": "the MoE router's auxiliary loss is not added",
+    "neftune_noise_alpha": "NEFTune's embedding noise is not supported: TRL adds it in every train-mode "
+    "forward, its transformers generation's (each completion's prompt, each new token) too, and leangrpo's "
+    "engines generate in eval mode, a group's prompt prefilled once",
 }
 """GRPOConfig fields refused (with this reason) when set to another value than TRL's default."""
 
@@ -420,6 +424,13 @@ def _translate_special(flat: dict[str, Any], put: Any, refused: list[str]) -> No
             put("optim.optimizer", _OPTIMIZERS[name])
         else:
             refused.append(f"optim={name!r}: leangrpo has {', '.join(_OPTIMIZERS)}")
+    optim_args = flat.get("optim_args")  # transformers' `_parse_optim_args` reads it before any optimizer
+    if optim_args and any(item.count("=") != 1 for item in str(optim_args).replace(" ", "").split(",")):
+        flat.pop("optim_args")
+        refused.append(
+            f"optim_args={optim_args!r}: must be comma-separated key=value pairs, as transformers parses it"
+        )
+    flat.pop("resume_from_checkpoint", None)  # `leangrpo train` reads it (`trl_resume`), as `trl grpo`
     if flat.get("use_peft") and "lora_target_modules" not in flat:
         put("model.lora.target_modules", None)  # `trl grpo`'s default: peft's targets for the architecture
     steps = flat.get("logging_steps", TRL_DEFAULTS["logging_steps"])  # TRL logs completions with each row

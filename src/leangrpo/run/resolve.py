@@ -81,8 +81,32 @@ def load_config(
 ) -> Config:
     """Read YAML (optional), apply overrides (TRL's `--flag value` ones too: config/trl_flags.py), validate.
     Raises ConfigError with one line. `vet`: see `validate_config`."""
+    data, source, overrides = _read_config(path, overrides or [])
+    if is_trl_config(data):
+        data = from_trl(data, source)
+    apply_overrides(data, overrides)
+    return validate_config(data, source, vet)
+
+
+def trl_resume(path: str | Path | None, overrides: list[str]) -> str | None:
+    """The run a flat TRL config's `resume_from_checkpoint` names, which `trl grpo` passes to train():
+    `"latest"` for `true` (output_dir's run), a path's run directory (a `checkpoint-N` folder's parent),
+    None when it is unset or the config is leangrpo's."""
+    data, _, _ = _read_config(path, overrides)
+    value = data.get("resume_from_checkpoint") if is_trl_config(data) else None
+    if value is True:
+        return "latest"
+    if not value:
+        return None
+    checkpoint = Path(str(value))
+    return str(checkpoint.parent if checkpoint.name.startswith("checkpoint-") else checkpoint)
+
+
+def _read_config(path: str | Path | None, overrides: list[str]) -> tuple[dict[str, Any], str, list[str]]:
+    """The config's data with TRL's `--flag value` overrides merged in, where it comes from, and the
+    `a.b=value` overrides left to apply."""
     data: dict[str, Any] = {}
-    flags, overrides = split_flags(overrides or [])
+    flags, overrides = split_flags(overrides)
     source = str(path) if path else "overrides"
     if path is not None:
         p = Path(path)
@@ -97,10 +121,7 @@ def load_config(
     data = with_flags(data, flags, source)
     if flags:
         source = f"{path} and the command line" if path else "the command line"
-    if is_trl_config(data):
-        data = from_trl(data, source)
-    apply_overrides(data, overrides)
-    return validate_config(data, source, vet)
+    return data, source, overrides
 
 
 def validate_config(

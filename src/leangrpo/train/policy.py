@@ -11,13 +11,14 @@ update passes and the SFT cold start (padded) all come through here.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
 
 from leangrpo.core import shared_prompt
-from leangrpo.core.errors import UserError
+from leangrpo.core.errors import TrainingError, UserError
 from leangrpo.core.logprobs import (
     LOGPROB_CHUNK_SIZE,
     LogitTransform,
@@ -32,6 +33,7 @@ from leangrpo.models.load import is_peft, peft_base
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from leangrpo.config.schema import GRPOSection
     from leangrpo.engines.types import RolloutBatch
 
 
@@ -77,6 +79,48 @@ def _base(lm: nn.Module) -> PreTrainedModel:
     return peft_base(lm) if is_peft(lm) else cast("PreTrainedModel", lm)
 
 
+BalancingLoss = Callable[[tuple[Tensor, ...], Tensor], Tensor]
+"""A Mixture-of-Experts model's load-balancing loss of its router logits over the tokens of a mask."""
+
+
+def _balancing_loss(model: PreTrainedModel) -> BalancingLoss | None:
+    """The load-balancing loss TRL's fused forward computes for every MoE family (transformers' Mixtral
+    function, the text config's expert counts); None where the config does not give them."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config = model.config.get_text_config()
+    experts, top_k = getattr(config, "num_experts", None), getattr(config, "num_experts_per_tok", None)
+    if experts is None or top_k is None:
+        return None
+
+    def loss(router_logits: tuple[Tensor, ...], mask: Tensor) -> Tensor:
+        return cast("Tensor", load_balancing_loss_func(router_logits, experts, top_k, mask))  # type: ignore[arg-type]
+
+    return loss
+
+
+def router_aux_loss_coef(model: nn.Module, asked: float | None) -> float:
+    """TRL's weight of a Mixture-of-Experts model's load-balancing loss in the GRPO loss: `asked`, or
+    (None) the architecture's own, its config's router_aux_loss_coef; 0 (off) for a model that returns no
+    router logits, where a nonzero `asked` is refused in one line, as TRL refuses it."""
+    base = _base(model)
+    config = base.config.get_text_config()
+    if not hasattr(config, "output_router_logits"):
+        if asked:
+            raise TrainingError(
+                f"grpo.router_aux_loss_coef is {asked} but {type(base).__name__} is not a Mixture-of-Experts "
+                "model that returns its router logits, so there is no auxiliary loss to weight"
+            )
+        return 0.0
+    coef = float(getattr(config, "router_aux_loss_coef", 0.0) if asked is None else asked)
+    if coef and _balancing_loss(base) is None:
+        raise TrainingError(
+            f"{type(base).__name__}: leangrpo cannot compute its router's load-balancing loss (weighted "
+            f"{coef}, grpo.router_aux_loss_coef); set grpo.router_aux_loss_coef: 0 to train without it"
+        )
+    return coef
+
+
 class Policy(nn.Module):
     """Wraps a causal LM so that forward returns the log-probs of the completion tokens only.
 
@@ -88,6 +132,8 @@ class Policy(nn.Module):
     (`distributed`) moves or shards it first and then calls `prepare`, so that `check_head`'s forward runs
     there (the kernels training uses, an attention such as flash-attention that has no CPU version), not
     on the CPU the model was loaded on.
+    `router_aux_coef` (`router_aux_loss_coef`), nonzero: each forward with gradients (padded layout) keeps
+    the Mixture-of-Experts load-balancing loss of its tokens in `aux_loss`, for the update to add.
     """
 
     def __init__(
@@ -97,10 +143,13 @@ class Policy(nn.Module):
         chunk_size: int = LOGPROB_CHUNK_SIZE,
         share_prompt: bool = False,
         placed: bool = True,
+        router_aux_coef: float = 0.0,
     ):
         super().__init__()
         self.lm, self.temperature, self.chunk_size = lm, temperature, chunk_size
-        self.share_prompt = share_prompt
+        self.share_prompt, self.router_aux_coef = share_prompt, router_aux_coef
+        self.balancing_loss = _balancing_loss(self.base) if router_aux_coef else None
+        self.aux_loss: Tensor | None = None
         self.head = logit_transform(self.base.config)
         if placed:
             self.prepare()
@@ -182,12 +231,9 @@ class Policy(nn.Module):
         if group == 1:
             # Positions count real tokens only, exactly as generate() numbers a left-padded prompt.
             position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-            hidden = self.base.get_decoder()(
-                input_ids=input_ids[:, :-1],
-                attention_mask=attention_mask[:, :-1],
-                position_ids=position_ids[:, :-1],
-                use_cache=False,
-            ).last_hidden_state[:, -C:]
+            hidden = self._decoded(
+                self.base.get_decoder(), input_ids, attention_mask, C, {"position_ids": position_ids}
+            )
             return hidden, input_ids[:, -C:]
         position_ids, predictors = shared_prompt.positions(attention_mask, C, group)
         mask = attention_mask.bool()[:, None, None, :]
@@ -202,13 +248,41 @@ class Policy(nn.Module):
         projector, the decoder given the image features) instead of its text decoder alone. Positions as
         generate() numbers them: counting real tokens, or the model's own (Qwen-VL's 3-D rope, from the ids,
         the mask and the image grid: no position_ids given)."""
-        inputs = {k: v[:, :-1] if k in TOKEN_TYPE_FIELDS else v for k, v in vision.items()}
-        if not any(k in vision for k in TOKEN_TYPE_FIELDS):
-            inputs["position_ids"] = (attention_mask[:, :-1].cumsum(-1) - 1).clamp(min=0)
-        hidden = self.base.model(
-            input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], use_cache=False, **inputs
-        ).last_hidden_state[:, -C:]
+        per_token = {k: v for k, v in vision.items() if k in TOKEN_TYPE_FIELDS}
+        if not per_token:
+            per_token["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        inputs = {k: v for k, v in vision.items() if k not in TOKEN_TYPE_FIELDS}
+        hidden = self._decoded(self.base.model, input_ids, attention_mask, C, per_token, **inputs)
         return hidden, input_ids[:, -C:]
+
+    def _decoded(
+        self,
+        decoder: Callable[..., Any],
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        C: int,
+        per_token: dict[str, Tensor],
+        **inputs: Tensor,
+    ) -> Tensor:
+        """`decoder`'s hidden states that predict the last C tokens (`per_token`: [B, L] inputs cut as
+        the ids are), from a pass over all but the last token. With the router's auxiliary loss on and
+        gradients on (the update): over every token, the model's load-balancing loss of the real ones kept
+        in `aux_loss`, as the model's own forward computes it and TRL adds it."""
+        balancing_loss = self.balancing_loss if torch.is_grad_enabled() else None
+        routed = balancing_loss is not None
+        n = input_ids.shape[1] - (0 if routed else 1)
+        out = decoder(
+            input_ids=input_ids[:, :n],
+            attention_mask=attention_mask[:, :n],
+            use_cache=False,
+            **{k: v[:, :n] for k, v in per_token.items()},
+            **inputs,
+            **({"output_router_logits": True} if routed else {}),
+        )
+        if balancing_loss is not None:
+            self.aux_loss = balancing_loss(out.router_logits, attention_mask)
+        end = input_ids.shape[1] - 1
+        return cast("Tensor", out.last_hidden_state[:, end - C : end])
 
     def _laid_out(
         self,
@@ -240,11 +314,19 @@ def _on_grid(values: Tensor, real: Tensor) -> Tensor:
     return torch.zeros(real.shape, device=real.device).masked_scatter(real, values)
 
 
-def shared_prompt_group(model: nn.Module, micro_batch: int, num_generations: int) -> tuple[int, str | None]:
+def _layouts_unsupported(model: nn.Module, g: GRPOSection) -> str | None:
+    """Why the shared-prompt and packed layouts cannot run: the model's attention, or the router's
+    load-balancing loss, which routes each completion's own copy of its prompt (TRL's padded rows)."""
+    if router_aux_loss_coef(model, g.router_aux_loss_coef):
+        return "the MoE router's load-balancing loss (router_aux_loss_coef) counts each completion's prompt"
+    return shared_prompt.unsupported_reason(_base(model).config)
+
+
+def shared_prompt_group(model: nn.Module, micro_batch: int, g: GRPOSection) -> tuple[int, str | None]:
     """Completions per decoder row that share one copy of their prompt: as many of a group's completions
     as every micro-batch holds together (1 = no sharing), and why not when the model cannot."""
-    reason = shared_prompt.unsupported_reason(_base(model).config)
-    return (1, reason) if reason else (math.gcd(micro_batch, num_generations), None)
+    reason = _layouts_unsupported(model, g)
+    return (1, reason) if reason else (math.gcd(micro_batch, g.num_generations), None)
 
 
 class Extent(NamedTuple):
@@ -287,11 +369,11 @@ def micro_batch_extents(prompt_mask: Tensor, completion_mask: Tensor, micro_batc
     ]
 
 
-def padding_free(model: nn.Module, asked: bool) -> tuple[bool, str | None]:
+def padding_free(model: nn.Module, g: GRPOSection) -> tuple[bool, str | None]:
     """Whether the log-prob passes run packed (`grpo.padding_free` asked), and why not when the model
     cannot (the packed layout's attention is the shared-prompt function's)."""
-    reason = shared_prompt.unsupported_reason(_base(model).config) if asked else None
-    return asked and reason is None, reason
+    reason = _layouts_unsupported(model, g) if g.padding_free else None
+    return g.padding_free and reason is None, reason
 
 
 def micro_batch_logprobs(

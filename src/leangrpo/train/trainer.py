@@ -164,9 +164,7 @@ class Trainer:
             prepare_tokenizer(self.tokenizer)
         if (warning := long_prompts(self.tokenizer, self.rows, self.cfg, self.agent)) and self.is_main:
             self._write(warning)
-        self.group, why_not = (
-            shared_prompt_group(model, micro, g.num_generations) if g.share_prompt else (1, None)
-        )
+        self.group, why_not = shared_prompt_group(model, micro, g) if g.share_prompt else (1, None)
         if why_not:
             self._write(f"grpo.share_prompt: off, {why_not}; each completion reads its own prompt copy")
         return model

@@ -29,6 +29,7 @@ from leangrpo.train.policy import (
     micro_batch_extents,
     micro_batch_logprobs,
     padding_free,
+    router_aux_loss_coef,
 )
 
 if TYPE_CHECKING:
@@ -58,27 +59,32 @@ class Reference:
 @dataclass
 class Update:
     """What the update phase reports: the mean loss of its optimizer steps, the last gradient norm and
-    learning rate, each micro-batch's token counts for the KL and clip metrics, and the entropy bonus's
-    `entropy_coef` after each optimizer step (TRL's metric: their mean; none without the bonus)."""
+    learning rate, each micro-batch's token counts for the KL and clip metrics, the entropy bonus's
+    `entropy_coef` after each optimizer step (TRL's metric: their mean; none without the bonus), and the
+    MoE router's mean load-balancing loss over every process (TRL's `aux_loss`; None without it)."""
 
     loss: float
     grad_norm: float
     learning_rate: float
     stats: list[grpo.LossStats]
     entropy_coefs: list[float]
+    aux_loss: float | None = None
 
     def metrics(self) -> dict[str, float]:
-        """The update's own metrics beyond the loss's: `entropy_coef` with the entropy bonus."""
-        return (
+        """The update's own metrics beyond the loss's: `entropy_coef` with the entropy bonus, `aux_loss`
+        with the router's load-balancing loss."""
+        out = (
             {"entropy_coef": sum(self.entropy_coefs) / len(self.entropy_coefs)} if self.entropy_coefs else {}
         )
+        return out | ({} if self.aux_loss is None else {"aux_loss": self.aux_loss})
 
 
 def build_policy(cfg: Config, model: PreTrainedModel, dist: Replicated, group: int) -> torch.nn.Module:
     """The trained policy, wrapped for the job (`dist.wrap`): placed (or sharded) on this process's
     device before its head is checked (`Policy.prepare`)."""
-    g, (packed, _) = cfg.grpo, padding_free(model, cfg.grpo.padding_free)
-    return dist.wrap(Policy(model, g.temperature, g.logprob_chunk_size, group > 1 or packed, placed=False))
+    g, (packed, _) = cfg.grpo, padding_free(model, cfg.grpo)
+    aux = router_aux_loss_coef(model, g.router_aux_loss_coef)
+    return dist.wrap(Policy(model, g.temperature, g.logprob_chunk_size, group > 1 or packed, False, aux))
 
 
 def build_reference(
@@ -117,7 +123,7 @@ def build_reference(
             raise
         write(f"{e}; the reference copy stays in memory")
         pages, copy = None, frozen_copy(model, dtype)
-    packed, _ = padding_free(copy, g.padding_free)
+    packed, _ = padding_free(copy, g)
     ref_policy = dist.place_frozen(
         Policy(copy, g.temperature, g.logprob_chunk_size, group > 1 or packed, placed=False)
     )
@@ -147,7 +153,7 @@ class Updater:
         self.ref_policy, self.ref_pages, self.group = ref_policy, ref_pages, group
         self.release_memory, self.write = release_memory, write
         self.loss_spec = loss_spec(cfg.grpo)  # the objective, its aggregation and constants, once
-        self.packed, why_not = padding_free(self.unwrapped.lm, cfg.grpo.padding_free)
+        self.packed, why_not = padding_free(self.unwrapped.lm, cfg.grpo)
         if why_not:
             write(f"grpo.padding_free: off, {why_not}; completions are padded to the longest")
         if cfg.steps_per_generation > cfg.optim.gradient_accumulation_steps:
@@ -161,6 +167,7 @@ class Updater:
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
         self.entropy = EntropyControl.of(cfg.grpo, state)
         self.optimizer_steps = state.get("optimizer_steps", 0)  # TRL's global_step, for sync_ref_model
+        self.aux_losses: list[Tensor] = []  # this step's load-balancing losses, one a micro-batch
 
     def state(self) -> dict[str, Any]:
         """The counters a checkpoint keeps: the skipped steps, the optimizer steps, and the entropy
@@ -278,7 +285,9 @@ class Updater:
         self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
         if skipped:
             self.write("non-finite loss or gradient; update skipped")
-        return Update(loss_total, grad_norm, lr, stats, coefs)
+        aux = self.acc.reduce(torch.stack(self.aux_losses).mean(), "mean") if self.aux_losses else None
+        self.aux_losses = []
+        return Update(loss_total, grad_norm, lr, stats, coefs, None if aux is None else float(aux))
 
     def _sync_reference(self) -> None:
         """After an optimizer step: every `ref_model_sync_steps` of them, the reference moves toward the
@@ -341,10 +350,21 @@ class Updater:
                     sampler_weights=_cut(ref.sampler_weights, rows, width),
                     sampling_logp=_cut(rollout.sampling_logprobs, rows, width), entropy_coef=coef,
                 )  # fmt: skip
+                loss = self._with_router_aux(loss)
                 self.acc.backward(loss)
             iteration_loss += loss.detach().double()  # as exact as summing floats
             stats.append(mb_stats)
         return iteration_loss, stats
+
+    def _with_router_aux(self, loss: Tensor) -> Tensor:
+        """A micro-batch's loss plus the MoE router's load-balancing loss of its forward, weighted by
+        router_aux_loss_coef and scaled for gradient accumulation as TRL scales it (the policy term is)."""
+        policy = self.unwrapped
+        if policy.aux_loss is None:
+            return loss
+        aux, policy.aux_loss = policy.aux_loss, None
+        self.aux_losses.append(aux.detach())
+        return loss + policy.router_aux_coef * aux / self.cfg.optim.gradient_accumulation_steps
 
     def _optimizer_step(self, iteration_loss: float) -> tuple[float, float, bool]:
         """Clip (or read the in-backward steps' norm), then step the optimizer and schedule unless the
