@@ -244,12 +244,15 @@ def test_plan_counts_the_whole_generation(tmp_path):
     assert kv == 2 * plan.estimate(shape, one_update).components["KV cache"]
 
 
-def test_an_optimizer_step_spanning_two_generations_is_trls(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch):
+def test_an_optimizer_step_spanning_two_generations_is_trls(
+    tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch, capsys
+):
     """spg 3 over accumulation 2, two steps: step 1's third micro-batch leaves its gradient pending, which
     step 2's first completes (3 optimizer steps in all, as TRL's). Each micro-batch's loss is TRL's
     `_compute_loss` on the same inputs, dapo's normaliser its own generation's tokens × 2 / 3; the old
     log-probs are taken before each generation's first update (TRL: 2 % 3 != 0), so the third micro-batch
-    of step 1 sees the moved policy and step 2's first the policy it generated with."""
+    of step 1 sees the moved policy and step 2's first the policy it generated with. That windows run on
+    over epoch ends (TRL cuts them there) is said at start-up (docs/trl.md)."""
     import leangrpo.core.grpo as grpo_mod
     from leangrpo.train.trainer import Trainer
 
@@ -270,6 +273,10 @@ def test_an_optimizer_step_spanning_two_generations_is_trls(tmp_path, tiny_model
         optim={"learning_rate": 3e-2, "max_steps": 2},
     ))  # fmt: skip
     trainer = Trainer(cfg)
+    said = (
+        "optimizer steps span generations: 3 micro-steps a step, 2 an optimizer step, across steps and epoch "
+    )
+    assert said + "ends alike (TRL ends one early at an epoch's end: docs/trl.md)" in capsys.readouterr().out
     stepped = []
     trainer.optimizer.register_step_post_hook(lambda *a: stepped.append(len(calls)))
     first = trainer.step(1)

@@ -177,6 +177,12 @@ class Updater:
                 f"(TRL shuffles the completions before slicing), {cfg.optim.gradient_accumulation_steps} "
                 "an optimizer step (docs/trl.md)"
             )
+        if cfg.whole_steps > 1:
+            write(
+                f"optimizer steps span generations: {cfg.micro_steps_per_step} micro-steps a step, "
+                f"{cfg.optim.gradient_accumulation_steps} an optimizer step, across steps and epoch ends "
+                "alike (TRL ends one early at an epoch's end: docs/trl.md)"
+            )
         state = state or {}
         self.skipped_steps = state.get("skipped_steps", 0)
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
