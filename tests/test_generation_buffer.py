@@ -300,3 +300,20 @@ def test_an_optimizer_step_spanning_two_generations_is_trls(
     # a row's loss: its micro-batches' summed loss per optimizer step (1.5 a step)
     assert first["loss"] == pytest.approx(sum(losses[:3]) / 1.5, rel=1e-5, abs=1e-9)
     assert second["loss"] == pytest.approx(sum(losses[3:]) / 1.5, rel=1e-5, abs=1e-9)
+
+
+def test_plan_keeps_an_optimizer_step_spanning_generations(tmp_path):
+    """`leangrpo plan` on spg 3 over accumulation 2: the old log-probs' pass (TRL's condition, 2 % 3 != 0),
+    and a search for what fits keeps 1.5 optimizer steps a generation with a smaller micro-batch."""
+    from fractions import Fraction
+
+    from leangrpo.commands import plan
+
+    grpo = {"steps_per_generation": 3, "beta": 0.0, "num_generations": 8, "max_completion_length": 2048}
+    spanning = _config(tmp_path, grpo=grpo, optim={"per_device_train_batch_size": 8, "max_steps": 2})
+    k = plan.knobs_from_config(validate_config(spanning))
+    shape = plan.resolve_shape("Qwen/Qwen2.5-0.5B")
+    assert k.updates_per_generation == Fraction(3, 2) and "reference" in plan.estimate(shape, k).phases
+    fit = plan.search_fit(shape, k, 6 * 2**30, 0.1).knobs
+    assert fit is not None and fit.per_device_train_batch_size < 8
+    assert fit.updates_per_generation == Fraction(3, 2) and fit.generation_batch == k.generation_batch
