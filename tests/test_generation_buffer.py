@@ -317,3 +317,17 @@ def test_plan_keeps_an_optimizer_step_spanning_generations(tmp_path):
     fit = plan.search_fit(shape, k, 6 * 2**30, 0.1).knobs
     assert fit is not None and fit.per_device_train_batch_size < 8
     assert fit.updates_per_generation == Fraction(3, 2) and fit.generation_batch == k.generation_batch
+
+
+def test_fsdp_refuses_a_pending_gradient_in_one_line(tmp_path):
+    """Under FSDP a checkpoint could not keep a pending gradient (the shards' no-sync accumulation is
+    FSDP's own): refused in one line before anything loads."""
+    from leangrpo.train.preflight import World, preflight
+
+    spanning = {"grpo": {"steps_per_generation": 3}, "optim": {"max_steps": 2}}
+    cfg = validate_config(_config(tmp_path, **spanning))
+    preflight(cfg, World(2, "cpu", sharded=False))
+    with pytest.raises(UserError) as e:
+        preflight(cfg, World(2, "cpu", sharded=True))
+    assert len(str(e.value).splitlines()) == 1
+    assert "an optimizer step spans two generations, whose pending gradient" in str(e.value)
