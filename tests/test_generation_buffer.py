@@ -331,3 +331,16 @@ def test_fsdp_refuses_a_pending_gradient_in_one_line(tmp_path):
         preflight(cfg, World(2, "cpu", sharded=True))
     assert len(str(e.value).splitlines()) == 1
     assert "an optimizer step spans two generations, whose pending gradient" in str(e.value)
+
+
+def test_a_resumed_grpo_trainer_reads_rows_of_optimizer_steps_only(tmp_path):
+    """spg 2 over accumulation 3: step 1 ends no optimizer step, so its metrics row is no log_history row
+    (as the run itself logged none, TRL logging per optimizer step), and the others sit at global_step."""
+    from leangrpo.commands.trl_api import _logged_rows
+
+    fewer = {"grpo": {"steps_per_generation": 2}, "optim": {"gradient_accumulation_steps": 3, "max_steps": 3}}
+    cfg = validate_config(_config(tmp_path, **fewer))
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in (1, 2, 3))
+    )
+    assert [r["step"] for r in _logged_rows(tmp_path, cfg.optimizer_steps)] == [1, 2]

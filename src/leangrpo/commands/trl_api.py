@@ -639,7 +639,7 @@ def _eval_rows(
 
 def _logged_rows(run_dir: Path, global_step: Callable[[int], int]) -> list[dict[str, Any]]:
     """The training rows a run logged in its metrics.jsonl, as log_history rows (`global_step`: the
-    optimizer steps after a step)."""
+    optimizer steps after a step); a step that ended no optimizer step had none (`Events.step_end`)."""
     from leangrpo.run.rundir import read_jsonl, with_trl_names
 
     path = run_dir / "metrics.jsonl"
@@ -647,7 +647,9 @@ def _logged_rows(run_dir: Path, global_step: Callable[[int], int]) -> list[dict[
     return [
         {**{k: v for k, v in with_trl_names(row).items() if v is not None}, "step": global_step(row["step"])}
         for row in rows
-        if isinstance(row.get("step"), int) and not any(key.startswith("eval/") for key in row)
+        if isinstance(row.get("step"), int)
+        and not any(key.startswith("eval/") for key in row)
+        and global_step(row["step"]) > global_step(row["step"] - 1)
     ]
 
 
