@@ -23,7 +23,8 @@ ARGS = dict(
 
 
 def run(lib: ModuleType, model: str, out: Path, **changes: Any) -> dict[str, Any]:
-    """Train as configured (`changes` to ARGS); returns what the schedule decided."""
+    """Train as configured (`changes` to ARGS; `rows`: on the first that many of ROWS); returns what the
+    schedule decided."""
     from datasets import Dataset
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -38,9 +39,10 @@ def run(lib: ModuleType, model: str, out: Path, **changes: Any) -> dict[str, Any
         lambda optimizer, args, kwargs: lrs.append(optimizer.param_groups[0]["lr"])
     )
     extra = {"use_cpu": True} if lib.__name__ == "trl" else {}
+    rows = ROWS[: changes.pop("rows", len(ROWS))]
     args = lib.GRPOConfig(output_dir=str(out), **{**ARGS, **changes}, **extra)
     try:
-        trainer = lib.GRPOTrainer(model, short, args, Dataset.from_list(ROWS))
+        trainer = lib.GRPOTrainer(model, short, args, Dataset.from_list(rows))
         trainer.train()
     finally:
         hook.remove()

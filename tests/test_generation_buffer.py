@@ -49,13 +49,29 @@ def test_yaml_key_sets_the_generation_and_its_optimizer_steps(tmp_path):
     )
 
 
-def test_a_step_whose_optimizer_steps_outlast_its_generation_is_one_line(tmp_path):
+def test_an_optimizer_step_may_span_two_generations(tmp_path):
+    """spg 3 × num_iterations 1 over accumulation 2 (TRL runs it): 1.5 optimizer steps a step, the run ending
+    on a whole one (max_steps even; an epoch count's steps rounded up to it), said in one line otherwise."""
+    spanning = {
+        "grpo": {"steps_per_generation": 3},
+        "optim": {"gradient_accumulation_steps": 2, "max_steps": 2},
+    }
+    cfg = validate_config(_config(tmp_path, **spanning))
+    assert (cfg.generation_batch_size, cfg.updates_per_step, cfg.whole_steps) == (12, 1.5, 2)
+    assert [cfg.optimizer_steps(s) for s in range(5)] == [0, 1, 3, 4, 6]
+    fewer = {"grpo": {"steps_per_generation": 2}, "optim": {"gradient_accumulation_steps": 3, "max_steps": 3}}
+    fewer = validate_config(_config(tmp_path, **fewer))
+    assert [fewer.optimizer_steps(s) for s in range(4)] == [0, 0, 1, 2]  # step 1 ends none
     with pytest.raises(ConfigError) as e:
-        validate_config(
-            _config(tmp_path, grpo={"steps_per_generation": 3}, optim={"gradient_accumulation_steps": 2})
-        )
+        validate_config(_config(tmp_path, grpo=spanning["grpo"], optim={**spanning["optim"], "max_steps": 3}))
     assert len(str(e.value).splitlines()) == 1
-    assert "grpo.steps_per_generation=3 × grpo.num_iterations=1 must be a multiple of" in str(e.value)
+    assert "optim.max_steps=3 must be a multiple of 2" in str(e.value)
+    by_epochs = _config(tmp_path, grpo=spanning["grpo"], optim={"num_train_epochs": 1.0})
+    del by_epochs["optim"]["max_steps"]
+    epochs = validate_config(by_epochs)
+    from leangrpo.run.resolve import resolve_steps
+
+    assert resolve_steps(epochs, 9, 1).optim.max_steps == 4  # 3 steps of 3 prompts, rounded up to 4
 
 
 def _flat(**fields) -> dict:
@@ -94,12 +110,22 @@ def test_flat_trl_config_and_grpo_config_take_trls_names(tmp_path, given):
         assert (cfg.steps_per_generation, cfg.optim.max_steps, cfg.updates_per_step) == (4, 2, 2)
 
 
+def test_flat_trl_config_takes_an_optimizer_step_spanning_generations():
+    """TRL's max_steps 3 over spg 3 and accumulation 2: 6 micro-steps, 2 generations."""
+    nested = _flat(max_steps=3, steps_per_generation=3)
+    assert (nested["grpo"]["steps_per_generation"], nested["optim"]["max_steps"]) == (3, 2)
+    assert (
+        _flat(max_steps=4, steps_per_generation=2, gradient_accumulation_steps=3)["optim"]["max_steps"] == 6
+    )
+
+
 @pytest.mark.parametrize(
     ("given", "message"),
     [
         ({"steps_per_generation": 2, "generation_batch_size": 16}, ".*disagree \\(it implies 4\\): set one"),
         ({"generation_batch_size": 18}, "generation_batch_size=18: must be a multiple of .* = 4"),
         ({"steps_per_generation": 4, "max_steps": 3}, "max_steps=3: .*must be a multiple of 2"),
+        ({"steps_per_generation": 3, "max_steps": 2}, "max_steps=2: .*must be a multiple of 3"),
     ],
 )
 def test_flat_trl_config_refuses_what_trl_refuses_in_one_line(given, message):
@@ -109,20 +135,31 @@ def test_flat_trl_config_refuses_what_trl_refuses_in_one_line(given, message):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("iterations", [1, 2])
-def test_optimizer_steps_and_learning_rates_are_trls(tmp_path, tiny_model_dir, iterations):
-    """The same GRPOConfig (steps_per_generation 4 over gradient_accumulation_steps 2, a linear schedule
-    with warm-up, 2 generations: 4 optimizer steps, 8 with num_iterations 2) under TRL 1.16 and leangrpo:
-    the same optimizer steps with the same learning rates, the same generations (2 of 16 completions),
-    global_step, and the logged learning rate and epoch at each generation's last optimizer step
-    (leangrpo logs one row a generation: docs/trl.md)."""
+@pytest.mark.parametrize(
+    ("changes", "generations"),
+    [
+        ({"num_iterations": 1, "max_steps": 4}, [16, 16]),
+        ({"num_iterations": 2, "max_steps": 8}, [16, 16]),
+        # an optimizer step spanning two generations: the 2nd of 3 slices + 2 accumulated
+        ({"steps_per_generation": 3, "max_steps": 3}, [12, 12]),
+        # 2 slices, 3 accumulated: the 1st generation ends no optimizer step; 6 rows, so that TRL's epoch
+        # (3 generations) ends on an optimizer step (docs/trl.md, "optimizer steps across generations")
+        ({"steps_per_generation": 2, "gradient_accumulation_steps": 3, "max_steps": 4, "rows": 6}, [8] * 6),
+    ],
+    ids=["iterations1", "iterations2", "spg3_accumulation2", "spg2_accumulation3"],
+)
+def test_optimizer_steps_and_learning_rates_are_trls(tmp_path, tiny_model_dir, changes, generations):
+    """The same GRPOConfig (steps_per_generation over gradient_accumulation_steps, a linear schedule with
+    warm-up) under TRL 1.16 and leangrpo: the same optimizer steps with the same learning rates, the same
+    generations, global_step, and the logged learning rate and epoch after each step that ends an
+    optimizer step, at its global_step (leangrpo logs one row a generation: docs/trl.md); TRL runs an
+    optimizer step over two generations when accumulation does not divide their micro-steps, and so does
+    leangrpo."""
     pytest.importorskip("trl")
     import generation_buffer_run
 
     import leangrpo
 
-    updates = 2 * iterations  # a generation's optimizer steps
-    changes = {"num_iterations": iterations, "max_steps": 2 * updates}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)])}
     command = [sys.executable, str(TESTS / "generation_buffer_run.py"), "trl", str(tiny_model_dir)]
     command += [str(tmp_path / "trl"), json.dumps(changes)]
@@ -131,15 +168,16 @@ def test_optimizer_steps_and_learning_rates_are_trls(tmp_path, tiny_model_dir, i
         _, stderr = trl.communicate(timeout=600)
     assert trl.returncode == 0, stderr[-3000:]
     theirs = json.loads((tmp_path / "trl" / "record.json").read_text())
-    assert len(theirs["optimizer_lrs"]) == 2 * updates and theirs["scored"] == [16, 16]
+    max_steps = changes["max_steps"]
+    assert len(theirs["optimizer_lrs"]) == max_steps and theirs["scored"] == generations
     assert len(set(theirs["optimizer_lrs"])) > 2  # the schedule moves
     assert ours["optimizer_lrs"] == pytest.approx(theirs["optimizer_lrs"], rel=1e-12)
-    assert ours["scored"] == theirs["scored"] and ours["global_step"] == theirs["global_step"] == 2 * updates
+    assert ours["scored"] == theirs["scored"] and ours["global_step"] == theirs["global_step"] == max_steps
+    steps = len(generations)  # each step's global_step, TRL logging each optimizer step (logging_steps 1)
+    ends = sorted({max_steps * s // steps for s in range(1, steps + 1)} - {0})
     for key in ("logged_lrs", "epochs"):
         logged = {int(k): v for k, v in theirs[key].items()}
-        assert ours[key] == pytest.approx(
-            {updates: logged[updates], 2 * updates: logged[2 * updates]}, rel=1e-12
-        )
+        assert ours[key] == pytest.approx({e: logged[e] for e in ends}, rel=1e-12)
 
 
 def test_later_slices_use_the_old_log_probs_once_the_policy_moved(
@@ -204,3 +242,105 @@ def test_plan_counts_the_whole_generation(tmp_path):
     assert "reference" not in plan.estimate(shape, one_update).phases
     kv = plan.estimate(shape, k).components["KV cache"]
     assert kv == 2 * plan.estimate(shape, one_update).components["KV cache"]
+
+
+def test_an_optimizer_step_spanning_two_generations_is_trls(
+    tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch, capsys
+):
+    """spg 3 over accumulation 2, two steps: step 1's third micro-batch leaves its gradient pending, which
+    step 2's first completes (3 optimizer steps in all, as TRL's). Each micro-batch's loss is TRL's
+    `_compute_loss` on the same inputs, dapo's normaliser its own generation's tokens × 2 / 3; the old
+    log-probs are taken before each generation's first update (TRL: 2 % 3 != 0), so the third micro-batch
+    of step 1 sees the moved policy and step 2's first the policy it generated with. That windows run on
+    over epoch ends (TRL cuts them there) is said at start-up (docs/trl.md)."""
+    import leangrpo.core.grpo as grpo_mod
+    from leangrpo.train.trainer import Trainer
+
+    calls = []
+    real_loss = grpo_mod.grpo_loss
+
+    def spy_loss(logp, old, ref, adv, mask, **kwargs):
+        calls.append([t.detach().clone() for t in (logp, old, adv, mask, kwargs["entropy"])])
+        return real_loss(logp, old, ref, adv, mask, **kwargs)
+
+    monkeypatch.setattr(grpo_mod, "grpo_loss", spy_loss)
+    eps, max_len = 0.2, 8
+    cfg = validate_config(_config(
+        tmp_path, str(tiny_model_dir), str(gsm8k_dir / "train.jsonl"),
+        data={"limit": 8}, rewards={"functions": [{"name": "toy_rewards:vowel_share"}]},
+        grpo={"max_completion_length": max_len, "beta": 0.0, "epsilon": eps, "loss_type": "dapo",
+              "packed_generation": False, "steps_per_generation": 3},
+        optim={"learning_rate": 3e-2, "max_steps": 2},
+    ))  # fmt: skip
+    trainer = Trainer(cfg)
+    said = (
+        "optimizer steps span generations: 3 micro-steps a step, 2 an optimizer step, across steps and epoch "
+    )
+    assert said + "ends alike (TRL ends one early at an epoch's end: docs/trl.md)" in capsys.readouterr().out
+    stepped = []
+    trainer.optimizer.register_step_post_hook(lambda *a: stepped.append(len(calls)))
+    first = trainer.step(1)
+    assert stepped == [2] and trainer.updater.carry.micro_steps == 1  # the 3rd micro-batch's gradient waits
+    assert any(p.grad is not None for p in trainer.policy.parameters())
+    second = trainer.step(2)
+    assert stepped == [2, 4, 6] and trainer.updater.carry.micro_steps == 0
+
+    assert len(calls) == 6  # 3 slices a step
+    moved = [float(((logp - old).abs() * mask).max()) for logp, old, _, mask, _ in calls]
+    assert max(moved[:2] + moved[3:4]) < 1e-5 and moved[2] > 1e-3  # old: taken before each generation
+    losses = []
+    for i, (logp, old, adv, mask, entropy) in enumerate(calls):
+        generation_tokens = sum(float(c[3].sum()) for c in calls[3 * (i // 3) : 3 * (i // 3) + 3])
+        loss, _ = trl_loss(
+            logp, old, None, adv, mask, loss_type="dapo", bias_correction_kl=False, accumulation_steps=2,
+            num_items=generation_tokens * 2 / 3, max_len=max_len, eps=eps, eps_high=eps, beta=0.0,
+            entropy=entropy,
+        )  # fmt: skip
+        losses.append(loss.item())
+    # a row's loss: its micro-batches' summed loss per optimizer step (1.5 a step)
+    assert first["loss"] == pytest.approx(sum(losses[:3]) / 1.5, rel=1e-5, abs=1e-9)
+    assert second["loss"] == pytest.approx(sum(losses[3:]) / 1.5, rel=1e-5, abs=1e-9)
+
+
+def test_plan_keeps_an_optimizer_step_spanning_generations(tmp_path):
+    """`leangrpo plan` on spg 3 over accumulation 2: the old log-probs' pass (TRL's condition, 2 % 3 != 0),
+    and a search for what fits keeps 1.5 optimizer steps a generation with a smaller micro-batch."""
+    from fractions import Fraction
+
+    from leangrpo.commands import plan
+
+    grpo = {"steps_per_generation": 3, "beta": 0.0, "num_generations": 8, "max_completion_length": 2048}
+    spanning = _config(tmp_path, grpo=grpo, optim={"per_device_train_batch_size": 8, "max_steps": 2})
+    k = plan.knobs_from_config(validate_config(spanning))
+    shape = plan.resolve_shape("Qwen/Qwen2.5-0.5B")
+    assert k.updates_per_generation == Fraction(3, 2) and "reference" in plan.estimate(shape, k).phases
+    fit = plan.search_fit(shape, k, 6 * 2**30, 0.1).knobs
+    assert fit is not None and fit.per_device_train_batch_size < 8
+    assert fit.updates_per_generation == Fraction(3, 2) and fit.generation_batch == k.generation_batch
+
+
+def test_fsdp_refuses_a_pending_gradient_in_one_line(tmp_path):
+    """Under FSDP a checkpoint could not keep a pending gradient (the shards' no-sync accumulation is
+    FSDP's own): refused in one line before anything loads."""
+    from leangrpo.train.preflight import World, preflight
+
+    spanning = {"grpo": {"steps_per_generation": 3}, "optim": {"max_steps": 2}}
+    cfg = validate_config(_config(tmp_path, **spanning))
+    preflight(cfg, World(2, "cpu", sharded=False))
+    with pytest.raises(UserError) as e:
+        preflight(cfg, World(2, "cpu", sharded=True))
+    assert len(str(e.value).splitlines()) == 1
+    assert "an optimizer step spans two generations, whose pending gradient" in str(e.value)
+
+
+def test_a_resumed_grpo_trainer_reads_rows_of_optimizer_steps_only(tmp_path):
+    """spg 2 over accumulation 3: step 1 ends no optimizer step, so its metrics row is no log_history row
+    (as the run itself logged none, TRL logging per optimizer step), and the others sit at global_step."""
+    from leangrpo.commands.trl_api import _logged_rows
+
+    fewer = {"grpo": {"steps_per_generation": 2}, "optim": {"gradient_accumulation_steps": 3, "max_steps": 3}}
+    cfg = validate_config(_config(tmp_path, **fewer))
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in (1, 2, 3))
+    )
+    assert [r["step"] for r in _logged_rows(tmp_path, cfg.optimizer_steps)] == [1, 2]

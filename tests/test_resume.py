@@ -102,6 +102,17 @@ def prompts_seen(tmp_path: Path, name: str) -> list[str]:
             "grpo": {"beta": 0.04, "steps_per_generation": 4},
             "optim": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
         },
+        # an optimizer step spanning generations (3 slices, 4 accumulated): checkpoint-2 falls inside one,
+        # and keeps its pending gradient and entropy window
+        {
+            "grpo": {
+                "steps_per_generation": 3,
+                "use_adaptive_entropy": True,
+                "entropy_coef": 0.01,
+                "entropy_target": 100.0,
+            },
+            "optim": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, "max_steps": 4},
+        },  # fmt: skip
     ],
     ids=[
         "full",
@@ -110,6 +121,7 @@ def prompts_seen(tmp_path: Path, name: str) -> list[str]:
         "in_order_adaptive_entropy",
         "sync_ref_model",
         "generation_buffer",
+        "spanning_optimizer_step",
     ],
 )
 def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch,
@@ -148,7 +160,8 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, tiny_model_d
         torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=1e-6)
 
     rows = {n: read_metrics(tmp_path / n) for n in runs}
-    assert [r["step"] for r in rows["resumed"]] == [1, 2, 3]  # appended, nothing duplicated
+    steps = runs["straight"].optim.max_steps
+    assert [r["step"] for r in rows["resumed"]] == list(range(1, steps + 1))  # appended, nothing duplicated
     for a, b in zip(rows["straight"], rows["resumed"], strict=True):
         assert {k: v for k, v in a.items() if not _timing(k)} == pytest.approx(
             {k: v for k, v in b.items() if not _timing(k)}, abs=1e-6

@@ -306,7 +306,7 @@ def test_flat_trl_yaml_is_ported_field_by_field(tmp_path):
             "optim='sgd': .*\n.*optim_args='beta1': ",
         ),
         ({"max_steps": 41}, "max_steps=41: .*must be a multiple of 2"),
-        ({"steps_per_generation": 3}, "max_steps=40: .*3 of them per generation batch.*multiple of 3"),
+        ({"steps_per_generation": 3}, "max_steps=40: .*generations of .* = 6 micro-steps.*multiple of 3"),
         ({"generation_batch_size": 60}, "generation_batch_size=60: .*= 8"),
         ({"optim": "adafactor"}, "optim='adafactor'"),
     ],

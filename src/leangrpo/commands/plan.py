@@ -18,6 +18,7 @@ import math
 import os
 import re
 from dataclasses import MISSING, dataclass, field, fields, replace
+from fractions import Fraction
 from functools import reduce
 from pathlib import Path
 from typing import Any, Literal
@@ -469,9 +470,10 @@ class Knobs:
         return self.steps_per_generation or self.gradient_accumulation_steps
 
     @property
-    def updates_per_generation(self) -> int:
-        """Optimizer steps one generation makes (TRL's generation buffer; whole in a valid config)."""
-        return self.slices * self.num_iterations // self.gradient_accumulation_steps
+    def updates_per_generation(self) -> Fraction:
+        """Optimizer steps one generation makes (TRL's generation buffer): a fraction when an optimizer
+        step spans two generations."""
+        return Fraction(self.slices * self.num_iterations, self.gradient_accumulation_steps)
 
     @property
     def e(self) -> int:
@@ -971,10 +973,8 @@ def estimate(shape: ModelShape, k: Knobs) -> Estimate:
         if n > 1:  # the engine's sync gathers one shard group at a time
             components["FSDP sync gather"] = sync_gather_bytes(shape, k)
             phases["sync"] = r.persistent + components["FSDP sync gather"]
-    moves = (
-        k.num_iterations * k.generation_batch > k.per_device_train_batch_size * k.gradient_accumulation_steps
-    )
-    if k.beta > 0 or moves:  # reference / old log-probs (the policy moves within the step)
+    moves = k.gradient_accumulation_steps % (k.slices * k.num_iterations) != 0  # TRL's condition
+    if k.beta > 0 or moves:  # reference / old log-probs (an optimizer step ends within a generation's use)
         phases["reference"] = reference_peak(shape, k, r, rows)
     if k.async_rollouts and k.rollout == "hf":  # the snapshot's copy, and its generation during the rest
         snapshot = components["rollout snapshot"] = r.weights if k.method == "full" else r.adapters

@@ -352,9 +352,11 @@ class GRPOTrainer:
 
     def _epoch(self, global_step: int) -> float:
         """Epochs done after `global_step` optimizer steps: each prompt seen once by its num_generations
-        completions and their num_iterations updates, as TRL's repeat sampler counts them."""
+        completions and their num_iterations updates, as TRL's repeat sampler counts them: whole generation
+        batches of prompts only (the rows left over from the last do not count)."""
         rows = self._extras.train_rows
-        per_epoch = len(rows) if isinstance(rows, list) else 0
+        batch = self.cfg.prompts_per_step * self.accelerator.num_processes
+        per_epoch = len(rows) // batch * batch if isinstance(rows, list) else 0
         per_epoch *= self.cfg.grpo.num_generations * self.cfg.grpo.num_iterations
         return global_step * self._total_batch() / per_epoch if per_epoch else 0.0
 
@@ -381,11 +383,11 @@ class GRPOTrainer:
             run_dir = path.parent if path.name.startswith("checkpoint-") else path
             cfg = cfg.model_copy(update={"output_dir": str(run_dir)})
         resume = bool(resume_from_checkpoint)
-        earlier = _logged_rows(Path(cfg.output_dir), cfg.updates_per_step) if resume else None
+        earlier = _logged_rows(Path(cfg.output_dir), cfg.optimizer_steps) if resume else None
         start = time.time()
         trainer = Trainer(cfg, overwrite=not resume, resume=resume, agent=self._agent, extras=self._extras)
         self._run = trainer
-        first = trainer.start_step * cfg.updates_per_step
+        first = cfg.optimizer_steps(trainer.start_step)
         self.state.is_world_process_zero = trainer.is_main
         self._events.train_begin(first, earlier, Path(cfg.output_dir))
         self._final = run(trainer)  # the CLI's run and teardown
@@ -635,16 +637,19 @@ def _eval_rows(
     return _rows(eval_dataset, "eval_dataset", problems)
 
 
-def _logged_rows(run_dir: Path, iterations: int) -> list[dict[str, Any]]:
-    """The training rows a run logged in its metrics.jsonl, as log_history rows (optimizer steps)."""
+def _logged_rows(run_dir: Path, global_step: Callable[[int], int]) -> list[dict[str, Any]]:
+    """The training rows a run logged in its metrics.jsonl, as log_history rows (`global_step`: the
+    optimizer steps after a step); a step that ended no optimizer step had none (`Events.step_end`)."""
     from leangrpo.run.rundir import read_jsonl, with_trl_names
 
     path = run_dir / "metrics.jsonl"
     rows = read_jsonl(path).rows if path.is_file() else []
     return [
-        {**{k: v for k, v in with_trl_names(row).items() if v is not None}, "step": row["step"] * iterations}
+        {**{k: v for k, v in with_trl_names(row).items() if v is not None}, "step": global_step(row["step"])}
         for row in rows
-        if isinstance(row.get("step"), int) and not any(key.startswith("eval/") for key in row)
+        if isinstance(row.get("step"), int)
+        and not any(key.startswith("eval/") for key in row)
+        and global_step(row["step"]) > global_step(row["step"] - 1)
     ]
 
 

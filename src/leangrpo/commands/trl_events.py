@@ -72,7 +72,7 @@ class Events:
     ) -> None:
         self.args, self.cfg, self.epoch_of, self.evaluate = args, cfg, epoch_of, evaluate
         self.callbacks: list[Any] = []
-        self.state = TrainerState(max_steps=cfg.optim.max_steps * cfg.updates_per_step)
+        self.state = TrainerState(max_steps=cfg.optimizer_steps(cfg.optim.max_steps))
         self.control = TrainerControl()
         self._after: int | None = None  # the step whose on_save/on_epoch_end are still to fire
         self._new_epoch = True  # the next step starts an epoch (on_epoch_begin)
@@ -113,7 +113,9 @@ class Events:
         """Before `step`: the last step's pending events, on_epoch_begin at an epoch's start, then
         on_step_begin."""
         self._flush()
-        self.state.global_step = (step - 1) * self.cfg.updates_per_step
+        self.state.global_step = self.cfg.optimizer_steps(step - 1)
+        if not self._updates(step):
+            return
         if self._new_epoch:
             self._new_epoch = False
             self.call("on_epoch_begin")
@@ -122,12 +124,16 @@ class Events:
     def step_end(self, step: int, metrics: dict[str, Any], logged: bool) -> StepAsk:
         """After `step`: the state a TRL callback expects, the events after the update, on_step_end, then
         as the control says its log row and on_log (`logging_steps`), its evaluation (`eval_strategy`,
-        `eval_steps`) and its checkpoint; returns what the control asks of the run."""
+        `eval_steps`) and its checkpoint; returns what the control asks of the run. A step that ends no
+        optimizer step (its micro-steps wait for the next step's: `Config.optimizer_steps`) fires none, as
+        TRL fires them per optimizer step."""
+        if not self._updates(step):
+            return StepAsk(0)
         for _ in range(self.cfg.optim.gradient_accumulation_steps - 1):
             self.call("on_substep_end")
         self.call("on_pre_optimizer_step")
         self.call("on_optimizer_step")
-        self.state.global_step = step * self.cfg.updates_per_step
+        self.state.global_step = self.cfg.optimizer_steps(step)
         self.state.epoch = self.epoch_of(self.state.global_step)
         if isinstance(loss := metrics.get("loss"), int | float):
             self._losses.append(float(loss))
@@ -136,7 +142,7 @@ class Events:
             self._earlier = None
         control = self.control
         control.should_log, control.should_save = logged, False
-        control.should_evaluate = self._strategy() == "steps" and self._crossed(self._eval_every())
+        control.should_evaluate = self._strategy() == "steps" and self._crossed(self._eval_every(), step)
         self.call("on_step_end")
         if self.control.should_log:
             self.log({k: v for k, v in metrics.items() if k != "step"})
@@ -171,12 +177,17 @@ class Events:
         if (self._run_dir / f"checkpoint-{step}").is_dir():
             self.call("on_save")
         now = self.state.global_step
-        ended = math.floor(self.epoch_of(now)) > math.floor(self.epoch_of(now - self.cfg.updates_per_step))
+        before = self.cfg.optimizer_steps(step - 1)
+        ended = math.floor(self.epoch_of(now)) > math.floor(self.epoch_of(before))
         if ended or last:
             self._new_epoch = True
             self.call("on_epoch_end")
             if self._strategy() == "epoch" and self.evaluate is not None:
                 self.evaluate()
+
+    def _updates(self, step: int) -> bool:
+        """Whether an optimizer step ends in `step`."""
+        return self.cfg.optimizer_steps(step) > self.cfg.optimizer_steps(step - 1)
 
     def _strategy(self) -> str:
         """args.eval_strategy as a string (an IntervalStrategy's value)."""
@@ -189,10 +200,10 @@ class Events:
         every = getattr(self.args, "eval_steps", None) or getattr(self.args, "logging_steps", None) or 10
         return step_interval(float(every), self.state.max_steps)
 
-    def _crossed(self, every: int) -> bool:
-        """Whether the last step's optimizer steps (updates_per_step) reached a multiple of `every`."""
-        now = self.state.global_step
-        return bool(every) and now // every > (now - self.cfg.updates_per_step) // every
+    def _crossed(self, every: int, step: int) -> bool:
+        """Whether `step`'s optimizer steps reached a multiple of `every`."""
+        now, before = self.state.global_step, self.cfg.optimizer_steps(step - 1)
+        return bool(every) and now // every > before // every
 
 
 def _overrides(callback: Any, event: str) -> bool:

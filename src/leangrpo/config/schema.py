@@ -707,7 +707,8 @@ class OptimConfig(Section):
         100,
         ge=1,
         description="training steps, each one generation batch and its optimizer steps: grpo.num_iterations "
-        "× grpo.steps_per_generation / gradient_accumulation_steps of them (TRL's max_steps = this × that)",
+        "× grpo.steps_per_generation / gradient_accumulation_steps of them (TRL's max_steps = this × that; "
+        "not whole, an optimizer step spans two generations, and the run must end on a whole one)",
     )
     num_train_epochs: float | None = Field(
         None,
@@ -952,13 +953,14 @@ class Config(Section):
                 f"grpo.num_generations={self.grpo.num_generations} must divide the generation batch "
                 f"(optim.per_device_train_batch_size × grpo.steps_per_generation = {gen_batch})"
             )
-        accumulation = self.optim.gradient_accumulation_steps
-        if self.steps_per_generation * self.grpo.num_iterations % accumulation:
+        whole = self.whole_steps
+        runs = self.optim.num_train_epochs is None or "max_steps" in self.optim.model_fields_set
+        if runs and self.optim.max_steps % whole:  # an epoch count's steps are rounded up to it
             raise ValueError(
-                f"grpo.steps_per_generation={self.steps_per_generation} × grpo.num_iterations="
-                f"{self.grpo.num_iterations} must be a multiple of optim.gradient_accumulation_steps="
-                f"{accumulation}: a step's optimizer steps end with its generation (TRL would carry one "
-                "into the next generation)"
+                f"optim.max_steps={self.optim.max_steps} must be a multiple of {whole}: each step takes "
+                f"grpo.steps_per_generation × grpo.num_iterations = {self.micro_steps_per_step} micro-steps, "
+                f"optim.gradient_accumulation_steps={self.optim.gradient_accumulation_steps} an optimizer "
+                "step, and the run ends on a whole optimizer step"
             )
         if self.grpo.epsilon_high is not None and self.grpo.epsilon_high < self.grpo.epsilon:
             raise ValueError(
@@ -1016,11 +1018,26 @@ class Config(Section):
         return self.optim.per_device_train_batch_size * self.steps_per_generation
 
     @property
-    def updates_per_step(self) -> int:
-        """Optimizer steps a step makes: its num_iterations passes over the generation's slices, in
-        windows of gradient_accumulation_steps micro-steps (TRL counts these in max_steps)."""
-        micro_steps = self.steps_per_generation * self.grpo.num_iterations
-        return micro_steps // self.optim.gradient_accumulation_steps
+    def micro_steps_per_step(self) -> int:
+        """Micro-steps a step trains: num_iterations passes over the generation's slices."""
+        return self.steps_per_generation * self.grpo.num_iterations
+
+    @property
+    def whole_steps(self) -> int:
+        """The fewest steps whose micro-steps make whole optimizer steps (1 unless one spans generations)."""
+        accumulation = self.optim.gradient_accumulation_steps
+        return accumulation // math.gcd(accumulation, self.micro_steps_per_step)
+
+    @property
+    def updates_per_step(self) -> float:
+        """Optimizer steps a step makes on average: not whole when gradient_accumulation_steps does not
+        divide its micro-steps, an optimizer step then taking micro-steps of two generations (as TRL)."""
+        return self.micro_steps_per_step / self.optim.gradient_accumulation_steps
+
+    def optimizer_steps(self, steps: int) -> int:
+        """The optimizer steps done after `steps` steps (TRL's global_step): one every
+        gradient_accumulation_steps micro-steps."""
+        return steps * self.micro_steps_per_step // self.optim.gradient_accumulation_steps
 
     @property
     def prompts_per_step(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from typing import Any, Literal
 
@@ -73,8 +74,8 @@ _TRANSLATED = {
     "log_completions": "`true`: logging.log_completions_steps = logging_steps (completions.jsonl); `false` "
     "(TRL's default): 0, none logged",
     "reward_weights": "rewards.functions[].weight",
-    "max_steps": "optim.max_steps = max_steps / (num_iterations × steps_per_generation / "
-    "gradient_accumulation_steps) (TRL counts optimizer steps)",
+    "max_steps": "optim.max_steps = max_steps × gradient_accumulation_steps / (num_iterations × "
+    "steps_per_generation) (TRL counts optimizer steps; leangrpo, generations)",
     "num_train_epochs": "optim.num_train_epochs (a positive max_steps wins, as in TRL)",
     "steps_per_generation": "grpo.steps_per_generation (TRL's generation buffer; default "
     "gradient_accumulation_steps)",
@@ -498,7 +499,7 @@ def _translate_rewards(
 
 def _translate_steps(flat: dict[str, Any], put: Any, refused: list[str]) -> None:
     """TRL's optimizer-step count and generation batch as leangrpo steps (one generation batch each, then
-    its num_iterations × steps_per_generation / gradient_accumulation_steps optimizer steps)."""
+    its num_iterations × steps_per_generation micro-steps, gradient_accumulation_steps an optimizer step)."""
     iterations = int(flat.get("num_iterations", 1))
     per_device = int(flat.get("per_device_train_batch_size", 8))
     accumulation = int(flat.get("gradient_accumulation_steps", 1))
@@ -522,17 +523,17 @@ def _translate_steps(flat: dict[str, Any], put: Any, refused: list[str]) -> None
     if steps_per_generation is not None and int(steps_per_generation) != accumulation:  # else the default
         put("grpo.steps_per_generation", int(steps_per_generation))
     micro_steps = iterations * int(steps_per_generation or accumulation)
-    updates = max(micro_steps // accumulation, 1)  # not whole: the config refuses it in one line
+    whole = micro_steps // math.gcd(micro_steps, accumulation)  # optimizer steps of whole generations
     max_steps = flat.pop("max_steps", None)
     if max_steps is not None and int(max_steps) > 0:
         flat.pop("num_train_epochs", None)  # TRL: a positive max_steps wins over epochs
-        if int(max_steps) % updates:
+        if int(max_steps) % whole:
             refused.append(
-                f"max_steps={max_steps}: TRL counts optimizer steps; leangrpo makes {updates} of them per "
-                "generation batch (num_iterations × steps_per_generation / gradient_accumulation_steps), so "
-                f"it must be a multiple of {updates}"
+                f"max_steps={max_steps}: TRL counts optimizer steps of gradient_accumulation_steps "
+                f"micro-steps; leangrpo trains whole generations of num_iterations × steps_per_generation = "
+                f"{micro_steps} micro-steps, so it must be a multiple of {whole}"
             )
         else:
-            put("optim.max_steps", int(max_steps) // updates)
+            put("optim.max_steps", int(max_steps) * accumulation // micro_steps)
     elif "num_train_epochs" not in flat:
         put("optim.num_train_epochs", 3.0)  # TRL's default length

@@ -200,11 +200,12 @@ def _scored_by(tools: ToolsConfig) -> bool:
 def resolve_steps(cfg: Config, num_rows: int, num_processes: int) -> Config:
     """`cfg` with `optim.max_steps` worked out from `optim.num_train_epochs` (when it is set and
     max_steps is not): enough steps for every process together to draw each of `num_rows` rows that
-    many times."""
+    many times, rounded up to end on a whole optimizer step (one may span generations)."""
     optim = cfg.optim
     if not optim.num_train_epochs or "max_steps" in optim.model_fields_set:
         return cfg
     steps = math.ceil(optim.num_train_epochs * num_rows / (cfg.prompts_per_step * num_processes))
+    steps = math.ceil(steps / cfg.whole_steps) * cfg.whole_steps  # the run ends on a whole optimizer step
     return cfg.model_copy(update={"optim": optim.model_copy(update={"max_steps": steps})})
 
 

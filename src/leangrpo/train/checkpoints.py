@@ -48,6 +48,7 @@ def check_steps_left(ckpt: Path, max_steps: int, run_dir: Path, write: Callable[
 
 
 REFERENCE_FILE = "reference.pt"
+PENDING_GRADIENT_FILE = "pending_gradient.pt"
 
 
 class Checkpoints:
@@ -101,7 +102,8 @@ class Checkpoints:
             self.run_dir, step, model=dist.saveable(opt.policy), tokenizer=self.processing,
             optimizer_state=dist.optimizer_state(opt.policy, opt.optimizer), scheduler=opt.scheduler,
             cfg=self.cfg, state={"world_size": self.acc.num_processes, **state}, rank=self.acc.process_index,
-            barrier=self.acc.wait_for_everyone, rng=rng, extra=self._reference_file(),
+            barrier=self.acc.wait_for_everyone, rng=rng,
+            extra={**self._reference_file(), **self._pending_gradient(state)},
         )  # fmt: skip
         self.last_save = time.monotonic()
         return ckpt
@@ -123,8 +125,23 @@ class Checkpoints:
             save_config(self.cfg, self.run_dir / "config.yaml")
         if self.reference is not None:
             self.dist.load_frozen_state(self.reference, load_extra(ckpt, REFERENCE_FILE))
+        if state.get("carry", {}).get("micro_steps"):
+            grads = load_extra(ckpt, PENDING_GRADIENT_FILE)
+            for name, p in self.acc.unwrap_model(self.opt.policy).named_parameters():
+                if name in grads:
+                    p.grad = grads[name].to(p.device, p.dtype)
         set_rng_state(rank_state["rng"])  # last: nothing may draw random numbers after this
         return state
+
+    def _pending_gradient(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The gradient of an optimizer step a step left pending (`update.Carry`), so that a resume completes
+        it exactly: the same on every process (its micro-steps synchronised), on CPU. Replicated runs
+        only (`preflight` refuses a pending gradient under FSDP)."""
+        if not state.get("carry", {}).get("micro_steps"):
+            return {}
+        params = self.acc.unwrap_model(self.opt.policy).named_parameters()
+        grads = {name: p.grad.detach().cpu() for name, p in params if p.grad is not None}
+        return {PENDING_GRADIENT_FILE: grads}
 
     def _reference_file(self) -> dict[str, Any]:
         """The moving reference's weights, whole (gathered under FSDP), for the checkpoint."""

@@ -103,6 +103,13 @@ def _sharding(cfg: Config, world: World) -> None:
             "optim.optimizer=adamw_8bit cannot run under FSDP (bitsandbytes' state does not shard); "
             "use optim.optimizer=adamw, or launch without the FSDP config"
         )
+    if cfg.whole_steps > 1:
+        raise UserError(
+            f"grpo.steps_per_generation × grpo.num_iterations = {cfg.micro_steps_per_step} is not a multiple "
+            f"of optim.gradient_accumulation_steps={cfg.optim.gradient_accumulation_steps}, so an optimizer "
+            "step spans two generations, whose pending gradient a checkpoint keeps only without FSDP: make "
+            "it a multiple, or launch without the FSDP config"
+        )
 
 
 def _engine(cfg: Config, world: World) -> None:

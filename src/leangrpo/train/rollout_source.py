@@ -174,7 +174,7 @@ class RolloutSource:
         """The engine given the weights of the step just trained, before evaluating with it (async: after
         the batch in flight)."""
         if self._rollouts is not None and self._rollouts.engine is self.engine:
-            self._rollouts.sync(self.unwrapped.lm, step * self.cfg.updates_per_step)
+            self._rollouts.sync(self.unwrapped.lm, self.cfg.optimizer_steps(step))
         else:
             self.sync()
 
@@ -292,7 +292,7 @@ class RolloutSource:
     def prefetch(self, step: int, trained: int) -> None:
         """Async rollouts: give the engine the policy's weights, those after step `trained`, and start
         generating `step`'s batch in the background."""
-        self.rollouts.sync(self.unwrapped.lm, trained * self.cfg.updates_per_step)
+        self.rollouts.sync(self.unwrapped.lm, self.cfg.optimizer_steps(trained))
         self.rollouts.submit(step, self.job(step))
 
     def prefetch_next(self, step: int) -> None:
@@ -304,7 +304,7 @@ class RolloutSource:
         """`step`'s batch from the background thread (generated now if none was ahead: the first step, a
         resumed run's, or a staleness bound below the step's optimizer steps), with its async/* metrics."""
         taken = agreed(self.gen.dist.any_process, lambda: self._prefetched(step))
-        staleness = float((step - 1) * self.cfg.updates_per_step - taken.version)
+        staleness = float(self.cfg.optimizer_steps(step - 1) - taken.version)
         assert staleness <= self.cfg.grpo.max_staleness, f"a batch {staleness} optimizer steps stale"
         rollout = taken.rollout
         if staleness == 0 and not self.engine.holds_weights:  # a snapshot of the policy's own weights:

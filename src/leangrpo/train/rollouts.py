@@ -119,10 +119,10 @@ class AsyncRollouts:
     version the engine holds."""
 
     def __init__(
-        self, engine: RolloutEngine, max_staleness: int, updates_per_step: int, device: torch.device
+        self, engine: RolloutEngine, max_staleness: int, updates_per_step: float, device: torch.device
     ):
         self.engine = engine
-        # a batch generated during an update is `updates_per_step` optimizer steps stale when used
+        # a batch generated during an update is up to ⌈updates_per_step⌉ optimizer steps stale when used
         self.ahead = max_staleness >= updates_per_step
         self.version: int | None = None  # the optimizer step of the engine's weights; None: never synced
         self.in_flight: _InFlight | None = None

@@ -46,8 +46,8 @@ class Scorer:
         context = RewardContext(
             completion_ids=[row[keep].tolist() for row, keep in zip(ids, mask, strict=True)],
             trainer_state=TrainerState(
-                global_step=(step - 1) * cfg.updates_per_step,
-                max_steps=cfg.optim.max_steps * cfg.updates_per_step,
+                global_step=cfg.optimizer_steps(step - 1),
+                max_steps=cfg.optimizer_steps(cfg.optim.max_steps),
                 epoch=(step - 1) * cfg.prompts_per_step * self.acc.num_processes / self.num_rows,
             ),
         )

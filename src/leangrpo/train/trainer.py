@@ -176,7 +176,7 @@ class Trainer:
         params = [p for p in self.policy.parameters() if p.requires_grad]
         optimizer, masters = precise_optimizer(params, self.cfg, self.dist, self._write)
         in_backward = StepInBackward(optimizer, params, masters) if optim.optimizer_in_backward else None
-        scheduler = build_scheduler(optimizer, optim, optim.max_steps * self.cfg.updates_per_step)
+        scheduler = build_scheduler(optimizer, optim, self.cfg.optimizer_steps(optim.max_steps))
         return Optimization(self.policy, optimizer, in_backward, scheduler)
 
     def _open_run_dir(self, overwrite: bool, opt: Optimization) -> dict[str, Any]:

@@ -1,11 +1,13 @@
 """The policy update of a step: the log-probs it compares against (the reference's, the policy's own before
 the first update, the sampler correction), then TRL's generation buffer: `num_iterations` passes over the
 generation's `steps_per_generation` micro-batch slices, each `gradient_accumulation_steps` consecutive
-micro-steps one optimizer step. A NaN/inf loss or gradient on any process skips that optimizer step on every
-process."""
+micro-steps one optimizer step, which may take micro-steps of two generations: a step's trailing micro-steps
+leave their gradient pending (`Carry`) for the next step's first optimizer step. A NaN/inf loss or gradient
+on any process skips that optimizer step on every process."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -57,11 +59,30 @@ class Reference:
 
 
 @dataclass
+class Carry:
+    """An optimizer step left pending at a step's end: its micro-steps so far, their summed loss and their
+    bonus-entropy window (token sums, for adaptive entropy control), and (in the parameters' `.grad`,
+    synchronised across processes) their gradient. A checkpoint keeps it (`Updater.state`)."""
+
+    micro_steps: int = 0
+    loss: float = 0.0
+    entropy: list[float] | None = None
+
+    def add(self, micro_steps: int, loss: float, entropy: list[float] | None) -> Carry:
+        """This window with `micro_steps` more micro-steps."""
+        before = self.entropy or [0.0, 0.0]
+        both = None if entropy is None else [a + b for a, b in zip(before, entropy, strict=True)]
+        return Carry(self.micro_steps + micro_steps, self.loss + loss, both)
+
+
+@dataclass
 class Update:
-    """What the update phase reports: the mean loss of its optimizer steps, the last gradient norm and
-    learning rate, each micro-batch's token counts for the KL and clip metrics, the entropy bonus's
-    `entropy_coef` after each optimizer step (TRL's metric: their mean; none without the bonus), and the
-    MoE router's mean load-balancing loss over every process (TRL's `aux_loss`; None without it)."""
+    """What the update phase reports: its micro-steps' summed loss per optimizer step (a step's share of
+    an optimizer step spanning two generations counts in its own step), the last gradient norm and
+    learning rate (NaN and the current rate when the step completed no optimizer step), each
+    micro-batch's token counts for the KL and clip metrics, the entropy bonus's `entropy_coef` after
+    each optimizer step (TRL's metric: their mean; none without the bonus), and the MoE router's mean
+    load-balancing loss over every process (TRL's `aux_loss`; None without it)."""
 
     loss: float
     grad_norm: float
@@ -162,20 +183,28 @@ class Updater:
                 f"(TRL shuffles the completions before slicing), {cfg.optim.gradient_accumulation_steps} "
                 "an optimizer step (docs/trl.md)"
             )
+        if cfg.whole_steps > 1:
+            write(
+                f"optimizer steps span generations: {cfg.micro_steps_per_step} micro-steps a step, "
+                f"{cfg.optim.gradient_accumulation_steps} an optimizer step, across steps and epoch ends "
+                "alike (TRL ends one early at an epoch's end: docs/trl.md)"
+            )
         state = state or {}
         self.skipped_steps = state.get("skipped_steps", 0)
         self.nonfinite_in_a_row = state.get("nonfinite_in_a_row", 0)
         self.entropy = EntropyControl.of(cfg.grpo, state)
         self.optimizer_steps = state.get("optimizer_steps", 0)  # TRL's global_step, for sync_ref_model
         self.aux_losses: list[Tensor] = []  # this step's load-balancing losses, one a micro-batch
+        self.carry = Carry(**state.get("carry", {}))
 
     def state(self) -> dict[str, Any]:
-        """The counters a checkpoint keeps: the skipped steps, the optimizer steps, and the entropy
-        control's state."""
+        """The counters a checkpoint keeps: the skipped steps, the optimizer steps, the pending optimizer
+        step's (its gradient: `Checkpoints`) and the entropy control's state."""
         out: dict[str, Any] = {
             "skipped_steps": self.skipped_steps,
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "optimizer_steps": self.optimizer_steps,
+            "carry": vars(self.carry),
         }
         if self.loss_spec.entropy_bonus:
             out["entropy_control"] = self.entropy.state()
@@ -187,10 +216,10 @@ class Updater:
 
     def reference(self, rollout: RolloutBatch) -> Reference:
         """The log-probs the update compares against: the reference's (adapter disabled for LoRA, the frozen
-        copy for full fine-tuning, none at beta = 0) and, when the policy moves between the generation and
-        a slice's use (more than one optimizer step a step: TRL's gradient_accumulation_steps % (
-        steps_per_generation × num_iterations) != 0) or with the vLLM correction on, the policy's own before
-        the first update (else the update detaches its own)."""
+        copy for full fine-tuning, none at beta = 0) and, when the policy may move between the generation
+        and a slice's use (TRL's gradient_accumulation_steps % (steps_per_generation × num_iterations) != 0:
+        an optimizer step ends inside a generation's use) or with the vLLM correction on, the policy's own
+        before the first update (else the update detaches its own)."""
         g, micro, group = (
             self.cfg.grpo,
             self.cfg.optim.per_device_train_batch_size,
@@ -198,7 +227,7 @@ class Updater:
         )
         ref_logp = self._reference_logprobs(rollout, group) if g.beta > 0 else None
         corrects = rollout.sampling_logprobs is not None and g.vllm_importance_sampling_correction
-        moves = self.cfg.updates_per_step > 1
+        moves = self.cfg.optim.gradient_accumulation_steps % self.cfg.micro_steps_per_step != 0
         old_logp = (
             batch_logprobs(self.opt.policy, rollout, micro, group, self.packed) if moves or corrects else None
         )
@@ -257,27 +286,32 @@ class Updater:
 
     def update(self, rollout: RolloutBatch, advantages: Tensor, ref: Reference) -> Update:
         """The step's optimizer steps on the rollout (`MicroSteps`), each accumulated over its window of
-        micro-batches."""
+        micro-batches: the first completes the optimizer step the step before left pending, the last may
+        leave one pending (`Carry`)."""
         g = self.cfg.grpo
         mask = rollout.loss_mask.float()  # the model's tokens: a tool's are no action of the policy
         if g.mask_truncated_completions:
             mask = grpo.mask_truncated(mask, rollout.truncated)
         # dapo normalises by every process's tokens (DDP then averages the gradients)
         num_tokens = float(self.acc.reduce(mask.sum(), "sum")) / self.acc.num_processes
-        micro_steps = MicroSteps.of(rollout, self.cfg)
+        micro_steps = MicroSteps.of(rollout, self.cfg, self.carry.micro_steps)
         self.opt.policy.train()
         loss_total, stats, skipped, coefs = 0.0, [], False, []
         grad_norm, lr = math.nan, float(self.opt.scheduler.get_last_lr()[0])
         for window in micro_steps.windows:
             batch = micro_steps.totals(window, num_tokens)
-            loss_sum, iteration_stats = self._backward(rollout, advantages, ref, mask, window, batch)
-            iteration_loss = float(loss_sum)  # the optimizer step's one host sync for its loss
-            stats += iteration_stats
-            loss_total += iteration_loss / len(micro_steps.windows)
-            grad_norm, lr, skipped = self._optimizer_step(iteration_loss)
+            loss_sum, window_stats = self._backward(rollout, advantages, ref, mask, window, batch)
+            window_loss = float(loss_sum)  # the optimizer step's one host sync for its loss
+            stats += window_stats
+            loss_total += window_loss / self.cfg.updates_per_step
+            self.carry = self.carry.add(len(window), window_loss, self._entropy_window(window_stats))
+            if self.carry.micro_steps < self.cfg.optim.gradient_accumulation_steps:
+                break  # the step's last micro-steps: their gradient waits for the next step's
+            grad_norm, lr, skipped = self._optimizer_step(self.carry.loss)
             self._sync_reference()
             if self.loss_spec.entropy_bonus:
-                coefs.append(self._control_entropy(iteration_stats))
+                coefs.append(self._control_entropy(self.carry.entropy))
+            self.carry = Carry()
             if skipped:  # the step's later optimizer steps would build on the same bad batch
                 break
         self.release_memory()
@@ -301,14 +335,19 @@ class Updater:
         if self.ref_pages is not None:
             self.ref_pages.drop_pages()
 
-    def _control_entropy(self, stats: list[grpo.LossStats]) -> float:
-        """After an optimizer step: adaptive entropy control reads its mean bonus entropy over every
-        process (TRL's window: each process's token sums, summed); returns the coefficient then."""
-        if self.cfg.grpo.use_adaptive_entropy:
-            window = self.acc.reduce(
-                torch.stack([s.bonus_entropy for s in stats if s.bonus_entropy is not None]).sum(0), "sum"
-            )
-            self.entropy.observe(float(window[0] / window[1].clamp(min=1)))
+    def _entropy_window(self, stats: list[grpo.LossStats]) -> list[float] | None:
+        """With adaptive entropy control: the window's bonus-entropy token sums over every process (TRL's
+        window: each process's sums, summed)."""
+        if not (self.loss_spec.entropy_bonus and self.cfg.grpo.use_adaptive_entropy):
+            return None
+        sums = torch.stack([s.bonus_entropy for s in stats if s.bonus_entropy is not None]).sum(0)
+        return [float(x) for x in self.acc.reduce(sums, "sum").tolist()]  # one host sync
+
+    def _control_entropy(self, window: list[float] | None) -> float:
+        """After an optimizer step: adaptive entropy control reads its window's mean bonus entropy
+        (`_entropy_window`); returns the coefficient then."""
+        if window is not None:
+            self.entropy.observe(window[0] / max(window[1], 1.0))
         return self.entropy.coef
 
     def _backward(
@@ -327,7 +366,7 @@ class Updater:
         iteration_loss, stats = torch.zeros((), dtype=torch.float64, device=mask.device), []
         coef = self.entropy.applied()
         for i, (rows, extent) in enumerate(window):
-            last = i == len(window) - 1
+            last = i == len(window) - 1  # also a pending window's: its gradient is then every process's
             with (
                 self.dist.sync_gradients(policy, sync=last),
                 activation_offload(cfg.model.activation_offload, policy.parameters()),
@@ -393,15 +432,19 @@ MicroStep = tuple[slice, Extent]
 class MicroSteps:
     """TRL's generation buffer (`_prepare_inputs`, `_buffered_inputs`): the generation's slices of
     per_device_train_batch_size rows, used in order `num_iterations` times, cut into windows of
-    gradient_accumulation_steps micro-steps, each window one optimizer step. (TRL shuffles the generation
-    before slicing it; leangrpo keeps each group in one slice: docs/trl.md, `bnpo` micro-batches.)"""
+    gradient_accumulation_steps micro-steps, each window one optimizer step; the first window is shorter
+    by the micro-steps an optimizer step left pending before, the last is left pending when short. (TRL
+    shuffles the generation before slicing it; leangrpo keeps each group in one slice: docs/trl.md, `bnpo`
+    micro-batches.)"""
 
     windows: list[list[MicroStep]]
     slices: int  # the generation's slices: steps_per_generation
+    accumulation: int  # gradient_accumulation_steps
 
     @classmethod
-    def of(cls, rollout: RolloutBatch, cfg: Config) -> MicroSteps:
-        """The micro-steps of `rollout` as `cfg` schedules them."""
+    def of(cls, rollout: RolloutBatch, cfg: Config, carried: int = 0) -> MicroSteps:
+        """The micro-steps of `rollout` as `cfg` schedules them, `carried` of the first optimizer step's
+        micro-steps done by the step before."""
         micro, accumulation = cfg.optim.per_device_train_batch_size, cfg.optim.gradient_accumulation_steps
         extents = micro_batch_extents(rollout.prompt_mask, rollout.completion_mask, micro)
         slices = [
@@ -409,14 +452,16 @@ class MicroSteps:
             for start, e in zip(range(0, len(rollout), micro), extents, strict=True)
         ]
         steps = slices * cfg.grpo.num_iterations
-        return cls([steps[i : i + accumulation] for i in range(0, len(steps), accumulation)], len(slices))
+        cuts = [0, *range(accumulation - carried, len(steps), accumulation), len(steps)]
+        return cls([steps[a:b] for a, b in itertools.pairwise(cuts) if b > a], len(slices), accumulation)
 
     def totals(self, window: list[MicroStep], num_tokens: float) -> grpo.BatchTotals:
-        """What `window`'s losses are normalised by: its completions and micro-batches, and its share of
-        the generation's tokens (`num_tokens`, per process), as TRL rescales num_items_in_batch by
-        gradient_accumulation_steps / steps_per_generation."""
-        rows = sum(r.stop - r.start for r, _ in window)
-        return grpo.BatchTotals(rows, num_tokens * len(window) / self.slices, len(window))
+        """What `window`'s losses are normalised by, as TRL's `_compute_loss`: a whole optimizer step's
+        completions and micro-batches (gradient_accumulation_steps of these, whichever generations they
+        come from), and for dapo its share of this generation's tokens (`num_tokens`, per process), as TRL
+        rescales num_items_in_batch by gradient_accumulation_steps / steps_per_generation."""
+        rows = sum(r.stop - r.start for r, _ in window) * self.accumulation // len(window)
+        return grpo.BatchTotals(rows, num_tokens * self.accumulation / self.slices, self.accumulation)
 
 
 def _cut(values: Tensor | None, rows: slice, width: int) -> Tensor | None:
