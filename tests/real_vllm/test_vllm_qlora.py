@@ -85,12 +85,17 @@ def sent_bytes(sync, partial=False):
 
 
 @pytest.mark.parametrize("sync", ["adapter", "merged"])
-def test_colocated_vllm_samples_the_dequantized_base_and_the_adapter(model_dir, tokenizer, sync):  # noqa: F811
+def test_colocated_vllm_samples_the_dequantized_base_and_the_adapter(model_dir, tokenizer, sync, caplog):  # noqa: F811
     """Adapter-only sync: the dequantized base goes once, at the first sync, then the adapter alone; merged
-    sync: every weight each time."""
+    sync: every weight each time. The difference from TRL is said at start (docs/trl.md)."""
     cfg = qlora_config(model_dir, vllm_lora_sync=sync)
     model = qlora_model(cfg)
-    engine = VLLMEngine.from_config(cfg, tokenizer, eos_token_ids(tokenizer, model))
+    with caplog.at_level("INFO", logger="leangrpo.engines.vllm"):
+        engine = VLLMEngine.from_config(cfg, tokenizer, eos_token_ids(tokenizer, model))
+    assert (
+        "vLLM weight sync: the 4-bit base goes dequantized to float32, as the trainer applies it (vLLM holds "
+        "it so); TRL sends the adapter merged into the 4-bit layers, requantized"
+    ) in [r.getMessage() for r in caplog.records if r.name == "leangrpo.engines.vllm"]
     check_syncs(engine, model, tokenizer, sync, sent_bytes(sync))
     engine.close()
 

@@ -276,6 +276,16 @@ def say_adapter_sync(rank: int) -> None:
     )
 
 
+def say_4bit_base(cfg: Config) -> None:
+    """The start-up line of a QLoRA run on vLLM (a deliberate difference: TRL's vLLM quantizes the
+    checkpoint itself, and is sent the adapter merged into the 4-bit layers, requantized)."""
+    if cfg.model.load_in_4bit:
+        logger.info(
+            f"vLLM weight sync: the 4-bit base goes dequantized to {cfg.model.dtype}, as the trainer applies "
+            "it (vLLM holds it so); TRL sends the adapter merged into the 4-bit layers, requantized"
+        )
+
+
 def say_merged(why: str) -> str:
     """`why`, said in one line: syncs of the run's peft model send merged layers, not the adapter alone."""
     logger.warning(f"vLLM weight sync: the adapted layers go merged, not the adapter alone: {why}")
@@ -451,6 +461,7 @@ class VLLMEngine:
         """The training run's engine: its model, dtype, seed, context window (long enough for the
         evaluation during training too), vLLM settings and a vision-language model's processor."""
         g = cfg.grpo
+        say_4bit_base(cfg)
         return cls(
             resolve_model_path(cfg.model.name_or_path), tokenizer, eos, max_model_len=run_context(cfg),
             dtype=cfg.model.dtype, seed=cfg.seed,

@@ -46,6 +46,7 @@ from leangrpo.engines.vllm import (
     run_context,
     sampled_batch,
     sampling_fields,
+    say_4bit_base,
     say_adapter_sync,
     say_merged,
 )
@@ -138,6 +139,7 @@ class VLLMServerEngine:
     ) -> VLLMServerEngine:
         """The training run's: the server `grpo.vllm_server_*` names, long enough for the evaluation too."""
         g = cfg.grpo
+        say_4bit_base(cfg)
         url = server_url(g.vllm_server_base_url, g.vllm_server_host, g.vllm_server_port)
         return cls(
             url, model, cfg.model.name_or_path, tokenizer, eos, timeout=g.vllm_server_timeout,
