@@ -521,8 +521,8 @@ class VLLMEngine:
         vLLM cannot serve it (`adapter_refusal`, or vLLM refusing the first one), which is said once.
         Otherwise the weights are reloaded one tensor at a time (`reload_weights`): `weights` as the caller
         streams them (FSDP2 gathers them one shard group at a time), default `applied_weights(model)`, every
-        weight, LoRA ones merged, 4-bit ones dequantized. Asleep (sleep mode), the
-        weights wake for it and the KV cache sleeps on until the next `generate`."""
+        weight, LoRA ones merged, 4-bit ones dequantized. Asleep (sleep mode), the weights wake for it and
+        the KV cache sleeps on until the next `generate`."""
         start = time.perf_counter()
         if "weights" in self.sleeping:
             self.llm.wake_up(tags=["weights"])
