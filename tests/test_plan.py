@@ -344,6 +344,26 @@ def test_cli_fit_prints_a_yaml_snippet_that_validates(gsm8k_dir):
     assert cfg.model.lora.enabled and cfg.grpo.num_generations <= 16
 
 
+def test_fit_of_qlora_on_vllm_validates_and_vllm_holds_the_dequantized_base(gsm8k_dir):
+    """QLoRA with vLLM (issue 51): the --fit snippet pastes into a config (refused before), and the floor
+    of vLLM's share counts the base as vLLM holds it, dequantized to model.dtype: LoRA's 16-bit weights."""
+    res = CliRunner().invoke(
+        main, ["plan", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--gpu-memory", "16GB", "--method",
+               "qlora-4bit", "--rollout", "vllm", "--fit"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    snippet = yaml.safe_load(res.output.split("that fits", 1)[1].split(":\n", 1)[1])
+    snippet.update(data={"path": str(gsm8k_dir / "train.jsonl")}, rewards={"functions": [{"name": "x"}]})
+    cfg = validate_config(snippet)
+    assert cfg.model.load_in_4bit and cfg.grpo.use_vllm
+    shape, small = plan.resolve_shape("Qwen/Qwen2.5-0.5B-Instruct"), 2 * 2**30  # the floor decides
+    shares = {
+        m: plan.vllm_share(plan.estimate(shape, plan.make_knobs(method=m)), small)
+        for m in ("lora", "qlora-4bit")
+    }
+    assert shares["qlora-4bit"] == shares["lora"] > shape.num_params() * 2 / small
+
+
 def test_cli_takes_knobs_from_a_yaml_config(tmp_path):
     model_dir = tmp_path / "model"
     model_dir.mkdir()

@@ -46,11 +46,26 @@ def test_load_in_4bit_without_lora_is_one_line():
     )
 
 
-def test_load_in_4bit_with_vllm_is_one_line():
-    data = {"model": {"name_or_path": "m", **QLORA}, "data": {"path": "d.jsonl"}, "grpo": {"use_vllm": True}}
-    with pytest.raises(ConfigError, match="grpo.use_vllm with model.load_in_4bit") as err:
-        validate_config(data)
-    assert "\n" not in str(err.value)
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_load_in_4bit_with_vllm_is_accepted(mode):
+    """QLoRA on vLLM (issue 51): vLLM is sent the dequantized 4-bit base (real_vllm/test_vllm_qlora.py)."""
+    data = {"model": {"name_or_path": "m", **QLORA}, "data": {"path": "d.jsonl"}}
+    cfg = validate_config({**data, "grpo": {"use_vllm": True, "vllm_mode": mode}})
+    assert cfg.model.load_in_4bit and cfg.grpo.use_vllm and cfg.grpo.vllm_mode == mode
+
+
+def test_qlora_on_vllm_says_its_difference_from_trl(caplog):
+    """The start-up line of both vLLM engines' from_config (docs/trl.md), for a 4-bit base only."""
+    from leangrpo.engines.vllm import say_4bit_base
+
+    data = {"model": {"name_or_path": "m", "dtype": "bfloat16", **QLORA}, "data": {"path": "d.jsonl"}}
+    with caplog.at_level("INFO", logger="leangrpo.engines.vllm"):
+        say_4bit_base(validate_config({**data, "grpo": {"use_vllm": True}}))
+        say_4bit_base(validate_config({**data, "model": {"name_or_path": "m"}, "grpo": {"use_vllm": True}}))
+    assert [r.getMessage() for r in caplog.records] == [
+        "vLLM weight sync: the 4-bit base goes dequantized to bfloat16, as the trainer applies it (vLLM "
+        "holds it so); TRL sends the adapter merged into the 4-bit layers, requantized"
+    ]
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])

@@ -1007,9 +1007,9 @@ SHARE_MARGIN = 0.1  # of the card a planned share leaves free (plan's default ma
 def vllm_share(est: Estimate, memory: int) -> float:
     """The share of `memory` a colocated vLLM gets when grpo.vllm_gpu_memory_utilization is null: what
     the trainer's planned total (`est`, without a reservation) leaves, less SHARE_MARGIN of the card, in
-    hundredths, at most VLLM_SHARE_CAP; at least what vLLM needs for its weights (in model.dtype) and
-    the generation batch's KV cache, in which case the run is predicted not to fit and the start-up
-    warning says so."""
+    hundredths, at most VLLM_SHARE_CAP; at least what vLLM needs for its weights (in model.dtype: a 4-bit
+    base too, which vLLM is sent dequantized, docs/vllm.md) and the generation batch's KV cache, in
+    which case the run is predicted not to fit and the start-up warning says so."""
     k, shape = est.knobs, est.shape
     trainer = est.total - est.components.get("vllm reservation", 0)
     need = shape.num_params() * k.e + kv_cache_bytes(shape, k.generation_batch, kv_capacity(k), k.e)

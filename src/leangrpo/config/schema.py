@@ -986,11 +986,6 @@ class Config(Section):
                 f"grpo.delta={self.grpo.delta} must exceed 1 + epsilon_high = {upper:g} (it caps the ratio "
                 "for negative advantages, above the usual clip)"
             )
-        if self.grpo.use_vllm and self.model.load_in_4bit:
-            raise ValueError(
-                "grpo.use_vllm with model.load_in_4bit: the vLLM engine is sent full-precision weights, "
-                "not 4-bit ones; set one of them to false"
-            )
         if self.sft.task is not None and "name" in self.sft.task:
             raise ValueError("sft.task: holds options of the task, not another task name")
         if self.eval.enabled and self.eval.path is None and Path(self.data.path).suffix in LOCAL_SUFFIXES:

@@ -36,7 +36,14 @@ from leangrpo.engines.types import (
     finish_batch,
     with_tools,
 )
-from leangrpo.models.load import is_peft, linear_weight, resolve_model_path
+from leangrpo.models.load import (
+    dense_weight,
+    is_4bit,
+    is_4bit_weight,
+    is_peft,
+    linear_weight,
+    resolve_model_path,
+)
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -269,6 +276,16 @@ def say_adapter_sync(rank: int) -> None:
     )
 
 
+def say_4bit_base(cfg: Config) -> None:
+    """The start-up line of a QLoRA run on vLLM (a deliberate difference: TRL's vLLM quantizes the
+    checkpoint itself, and is sent the adapter merged into the 4-bit layers, requantized)."""
+    if cfg.model.load_in_4bit:
+        logger.info(
+            f"vLLM weight sync: the 4-bit base goes dequantized to {cfg.model.dtype}, as the trainer applies "
+            "it (vLLM holds it so); TRL sends the adapter merged into the 4-bit layers, requantized"
+        )
+
+
 def say_merged(why: str) -> str:
     """`why`, said in one line: syncs of the run's peft model send merged layers, not the adapter alone."""
     logger.warning(f"vLLM weight sync: the adapted layers go merged, not the adapter alone: {why}")
@@ -434,6 +451,7 @@ class VLLMEngine:
         self.sleeping: set[str] = set()  # what vLLM holds asleep now: "weights", "kv_cache"
         self.adapter = ServedAdapter(self.llm, adapter_root()) if lora_rank is not None else None
         self.merged_why: str | None = None  # why syncs of a peft model send it merged, once said
+        self.base_sent = False  # a 4-bit base's dequantized weights replaced the checkpoint's (QLoRA)
         self.last_sync: SyncStats | None = None
 
     @classmethod
@@ -443,6 +461,7 @@ class VLLMEngine:
         """The training run's engine: its model, dtype, seed, context window (long enough for the
         evaluation during training too), vLLM settings and a vision-language model's processor."""
         g = cfg.grpo
+        say_4bit_base(cfg)
         return cls(
             resolve_model_path(cfg.model.name_or_path), tokenizer, eos, max_model_len=run_context(cfg),
             dtype=cfg.model.dtype, seed=cfg.seed,
@@ -498,11 +517,12 @@ class VLLMEngine:
     ) -> None:
         """Give vLLM `model`'s current weights; `last_sync` says what went and how long it took. A peft
         model's adapter goes alone, as an adapter vLLM serves (the base in vLLM is the checkpoint both
-        loaded, and stays frozen), unless vLLM cannot serve it (`adapter_refusal`, or vLLM refusing the
-        first one), which is said once. Otherwise the weights are reloaded one tensor at a time
-        (`reload_weights`): `weights` as the caller streams them (FSDP2 gathers them one shard group at a
-        time), default `applied_weights(model)`, every weight, LoRA ones merged. Asleep (sleep mode), the
-        weights wake for it and the KV cache sleeps on until the next `generate`."""
+        loaded, and stays frozen; a 4-bit base's dequantized weights replace it at the first sync), unless
+        vLLM cannot serve it (`adapter_refusal`, or vLLM refusing the first one), which is said once.
+        Otherwise the weights are reloaded one tensor at a time (`reload_weights`): `weights` as the caller
+        streams them (FSDP2 gathers them one shard group at a time), default `applied_weights(model)`, every
+        weight, LoRA ones merged, 4-bit ones dequantized. Asleep (sleep mode), the weights wake for it and
+        the KV cache sleeps on until the next `generate`."""
         start = time.perf_counter()
         if "weights" in self.sleeping:
             self.llm.wake_up(tags=["weights"])
@@ -533,8 +553,13 @@ class VLLMEngine:
 
     def _sync_adapter(self, model: PeftModel) -> list[int] | None:
         """Load the adapter into vLLM; its bytes, or None when vLLM refused the first one (the caller then
-        sends the layers merged, from now on)."""
+        sends the layers merged, from now on). A 4-bit base (QLoRA) is sent first, once, dequantized: the
+        trainer applies dequant(W) + BA, not the checkpoint's W + BA (`applied_weights`)."""
         assert self.adapter is not None
+        base = [0]
+        if not self.base_sent and is_4bit(model):
+            reload_weights(self.llm, weights_iterator=_counted(applied_weights(model, adapter=False), base))
+            self.base_sent = True
         tensors = adapter_tensors(model)
         try:
             self.adapter.load(adapter_config(model), tensors)
@@ -543,7 +568,7 @@ class VLLMEngine:
                 raise
             self._merge_because(f"vLLM refused it ({e})")
             return None
-        return [sum(t.nbytes for t in tensors.values())]
+        return [base[0] + sum(t.nbytes for t in tensors.values())]
 
     def close(self) -> None:
         """In a job of several processes, leave the groups the engines formed over them, while the job's own
@@ -630,12 +655,15 @@ def applied_weights(
     model: torch.nn.Module,
     owns: Callable[[torch.nn.Module], bool] | None = None,
     adapted_only: bool = False,
+    adapter: bool = True,
 ) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) of every weight the model applies, under the base checkpoint's names; a peft
-    model's LoRA Linears with their adapter merged in (`adapted_only`: those alone, the weights LoRA
-    changes); a tied weight once. `owns`: only the weights of the modules it accepts (FSDP2's sync sends
-    one gathered shard group at a time). A merged weight exists only while vLLM copies it, so the extra
-    memory is one layer's weight, never a second model."""
+    model's LoRA Linears with their adapter merged in (`adapter` False: their base weights, without it); a
+    tied weight once; a 4-bit weight (QLoRA) dequantized, as the trainer's matmul applies it.
+    `adapted_only`: the weights that differ from the checkpoint's, LoRA's and the 4-bit ones. `owns`: only
+    the weights of the modules it accepts (FSDP2's sync sends one gathered shard group at a time). A
+    merged or dequantized weight exists only while vLLM copies it, so the extra memory is one layer's
+    weight, never a second model."""
     base = model.get_base_model() if is_peft(model) else model
     merged: list[str] = []  # LoRA layers, whose own parameters (base_layer, lora_A/B) are not sent
     seen: set[int] = set()
@@ -646,20 +674,21 @@ def applied_weights(
         if hasattr(module, "lora_A"):
             merged.append(name)
             if mine:
-                yield from _merged_linear(name, module)
+                yield from _merged_linear(name, module, adapter)
             continue
-        for pname, param in [] if adapted_only else module.named_parameters(recurse=False):
-            if mine and id(param) not in seen:
+        for pname, param in module.named_parameters(recurse=False):
+            if mine and id(param) not in seen and (is_4bit_weight(param) or not adapted_only):
                 seen.add(id(param))
-                yield f"{name}.{pname}" if name else pname, param.detach()
+                yield f"{name}.{pname}" if name else pname, dense_weight(param).detach()
 
 
-def _merged_linear(name: str, module: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """A LoRA Linear's weight with its adapter merged in, and its base layer's bias."""
-    weight = linear_weight(module)
+def _merged_linear(name: str, module: torch.nn.Module, adapter: bool) -> Iterator[tuple[str, Tensor]]:
+    """A LoRA Linear's weight with its adapter merged in (`adapter` False: its base weight), and its base
+    layer's bias."""
+    base = cast("torch.nn.Linear", module.base_layer)
+    weight = linear_weight(module) if adapter else dense_weight(base.weight)
     if weight is None:
         raise VLLMError(f"grpo.use_vllm: cannot merge the adapter of {name} (DoRA or not a Linear)")
     yield f"{name}.weight", weight.detach()
-    bias = cast("torch.nn.Linear", module.base_layer).bias
-    if bias is not None:
-        yield f"{name}.bias", bias.detach()
+    if base.bias is not None:
+        yield f"{name}.bias", base.bias.detach()

@@ -49,10 +49,11 @@ from leangrpo.engines.vllm import (
     run_context,
     sampled_batch,
     sampling_fields,
+    say_4bit_base,
     say_adapter_sync,
     say_merged,
 )
-from leangrpo.models.load import is_peft
+from leangrpo.models.load import is_4bit, is_peft
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -136,6 +137,7 @@ class VLLMServerEngine:
         if self._sends_adapter(model) and self.lora_rank is not None:  # either way said at start
             say_adapter_sync(self.lora_rank)
         self.adapters = 0  # adapters the server loaded
+        self.base_sent = False  # a 4-bit base's dequantized weights replaced the server's (QLoRA)
         self.last_sync: SyncStats | None = None
 
     @classmethod
@@ -150,6 +152,7 @@ class VLLMServerEngine:
         """The training run's: the server `grpo.vllm_server_*` names, long enough for the evaluation too;
         `processor`: a vision-language model's."""
         g = cfg.grpo
+        say_4bit_base(cfg)
         url = server_url(g.vllm_server_base_url, g.vllm_server_host, g.vllm_server_port)
         return cls(
             url, model, cfg.model.name_or_path, tokenizer, eos, timeout=g.vllm_server_timeout,
@@ -205,7 +208,9 @@ class VLLMServerEngine:
         """Push `model`'s weights to the server; under several processes (DDP), the first one pushes and
         the others wait for it (`last_sync` says what went, on the first). A LoRA model sends its adapter
         alone where the server serves LoRA (`_adapter_refusal`, said once at start); otherwise only its
-        adapted layers, merged: the server takes the rest from its own copy of the base checkpoint.
+        adapted layers, merged: the server takes the rest from its own copy of the base checkpoint. A 4-bit
+        base (QLoRA), the checkpoint's weights quantized, goes dequantized: whole before the first adapter,
+        its 4-bit layers with every merged sync (`applied_weights`, `adapted_only`).
         `weights` is for in-process engines under FSDP2, which server mode refuses: the weights are read
         from `model`."""
         import torch.distributed as dist
@@ -249,9 +254,14 @@ class VLLMServerEngine:
     def _send_adapter(self, model: PeftModel) -> int:
         """The adapter's tensors as one safetensors file in the server's weights directory, loaded there as
         an adapter (`/load_adapter`, which moves the file into the adapter's own directory); its bytes, or
-        0 when the server refused the first one (this sync and the later ones then send merged layers)."""
+        0 when the server refused the first one (this sync and the later ones then send merged layers). A
+        4-bit base goes first, once, dequantized (`_send_file`), its bytes counted too."""
         from safetensors.torch import save_file
 
+        base = 0
+        if not self.base_sent and is_4bit(model):
+            base = self._send_file(cast("PreTrainedModel", model), adapter=False)
+            self.base_sent = True
         path = self.new_weights_file()
         try:
             save_file(adapter_tensors(model), str(path))
@@ -265,16 +275,19 @@ class VLLMServerEngine:
         finally:
             path.unlink(missing_ok=True)
         self.adapters += 1
-        return size
+        return base + size
 
     def close(self) -> None:
         """The HTTP connections go; the server and its weights stay for the next run."""
         self.http.close()
 
-    def _send_file(self, model: PreTrainedModel) -> int:
+    def _send_file(self, model: PreTrainedModel, adapter: bool = True) -> int:
         """One safetensors file, new, in the server's weights directory (which this side must see at the
         same path: the same machine or a shared filesystem), loaded by the server through vLLM's in-place
-        reload, then deleted; its bytes."""
+        reload, then deleted; its bytes. A peft model sends the weights that differ from the checkpoint's
+        alone (`applied_weights`' `adapted_only`), which the server completes from the checkpoint; `adapter`
+        False: every weight, its LoRA layers' base ones (a 4-bit base, dequantized, before the first
+        adapter)."""
         from safetensors.torch import save_file
 
         if not self.leangrpo:
@@ -282,9 +295,9 @@ class VLLMServerEngine:
                 f"the vLLM server at {self.url} is not leangrpo's: it cannot take weight updates from "
                 "leangrpo (generation only); start it with: leangrpo vllm-serve"
             )
-        partial = is_peft(model)
+        partial = is_peft(model) and adapter
         path = self.new_weights_file()
-        save_file(weights_to_send(model, partial), str(path))
+        save_file(weights_to_send(model, partial, adapter), str(path))
         try:
             size = path.stat().st_size
             self._call("POST", "/load_weights", json={"path": str(path), "partial": partial})
@@ -553,9 +566,12 @@ def checked_choices(
     return ids, logprobs
 
 
-def weights_to_send(model: torch.nn.Module, adapted_only: bool) -> dict[str, torch.Tensor]:
+def weights_to_send(
+    model: torch.nn.Module, adapted_only: bool, adapter: bool = True
+) -> dict[str, torch.Tensor]:
     """`applied_weights` as one dict (a tied LM head comes once, as the embedding: vLLM ties it again)."""
-    return {name: t.contiguous() for name, t in applied_weights(model, adapted_only=adapted_only)}
+    weights = applied_weights(model, adapted_only=adapted_only, adapter=adapter)
+    return {name: t.contiguous() for name, t in weights}
 
 
 def wait_for_health(http: httpx.Client, url: str, timeout: float, name_or_path: str) -> None:

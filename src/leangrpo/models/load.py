@@ -359,17 +359,37 @@ def linear_weight(module: nn.Module) -> Tensor | None:
     """The weight a Linear, or a peft LoRA Linear with its adapters folded in, applies; None for
     other modules (and for LoRA variants that are more than a weight delta, such as DoRA)."""
     if isinstance(module, nn.Linear):
-        return module.weight
+        return dense_weight(module.weight)
     base = getattr(module, "base_layer", None)
     if not (isinstance(base, nn.Linear) and hasattr(module, "get_delta_weight")):
         return None
     lora = cast("LoraLinear", module)  # a peft LoRA layer over a Linear
     if lora.disable_adapters or lora.merged:
-        return base.weight
+        return dense_weight(base.weight)
     active = [a for a in lora.active_adapters if a in lora.lora_A]
     if any(lora.use_dora.get(a, False) for a in active):
         return None
-    return base.weight + sum(lora.get_delta_weight(a) for a in active)
+    return dense_weight(base.weight) + sum(lora.get_delta_weight(a) for a in active)
+
+
+def dense_weight(weight: Tensor) -> Tensor:
+    """`weight` as its layer's matmul applies it: a bitsandbytes 4-bit weight (packed, with its quant state)
+    dequantized to the dtype it was quantized from, the compute dtype (a new tensor); any other as it is."""
+    if not is_4bit_weight(weight):
+        return weight
+    from bitsandbytes.functional import dequantize_4bit
+
+    return cast(Tensor, dequantize_4bit(weight.data, cast(Any, weight).quant_state))
+
+
+def is_4bit_weight(weight: Tensor) -> bool:
+    """Whether `weight` is a bitsandbytes 4-bit one (packed, with its quant state)."""
+    return getattr(weight, "quant_state", None) is not None
+
+
+def is_4bit(model: nn.Module) -> bool:
+    """Whether `model` (a peft model's base included) holds bitsandbytes 4-bit weights (QLoRA)."""
+    return any(is_4bit_weight(p) for p in model.parameters())
 
 
 def merge_lora(model: PeftModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
