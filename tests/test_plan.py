@@ -763,6 +763,10 @@ def test_several_gpus_and_bf16_full_fine_tuning_count_what_they_add():
     assert "DDP over 2 processes" in res.output and "DDP gradient buckets" in res.output
     assert "fp32 master weights" in res.output
     assert "+ NCCL buffers (estimates: CUDA context 512 MiB, allocator slack 8%, NCCL 256 MiB)" in res.output
+    # one process has no NCCL buffers: its estimate line does not name them
+    one = CliRunner().invoke(main, ["plan", "--model", "Qwen/Qwen2.5-0.5B", "--gpu-memory", "24G"])
+    assert one.exit_code == 0, one.output
+    assert "(estimates: CUDA context 512 MiB, allocator slack 8%)" in one.output and "NCCL" not in one.output
 
 
 def test_the_pasted_config_adds_no_prompt_limit(tmp_path):

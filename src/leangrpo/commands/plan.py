@@ -36,9 +36,7 @@ ALLOCATOR_SLACK = 0.08  # reserved-but-free fraction of the caching allocator: a
 # NCCL's own device buffers per process under DDP or FSDP2 (its channels' send/receive buffers,
 # NCCL_BUFFSIZE 4 MiB each, and the communicator): an estimate, not measured here
 NCCL_BUFFER_BYTES = 256 * 2**20
-CUDA_ESTIMATES = (
-    "CUDA context 512 MiB, allocator slack 8%, NCCL 256 MiB: estimates, not yet measured on a GPU"
-)
+CUDA_ESTIMATES = "CUDA context 512 MiB, allocator slack 8%: estimates, not yet measured on a GPU"
 # A CPU run's own memory beside the tensors: Python, torch, transformers, tokenizer and data (what
 # benchmarks/plan_accuracy.py measures beside the tensors, rounded down; benchmarks/RESULTS.md).
 CPU_RUNTIME_BYTES = 512 * 2**20
@@ -1345,10 +1343,11 @@ def render(est: Estimate, memory: int | None, margin: float) -> str:
         f"{'  (checkpointing ' + other + ')':<22} {fmt_bytes(est.activations_other):>12}  for comparison"
     )
     if k.device == "cuda":
-        nccl = " + NCCL buffers" if k.ddp > 1 or k.fsdp > 1 else ""
+        # NCCL's buffers only where there is more than one process (as est.overhead counts them)
+        added, estimate = (" + NCCL buffers", ", NCCL 256 MiB") if k.ddp > 1 or k.fsdp > 1 else ("", "")
         lines.append(
-            f"{'CUDA/allocator':<22} {fmt_bytes(est.overhead):>12}  context + caching-allocator slack{nccl} "
-            f"(estimates: {CUDA_ESTIMATES.partition(': ')[0]})"
+            f"{'CUDA/allocator':<22} {fmt_bytes(est.overhead):>12}  context + caching-allocator slack{added} "
+            f"(estimates: {CUDA_ESTIMATES.partition(': ')[0]}{estimate})"
         )
     else:
         lines.append(f"{'process runtime':<22} {fmt_bytes(est.overhead):>12}  Python, torch, tokenizer, data")
