@@ -279,9 +279,10 @@ def make_tiny_qwen_vl(tokenizer_dir: Path, seed: int = 0):
     return Qwen2_5_VLForConditionalGeneration(cfg), processor
 
 
-def make_tiny_idefics3(tokenizer_dir: Path, seed: int = 0, num_attention_heads: int = 4):
+def make_tiny_idefics3(tokenizer_dir: Path, seed: int = 0, num_attention_heads: int = 4, edge: int = 32):
     """A tiny random Idefics3 (SmolVLM's architecture: a SigLIP tower, pixel shuffle, a Llama) and its
-    processor: 32×32 images, no splitting, 4 image tokens. vLLM's CPU attention needs 2 heads (head
+    processor: 32×32 images, no splitting, 4 image tokens; with `edge` above 32, images of that longest edge
+    split into 32×32 tiles plus the global one, 4 image tokens each. vLLM's CPU attention needs 2 heads (head
     dimension 32)."""
     import torch
     from transformers import (
@@ -294,7 +295,7 @@ def make_tiny_idefics3(tokenizer_dir: Path, seed: int = 0, num_attention_heads: 
     tokens = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
     tok = _vlm_tokenizer(tokenizer_dir, tokens, IDEFICS3_TEMPLATE)
     image = Idefics3ImageProcessorPil(
-        do_image_splitting=False, size={"longest_edge": 32}, max_image_size={"longest_edge": 32}
+        do_image_splitting=edge > 32, size={"longest_edge": edge}, max_image_size={"longest_edge": 32}
     )
     processor = Idefics3Processor(
         image_processor=image, tokenizer=tok, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE

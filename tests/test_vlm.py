@@ -468,7 +468,7 @@ def test_the_plan_counts_the_vision_towers_activations_and_images(
     from leangrpo.commands import plan
     from leangrpo.models.load import enable_checkpointing
 
-    model, processor, shape = _planned_tiny_qwen_vl(tmp_path, real_tokenizer_dir)
+    model, processor, shape = _planned_tiny_vlm(tmp_path, real_tokenizer_dir)
     result = CliRunner().invoke(main, ["plan", "--model", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "images: one a prompt, square, at max_pixels=3,136 (processor_config.json)" in result.output
@@ -486,13 +486,72 @@ def test_the_plan_counts_the_vision_towers_activations_and_images(
     assert plan.vision_saved_bytes(shape, plan.make_knobs(method="lora"), 3) == 0
 
 
-def _planned_tiny_qwen_vl(folder, tokenizer_dir):
-    """The tiny Qwen2.5-VL and its processor, saved in `folder`, and the plan's shape of that folder."""
-    from conftest import make_tiny_qwen_vl
+@pytest.mark.parametrize("edge", [32, 64, 96])
+def test_the_plan_counts_an_idefics3s_tower_connector_and_image_tokens(tmp_path, real_tokenizer_dir, edge):
+    """`leangrpo plan` reads an Idefics3 (SmolVLM) config.json: its text_config's Llama decoder, its SigLIP
+    tower and its connector, every parameter counted as the model holds them. From the saved processor
+    (longest edge, tile edge, splitting) it plans an image's tiles (32: one; 64: 2×2 and the global image;
+    96: 3×3 and the global image): its image tokens are what the real processor writes for an image of that
+    size, its patches what the tower gets, said in one line; the tower's saved activations are what autograd
+    saves (full fine-tuning, float32, with and without checkpointing). A short prompt gets fewer tiles."""
+    from click.testing import CliRunner
+    from conftest import make_tiny_idefics3
+
+    from leangrpo.cli import main
+    from leangrpo.commands import plan
+    from leangrpo.models.load import enable_checkpointing
+
+    model, processor = make_tiny_idefics3(real_tokenizer_dir, edge=edge)
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    shape = plan.resolve_shape(str(tmp_path))
+    assert shape.num_params() == sum(p.numel() for p in model.parameters())
+    tower = [
+        p.numel() for n, p in model.named_parameters() if n.startswith(("model.vision", "model.connector"))
+    ]
+    assert sum(n for _, n in shape.vision_tensors) == sum(tower)
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
+    text = processor.apply_chat_template(chat, add_generation_prompt=True)
+    enc = processor(text=[text], images=[[Image.new("RGB", (edge, edge), "red")]], return_tensors="pt")
+    tokens = int((enc["input_ids"] == model.config.image_token_id).sum())
+    tiles = enc["pixel_values"].shape[1]
+    assert (tokens, tiles) == ({32: 4, 64: 20, 96: 40}[edge], {32: 1, 64: 5, 96: 10}[edge])
+    knobs = plan.make_knobs(max_prompt_length=512)
+    assert shape.vision.image_tokens(knobs.prompt_tokens) == tokens
+    assert shape.vision.patches(knobs.prompt_tokens) == tiles * (32 // 8) ** 2
+    result = CliRunner().invoke(main, ["plan", "--model", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert f"{tokens} image tokens of its 512, {tiles * 16} patches through the vision tower" in result.output
+    assert "(processor_config.json)" in result.output
+    if edge == 96:
+        assert shape.vision.image_tokens(30) == 20  # 3×3 tiles and the global image pass 30 tokens: 2×2
+    pixels, pixel_mask = enc["pixel_values"], enc["pixel_attention_mask"]
+    for checkpointing in (False, True):
+        if checkpointing:
+            enable_checkpointing(model)
+        saved = _saved_bytes(model.train(), lambda: model.model.get_image_features(pixels, pixel_mask))
+        full = plan.make_knobs(method="full", dtype="float32", gradient_checkpointing=checkpointing)
+        assert plan.vision_saved_bytes(shape, full, 1) == saved, checkpointing
+
+
+def test_the_plan_names_a_bad_idefics3_config_in_one_line(tmp_path):
+    """A config the plan cannot read says what is wrong with it, not that its JSON is invalid."""
+    from leangrpo.commands.plan import PlanError, resolve_shape
+
+    (tmp_path / "config.json").write_text('{"model_type": "idefics3", "scale_factor": 0}')
+    with pytest.raises(PlanError, match="scale_factor is 0, not a positive integer") as e:
+        resolve_shape(str(tmp_path))
+    assert "valid JSON" not in str(e.value)
+
+
+def _planned_tiny_vlm(folder, tokenizer_dir, family="qwen2.5-vl"):
+    """A tiny VLM of `family` and its processor, saved in `folder`, and the plan's shape of that folder."""
+    from conftest import VLM_FAMILIES, make_tiny_idefics3
 
     from leangrpo.commands import plan
 
-    model, processor = make_tiny_qwen_vl(tokenizer_dir)
+    families = {**VLM_FAMILIES, "idefics3-split": lambda d: make_tiny_idefics3(d, edge=64)}
+    model, processor = families[family](tokenizer_dir)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return model, processor, plan.resolve_shape(str(folder))
@@ -514,12 +573,16 @@ def _saved_bytes(model, forward) -> int:
     return sum(n for ptr, n in seen.items() if ptr not in params)
 
 
+@pytest.mark.parametrize("family", ["idefics3-split", "qwen2.5-vl"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_plans_update_activations_of_a_vlm_match_its_whole_forward(tmp_path, real_tokenizer_dir, dtype):
-    """The update's forward of the whole tiny Qwen2.5-VL (full fine-tuning) on two image prompts, as the
-    trainer runs it (vision.encode, micro_batch_logprobs): what autograd saves is the plan's decoder
-    activations over the prompts, image tokens included, plus its vision activations, within 5% (the plan a
-    little above: its decoder formula is Qwen2's); the decoder's alone would miss a third of it."""
+def test_the_plans_update_activations_of_a_vlm_match_its_whole_forward(
+    tmp_path, real_tokenizer_dir, dtype, family
+):
+    """The update's forward of the whole tiny VLM (full fine-tuning) on two image prompts, as the trainer
+    runs it (vision.encode, micro_batch_logprobs): what autograd saves is the plan's decoder activations over
+    the prompts, image tokens included, plus its vision activations, within 5% (measured: 0.7% below for
+    Qwen2.5-VL, 2.5% below for Idefics3 split into 4 tiles and the global image, float32); the decoder's
+    alone would miss a fifth (Idefics3) to a third (Qwen2.5-VL) of it."""
     import torch
 
     from leangrpo.commands import plan
@@ -527,12 +590,17 @@ def test_the_plans_update_activations_of_a_vlm_match_its_whole_forward(tmp_path,
     from leangrpo.engines.vision import encode
     from leangrpo.train.policy import Policy, micro_batch_logprobs
 
-    model, processor, shape = _planned_tiny_qwen_vl(tmp_path, real_tokenizer_dir)
+    model, processor, shape = _planned_tiny_vlm(tmp_path, real_tokenizer_dir, family)
     model = model.to(getattr(torch, dtype)).train()
-    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
-    text = processor.apply_chat_template(chat, add_generation_prompt=True)
+    texts = [  # of two lengths: the padding mask the decoder's formula assumes
+        processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
+            add_generation_prompt=True,
+        )
+        for question in ("Which colour?", "Which colour fills the picture?")
+    ]
     images = [[Image.new("RGB", (56, 56), COLOURS[c])] for c in ("red", "blue")]
-    ids, mask, vision = encode(processor, [text, text], images, None, 1)
+    ids, mask, vision = encode(processor, texts, images, None, 1)
     (B, P), C = ids.shape, 5
     completions = torch.randint(0, 1000, (B, C))
     ones = torch.ones_like(completions)
@@ -546,7 +614,7 @@ def test_the_plans_update_activations_of_a_vlm_match_its_whole_forward(tmp_path,
     )  # fmt: skip
     decoder = plan.decoder_activation_bytes(shape, knobs, plan.UpdateLayout.of(B, P, C), B * C)
     assert decoder + plan.vision_saved_bytes(shape, knobs, B) == pytest.approx(saved, rel=0.05)
-    assert decoder < 0.7 * saved
+    assert decoder < 0.85 * saved
 
 
 def test_the_qwen2_5_vl_3b_qlora_config_validates_and_its_plan_fits_24_gb():

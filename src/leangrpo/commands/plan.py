@@ -74,7 +74,7 @@ class ModelShape:
     vision_tensors: tuple[tuple[str, int], ...] = ()
     vision: VisionShape | None = None  # the tower's geometry and its images, for its activations
 
-    SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "qwen2_5_vl")
+    SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "qwen2_5_vl", "idefics3")
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], name: str) -> ModelShape:
@@ -90,7 +90,9 @@ class ModelShape:
             text.pop("vision_config", None)
             vc = cfg.get("vision_config") or {}
             tower = replace(cls.from_config(text, name), vision_tensors=_qwen2_5_vl_vision(vc, name))
-            return replace(tower, vision=VisionShape.of(vc, name))
+            return replace(tower, vision=VisionShape.of(vc, name, model_type))
+        if model_type == "idefics3":  # SmolVLM: a SigLIP tower, pixel shuffle, a Llama decoder
+            return cls._idefics3(cfg, name)
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -116,6 +118,20 @@ class ModelShape:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"model {name}: config.json lacks a usable {e} field") from None
+
+    @classmethod
+    def _idefics3(cls, cfg: dict[str, Any], name: str) -> ModelShape:
+        """Idefics3 (SmolVLM): its text_config's decoder (Llama unless it says), the lm_head tied as the
+        top-level config says, and its SigLIP tower and connector (`_idefics3_vision`)."""
+        vc, scale = cfg.get("vision_config") or {}, cfg.get("scale_factor", 2)
+        if not isinstance(scale, int) or scale < 1:
+            raise PlanError(f"model {name}: config.json's scale_factor is {scale!r}, not a positive integer")
+        text = {"model_type": "llama", **(cfg.get("text_config") or {})}
+        text["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
+        decoder = cls.from_config(text, name)
+        tensors = _idefics3_vision(vc, scale, decoder.hidden_size, name)
+        vision = VisionShape.of(vc, name, "idefics3", scale)
+        return replace(decoder, model_type="idefics3", vision_tensors=tensors, vision=vision)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each Linear in one decoder layer."""
@@ -163,56 +179,99 @@ def _vision_note(shape: ModelShape) -> str:
 QWEN_VL_MAX_PIXELS = 12845056
 """Qwen2-VL's image processor's default max_pixels (its dynamic resolution's largest image), planned for
 when no processor config says otherwise."""
+IDEFICS3_EDGE, IDEFICS3_TILE_EDGE = 4 * 364, 364
+"""Idefics3's image processor's defaults: size.longest_edge (an image's longest edge after resizing) and
+max_image_size.longest_edge (the side of a split's tile)."""
+IDEFICS3_MAX_EDGE = 4096  # the image processor's MAX_IMAGE_SIZE: no edge above it
 
 
 @dataclass(frozen=True)
 class VisionShape:
-    """Qwen2.5-VL's vision tower as its activations need it, and the images it is planned for: one square
-    image a prompt, as large as the image processor's max_pixels and the prompt allow (the trainer refuses a
-    prompt whose image tokens pass max_prompt_length). Each side is cut to whole patch × merge squares (the
-    processor's smart_resize); merge² patches become one image token."""
+    """A vision tower as its activations need it, and the images it is planned for: one square image a
+    prompt, as large as the image processor and the prompt allow (the trainer refuses a prompt whose image
+    tokens pass max_prompt_length). An image is `tiles` squares through the tower, each `merge`²
+    patches an image token. Qwen2.5-VL (`tile` 0): one tile of dynamic size, its side cut to whole
+    patch × merge squares at max_pixels (the processor's smart_resize). Idefics3 (`tile` the tower's
+    image_size): fixed tiles; with splitting, a grid of ceil(edge / split_edge)² tiles plus the global
+    image, fewer rows while the prompt cannot hold them; without, the global image alone."""
 
+    family: str  # the model_type: the tower whose activations vision_saved_bytes traces
     hidden_size: int
     intermediate_size: int
     num_heads: int
     depth: int
-    patch_numel: int  # one patch's pixel values: channels × temporal_patch_size × patch_size²
+    patch_numel: int  # one patch's pixel values: channels × (temporal_patch_size ×) patch_size²
     patch_size: int
-    merge: int
-    max_pixels: int = QWEN_VL_MAX_PIXELS
-    pixels_from: str = "Qwen2-VL's default"
+    merge: int  # patches an image token along a side: spatial_merge_size, or Idefics3's scale_factor
+    tile: int = 0  # Idefics3: the side of the tower's square input in pixels; 0: dynamic (Qwen2.5-VL)
+    max_pixels: int = QWEN_VL_MAX_PIXELS  # Qwen2.5-VL: the largest image's pixels
+    edge: int = IDEFICS3_EDGE  # Idefics3: an image's longest edge
+    split_edge: int = IDEFICS3_TILE_EDGE  # Idefics3: a split tile's side; 0 without splitting
+    pixels_from: str = "the processor's defaults"
 
     @classmethod
-    def of(cls, vc: dict[str, Any], name: str) -> VisionShape:
+    def of(cls, vc: dict[str, Any], name: str, family: str, scale_factor: int = 2) -> VisionShape:
+        """The tower of a `family` model from its vision_config (Idefics3's scale_factor is top-level)."""
         try:
             patch = int(vc["patch_size"])
+            channels = int(vc.get("in_chans", vc.get("in_channels", vc.get("num_channels", 3))))
+            if family == "idefics3":
+                own: dict[str, Any] = dict(
+                    num_heads=int(vc["num_attention_heads"]), depth=int(vc["num_hidden_layers"]),
+                    patch_numel=channels * patch**2, merge=scale_factor, tile=int(vc["image_size"]),
+                )  # fmt: skip
+            else:
+                own = dict(
+                    num_heads=int(vc.get("num_heads", 16)), depth=int(vc["depth"]),
+                    patch_numel=channels * int(vc.get("temporal_patch_size", 2)) * patch**2,
+                    merge=int(vc.get("spatial_merge_size", 2)), pixels_from="Qwen2-VL's default",
+                )  # fmt: skip
             return cls(
-                hidden_size=int(vc["hidden_size"]),
-                intermediate_size=int(vc["intermediate_size"]),
-                num_heads=int(vc.get("num_heads", 16)),
-                depth=int(vc["depth"]),
-                patch_numel=int(vc.get("in_chans", vc.get("in_channels", 3)))
-                * int(vc.get("temporal_patch_size", 2))
-                * patch**2,
-                patch_size=patch,
-                merge=int(vc.get("spatial_merge_size", 2)),
-            )
+                family=family, hidden_size=int(vc["hidden_size"]),
+                intermediate_size=int(vc["intermediate_size"]), patch_size=patch, **own,
+            )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"model {name}: vision_config lacks a usable {e} field") from None
 
+    def grid(self, prompt_tokens: int) -> tuple[int, int]:
+        """(tiles, patches along a tile's side) of one planned image."""
+        if not self.tile:
+            side = math.isqrt(self.max_pixels) // (self.patch_size * self.merge)
+            return 1, min(side, math.isqrt(prompt_tokens)) * self.merge
+        side = self.tile // self.patch_size
+        per_tile = (side // self.merge) ** 2
+        rows = math.ceil(min(self.edge, IDEFICS3_MAX_EDGE) / self.split_edge) if self.split_edge else 1
+        while rows > 1 and (rows * rows + 1) * per_tile > prompt_tokens:
+            rows -= 1
+        return (rows * rows + 1 if rows > 1 else 1), side
+
     def image_tokens(self, prompt_tokens: int) -> int:
-        """One image's tokens: the side at max_pixels, in patch × merge squares, no more than the prompt."""
-        side = min(math.isqrt(self.max_pixels) // (self.patch_size * self.merge), math.isqrt(prompt_tokens))
-        return side * side
+        """One image's image tokens (the processor's image placeholders, its tags aside)."""
+        tiles, side = self.grid(prompt_tokens)
+        return tiles * (side // self.merge) ** 2
 
     def patches(self, prompt_tokens: int) -> int:
         """One image's patches through the tower."""
-        return self.image_tokens(prompt_tokens) * self.merge**2
+        tiles, side = self.grid(prompt_tokens)
+        return tiles * side**2
+
+    def size_words(self, prompt_tokens: int) -> str:
+        """How the plan sizes an image, and from which processor settings."""
+        if not self.tile:
+            return f"at max_pixels={self.max_pixels:,} ({self.pixels_from})"
+        tiles, _ = self.grid(prompt_tokens)
+        if tiles == 1:
+            return f"resized to one {self.tile}×{self.tile} tile, not split ({self.pixels_from})"
+        return (
+            f"its longest edge {self.edge} ({self.pixels_from}), split into {tiles - 1} tiles and the global "
+            f"image, each {self.tile}×{self.tile}"
+        )
 
 
 def with_processor_config(shape: ModelShape, folder: Path) -> ModelShape:
-    """`shape` with the max_pixels of the image processor saved in `folder` (preprocessor_config.json, or
-    processor_config.json's image_processor; `size.longest_edge` in newer transformers), if any."""
+    """`shape` with the image sizes of the image processor saved in `folder` (preprocessor_config.json, or
+    processor_config.json's image_processor), if any: Qwen2.5-VL's max_pixels (`size.longest_edge` in
+    newer transformers); Idefics3's size.longest_edge, max_image_size.longest_edge and do_image_splitting."""
     if shape.vision is None:
         return shape
     for name in ("preprocessor_config.json", "processor_config.json"):
@@ -221,12 +280,26 @@ def with_processor_config(shape: ModelShape, folder: Path) -> ModelShape:
         except (OSError, ValueError):
             continue
         image = saved.get("image_processor", saved) if isinstance(saved, dict) else None
-        if not isinstance(image, dict):
-            continue
-        pixels = image.get("max_pixels") or (image.get("size") or {}).get("longest_edge")
-        if isinstance(pixels, int) and pixels > 0:
-            return replace(shape, vision=replace(shape.vision, max_pixels=pixels, pixels_from=name))
+        if isinstance(image, dict) and (vision := _saved_sizes(shape.vision, image, name)):
+            return replace(shape, vision=vision)
     return shape
+
+
+def _saved_sizes(v: VisionShape, image: dict[str, Any], name: str) -> VisionShape | None:
+    """`v` with the sizes a saved image processor's settings give, None if they give none."""
+    longest = (image.get("size") or {}).get("longest_edge")
+    if not v.tile:
+        pixels = image.get("max_pixels") or longest
+        return (
+            replace(v, max_pixels=pixels, pixels_from=name)
+            if isinstance(pixels, int) and pixels > 0
+            else None
+        )
+    tile = (image.get("max_image_size") or {}).get("longest_edge", IDEFICS3_TILE_EDGE)
+    if not (isinstance(longest, int) and longest > 0 and isinstance(tile, int) and tile > 0):
+        return None
+    split = tile if image.get("do_image_splitting", True) else 0
+    return replace(v, edge=longest, split_edge=split, pixels_from=name)
 
 
 def vision_line(shape: ModelShape, k: Knobs) -> str | None:
@@ -236,7 +309,7 @@ def vision_line(shape: ModelShape, k: Knobs) -> str | None:
         return None
     tokens = v.image_tokens(k.prompt_tokens)
     return (
-        f"images: one a prompt, square, at max_pixels={v.max_pixels:,} ({v.pixels_from}) and within the "
+        f"images: one a prompt, square, {v.size_words(k.prompt_tokens)} and within the "
         f"prompt: {tokens} image tokens of its {k.prompt_tokens}, {v.patches(k.prompt_tokens)} patches "
         "through the vision tower (once a group in the rollout, once a completion in the reference and "
         "update passes)"
@@ -245,33 +318,55 @@ def vision_line(shape: ModelShape, k: Knobs) -> str | None:
 
 def vision_saved_bytes(shape: ModelShape, k: Knobs, images: int) -> int:
     """Bytes the vision tower keeps for backward over `images` images: only when it trains (full
-    fine-tuning; under LoRA it is frozen and keeps nothing). Traced from transformers' Qwen2.5-VL tower
-    (tests/test_vlm.py checks it against the tensors autograd saves): per patch, the patch embedding's
-    input; per block two RMSNorms (fp32 input and rsqrt, normalised input and output), the qkv output, the
-    rotated q and k, the attention output and its fp32 logsumexp per head, the projection's input and the
-    MLP's four; once, the rotary cos and sin (fp32) and the merger's RMSNorm and two Linears' inputs. With
-    checkpointing, a block keeps its input only."""
+    fine-tuning; under LoRA it is frozen and keeps nothing). With checkpointing, a block keeps its input
+    only. Traced from transformers' towers (tests/test_vlm.py checks them against the tensors autograd
+    saves): `_qwen_saved_per_patch`, `_siglip_saved_per_patch`."""
     v = shape.vision
     if v is None or k.method != "full" or k.activation_offload:
         return 0
-    h, i, e, n = v.hidden_size, v.intermediate_size, k.e, images * v.patches(k.prompt_tokens)
+    n = images * v.patches(k.prompt_tokens)
+    if v.family == "idefics3":
+        return n * _siglip_saved_per_patch(v, k)
+    indices = 2 * 8 * images * v.image_tokens(k.prompt_tokens)  # the window order and its inverse
+    return n * _qwen_saved_per_patch(v, k) + indices
+
+
+def _qwen_saved_per_patch(v: VisionShape, k: Knobs) -> int:
+    """Qwen2.5-VL's tower, per patch: the patch embedding's input; per block two RMSNorms (fp32 input and
+    rsqrt, normalised input and output), the qkv output, the rotated q and k, the attention output and its
+    fp32 logsumexp per head, the projection's input and the MLP's four; once, the rotary cos and sin (fp32)
+    and the merger's RMSNorm and two Linears' inputs."""
+    h, i, e = v.hidden_size, v.intermediate_size, k.e
     norm = 4 * h + 4 + 2 * h * e
     block = h * e if k.gradient_checkpointing else 2 * norm + 7 * h * e + 4 * v.num_heads + 4 * i * e
     rotary = 2 * (h // v.num_heads) * 4
     merger = 4 * h + 4 + 4 * h * e
-    indices = 2 * 8 * images * v.image_tokens(k.prompt_tokens)  # the window order and its inverse
-    return n * (v.patch_numel * e + v.depth * block + rotary + merger) + indices
+    return v.patch_numel * e + v.depth * block + rotary + merger
+
+
+def _siglip_saved_per_patch(v: VisionShape, k: Knobs) -> int:
+    """Idefics3's SigLIP tower, per patch: the patch embedding's input and its position id (int64); per
+    layer two LayerNorms (input, output, mean and rstd: fp32 on CUDA, the dtype's on the CPU), q, k and v,
+    the attention output (also the out-projection's input) and its fp32 logsumexp per head, fc1's output
+    and fc2's input; once, the post LayerNorm and the connector's projection input (a patch's share of a
+    pixel-shuffled token)."""
+    h, i, e = v.hidden_size, v.intermediate_size, k.e
+    norm = 2 * h * e + 2 * 4
+    block = h * e if k.gradient_checkpointing else 2 * norm + 4 * h * e + 4 * v.num_heads + 2 * i * e
+    return v.patch_numel * e + 8 + v.depth * block + (h * e + 2 * 4) + h * e
 
 
 def vision_transient_bytes(shape: ModelShape, k: Knobs, images: int) -> int:
     """The vision tower's working set in a pass that keeps nothing for backward (the rollout's prefill,
     the reference pass, a frozen tower's update forward): the pixel values, the hidden states and one
-    block's largest temporaries (qkv with the rotated q and k, or the MLP's gate, up and product)."""
+    block's largest temporaries (qkv with the rotated q and k, or the MLP's gate, up and product; SigLIP's
+    plain MLP holds two)."""
     v = shape.vision
     if v is None:
         return 0
     h, i, n = v.hidden_size, v.intermediate_size, images * v.patches(k.prompt_tokens)
-    return n * k.e * (v.patch_numel + 2 * h + max(5 * h, 3 * i))
+    mlp = 2 * i if v.family == "idefics3" else 3 * i
+    return n * k.e * (v.patch_numel + 2 * h + max(5 * h, mlp))
 
 
 def _qwen2_5_vl_vision(vc: dict[str, Any], name: str) -> tuple[tuple[str, int], ...]:
@@ -290,6 +385,23 @@ def _qwen2_5_vl_vision(vc: dict[str, Any], name: str) -> tuple[tuple[str, int], 
     merged = h * merge**2
     merger = [("small", h), ("linear", merged * merged), ("small", merged), ("linear", merged * out_h)]
     return (("small", patch * h), *(block * depth), *merger, ("small", out_h))
+
+
+def _idefics3_vision(vc: dict[str, Any], scale: int, text_h: int, name: str) -> tuple[tuple[str, int], ...]:
+    """The tensors of Idefics3's SigLIP tower and connector: the patch embedding (a Conv2d with bias), the
+    position embedding ((image_size / patch_size)² positions), per layer q, k, v and out Linears with
+    biases, two LayerNorms and an MLP (fc1, fc2, biases), the post LayerNorm; then the connector's
+    modality projection, no bias, from a pixel-shuffled token (scale_factor² patches) to the decoder."""
+    try:
+        h, i, layers = int(vc["hidden_size"]), int(vc["intermediate_size"]), int(vc["num_hidden_layers"])
+        patch, image = int(vc["patch_size"]), int(vc["image_size"])
+        channels = int(vc.get("num_channels", 3))
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanError(f"model {name}: vision_config lacks a usable {e} field") from None
+    embed = [("small", channels * patch**2 * h), ("small", h), ("small", (image // patch) ** 2 * h)]
+    layer = [("linear", h * h), ("small", h)] * 4 + [("small", h)] * 4
+    layer += [("linear", h * i), ("small", i), ("linear", i * h), ("small", h)]
+    return (*embed, *(layer * layers), ("small", h), ("small", h), ("linear", h * scale**2 * text_h))
 
 
 def _llama(h, i, layers, heads, kv, vocab, tied, head_dim=None) -> dict[str, Any]:
@@ -354,10 +466,10 @@ def resolve_shape(name_or_path: str) -> ModelShape:
         path = path / "config.json"
     if path.is_file() and path.suffix == ".json":
         try:
-            shape = ModelShape.from_config(json.loads(path.read_text()), str(path))
-            return with_processor_config(shape, path.parent)
+            cfg = json.loads(path.read_text())
         except ValueError as e:
             raise PlanError(f"{path} is not valid JSON: {e}") from None
+        return with_processor_config(ModelShape.from_config(cfg, str(path)), path.parent)
     key = _builtin_key(name_or_path)
     if key:
         return ModelShape.from_config(BUILTIN_SHAPES[key], name_or_path)
