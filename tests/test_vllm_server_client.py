@@ -248,6 +248,34 @@ def test_a_server_that_never_answers_times_out_or_stops(tiny_model_dir, tmp_path
         assert time.monotonic() - asked < 2
 
 
+def test_an_adapter_only_run_has_a_changed_base_restored_or_stops_in_one_line(tiny_model_dir, tmp_path):
+    """Where /model_info says an earlier run's update changed the server's base, the client asks the server
+    to reload its checkpoint (/restore_base) before its first adapter, once; not otherwise. A server that
+    cannot is one line saying to restart it; a base_changed that is not a bool, one line too."""
+    import torch
+
+    model = torch.nn.Linear(2, 2)  # no 4-bit weights: the checkpoint's base is the run's
+    failed = (500, {"detail": "loading the updated weights failed: no space"})
+    for changed, restore, requests in [(False, {}, []), (True, {}, ["/restore_base"]), (True, failed, None)]:
+        info = {**model_info(tiny_model_dir, tmp_path), "base_changed": changed}
+        with fake_server({"/health": {}, "/model_info": info, "/restore_base": restore}) as (url, seen):
+            engine = engine_on(url, tiny_model_dir)
+            if requests is None:
+                with pytest.raises(VLLMError) as caught:
+                    engine._own_base(model)  # type: ignore[arg-type]
+                assert str(caught.value) == (
+                    f"the vLLM server at {url} failed /restore_base: {json.dumps(failed[1])}; "
+                    "restart leangrpo vllm-serve to serve the checkpoint's weights"
+                )
+                continue
+            assert engine._own_base(model) == engine._own_base(model) == 0  # type: ignore[arg-type]
+        assert [route for route, _ in seen][2:] == requests
+    info = {**model_info(tiny_model_dir, tmp_path), "base_changed": "yes"}
+    with fake_server({"/health": {}, "/model_info": info}) as (url, _), pytest.raises(VLLMError) as caught:
+        engine_on(url, tiny_model_dir)
+    assert str(caught.value) == f"the vLLM server at {url} answered /model_info badly: base_changed 'yes'"
+
+
 def test_the_key_goes_with_every_request_and_a_refusal_is_one_line(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "s3cret")
     routes = {

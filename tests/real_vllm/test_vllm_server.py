@@ -168,6 +168,51 @@ def test_lora_sync_sends_the_adapter_alone_to_a_lora_server(lora_server, model_d
     engine.close()
 
 
+def test_an_adapter_goes_on_the_checkpoint_after_an_earlier_runs_full_update(
+    lora_server,  # noqa: F811
+    model_dir,  # noqa: F811
+    tokenizer,  # noqa: F811
+    caplog,
+):
+    """A run's full update replaces the server's base; the next run, LoRA with the adapter alone, has the
+    server reload its checkpoint before the first adapter (said in one line), so it samples base + adapter:
+    the trainer's log-probs within LOGPROB_ATOL, not the earlier run's weights plus the adapter. A full
+    update after it then leaves no adapter active: HF's output on the checkpoint."""
+    from test_vllm_engine import move_adapter, with_lora
+
+    full = load(model_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    client(lora_server[0], full, str(model_dir), tokenizer).sync_weights(full)  # an earlier run
+    model = with_lora(model_dir)
+    move_adapter(model, 0)
+    engine = client(lora_server[0], model, str(model_dir), tokenizer)
+    assert engine.base_changed
+    caplog.clear()
+    with caplog.at_level("INFO", logger="leangrpo.engines.vllm"):
+        engine.sync_weights(model)
+    said = [r.getMessage() for r in caplog.records if r.name == "leangrpo.engines.vllm"]
+    assert said == ["vLLM weight sync: the server holds an earlier run's weights; it reloads its checkpoint"]
+    assert engine.last_sync is not None and engine.last_sync.adapter_only
+    torch.manual_seed(1)
+    sampled = engine.generate(PROMPTS, Sampling(num_generations=2, temperature=0.7, **LENGTHS))
+    want = trainer_logprobs(model, sampled, temperature=0.7)
+    torch.testing.assert_close(sampled.sampling_logprobs, want, atol=LOGPROB_ATOL, rtol=0)
+    synced, hf = greedy_pair(engine, model, tokenizer)
+    torch.testing.assert_close(synced.completion_ids, hf.completion_ids)
+    assert not client(lora_server[0], model, str(model_dir), tokenizer).base_changed  # restored
+    base = load(model_dir)  # a later full run: the adapter goes with the earlier weights
+    later = client(lora_server[0], base, str(model_dir), tokenizer)
+    later.sync_weights(base)
+    synced, hf = greedy_pair(later, base, tokenizer)
+    torch.testing.assert_close(synced.completion_ids, hf.completion_ids)
+    sampled = later.generate(PROMPTS, Sampling(num_generations=2, temperature=0.7, **LENGTHS))
+    want = trainer_logprobs(base, sampled, temperature=0.7)
+    torch.testing.assert_close(sampled.sampling_logprobs, want, atol=LOGPROB_ATOL, rtol=0)
+
+
 def test_mismatch_and_no_server_are_refused_in_one_line(server, model_dir, tokenizer):  # noqa: F811
     model = load(model_dir)
     model.config.num_hidden_layers = 3
@@ -244,7 +289,8 @@ def test_every_route_needs_the_key_and_load_weights_refuses_other_paths(tmp_path
     )
     client = TestClient(build_app(Served("m", llm, 1, tmp_path), api_key="k3y"))
     for method, route in [("GET", "/health"), ("GET", "/model_info"), ("POST", "/load_weights"),
-                          ("POST", "/v1/completions"), ("GET", "/docs")]:  # fmt: skip
+                          ("POST", "/restore_base"), ("POST", "/v1/completions"),
+                          ("GET", "/docs")]:  # fmt: skip
         assert client.request(method, route).status_code == 401, route
     keyed = {"Authorization": "Bearer k3y"}
     assert client.get("/health", headers=keyed).json() == {"status": "ok"}

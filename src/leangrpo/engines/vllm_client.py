@@ -5,7 +5,8 @@ vLLM's own server.
 The client samples as the colocated engine does (the same prompt tokens, SamplingParams fields, EOS set
 and per-completion seeds from torch's RNG) and pushes the policy's weights after every update: a
 safetensors file in a directory the server can read (CPU, or any machine sharing it), or NCCL on CUDA;
-a LoRA policy's adapter alone, as such a file, where the server serves LoRA (`--max-lora-rank`).
+a LoRA policy's adapter alone, as such a file, where the server serves LoRA (`--max-lora-rank`), on
+the checkpoint's base (which the server reloads first where an earlier run's update replaced it).
 It needs neither vLLM nor a GPU on the trainer's side for the file transport, and it may be called from
 a background thread (its HTTP client is thread-safe; one weight update at a time). Image prompts of a
 vision-language model go to leangrpo's own server as their text and images (`image_fields`), which the
@@ -46,6 +47,7 @@ from leangrpo.engines.vllm import (
     adapter_tensors,
     applied_weights,
     import_vllm,
+    logger,
     run_context,
     sampled_batch,
     sampling_fields,
@@ -137,7 +139,8 @@ class VLLMServerEngine:
         if self._sends_adapter(model) and self.lora_rank is not None:  # either way said at start
             say_adapter_sync(self.lora_rank)
         self.adapters = 0  # adapters the server loaded
-        self.base_sent = False  # a 4-bit base's dequantized weights replaced the server's (QLoRA)
+        self.base_changed = bool(info.get("base_changed"))  # an earlier run's update replaced its base
+        self.base_ready = False  # the server's base is this run's own, made so before the first adapter
         self.last_sync: SyncStats | None = None
 
     @classmethod
@@ -254,14 +257,14 @@ class VLLMServerEngine:
     def _send_adapter(self, model: PeftModel) -> int:
         """The adapter's tensors as one safetensors file in the server's weights directory, loaded there as
         an adapter (`/load_adapter`, which moves the file into the adapter's own directory); its bytes, or
-        0 when the server refused the first one (this sync and the later ones then send merged layers). A
-        4-bit base goes first, once, dequantized (`_send_file`), its bytes counted too."""
+        0 when the server refused the first one (this sync and the later ones then send merged layers).
+        Before the first, the server's base is made this run's (`_own_base`), its bytes counted too."""
         from safetensors.torch import save_file
 
         base = 0
-        if not self.base_sent and is_4bit(model):
-            base = self._send_file(cast("PreTrainedModel", model), adapter=False)
-            self.base_sent = True
+        if not self.base_ready:
+            base = self._own_base(model)
+            self.base_ready = True
         path = self.new_weights_file()
         try:
             save_file(adapter_tensors(model), str(path))
@@ -276,6 +279,26 @@ class VLLMServerEngine:
             path.unlink(missing_ok=True)
         self.adapters += 1
         return base + size
+
+    def _own_base(self, model: PeftModel) -> int:
+        """Make the base the server's adapters go on this run's own; the bytes sent. A 4-bit base (QLoRA)
+        goes whole, dequantized (`_send_file`). Otherwise the checkpoint's is the run's, and where an earlier
+        run's full or merged update replaced it (/model_info's `base_changed`), the server reloads its
+        checkpoint (`/restore_base`): an adapter would otherwise go on that run's weights, silently."""
+        if is_4bit(model):
+            return self._send_file(cast("PreTrainedModel", model), adapter=False)
+        if self.base_changed:
+            logger.info(
+                "vLLM weight sync: the server holds an earlier run's weights; it reloads its checkpoint"
+            )
+            try:
+                self._call("POST", "/restore_base")
+            except VLLMError as e:
+                raise VLLMError(
+                    f"{e}; restart leangrpo vllm-serve to serve the checkpoint's weights"
+                ) from None
+            self.base_changed = False
+        return 0
 
     def close(self) -> None:
         """The HTTP connections go; the server and its weights stay for the next run."""
@@ -507,8 +530,8 @@ def json_object(response: httpx.Response) -> dict[str, Any]:
 
 
 def checked_info(info: dict[str, Any]) -> dict[str, Any]:
-    """leangrpo's /model_info: the model's name, context, shape fields and weights directory, each of its
-    type."""
+    """leangrpo's /model_info: the model's name, context, shape fields, weights directory and whether its
+    base changed, each of its type."""
     missing = [key for key in ("model", "max_model_len", *SHAPE_FIELDS) if key not in info]
     if missing:
         raise ValueError(f"no {', '.join(missing)}")
@@ -518,6 +541,8 @@ def checked_info(info: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"weights_dir {info['weights_dir']!r:.60}")
     if not _count(info.get("max_lora_rank"), none=True):
         raise ValueError(f"max_lora_rank {info['max_lora_rank']!r:.60}")
+    if not isinstance(info.get("base_changed", False), bool):
+        raise ValueError(f"base_changed {info['base_changed']!r:.60}")
     return info
 
 

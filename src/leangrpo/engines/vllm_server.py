@@ -18,7 +18,10 @@ The routes speak vLLM's own (OpenAI-compatible) names and payloads where vLLM ha
   tensor): a trainer that dies mid-broadcast leaves the server refusing every request in one line
   (restart it), not waiting forever with its engine's lock held;
 - a LoRA adapter (with `--max-lora-rank`): `POST /load_adapter`, its tensors' safetensors file (as for
-  /load_weights) and its adapter_config.json values; completions then sample with it.
+  /load_weights) and its adapter_config.json values; completions then sample with it. An adapter goes on the
+  base the server holds: /model_info's `base_changed` says whether a weight update (a full or merged one, of
+  an earlier run) replaced the checkpoint's since the server loaded it, and `POST /restore_base` reloads the
+  checkpoint (an adapter-only run's client asks for it before its first adapter).
 
 On a shared network: it listens on 127.0.0.1 unless `--host` says otherwise; with a key (`--api-key` or
 LEANGRPO_VLLM_API_KEY) every route answers 401 to a request without it; `/load_weights` reads only regular
@@ -141,6 +144,7 @@ class Served:
         self.lock = threading.Lock()
         self.communicator: Any = None
         self.broken: str | None = None  # why the engine can no longer serve (an update cut short)
+        self.base_changed = False  # a weight update replaced (some of) the checkpoint's weights
 
     def usable(self) -> None:
         """One VLLMError line once an update was cut short: the engine holds partly updated weights."""
@@ -161,6 +165,7 @@ class Served:
         return {
             "model": self.model, "max_model_len": config.max_model_len, **shape,
             "weights_dir": str(self.weights_dir), "max_lora_rank": self.max_lora_rank,
+            "base_changed": self.base_changed,
         }  # fmt: skip
 
     def get_world_size(self) -> dict[str, int]:
@@ -195,7 +200,18 @@ class Served:
         path = owned_file(body.path, self.weights_dir)
         base = checkpoint_files(self.model) if body.partial else []
         with self.lock:
+            self.base_changed = True  # before the reload: one cut short leaves it changed too
             reload_weights(self.llm, _reload_from_file, path=path, base=base)
+            self._bare()
+        return {"status": "ok"}
+
+    def restore_base(self) -> dict[str, str]:
+        """Reload the checkpoint the server loaded (vLLM's in-place reload from the model's own path) and
+        sample with no adapter: the base an adapter-only run's adapters go on, whatever came before."""
+        self.usable()
+        with self.lock:
+            reload_weights(self.llm)
+            self.base_changed = False
             self._bare()
         return {"status": "ok"}
 
@@ -252,6 +268,7 @@ class Served:
                 yield name, tensor
 
         with self.lock:
+            self.base_changed = True
             try:
                 reload_weights(self.llm, weights_iterator=received())
             except VLLMError as e:
@@ -428,7 +445,7 @@ def build_app(served: Served, api_key: str | None = None) -> FastAPI:
         ("GET", "/health", served.health), ("GET", "/v1/models", served.models),
         ("GET", "/model_info", served.model_info), ("GET", "/get_world_size", served.get_world_size),
         ("POST", "/v1/completions", served.complete), ("POST", "/load_weights", served.load_weights),
-        ("POST", "/load_adapter", served.load_adapter),
+        ("POST", "/load_adapter", served.load_adapter), ("POST", "/restore_base", served.restore_base),
         ("POST", "/reset_prefix_cache", served.reset_prefix_cache),
         ("POST", "/init_communicator", served.init_communicator),
         ("POST", "/update_named_params", served.update_named_params),
