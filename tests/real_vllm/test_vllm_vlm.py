@@ -151,3 +151,41 @@ def test_grpo_trainer_trains_a_tiny_smolvlm_on_a_vllm_server(tmp_path, vlm_dir, 
     rows = [r for r in trainer.state.log_history if "vllm/logprob_diff_max" in r]
     assert [r["step"] for r in rows] == [1, 2], trainer.state.log_history
     assert all(r["vllm/logprob_diff_max"] < 1e-3 for r in rows), rows
+
+
+def test_eval_of_a_vlm_run_on_vllm_sends_its_images(tmp_path, real_tokenizer_dir, monkeypatch):
+    """`leangrpo eval --engine vllm` of a LoRA run of the tiny Idefics3 on its image rows: vLLM loads the
+    run's final model (its processor beside it) and each request carries its row's image, the prompt its
+    placeholder; the greedy completions are HF generate's (`--engine hf`, the same run)."""
+    import json
+
+    from test_vlm import _cli_run
+
+    from leangrpo.commands.evaluate import run_eval
+    from leangrpo.engines import vllm as vllm_mod
+
+    assert _cli_run(tmp_path, real_tokenizer_dir, heads=2).exit_code == 0
+    sent: list = []
+
+    def image_requests(texts, images, repeat):
+        requests = real_requests(texts, images, repeat)
+        sent.extend(requests)
+        return requests
+
+    real_requests = vllm_mod.image_requests
+    monkeypatch.setattr(vllm_mod, "image_requests", image_requests)
+    completions = {}
+    for engine in ("hf", "vllm"):
+        out = tmp_path / f"{engine}.json"
+        run_eval(
+            str(tmp_path / "run"), data=str(tmp_path / "rows.jsonl"), max_new_tokens=4, out=str(out),
+            engine=engine,  # type: ignore[arg-type]
+        )  # fmt: skip
+        records = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+        completions[engine] = [r["completion"] for r in records]
+    assert len(sent) == 4 and all(r["prompt"].count("<image>") == 1 for r in sent), sent
+    colours = sorted(r["multi_modal_data"]["image"][0].getpixel((0, 0)) for r in sent)
+    assert colours == sorted(
+        img.getpixel((0, 0)) for img in (Image.open(tmp_path / f"{i}.png") for i in range(4))
+    )
+    assert len(completions["hf"]) == 4 and completions["vllm"] == completions["hf"], completions

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from leangrpo.config.schema import CPUConfig, TaskConfig
@@ -9,8 +10,11 @@ from leangrpo.data.rows import PromptFormat
 from leangrpo.data.tasks import load_task
 from leangrpo.engines.hf import generate
 from leangrpo.engines.types import Sampling
+from leangrpo.engines.vision import image_processor, text_tokenizer
 from leangrpo.run.trained import load_trained
 from leangrpo.train.levers import cpu_levers
+
+log = logging.getLogger(__name__)
 
 
 class Chat:
@@ -24,7 +28,12 @@ class Chat:
         temperature: float = 0.0,
         trust_remote_code: bool = False,
     ):
-        self.model, self.tokenizer, trained = load_trained(source, trust_remote_code=trust_remote_code)
+        self.model, processing, trained = load_trained(source, trust_remote_code=trust_remote_code)
+        self.tokenizer = text_tokenizer(processing)
+        if image_processor(processing) is not None:  # a question is a line of text: no way to give an image
+            log.warning(
+                "note: chat asks a vision-language model text only; image prompts: leangrpo eval --data"
+            )
         data: dict[str, Any] = (
             trained.config["data"] if trained else {"system_prompt": load_task(TaskConfig()).system_prompt}
         )

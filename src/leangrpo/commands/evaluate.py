@@ -25,6 +25,7 @@ from leangrpo.engines.agents import AgentSpec, agent_from_config
 from leangrpo.engines.hf import HFEngine
 from leangrpo.engines.tools import prepare_tokenizer
 from leangrpo.engines.types import RolloutEngine, eos_token_ids
+from leangrpo.engines.vision import image_processor, text_tokenizer
 from leangrpo.engines.vllm import VLLMEngine, import_vllm
 from leangrpo.run.resolve import Vet, load_config, validate_config
 from leangrpo.run.rundir import check_writable
@@ -92,16 +93,18 @@ def run_eval(
     dtype = dtype or (cfg.model.dtype if cfg else None)
     if engine == "vllm":
         import_vllm()  # its one-line error before the model loads
-    lm, tokenizer, _ = load_trained(model, dtype=dtype, adapter=adapter, trust_remote_code=trust_remote_code)
+    lm, processing, _ = load_trained(model, dtype=dtype, adapter=adapter, trust_remote_code=trust_remote_code)
+    # a vision-language model's processor encodes the image prompts; its tokenizer the rest
+    processor, tokenizer = image_processor(processing), text_tokenizer(processing)
     if inputs.agent is not None:
         prepare_tokenizer(tokenizer)
     sampling = eval_sampling(cfg.grpo if cfg else None, inputs.data, max_new_tokens)
     limit = sampling.max_prompt_length  # none: vLLM takes the model's own context
     max_model_len = None if limit is None else limit + sampling.max_completion_length
     generator = (
-        _vllm_engine(lm, tokenizer, cfg, max_model_len, dtype, seed, trust_remote_code)
+        _vllm_engine(lm, tokenizer, cfg, max_model_len, dtype, seed, trust_remote_code, processor)
         if engine == "vllm"
-        else HFEngine(lm, tokenizer, cpu_levers(lm.device, cfg.cpu if cfg else CPUConfig()))
+        else HFEngine(lm, tokenizer, cpu_levers(lm.device, cfg.cpu if cfg else CPUConfig()), processor)
     )
     result = evaluate(
         lm, tokenizer, inputs.rows, inputs.reward_funcs, inputs.task, sampling,
@@ -202,16 +205,18 @@ def _vllm_engine(
     dtype: str | None,
     seed: int,
     trust_remote_code: bool,
+    processor: Any | None = None,
 ) -> RolloutEngine:
     """A vLLM engine that loads the checkpoint, then takes the weights evaluated (adapter merged); in
-    `dtype`, by default the evaluated model's own (not vLLM's fp32 build)."""
+    `dtype`, by default the evaluated model's own (not vLLM's fp32 build). `processor`: a vision-language
+    model's, which encodes image prompts for the scoring side (vLLM encodes them with its own)."""
     assert lm.name_or_path is not None, "from_pretrained sets it"
     share = cfg.grpo.vllm_gpu_memory_utilization if cfg else None
     dtype = dtype or str(lm.dtype).removeprefix("torch.")
     generator = VLLMEngine(
         lm.name_or_path, tokenizer, eos_token_ids(tokenizer, lm),
         max_model_len=max_model_len, dtype=dtype, seed=seed, trust_remote_code=trust_remote_code,
-        gpu_memory_utilization=share or UNPLANNED_VLLM_SHARE,
+        gpu_memory_utilization=share or UNPLANNED_VLLM_SHARE, processor=processor,
     )  # fmt: skip
     generator.sync_weights(lm)
     return generator

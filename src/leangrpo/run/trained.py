@@ -20,11 +20,12 @@ from leangrpo.models.load import (
     load_model_and_tokenizer,
     load_tokenizer,
     merge_lora,
+    processing_class,
     resolve_model_path,
 )
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 
 
 EXPORT_INFO = "leangrpo_export.json"
@@ -129,17 +130,19 @@ def load_trained(
     dtype: str | None = None,
     adapter: str | None = None,
     trust_remote_code: bool = False,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, Trained | None]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | ProcessorMixin, Trained | None]:
     """Load `source` for inference (eval mode, on the GPU when there is one): a run, checkpoint or export
     (see `locate`), or any model `load_model_and_tokenizer` takes, with an optional peft `adapter` merged
-    in. `dtype` defaults to the training config's. `trust_remote_code` comes from the caller only, never
+    in; and its processing class, as TRL's: a vision-language model's processor saved beside its weights
+    (which encodes image prompts; `vision.text_tokenizer` gives its tokenizer), else the tokenizer.
+    `dtype` defaults to the training config's. `trust_remote_code` comes from the caller only, never
     from a file being loaded."""
     trained = locate(source)
+    cfg = ModelConfig(
+        name_or_path=source, dtype=dtype or "float32", gradient_checkpointing=False,
+        trust_remote_code=trust_remote_code,
+    )  # fmt: skip
     if trained is None:
-        cfg = ModelConfig(
-            name_or_path=source, dtype=dtype or "float32", gradient_checkpointing=False,
-            trust_remote_code=trust_remote_code,
-        )  # fmt: skip
         model, tokenizer = load_model_and_tokenizer(cfg)
     else:
         kwargs: dict[str, Any] = {
@@ -164,11 +167,13 @@ def load_trained(
         except Exception as e:  # noqa: BLE001 - truncated or foreign weights raise many kinds
             raise ModelError(f"cannot load the trained model in {weights}: {describe(e)}") from None
         tokenizer = load_tokenizer(str(weights), trust_remote_code)
+        cfg = cfg.model_copy(update={"name_or_path": str(weights)})  # its processor is saved beside them
+    processing = processing_class(None, tokenizer, model, cfg)
     if adapter:
         model = _merge_adapter(model, adapter)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # transformers wraps PreTrainedModel.to with functools.wraps, which the stubs do not bind as a method
-    return model.to(device).eval(), tokenizer, trained  # type: ignore[arg-type]
+    return model.to(device).eval(), processing, trained  # type: ignore[arg-type]
 
 
 def _merge_adapter(model: PreTrainedModel, adapter: str, dtype: torch.dtype | None = None) -> PreTrainedModel:
