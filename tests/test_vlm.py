@@ -84,6 +84,21 @@ def test_a_batch_mixing_image_and_text_prompts_is_one_line(tiny_vlm):
         encode(processor, ["plain text", text], [[], [image]], None, 2)
 
 
+def test_image_prompts_without_a_processor_or_with_tools_are_one_line_each(tiny_vlm):
+    """Image prompts for a model without an image processor (a text model from the CLI) name the fix, not
+    the Python API's argument alone; image prompts with tools say that tools are the reason."""
+    from leangrpo.engines.types import Sampling, encode_rollout_prompts
+    from leangrpo.engines.vision import VisionError
+
+    _, processor = tiny_vlm
+    images = [[Image.new("RGB", (56, 56), (255, 0, 0))]]
+    sampling = Sampling(num_generations=2, max_prompt_length=None, max_completion_length=4)
+    with pytest.raises(VisionError, match="^the prompts have images, but the model has no image processor"):
+        encode_rollout_prompts(processor.tokenizer, ["x"], sampling, images, None, None)
+    with pytest.raises(VisionError, match="^image prompts with tools are not supported"):
+        encode_rollout_prompts(processor.tokenizer, ["x"], sampling, images, processor, [object()])
+
+
 def test_grpo_trainer_trains_a_tiny_vlm(tmp_path, tiny_vlm):
     import json
 

@@ -292,8 +292,15 @@ def encode_rollout_prompts(
             tokenizer, prompt_texts, sampling.max_prompt_length, sampling.num_generations
         )
         return ids, mask, None
-    if processor is None or toolboxes is not None:
-        raise VisionError("image prompts need the model's processor (processing_class), and no tools")
+    if toolboxes is not None:
+        raise VisionError(
+            "image prompts with tools are not supported (docs/vlm.md): drop the tools or the images"
+        )
+    if processor is None:
+        raise VisionError(
+            "the prompts have images, but the model has no image processor: use a vision-language model (its "
+            "folder holds preprocessor_config.json), or in Python pass its AutoProcessor as processing_class"
+        )
     return encode(processor, prompt_texts, images, sampling.max_prompt_length, sampling.num_generations)
 
 
