@@ -10,7 +10,7 @@ import pytest
 from leangrpo.config.schema import TaskConfig
 from leangrpo.data.rewards.builtin import ANSWER_FORMAT_PROMPT
 from leangrpo.data.tasks import load_task
-from leangrpo.data.tasks.calculator import calculator
+from leangrpo.data.tasks.calculator import TOOLS, calculator, calculator_step, steps
 from leangrpo.engines.tools import Toolbox, ToolUse, parse_turn, prepare_tokenizer, run_tool_calls
 
 
@@ -44,11 +44,34 @@ def test_a_hostile_call_is_a_failed_tool_call():
     assert name == "calculator" and failed and "error" in content
 
 
-@pytest.fixture(scope="module")
-def rows():
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [("1234 + 5678", "6912"), ("-3579 - 9376", "-12955"), ("7 / 2", "3.5"), ("42", "42")],
+)
+def test_calculator_step_takes_one_operation(expression, value):
+    assert calculator_step(expression) == value
+
+
+@pytest.mark.parametrize("expression", ["1 + 2 + 3", "(1 + 2) * 3", "-(1 - 2) - 3", "x + 1", "2 ** 3"])
+def test_calculator_step_refuses_more_than_one_operation_or_anything_else(expression):
+    with pytest.raises(ValueError, match="one operation per call|only numbers|not an arithmetic"):
+        calculator_step(expression)
+
+
+def test_steps_chain_left_to_right_on_each_result():
+    assert steps("1663 - 5242 - 9376") == ["1663 - 5242", "-3579 - 9376"]
+    assert steps("12 + 30 - 2 + 5") == ["12 + 30", "42 - 2", "40 + 5"]
+    assert steps("7") == ["7"]
+    with pytest.raises(ValueError, match="chain of numbers"):
+        steps("2 * 3 + 1")
+
+
+@pytest.fixture(scope="module", params=["calculator", "calculator_step"])
+def rows(request):
     task = load_task(
         TaskConfig(
             name="calculator",
+            tool=request.param,
             config={"chain_sum": {"min_terms": 3, "max_terms": 4, "min_digits": 3, "max_digits": 4}},
         )
     )
@@ -56,42 +79,54 @@ def rows():
 
 
 def test_traces_are_what_the_chat_template_renders_and_parse_back(real_tokenizer_dir, rows):
-    """Each trace, after its prompt, is the conversation the ChatML tool template renders (tool call,
-    result, answer); its first turn parses back, with the tool loop's parser, into the calculator call
-    whose result is the gold answer; and the task finds the answer correct."""
+    """Each trace, after its prompt, is the conversation the ChatML tool template renders (tool calls with
+    their results, then the answer); each call turn parses back, with the tool loop's parser, into the
+    call that gives the next step, the last one's result being the gold answer; and the task finds the
+    answer correct. `calculator` takes the whole expression in one call, `calculator_step` one call per
+    operation, each on the previous result."""
     from transformers import AutoTokenizer
 
     from leangrpo.data.rows import PromptFormat
 
     tok = AutoTokenizer.from_pretrained(real_tokenizer_dir)
     prepare_tokenizer(tok)
-    box = Toolbox([calculator])
     task, problems = rows
+    tool = task.options.tool
+    box = Toolbox([TOOLS[tool]])
     for row in problems:
         prompt = [
             {"role": "system", "content": ANSWER_FORMAT_PROMPT},
             {"role": "user", "content": row["question"]},
         ]
         trace = task.solution(row)
-        call = {
-            "type": "function",
-            "function": {"name": "calculator", "arguments": {"expression": row["metadata"]["expression"]}},
-        }
+        expression = row["metadata"]["expression"]
+        calls = [
+            {"type": "function", "function": {"name": tool, "arguments": {"expression": step}}}
+            for step in ([expression] if tool == "calculator" else steps(expression))
+        ]
+        assert len(calls) == (1 if tool == "calculator" else row["metadata"]["num_terms"] - 1)
+        results = [TOOLS[tool](c["function"]["arguments"]["expression"]) for c in calls]
+        assert results[-1] == row["answer"]
         final = trace.rsplit("<|im_start|>assistant\n", 1)[1]
-        conversation = [
-            *prompt, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "calculator", "content": row["answer"]},
-            {"role": "assistant", "content": final},
-        ]  # fmt: skip
+        conversation = [*prompt]
+        for call, result in zip(calls, results, strict=True):
+            conversation += [
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": tool, "content": result},
+            ]
+        conversation.append({"role": "assistant", "content": final})
         shown = PromptFormat().render(tok, prompt, box.schemas)
         assert tok.apply_chat_template(conversation, tools=box.schemas, tokenize=False) == (
             shown + trace + tok.eos_token + "\n"
         )
-        first_turn = trace.split("<|im_end|>")[0] + "<|im_end|>"
-        use = ToolUse([[]], [1], [Counter()], [Counter()])
+        turns = [
+            t.split("<|im_start|>assistant\n")[-1] + "<|im_end|>" for t in trace.split("<|im_end|>")[::2]
+        ]
         prefix = tok(shown, add_special_tokens=False).input_ids
-        _, calls = parse_turn(tok, tok(first_turn, add_special_tokens=False).input_ids, prefix, box, use, 0)
-        assert calls == [call] and not use.failures[0]
-        assert run_tool_calls([(box, c) for c in calls]) == [("calculator", row["answer"], False)]
+        for turn, call, result in zip(turns, calls, results, strict=False):
+            use = ToolUse([[]], [1], [Counter()], [Counter()])
+            _, parsed = parse_turn(tok, tok(turn, add_special_tokens=False).input_ids, prefix, box, use, 0)
+            assert parsed == [call] and not use.failures[0]
+            assert run_tool_calls([(box, c) for c in parsed]) == [(tool, result, False)]
         assert task.is_correct(trace, row)
         assert abs(int(row["answer"])) >= 100  # 3–4 digit terms: not one-digit sums
