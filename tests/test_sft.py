@@ -110,6 +110,35 @@ def test_cold_start_raises_the_likelihood_of_tagged_solutions(tmp_path, tiny_mod
     assert nll() < before - 0.5
 
 
+def test_the_cold_start_says_when_it_cuts_worked_solutions(tmp_path, tiny_model_dir, gsm8k_dir):
+    """A worked solution longer than grpo.max_completion_length is cut there (its answer not trained
+    on): said in one line with the count, not silently."""
+    from leangrpo.run.resolve import validate_config
+    from leangrpo.train.trainer import Trainer
+
+    cfg = validate_config(
+        {
+            "model": {"name_or_path": str(tiny_model_dir), "gradient_checkpointing": False},
+            "task": {"name": "gsm8k", "max_solution_steps": 2},
+            "data": {"path": str(gsm8k_dir / "train.jsonl"), "limit": 8},
+            "rewards": {"functions": [{"name": "correctness"}]},
+            "grpo": {"num_generations": 2, "max_completion_length": 8, "max_prompt_length": 128},
+            "sft": {"steps": 2, "batch_size": 4},
+            "logging": {"progress_bar": False},
+            "output_dir": str(tmp_path / "run"),
+        }
+    )
+    trainer = Trainer(cfg)
+    lines: list[str] = []
+    trainer._write = lines.append
+    trainer.cold_start()
+    said = [line for line in lines if "worked solutions ran past" in line]
+    assert said == [
+        "sft: 8 of 8 worked solutions ran past grpo.max_completion_length=8 tokens and were cut there; "
+        "raise it to train on their ends"
+    ]
+
+
 def test_a_tool_traces_results_are_out_of_the_cold_start_loss(
     real_tokenizer, monkeypatch, tmp_path, gsm8k_dir
 ):

@@ -51,6 +51,7 @@ def cold_start(
     fmt = PromptFormat.from_config(cfg.data, g.max_prompt_length)
     policy.train()
     show = acc.is_main_process and cfg.logging.progress_bar
+    cut, shown = 0, 0  # solutions longer than the completion budget, of those shown (said at the end)
     for step in trange(s.steps, desc="SFT cold start", disable=not show, dynamic_ncols=True):
         batch_rows = [rows[i] for i in order.indices(step)]
         prompts, tools = [r["prompt"] for r in batch_rows], None
@@ -61,6 +62,7 @@ def cold_start(
             gen.tokenizer, prompts, [task.solution(r) for r in batch_rows], prompt_format=fmt, tools=tools,
             max_prompt_length=g.max_prompt_length, max_completion_length=g.max_completion_length,
         ).to(acc.device)  # fmt: skip
+        cut, shown = cut + int(batch.truncated.sum()), shown + len(batch_rows)
         logp, _ = micro_batch_logprobs(policy, batch, slice(None), temperature=1.0)
         loss = nll_loss(logp, batch.loss_mask[:, : logp.shape[1]])  # a trace's tool results: out
         acc.backward(loss)
@@ -69,6 +71,11 @@ def cold_start(
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % step_interval(cfg.logging.logging_steps, s.steps) == 0 or step + 1 == s.steps:
             write(f"sft step {step + 1:>4} | loss={loss.item():.4g}")
+    if cut:  # their ends (the answer, often) were not trained on
+        write(
+            f"sft: {cut} of {shown} worked solutions ran past grpo.max_completion_length="
+            f"{g.max_completion_length} tokens and were cut there; raise it to train on their ends"
+        )
 
 
 def sft_batch(
