@@ -40,6 +40,7 @@ from leangrpo.engines.types import (
     with_tools,
 )
 from leangrpo.engines.vision import VisionInputs
+from leangrpo.models import neftune
 from leangrpo.models.load import is_peft, peft_base
 
 if TYPE_CHECKING:
@@ -136,7 +137,7 @@ def generate(
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     eos = eos_token_ids(tokenizer, model)
     rng = sampling.generator(device)  # one stream for every turn of the rollout
-    reuse = reuse_cache and toolboxes is not None
+    reuse = reuse_cache and toolboxes is not None and not neftune.noised(model)  # TRL re-noises each turn
     turns = ResumedTurns(model, tokenizer, sampling, eos, levers, reuse, rng, sampler_logprobs)
     completion_ids, logprobs = turns.first(prompt_ids, prompt_mask, vision)
     batch = finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, sampling, logprobs)
@@ -341,7 +342,9 @@ def sample(
     model.eval()  # uses the KV cache (disabled under gradient checkpointing in train mode), no dropout
     if cache is None:
         cache = kv_cache(model, prompt_ids.shape[1] + sampling.max_completion_length)
+    noised = neftune.noised(model)  # each row's prompt prefilled apart: its own noise draw, as in TRL
     own_loop = cache is not None and prompt_ids.shape[1] > 1 and not sampling.generation_kwargs and not vision
+    own_loop &= not noised
     with only_generation_config(model, gen_cfg):
         completion_ids = None
         if levers is not None and own_loop and cache is not None:
@@ -350,7 +353,14 @@ def sample(
             )
         if completion_ids is None:
             with levers.around_generate(model, len(prompt_ids)) if levers is not None else nullcontext():
-                pixels = prefill(model, prompt_ids, prompt_mask, sampling.num_generations, cache, vision)
+                pixels = prefill(
+                    model,
+                    prompt_ids,
+                    prompt_mask,
+                    sampling.num_generations,
+                    None if noised else cache,
+                    vision,
+                )
                 # generate(): a causal LM (or the peft model standing in for one) has it, PreTrainedModel
                 # does not declare it
                 out = cast("GenerationMixin", model).generate(
