@@ -108,20 +108,35 @@ def closing():
         trainer.session.close()
 
 
-@pytest.mark.parametrize("packed_generation", [True, False])
-def test_generation_noises_each_completions_prompt_and_each_token(
-    tmp_path, tiny_model_dir, closing, packed_generation
-):
+def test_generation_noises_each_completions_prompt_and_each_token(tmp_path, tiny_model_dir, closing):
     """TRL's transformers generation in train mode: every row's prompt prefilled (and noised) apart, at
-    the prompts' padded width, then each new token (L = 1); neither the CPU levers' lean decode loop and
-    once-a-group prefill (packed_generation) nor generate's once-a-group prefill shares a group's draw."""
-    trainer = make_trainer(tmp_path, tiny_model_dir, ALPHA, packed_generation=packed_generation)
+    the prompts' padded width, then each new token (L = 1); the CPU levers' lean decode loop, which
+    prefills a group's prompt once, gives way to generate()."""
+    trainer = make_trainer(tmp_path, tiny_model_dir, ALPHA)
     closing(trainer)
     policy = Forwards(neftune.embeddings(trainer.unwrapped.lm))
     batch = trainer.source.rollout(1).batch
     seen = policy.take()
     assert seen[0] == ((4, batch.prompt_ids.shape[1], 64), True)  # two prompts × num_generations
     assert {shape[:2] for shape, _ in seen[1:]} == {(4, 1)} and all(noised for _, noised in seen)
+
+
+def test_generate_gives_up_its_once_a_group_prefill(tiny_model_dir):
+    """generate() with a KV cache prefills a group's prompt once (engines/hf.py, `prefill`): not under
+    NEFTune, whose draw is each completion's own."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from leangrpo.engines.hf import generate
+    from leangrpo.engines.types import Sampling
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    neftune.activate(model, ALPHA)
+    policy = Forwards(neftune.embeddings(model))
+    sampling = Sampling(num_generations=2, max_prompt_length=None, max_completion_length=3, seed=0)
+    batch = generate(model, tokenizer, ["Say hi", "Say hello there"], sampling)
+    seen = policy.take()
+    assert seen[0] == ((4, batch.prompt_ids.shape[1], 64), True) and all(noised for _, noised in seen)
 
 
 @pytest.mark.parametrize("lora", [False, True])
