@@ -330,14 +330,7 @@ def sample(
     processors = logits_processors(sampling, generator, drawn)
     if sampling.regex is not None:  # first: vLLM masks its logits before it samples (engines/structured.py)
         processors.insert(0, RegexConstraint(tokenizer, sampling.regex, eos))
-    gen_cfg = GenerationConfig(
-        max_new_tokens=sampling.max_completion_length,
-        min_new_tokens=sampling.max_completion_length if sampling.ignore_eos else 0,
-        do_sample=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos,
-        **(sampling.generation_kwargs or {}),
-    )
+    gen_cfg = generation_config(tokenizer, sampling, eos)
     was_training = model.training
     model.eval()  # uses the KV cache (disabled under gradient checkpointing in train mode), no dropout
     if cache is None:
@@ -353,14 +346,8 @@ def sample(
             )
         if completion_ids is None:
             with levers.around_generate(model, len(prompt_ids)) if levers is not None else nullcontext():
-                pixels = prefill(
-                    model,
-                    prompt_ids,
-                    prompt_mask,
-                    sampling.num_generations,
-                    None if noised else cache,
-                    vision,
-                )
+                prefilled = None if noised else cache  # NEFTune: generate() prefills every row
+                pixels = prefill(model, prompt_ids, prompt_mask, sampling.num_generations, prefilled, vision)
                 # generate(): a causal LM (or the peft model standing in for one) has it, PreTrainedModel
                 # does not declare it
                 out = cast("GenerationMixin", model).generate(
@@ -374,6 +361,21 @@ def sample(
             completion_ids = out[:, prompt_ids.shape[1] :]
     model.train(was_training)
     return completion_ids
+
+
+def generation_config(
+    tokenizer: PreTrainedTokenizerBase, sampling: Sampling, eos: list[int]
+) -> GenerationConfig:
+    """generate()'s config for `sampling`: greedy over the logits processors' choice (`InverseCDFSampler`
+    samples), `ignore_eos` as a minimum length."""
+    return GenerationConfig(
+        max_new_tokens=sampling.max_completion_length,
+        min_new_tokens=sampling.max_completion_length if sampling.ignore_eos else 0,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+        **(sampling.generation_kwargs or {}),
+    )
 
 
 class GenerationLengthError(UserError, ValueError):
