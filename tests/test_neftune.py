@@ -197,10 +197,21 @@ def test_python_api_trains_with_neftune_and_ends_it(tmp_path, tiny_model_dir):
         output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4, num_generations=4,
         max_completion_length=4, report_to="none", neftune_noise_alpha=ALPHA,
     )  # fmt: skip
-    trainer = GRPOTrainer(str(tiny_model_dir), "strict_format", args, [{"prompt": "Hi"}, {"prompt": "Yo"}])
+    on: list[bool] = []
+
+    def noting(completions, **kwargs):
+        """A reward that notes whether the policy's forwards are being noised meanwhile."""
+        on.append(neftune.noised(model))
+        return [0.0] * len(completions)
+
+    trainer = GRPOTrainer(str(tiny_model_dir), noting, args, [{"prompt": "Hi"}, {"prompt": "Yo"}])
+    model = trainer.model  # loaded now, then trained in place
     output = trainer.train()
     assert output.global_step == 2 and math.isfinite(trainer.state.log_history[0]["loss"])
-    assert not neftune.noised(trainer.model)  # off after training, as transformers' Trainer
+    assert trainer.model is model and on == [True, True]
+    forwards = Forwards(neftune.embeddings(model))
+    model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert forwards.take() == [((1, 3, 64), False)]  # off after training, as transformers' Trainer
 
 
 def test_flat_trl_yaml_trains_with_neftune(tmp_path, tiny_model_dir):
