@@ -139,6 +139,36 @@ def test_generate_gives_up_its_once_a_group_prefill(tiny_model_dir):
     assert seen[0] == ((4, batch.prompt_ids.shape[1], 64), True) and all(noised for _, noised in seen)
 
 
+def test_tool_turns_are_re_encoded_not_resumed_from_the_cache(tiny_model_dir, monkeypatch):
+    """TRL prefills each tool-calling turn anew (prompt, completion so far and tool results), noising it
+    all again; a KV cache kept from the turns before would hold their old draws: not kept."""
+    from transformers import AutoModelForCausalLM
+
+    import leangrpo.engines.hf as hf
+    from leangrpo.data.tasks.calculator import calculator
+    from leangrpo.engines.tools import Toolbox, prepare_tokenizer
+    from leangrpo.engines.types import Sampling
+    from leangrpo.models.load import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    prepare_tokenizer(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    turns = []
+
+    class Spy(hf.ResumedTurns):
+        def __init__(self, *args):
+            super().__init__(*args)
+            turns.append(self)
+
+    monkeypatch.setattr(hf, "ResumedTurns", Spy)
+    sampling = Sampling(num_generations=1, max_prompt_length=None, max_completion_length=3, seed=0)
+    for alpha in (None, ALPHA):
+        if alpha is not None:
+            neftune.activate(model, alpha)
+        hf.generate(model, tokenizer, ["Add 2 and 3"], sampling, toolboxes=[Toolbox([calculator])])
+    assert [t.reuse for t in turns] == [True, False]
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_the_passes_trl_runs_in_train_mode_are_noised_and_evaluation_is_not(
     tmp_path, tiny_model_dir, closing, lora
