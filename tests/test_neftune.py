@@ -71,7 +71,8 @@ class Forwards:
         return seen
 
 
-def make_trainer(tmp_path, tiny_model_dir, alpha, lora=False, packed_generation=True):
+def make_trainer(tmp_path, tiny_model_dir, alpha, lora=False):
+    """A Trainer of the tiny model with the CPU levers (the lean decode loop: packed_generation) on."""
     from leangrpo.run.resolve import validate_config
     from leangrpo.train.trainer import Trainer
 
@@ -89,7 +90,6 @@ def make_trainer(tmp_path, tiny_model_dir, alpha, lora=False, packed_generation=
                 "steps_per_generation": 2,  # two micro-batches, one optimizer step each: the old-policy pass
             },
             "optim": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_steps": 2},
-            "cpu": {"packed_generation": packed_generation},
             "eval": {"enabled": True, "path": str(data), "split": "train", "limit": 2, "max_new_tokens": 3},
             "logging": {"progress_bar": False},
             "output_dir": str(tmp_path / "run"),
@@ -201,6 +201,25 @@ def test_the_passes_trl_runs_in_train_mode_are_noised_and_evaluation_is_not(
     seen = policy.take()
     assert seen and not any(noised for _, noised in seen)
     assert neftune.noised(trainer.unwrapped.lm)  # evaluation leaves it on for the steps after
+
+
+def test_async_rollouts_copy_of_the_policy_noises_too(tiny_model_dir):
+    """Async rollouts generate on a copy of the policy (SnapshotEngine), made after NEFTune is on: its
+    generation is noised as the policy's (TRL has no async GRPOTrainer; this is its generation's rule)."""
+    from transformers import AutoModelForCausalLM
+
+    from leangrpo.engines.hf import SnapshotEngine
+    from leangrpo.engines.types import Sampling
+    from leangrpo.models.load import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    neftune.activate(model, ALPHA)
+    engine = SnapshotEngine(model, load_tokenizer(str(tiny_model_dir)))
+    assert engine.model is not model
+    copy = Forwards(neftune.embeddings(engine.model))
+    engine.generate(["Say hi"], Sampling(num_generations=2, max_prompt_length=None, max_completion_length=3))
+    seen = copy.take()
+    assert seen[0][0][0] == 2 and all(noised for _, noised in seen)
 
 
 def test_without_alpha_nothing_is_noised_and_the_layouts_stay(tmp_path, tiny_model_dir, closing):
