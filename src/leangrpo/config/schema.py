@@ -426,6 +426,12 @@ class GRPOSection(Section):
         description="the reference, old-policy and update passes read real tokens only: a micro-batch's "
         "completions packed end to end, none padded to the longest (docs/memory.md)",
     )
+    neftune_noise_alpha: float | None = Field(
+        None,
+        ge=0,
+        description="NEFTune: uniform noise of ±alpha/sqrt(L·d) on the input embeddings of the policy's "
+        "training forwards and HF generation, not evaluation's (TRL's; docs/trl.md). null: off",
+    )
     ignore_eos: bool = Field(False, description="always generate max_completion_length tokens (benchmarks)")
     use_vllm: bool = Field(
         False, description="generate rollouts with vLLM instead of HF generate (docs/vllm.md)"

@@ -195,11 +195,7 @@ _NOTED = {
 }
 """GRPOConfig fields ignored with a notice when set to another value than TRL's default."""
 
-_REFUSED = {
-    "neftune_noise_alpha": "NEFTune's embedding noise is not supported: TRL adds it in every train-mode "
-    "forward, its transformers generation's (each completion's prompt, each new token) too, and leangrpo's "
-    "engines generate in eval mode, a group's prompt prefilled once",
-}
+_REFUSED: dict[str, str] = {}
 """GRPOConfig fields refused (with this reason) when set to another value than TRL's default."""
 
 _QUIET: dict[str, tuple[Any, ...]] = {

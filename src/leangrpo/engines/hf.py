@@ -40,6 +40,7 @@ from leangrpo.engines.types import (
     with_tools,
 )
 from leangrpo.engines.vision import VisionInputs
+from leangrpo.models import neftune
 from leangrpo.models.load import is_peft, peft_base
 
 if TYPE_CHECKING:
@@ -136,7 +137,7 @@ def generate(
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     eos = eos_token_ids(tokenizer, model)
     rng = sampling.generator(device)  # one stream for every turn of the rollout
-    reuse = reuse_cache and toolboxes is not None
+    reuse = reuse_cache and toolboxes is not None and not neftune.noised(model)  # TRL re-noises each turn
     turns = ResumedTurns(model, tokenizer, sampling, eos, levers, reuse, rng, sampler_logprobs)
     completion_ids, logprobs = turns.first(prompt_ids, prompt_mask, vision)
     batch = finish_batch(tokenizer, prompt_ids, prompt_mask, completion_ids, eos, sampling, logprobs)
@@ -329,19 +330,14 @@ def sample(
     processors = logits_processors(sampling, generator, drawn)
     if sampling.regex is not None:  # first: vLLM masks its logits before it samples (engines/structured.py)
         processors.insert(0, RegexConstraint(tokenizer, sampling.regex, eos))
-    gen_cfg = GenerationConfig(
-        max_new_tokens=sampling.max_completion_length,
-        min_new_tokens=sampling.max_completion_length if sampling.ignore_eos else 0,
-        do_sample=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos,
-        **(sampling.generation_kwargs or {}),
-    )
+    gen_cfg = generation_config(tokenizer, sampling, eos)
     was_training = model.training
     model.eval()  # uses the KV cache (disabled under gradient checkpointing in train mode), no dropout
     if cache is None:
         cache = kv_cache(model, prompt_ids.shape[1] + sampling.max_completion_length)
+    noised = neftune.noised(model)  # each row's prompt prefilled apart: its own noise draw, as in TRL
     own_loop = cache is not None and prompt_ids.shape[1] > 1 and not sampling.generation_kwargs and not vision
+    own_loop &= not noised
     with only_generation_config(model, gen_cfg):
         completion_ids = None
         if levers is not None and own_loop and cache is not None:
@@ -350,7 +346,8 @@ def sample(
             )
         if completion_ids is None:
             with levers.around_generate(model, len(prompt_ids)) if levers is not None else nullcontext():
-                pixels = prefill(model, prompt_ids, prompt_mask, sampling.num_generations, cache, vision)
+                prefilled = None if noised else cache  # NEFTune: generate() prefills every row
+                pixels = prefill(model, prompt_ids, prompt_mask, sampling.num_generations, prefilled, vision)
                 # generate(): a causal LM (or the peft model standing in for one) has it, PreTrainedModel
                 # does not declare it
                 out = cast("GenerationMixin", model).generate(
@@ -364,6 +361,21 @@ def sample(
             completion_ids = out[:, prompt_ids.shape[1] :]
     model.train(was_training)
     return completion_ids
+
+
+def generation_config(
+    tokenizer: PreTrainedTokenizerBase, sampling: Sampling, eos: list[int]
+) -> GenerationConfig:
+    """generate()'s config for `sampling`: greedy over the logits processors' choice (`InverseCDFSampler`
+    samples), `ignore_eos` as a minimum length."""
+    return GenerationConfig(
+        max_new_tokens=sampling.max_completion_length,
+        min_new_tokens=sampling.max_completion_length if sampling.ignore_eos else 0,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+        **(sampling.generation_kwargs or {}),
+    )
 
 
 class GenerationLengthError(UserError, ValueError):

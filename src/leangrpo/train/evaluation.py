@@ -26,6 +26,7 @@ from leangrpo.config.schema import step_interval
 from leangrpo.core.errors import UserError
 from leangrpo.data.rewards import soft_format_reward, strict_format_reward
 from leangrpo.data.rows import PromptFormat, prompt_images
+from leangrpo.models import neftune
 from leangrpo.run.rundir import atomic_file, claim, write_text_atomic
 from leangrpo.train.scoring import RewardFuncs
 
@@ -159,7 +160,7 @@ def sampled_rewards(
     k, engine = sampling.num_generations, HFEngine(model, tokenizer, processor=processor)
     calls, kls = _Calls(on_call), []
     agent = agent if agent is not None and agent.uses_tools else None
-    with _left_padded(tokenizer), torch.inference_mode():
+    with _left_padded(tokenizer), torch.inference_mode(), neftune.quiet(model):  # TRL: eval mode, no noise
         done, use = _generate_all(
             engine, tokenizer, rows, agent, prompt_format, sampling, prompts_per_call, calls,
             on_batch=None if kl is None else lambda batch: kls.append(kl(batch)),
@@ -473,14 +474,15 @@ class TrainingEvaluator:
         """`engine`: the training run's (vLLM's, holding `model`'s weights); default HF generate.
         `name`: the files' stem (default `step-N`)."""
         cfg, ev = self.cfg, self.cfg.eval
-        result = evaluate(
-            model, tokenizer, self.rows, self.reward_funcs, self.task,
-            eval_sampling(cfg.grpo, cfg.data, ev.max_new_tokens),
-            prompt_format=PromptFormat.from_config(cfg.data, cfg.grpo.max_prompt_length),
-            batch_size=ev.batch_size, num_samples=ev.num_samples, seed=cfg.seed,
-            progress=cfg.logging.progress_bar,  # called on the main process only
-            engine=engine, agent=self.agent,
-        )  # fmt: skip
+        with neftune.quiet(model):  # TRL evaluates in eval mode: no noise
+            result = evaluate(
+                model, tokenizer, self.rows, self.reward_funcs, self.task,
+                eval_sampling(cfg.grpo, cfg.data, ev.max_new_tokens),
+                prompt_format=PromptFormat.from_config(cfg.data, cfg.grpo.max_prompt_length),
+                batch_size=ev.batch_size, num_samples=ev.num_samples, seed=cfg.seed,
+                progress=cfg.logging.progress_bar,  # called on the main process only
+                engine=engine, agent=self.agent,
+            )  # fmt: skip
         stem = name or f"step-{step}"
         path = self.run_dir / "eval" / f"{stem}.json"
         result.save(path, self.run_dir, step=step, data=self.source, split=ev.split)

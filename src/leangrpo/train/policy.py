@@ -28,6 +28,7 @@ from leangrpo.core.logprobs import (
     token_logprobs,
 )
 from leangrpo.engines.vision import TOKEN_TYPE_FIELDS
+from leangrpo.models import neftune
 from leangrpo.models.load import is_peft, peft_base
 
 if TYPE_CHECKING:
@@ -267,10 +268,11 @@ class Policy(nn.Module):
         """`decoder`'s hidden states that predict the last C tokens (`per_token`: [B, L] inputs cut as
         the ids are), from a pass over all but the last token. With the router's auxiliary loss on and
         gradients on (the update): over every token, the model's load-balancing loss of the real ones kept
-        in `aux_loss`, as the model's own forward computes it and TRL adds it."""
+        in `aux_loss`, as the model's own forward computes it and TRL adds it. With NEFTune: over every
+        token too, as TRL's forward, whose width the noise scales with."""
         balancing_loss = self.balancing_loss if torch.is_grad_enabled() else None
         routed = balancing_loss is not None
-        n = input_ids.shape[1] - (0 if routed else 1)
+        n = input_ids.shape[1] - (0 if routed or neftune.noised(self.base) else 1)
         out = decoder(
             input_ids=input_ids[:, :n],
             attention_mask=attention_mask[:, :n],
@@ -315,10 +317,16 @@ def _on_grid(values: Tensor, real: Tensor) -> Tensor:
 
 
 def _layouts_unsupported(model: nn.Module, g: GRPOSection) -> str | None:
-    """Why the shared-prompt and packed layouts cannot run: the model's attention, or the router's
-    load-balancing loss, which routes each completion's own copy of its prompt (TRL's padded rows)."""
+    """Why the shared-prompt and packed layouts cannot run: the model's attention, the router's
+    load-balancing loss, which routes each completion's own copy of its prompt (TRL's padded rows), or
+    NEFTune, which draws each copy's noise apart."""
     if router_aux_loss_coef(model, g.router_aux_loss_coef):
         return "the MoE router's load-balancing loss (router_aux_loss_coef) counts each completion's prompt"
+    if g.neftune_noise_alpha is not None:
+        return (
+            "neftune_noise_alpha noises each completion's own prompt copy, as TRL does (HF generation "
+            "prefills each completion's prompt too)"
+        )
     return shared_prompt.unsupported_reason(_base(model).config)
 
 
@@ -339,9 +347,13 @@ class Extent(NamedTuple):
     completion_len: list[int]
 
 
-def micro_batch_extents(prompt_mask: Tensor, completion_mask: Tensor, micro_batch: int) -> list[Extent]:
+def micro_batch_extents(
+    prompt_mask: Tensor, completion_mask: Tensor, micro_batch: int, trl_width: bool = False
+) -> list[Extent]:
     """Each micro-batch's `Extent`, in one host sync for the whole rollout (one per micro-batch would
-    stall the device as often)."""
+    stall the device as often). `trl_width`: each cropped to the whole rollout's extent instead, the
+    width TRL's forwards see (its generation batch's longest prompt and completion), which NEFTune's
+    noise scales with (`trl_width`)."""
     n = len(prompt_mask)
     chunks = math.ceil(n / micro_batch)
     pad = chunks * micro_batch - n
@@ -351,6 +363,8 @@ def micro_batch_extents(prompt_mask: Tensor, completion_mask: Tensor, micro_batc
     longest = (
         nn.functional.pad(completion_len, (0, pad)).reshape(chunks, micro_batch).amax(dim=1).clamp(min=1)
     )
+    if trl_width:
+        first, longest = first.min().expand(chunks), longest.max().expand(chunks)
     values = torch.cat([t.to(torch.long) for t in (first, longest, prompt_len, completion_len)]).tolist()
     firsts, longests, prompts, completions = (
         values[:chunks],
@@ -367,6 +381,12 @@ def micro_batch_extents(prompt_mask: Tensor, completion_mask: Tensor, micro_batc
         )
         for i in range(chunks)
     ]
+
+
+def trl_width(g: GRPOSection) -> bool:
+    """Whether the passes run as wide as TRL's (`micro_batch_extents`): with NEFTune, whose noise is
+    ±alpha/sqrt(L·d), L the forward's width."""
+    return g.neftune_noise_alpha is not None
 
 
 def padding_free(model: nn.Module, g: GRPOSection) -> tuple[bool, str | None]:
@@ -433,11 +453,17 @@ def micro_batch_logprobs(
 
 
 def batch_logprobs(
-    policy: nn.Module, rollout: RolloutBatch, micro_batch: int, group: int = 1, packed: bool = False
+    policy: nn.Module,
+    rollout: RolloutBatch,
+    micro_batch: int,
+    group: int = 1,
+    packed: bool = False,
+    trl_width: bool = False,
 ) -> Tensor:
-    """Log-probs [N, C] for a whole rollout without gradients (reference / old policy), padded with 0."""
+    """Log-probs [N, C] for a whole rollout without gradients (reference / old policy), padded with 0;
+    `trl_width`: as `micro_batch_extents`."""
     out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=rollout.completion_ids.device)
-    extents = micro_batch_extents(rollout.prompt_mask, rollout.completion_mask, micro_batch)
+    extents = micro_batch_extents(rollout.prompt_mask, rollout.completion_mask, micro_batch, trl_width)
     with torch.inference_mode():
         for start, extent in zip(range(0, len(rollout), micro_batch), extents, strict=True):
             rows = slice(start, start + micro_batch)

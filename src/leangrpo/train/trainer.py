@@ -25,6 +25,7 @@ from leangrpo.data.tasks import load_task
 from leangrpo.engines.agents import AgentSpec, agent_from_config
 from leangrpo.engines.tools import prepare_tokenizer
 from leangrpo.engines.types import EngineError
+from leangrpo.models import neftune
 from leangrpo.models.load import load_model_and_tokenizer, processing_class
 from leangrpo.run.checkpoint import load_trainable, resume_checkpoint, rng_state, save_final_model, what_holds
 from leangrpo.run.resolve import resolve_steps
@@ -236,6 +237,7 @@ class Trainer:
             why = e if isinstance(e, RunDirError) else f"cannot write in {self.run_dir}: {error_reason(e)}"
             raise TrainingError(f"{why}; {what_holds(self.run_dir)}") from None
         finally:
+            neftune.deactivate(self.unwrapped.lm)  # as transformers' Trainer after training
             self.source.close()
             if self.is_main:
                 self.logger.close()

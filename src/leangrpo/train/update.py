@@ -20,6 +20,7 @@ from torch import Tensor
 
 from leangrpo.core import grpo
 from leangrpo.core.errors import DeviceOptionError, TrainingError
+from leangrpo.models import neftune
 from leangrpo.models.load import TensorStore, frozen_copy, is_peft
 from leangrpo.train.distributed import Sharded
 from leangrpo.train.loss import EntropyControl, loss_spec
@@ -32,6 +33,7 @@ from leangrpo.train.policy import (
     micro_batch_logprobs,
     padding_free,
     router_aux_loss_coef,
+    trl_width,
 )
 
 if TYPE_CHECKING:
@@ -102,10 +104,13 @@ class Update:
 
 def build_policy(cfg: Config, model: PreTrainedModel, dist: Replicated, group: int) -> torch.nn.Module:
     """The trained policy, wrapped for the job (`dist.wrap`): placed (or sharded) on this process's
-    device before its head is checked (`Policy.prepare`)."""
+    device before its head is checked (`Policy.prepare`); NEFTune noises its embeddings from then on."""
     g, (packed, _) = cfg.grpo, padding_free(model, cfg.grpo)
     aux = router_aux_loss_coef(model, g.router_aux_loss_coef)
-    return dist.wrap(Policy(model, g.temperature, g.logprob_chunk_size, group > 1 or packed, False, aux))
+    policy = dist.wrap(Policy(model, g.temperature, g.logprob_chunk_size, group > 1 or packed, False, aux))
+    if g.neftune_noise_alpha is not None:  # after the frozen copies (build_reference) and the head check
+        neftune.activate(model, g.neftune_noise_alpha)
+    return policy
 
 
 def build_reference(
@@ -175,6 +180,7 @@ class Updater:
         self.release_memory, self.write = release_memory, write
         self.loss_spec = loss_spec(cfg.grpo)  # the objective, its aggregation and constants, once
         self.packed, why_not = padding_free(self.unwrapped.lm, cfg.grpo)
+        self.trl_width = trl_width(cfg.grpo)
         if why_not:
             write(f"grpo.padding_free: off, {why_not}; completions are padded to the longest")
         if cfg.steps_per_generation > cfg.optim.gradient_accumulation_steps:
@@ -229,7 +235,9 @@ class Updater:
         corrects = rollout.sampling_logprobs is not None and g.vllm_importance_sampling_correction
         moves = self.cfg.optim.gradient_accumulation_steps % self.cfg.micro_steps_per_step != 0
         old_logp = (
-            batch_logprobs(self.opt.policy, rollout, micro, group, self.packed) if moves or corrects else None
+            batch_logprobs(self.opt.policy, rollout, micro, group, self.packed, self.trl_width)
+            if moves or corrects
+            else None
         )
         weights, mismatch = self._sampler_correction(rollout, old_logp) if corrects else (None, None)
         return Reference(ref_logp, old_logp if moves else None, weights, mismatch, group)
@@ -251,7 +259,7 @@ class Updater:
         off for LoRA."""
         micro = self.cfg.optim.per_device_train_batch_size
         if self.ref_policy is not None:
-            ref_logp = batch_logprobs(self.ref_policy, rollout, micro, group, self.packed)
+            ref_logp = batch_logprobs(self.ref_policy, rollout, micro, group, self.packed, self.trl_width)
             self.dist.release_frozen(self.ref_policy)
             if self.ref_pages is not None:
                 self.ref_pages.drop_pages()
@@ -259,7 +267,7 @@ class Updater:
         lm = self.unwrapped.lm
         assert is_peft(lm), "without a reference copy the policy is LoRA (see build_reference)"
         with lm.disable_adapter():
-            return batch_logprobs(self.unwrapped, rollout, micro, group, self.packed)
+            return batch_logprobs(self.unwrapped, rollout, micro, group, self.packed, self.trl_width)
 
     def reference_kl(self, rollout: RolloutBatch) -> float:
         """The mean k3 KL from the policy to the reference over `rollout`'s model tokens (beta > 0): TRL's
@@ -267,7 +275,7 @@ class Updater:
         completion reads its own prompt copy: an eval batch's groups need not be the run's."""
         rollout = rollout.to(self.acc.device)
         micro = self.cfg.optim.per_device_train_batch_size
-        logp = batch_logprobs(self.opt.policy, rollout, micro, 1, self.packed)
+        logp = batch_logprobs(self.opt.policy, rollout, micro, 1, self.packed, self.trl_width)
         keep = rollout.loss_mask.bool()
         kl = torch.where(keep, grpo.kl_k3(logp, self._reference_logprobs(rollout, 1)), 0.0)
         return float(kl.sum() / keep.sum().clamp(min=1))
@@ -446,7 +454,9 @@ class MicroSteps:
         """The micro-steps of `rollout` as `cfg` schedules them, `carried` of the first optimizer step's
         micro-steps done by the step before."""
         micro, accumulation = cfg.optim.per_device_train_batch_size, cfg.optim.gradient_accumulation_steps
-        extents = micro_batch_extents(rollout.prompt_mask, rollout.completion_mask, micro)
+        extents = micro_batch_extents(
+            rollout.prompt_mask, rollout.completion_mask, micro, trl_width(cfg.grpo)
+        )
         slices = [
             (slice(start, start + micro), e)
             for start, e in zip(range(0, len(rollout), micro), extents, strict=True)
