@@ -2,11 +2,11 @@
 config: `leangrpo train -c trl_config.yaml` reads it unchanged, and `leangrpo.GRPOConfig` goes through the
 same translation.
 
-Every field of TRL 1.16's `GRPOConfig` is in one of three lists (`field_table`, which docs/trl.md shows):
-honoured (mapped to its leangrpo field, or translated so that the run trains as TRL would), noted (ignored
-with a one-line notice: ignoring it changes no trained weight), or refused with its reason (leangrpo cannot
-honour it, and ignoring it would change training). A noted or refused field at TRL's default (or at a value
-that asks for what leangrpo does anyway) passes silently. Every refusal is reported at once, one line each.
+Every field of TRL 1.16's `GRPOConfig` is in one of two lists (`field_table`, which docs/trl.md shows):
+honoured (mapped to its leangrpo field, or translated so that the run trains as TRL would) or noted
+(ignored with a one-line notice: ignoring it changes no trained weight). A noted field at TRL's default (or
+at a value that asks for what leangrpo does anyway) passes silently. What a run cannot take (an unknown
+key, a bad value, a script key leangrpo does not support) is reported at once, one line each.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from leangrpo.core.loss_types import LOSS_TYPES
 
 logger = logging.getLogger("leangrpo.config.trl")
 
-Handling = Literal["honoured", "noted", "refused"]
+Handling = Literal["honoured", "noted"]
 
 _SECTIONS_SEARCHED = ("grpo", "optim", "logging", "rewards", "data", "model")
 """Sections whose field names are TRL's: a flat key with one of their field names goes there."""
@@ -195,9 +195,6 @@ _NOTED = {
 }
 """GRPOConfig fields ignored with a notice when set to another value than TRL's default."""
 
-_REFUSED: dict[str, str] = {}
-"""GRPOConfig fields refused (with this reason) when set to another value than TRL's default."""
-
 _QUIET: dict[str, tuple[Any, ...]] = {
     "log_on_each_node": (False,), "logging_first_step": (True,), "logging_strategy": ("steps",),
     "gradient_checkpointing_kwargs": ({"use_reentrant": False},), "do_train": (True,),
@@ -266,8 +263,6 @@ def handling(name: str) -> tuple[Handling, str]:
         return "honoured", target
     if name in _NOTED:
         return "noted", _NOTED[name]
-    if name in _REFUSED:
-        return "refused", _REFUSED[name]
     raise KeyError(name)
 
 
@@ -353,8 +348,6 @@ def from_trl(
             continue
         elif key in _NOTED:
             logger.warning(f"{source}: {key}={value!r} ignored: {_NOTED[key]}")
-        elif key in _REFUSED:
-            refused.append(f"{key}={value!r}: {_REFUSED[key]}")
         elif key in _SCRIPT_KEYS:
             refused.append(f"{key}={value!r}: not supported")
         elif key in _AMBIGUOUS:
