@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_trl import trl_loss
@@ -180,14 +181,12 @@ def test_optimizer_steps_and_learning_rates_are_trls(tmp_path, tiny_model_dir, c
         assert ours[key] == pytest.approx({e: logged[e] for e in ends}, rel=1e-12)
 
 
-def test_later_slices_use_the_old_log_probs_once_the_policy_moved(
-    tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch, capsys
-):
-    """One step: 4 slices of 4 completions, 2 optimizer steps. The first optimizer step's micro-batches see
-    the policy that generated (ratio 1); the second's compare the moved policy against the log-probs taken
-    before the first update (ratio ≠ 1). Each micro-batch's loss is TRL's `_compute_loss` on the same
-    inputs, dapo's normaliser the generation's tokens × gradient_accumulation_steps / steps_per_generation.
-    The slices keep whole groups in order (TRL shuffles first): said at start-up (docs/trl.md)."""
+EPS, MAX_LEN = 0.2, 8  # the spied trainers' clip and completion length
+
+
+def _spied_trainer(monkeypatch, tmp_path, model_dir, data_dir, grpo: dict, optim: dict) -> tuple[list, Any]:
+    """A Trainer on the tiny model (dapo, beta 0) whose grpo_loss calls are recorded, each as its
+    (logp, old, advantages, mask, entropy)."""
     import leangrpo.core.grpo as grpo_mod
     from leangrpo.train.trainer import Trainer
 
@@ -199,15 +198,35 @@ def test_later_slices_use_the_old_log_probs_once_the_policy_moved(
         return real_loss(logp, old, ref, adv, mask, **kwargs)
 
     monkeypatch.setattr(grpo_mod, "grpo_loss", spy_loss)
-    eps, max_len = 0.2, 8
     cfg = validate_config(_config(
-        tmp_path, str(tiny_model_dir), str(gsm8k_dir / "train.jsonl"),
+        tmp_path, str(model_dir), str(data_dir / "train.jsonl"),
         data={"limit": 8}, rewards={"functions": [{"name": "toy_rewards:vowel_share"}]},
-        grpo={"max_completion_length": max_len, "beta": 0.0, "epsilon": eps, "loss_type": "dapo",
-              "packed_generation": False},
-        optim={"learning_rate": 3e-2},
+        grpo={"max_completion_length": MAX_LEN, "beta": 0.0, "epsilon": EPS, "loss_type": "dapo",
+              "packed_generation": False, **grpo},
+        optim={"learning_rate": 3e-2, **optim},
     ))  # fmt: skip
-    trainer = Trainer(cfg)
+    return calls, Trainer(cfg)
+
+
+def _trl_dapo_loss(call: list, num_items: float) -> float:
+    """TRL's `_compute_loss` (dapo, accumulation 2) on a recorded call, with dapo's normaliser `num_items`."""
+    logp, old, adv, mask, entropy = call
+    loss, _ = trl_loss(
+        logp, old, None, adv, mask, loss_type="dapo", bias_correction_kl=False, accumulation_steps=2,
+        num_items=num_items, max_len=MAX_LEN, eps=EPS, eps_high=EPS, beta=0.0, entropy=entropy,
+    )  # fmt: skip
+    return loss.item()
+
+
+def test_later_slices_use_the_old_log_probs_once_the_policy_moved(
+    tmp_path, tiny_model_dir, gsm8k_dir, monkeypatch, capsys
+):
+    """One step: 4 slices of 4 completions, 2 optimizer steps. The first optimizer step's micro-batches see
+    the policy that generated (ratio 1); the second's compare the moved policy against the log-probs taken
+    before the first update (ratio ≠ 1). Each micro-batch's loss is TRL's `_compute_loss` on the same
+    inputs, dapo's normaliser the generation's tokens × gradient_accumulation_steps / steps_per_generation.
+    The slices keep whole groups in order (TRL shuffles first): said at start-up (docs/trl.md)."""
+    calls, trainer = _spied_trainer(monkeypatch, tmp_path, tiny_model_dir, gsm8k_dir, {}, {})
     assert "grpo.steps_per_generation: 4 slices of whole groups, in order" in capsys.readouterr().out
     metrics = trainer.step(1)
 
@@ -217,14 +236,7 @@ def test_later_slices_use_the_old_log_probs_once_the_policy_moved(
     for logp, old, _, mask, _ in calls[2:]:
         assert ((logp - old).abs() * mask).max() > 1e-3  # moved: TRL's old_per_token_logps
     generation_tokens = sum(float(c[3].sum()) for c in calls)
-    losses = []
-    for logp, old, adv, mask, entropy in calls:
-        loss, _ = trl_loss(
-            logp, old, None, adv, mask, loss_type="dapo", bias_correction_kl=False, accumulation_steps=2,
-            num_items=generation_tokens * 2 / 4, max_len=max_len, eps=eps, eps_high=eps, beta=0.0,
-            entropy=entropy,
-        )  # fmt: skip
-        losses.append(loss.item())
+    losses = [_trl_dapo_loss(call, num_items=generation_tokens * 2 / 4) for call in calls]
     assert metrics["loss"] == pytest.approx((sum(losses[:2]) + sum(losses[2:])) / 2, rel=1e-5, abs=1e-9)
     assert metrics["step_time"] == pytest.approx(metrics["step_seconds"] / 2)  # TRL's: per optimizer step
 
@@ -253,26 +265,9 @@ def test_an_optimizer_step_spanning_two_generations_is_trls(
     log-probs are taken before each generation's first update (TRL: 2 % 3 != 0), so the third micro-batch
     of step 1 sees the moved policy and step 2's first the policy it generated with. That windows run on
     over epoch ends (TRL cuts them there) is said at start-up (docs/trl.md)."""
-    import leangrpo.core.grpo as grpo_mod
-    from leangrpo.train.trainer import Trainer
-
-    calls = []
-    real_loss = grpo_mod.grpo_loss
-
-    def spy_loss(logp, old, ref, adv, mask, **kwargs):
-        calls.append([t.detach().clone() for t in (logp, old, adv, mask, kwargs["entropy"])])
-        return real_loss(logp, old, ref, adv, mask, **kwargs)
-
-    monkeypatch.setattr(grpo_mod, "grpo_loss", spy_loss)
-    eps, max_len = 0.2, 8
-    cfg = validate_config(_config(
-        tmp_path, str(tiny_model_dir), str(gsm8k_dir / "train.jsonl"),
-        data={"limit": 8}, rewards={"functions": [{"name": "toy_rewards:vowel_share"}]},
-        grpo={"max_completion_length": max_len, "beta": 0.0, "epsilon": eps, "loss_type": "dapo",
-              "packed_generation": False, "steps_per_generation": 3},
-        optim={"learning_rate": 3e-2, "max_steps": 2},
-    ))  # fmt: skip
-    trainer = Trainer(cfg)
+    calls, trainer = _spied_trainer(
+        monkeypatch, tmp_path, tiny_model_dir, gsm8k_dir, {"steps_per_generation": 3}, {"max_steps": 2}
+    )
     said = (
         "optimizer steps span generations: 3 micro-steps a step, 2 an optimizer step, across steps and epoch "
     )
@@ -288,15 +283,9 @@ def test_an_optimizer_step_spanning_two_generations_is_trls(
     assert len(calls) == 6  # 3 slices a step
     moved = [float(((logp - old).abs() * mask).max()) for logp, old, _, mask, _ in calls]
     assert max(moved[:2] + moved[3:4]) < 1e-5 and moved[2] > 1e-3  # old: taken before each generation
-    losses = []
-    for i, (logp, old, adv, mask, entropy) in enumerate(calls):
-        generation_tokens = sum(float(c[3].sum()) for c in calls[3 * (i // 3) : 3 * (i // 3) + 3])
-        loss, _ = trl_loss(
-            logp, old, None, adv, mask, loss_type="dapo", bias_correction_kl=False, accumulation_steps=2,
-            num_items=generation_tokens * 2 / 3, max_len=max_len, eps=eps, eps_high=eps, beta=0.0,
-            entropy=entropy,
-        )  # fmt: skip
-        losses.append(loss.item())
+    generations = [calls[:3], calls[3:]]  # each micro-batch's dapo normaliser: its own generation's tokens
+    tokens = [sum(float(c[3].sum()) for c in generation) for generation in generations]
+    losses = [_trl_dapo_loss(call, num_items=tokens[i // 3] * 2 / 3) for i, call in enumerate(calls)]
     # a row's loss: its micro-batches' summed loss per optimizer step (1.5 a step)
     assert first["loss"] == pytest.approx(sum(losses[:3]) / 1.5, rel=1e-5, abs=1e-9)
     assert second["loss"] == pytest.approx(sum(losses[3:]) / 1.5, rel=1e-5, abs=1e-9)
