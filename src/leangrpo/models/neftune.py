@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
-from transformers.integrations.neftune import neftune_post_forward_hook
 
 from leangrpo.models.load import is_peft, peft_base
 
@@ -42,6 +41,10 @@ def _noise(module: nn.Module, args: Any, output: Tensor) -> Tensor:
     while NEFTune is on (`ALPHA` set)."""
     if not hasattr(module, ALPHA):
         return output
+    # here, not at the top: transformers.integrations imports bitsandbytes, whose CPU backend logs a
+    # warning at import, which would join every one-line error of a run without NEFTune
+    from transformers.integrations.neftune import neftune_post_forward_hook
+
     training, module.training = module.training, True
     try:
         return neftune_post_forward_hook(module, args, output)
