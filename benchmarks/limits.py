@@ -92,19 +92,21 @@ def decode_bytes(s: Shape, rows: int, prompt: int, steps: int) -> float:
     return sum(4 * s.params + rows * kv_per_token * (prompt + t) for t in range(1, steps + 1))
 
 
-def forward_flops(s: Shape, tokens: int, head_tokens: int, lengths: list[int]) -> float:
+def forward_flops(s: Shape, tokens: float, head_tokens: float, lengths: list[int]) -> float:
     """One forward over `tokens` computed tokens, `head_tokens` of them through the lm_head, in
     sequences of `lengths` (for attention)."""
     attention = 4 * s.layers * s.hidden * sum(n * n for n in lengths)
     return 2 * s.body * tokens + 2 * s.vocab * s.hidden * head_tokens + attention
 
 
-def pass_tokens(prompt: int, lengths: list[int], group: int, packed: bool) -> tuple[int, int]:
-    """The tokens a log-prob pass computes, and the completion tokens among them (the lm_head's): the
-    prompt once per group of `group` rows, the completions unpadded when packed (padding-free) else each
-    padded to the longest."""
-    completions = sum(lengths) if packed else len(lengths) * max(lengths)
-    return prompt * len(lengths) // group + completions, completions
+def pass_tokens(
+    prompt: int, rows: int, group: int, mean: float, longest: int, packed: bool
+) -> tuple[float, float]:
+    """The tokens a log-prob pass over `rows` completions computes, and the completion tokens among them
+    (the lm_head's): the prompt once per group of `group` rows, the completions unpadded (`mean` long)
+    when packed (padding-free) else each padded to the `longest`."""
+    completions = rows * (mean if packed else longest)
+    return prompt * rows // group + completions, completions
 
 
 def copy_bandwidth(mib: int, repeats: int) -> float:
@@ -157,12 +159,12 @@ def phase_rows(r: dict) -> list[tuple[str, str, float, float, float, float]]:
     s, rows, measured = r["shape"], r["rows"], r["steps"][1:] or r["steps"]
     work: dict[str, list[float]] = {"rollout": [], "reference": [], "update": []}
     for m in measured:
-        lengths = [round(m["completions/mean_length"])] * rows  # per-row lengths are not in the metrics
-        completions = m["completions/mean_length"] * rows
-        prompt = round((m["new_tokens"] - completions) / rows)
-        work["rollout"].append(decode_bytes(s, rows, prompt, int(m["completions/max_length"])))
-        tokens, head_tokens = pass_tokens(prompt, lengths, r["group"], r["packed"])
-        fwd = forward_flops(s, tokens, head_tokens, [prompt + n for n in lengths])
+        mean, longest = m["completions/mean_length"], int(m["completions/max_length"])
+        prompt = round((m["new_tokens"] - mean * rows) / rows)
+        work["rollout"].append(decode_bytes(s, rows, prompt, longest))
+        tokens, head_tokens = pass_tokens(prompt, rows, r["group"], mean, longest, r["packed"])
+        lengths = [prompt + round(mean)] * rows  # per-row lengths are not in the metrics
+        fwd = forward_flops(s, tokens, head_tokens, lengths)
         work["reference"].append(fwd)
         work["update"].append(4 * fwd)
     out = []

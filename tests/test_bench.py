@@ -218,8 +218,9 @@ def test_limits_formulas():
     assert limits.decode_bytes(s, rows=3, prompt=5, steps=2) == 2 * 4 * 328 + 3 * (2 * 2 * 2 * 4) * (6 + 7)
     # the lm_head only on the 2 completion tokens
     assert limits.forward_flops(s, 7, 2, lengths=[3, 4]) == 2 * 288 * 7 + 2 * 40 * 2 + 4 * 2 * 4 * (9 + 16)
-    assert limits.pass_tokens(5, [1, 3], group=2, packed=True) == (5 + 4, 4)  # the prompt once per group
-    assert limits.pass_tokens(5, [1, 3], group=1, packed=False) == (10 + 6, 6)  # each row, padded to 3
+    # 2 rows of mean length 2, the longest 3: the prompt once per group, or each row padded to 3
+    assert limits.pass_tokens(5, 2, group=2, mean=2.0, longest=3, packed=True) == (5 + 4, 4)
+    assert limits.pass_tokens(5, 2, group=1, mean=2.0, longest=3, packed=False) == (10 + 6, 6)
 
 
 def test_limits_script_runs(tmp_path, tiny_model_dir, gsm8k_dir):
