@@ -198,3 +198,43 @@ def test_same_runs_writes_each_runs_logs_without_time_keys(tmp_path):
     assert not any(
         k.startswith("time/") or k in ("step_seconds", "async/generate_seconds") for r in rows for k in r
     )
+
+
+def load_limits():
+    sys.path.insert(0, str(SCRIPT.parent))  # limits.py imports vs_trl and matmul_rates beside it
+    spec = importlib.util.spec_from_file_location("limits", SCRIPT.parent / "limits.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["limits"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_limits_formulas():
+    """benchmarks/limits.py's work per phase, by hand on a 2-layer shape."""
+    limits = load_limits()
+    s = limits.Shape(hidden=4, intermediate=8, layers=2, kv=2, vocab=10)
+    assert s.body == 2 * (4 * 4 * 2 + 4 * 2 * 2 + 4 * 8 * 2 + 8 * 4) == 288 and s.params == 288 + 10 * 4
+    # 2 token steps of 3 rows after a 5-token prompt: weights twice, KV of positions 6 and 7
+    assert limits.decode_bytes(s, rows=3, prompt=5, steps=2) == 2 * 4 * 328 + 3 * (2 * 2 * 2 * 4) * (6 + 7)
+    # the lm_head only on the 2 completion tokens
+    assert limits.forward_flops(s, 7, 2, lengths=[3, 4]) == 2 * 288 * 7 + 2 * 40 * 2 + 4 * 2 * 4 * (9 + 16)
+    # 2 rows of mean length 2, the longest 3: the prompt once per group, or each row padded to 3
+    assert limits.pass_tokens(5, 2, group=2, mean=2.0, longest=3, packed=True) == (5 + 4, 4)
+    assert limits.pass_tokens(5, 2, group=1, mean=2.0, longest=3, packed=False) == (10 + 6, 6)
+
+
+def test_limits_script_runs(tmp_path, tiny_model_dir, gsm8k_dir):
+    """benchmarks/limits.py on a tiny model: one warm-up and one measured step, small limits."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmarks\n\n## Limits\n\nold table\n\n## vs TRL\n\nkeep me\n")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "limits.py"), "--model", str(tiny_model_dir), "--data",
+         str(gsm8k_dir / "train.jsonl"), "--steps", "2", "--num-generations", "2", "--completion-length",
+         "4", "--copy-mib", "4", "--matmul-rows", "8", "--repeats", "1", "--results", str(results)],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": PYTHONPATH}, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = results.read_text()
+    assert "old table" not in text and "keep me" in text and "Load (/proc/loadavg) before" in text
+    for phase in ("| decode (rollout) |", "| reference |", "| update |"):
+        assert phase in text
